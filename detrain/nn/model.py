@@ -1,0 +1,279 @@
+"""DetectionModel: a YOLOv8-class detector built from a model yaml at a scale (n/s/m/l/x).
+
+The layers live in ``self.model`` (an ``nn.Sequential`` indexed as in the yaml), so state-dict keys are
+``model.<i>.…`` exactly as in YOLOv8 checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml as pyyaml
+from torch import Tensor, nn
+
+from detrain.errors import ConfigError
+from detrain.nn.modules import BN_EPS, BN_MOMENTUM, C2f, Concat, Conv, Detect, SPPF
+
+DEFAULT_SCALE = "n"
+DEFAULT_NC = 80
+_SCALED_NAME = re.compile(r"^(?P<stem>.*\d)(?P<scale>[nsmlx])(?P<suffix>\.ya?ml)$")
+
+
+def _packaged_models_dir() -> Path:
+    try:
+        return Path(str(resources.files("detrain.cfg.models")))
+    except ModuleNotFoundError:  # a source checkout that was never installed
+        return Path(__file__).resolve().parents[2] / "cfg" / "models"
+
+
+def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
+    """Read a model yaml (a packaged name, a path, or a dict) -> (a deep copy of the dict, implied scale).
+
+    A name like ``yolov8s.yaml`` that is not a file resolves to ``yolov8.yaml`` at scale ``s``.
+
+    >>> d, scale = load_model_yaml("yolov8m.yaml"); scale, len(d["backbone"])
+    ('m', 10)
+    """
+    if isinstance(cfg, dict):
+        return copy.deepcopy(cfg), None
+    path = Path(cfg)
+    implied_scale = None
+    candidates = [path] if path.is_file() else []
+    if not candidates:
+        models_dir = _packaged_models_dir()
+        candidates.append(models_dir / path.name)
+        match = _SCALED_NAME.match(path.name)
+        if match:  # yolov8n.yaml -> yolov8.yaml at scale n, the names users know
+            implied_scale = match["scale"]
+            candidates.append(models_dir / f"{match['stem']}{match['suffix']}")
+    for candidate in candidates:
+        if candidate.is_file():
+            with open(candidate, encoding="utf-8") as f:
+                data = pyyaml.safe_load(f)
+            if not isinstance(data, dict):
+                raise ConfigError(f"model yaml {candidate} is not a mapping")
+            if candidate.name == path.name:
+                implied_scale = None
+            return data, implied_scale
+    known = sorted(p.name for p in _packaged_models_dir().glob("*.yaml"))
+    raise ConfigError(f"model yaml {str(cfg)!r} not found; packaged models: {', '.join(known) or 'none'}")
+
+
+def _make_divisible(x: float, divisor: int = 8) -> int:
+    return int(math.ceil(x / divisor) * divisor)
+
+
+def _scale_multiples(d: dict, scale: str) -> tuple[float, float, float]:
+    scales = d.get("scales")
+    if scales:
+        if scale not in scales:
+            raise ConfigError(f"model scale {scale!r} is not one of {', '.join(scales)}")
+        depth, width, max_channels = scales[scale]
+        return float(depth), float(width), float(max_channels)
+    # the older single-scale form that YOLOv8 checkpoints carry
+    return float(d.get("depth_multiple", 1.0)), float(d.get("width_multiple", 1.0)), math.inf
+
+
+def _upsample(args: list) -> nn.Upsample:
+    if args and args[0] in (None, "None"):  # YOLOv8 form: [size=None, scale_factor, mode]
+        args = args[1:]
+    factor = float(args[0]) if args else 2.0
+    mode = str(args[1]) if len(args) > 1 else "nearest"
+    return nn.Upsample(scale_factor=factor, mode=mode)
+
+
+_MODULE_NAMES = {"Conv", "C2f", "SPPF", "Upsample", "nn.Upsample", "Concat", "Detect"}
+
+
+def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn.Sequential, set[int], list[float]]:
+    """Turn the yaml's backbone + head into layers -> (Sequential, indices whose output is reused, strides).
+
+    Strides are traced through the layers rather than measured with a dummy forward, so building even the
+    x scale costs no compute.
+
+    >>> d, _ = load_model_yaml("yolov8.yaml")
+    >>> layers, save, strides = build_layers(d, "n", 80); len(layers), strides
+    (23, [8.0, 16.0, 32.0])
+    """
+    depth, width, max_channels = _scale_multiples(d, scale)
+    reg_max = int(d.get("reg_max", 16))
+    layers: list[nn.Module] = []
+    channels: list[int] = []  # output channels of each built layer
+    strides: list[float] = []  # output stride of each built layer
+    save: set[int] = set()
+    head_strides: list[float] = []
+    specs = list(d.get("backbone", [])) + list(d.get("head", []))
+    if not specs:
+        raise ConfigError("model yaml has no 'backbone'/'head' layers")
+
+    def source(i: int, j: int) -> tuple[int, float]:
+        k = i + j if j < 0 else j
+        if k < 0:
+            return in_channels, 1.0
+        if k >= i:
+            raise ConfigError(f"model layer {i} reads layer {j}, which is not built yet")
+        return channels[k], strides[k]
+
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, (list, tuple)) or len(spec) != 4:
+            raise ConfigError(f"model layer {i} must be [from, repeats, module, args], got {spec!r}")
+        f, n, name, args = spec
+        if name not in _MODULE_NAMES:
+            raise ConfigError(f"model layer {i}: unknown module {name!r}; known: {', '.join(sorted(_MODULE_NAMES))}")
+        args = [nc if a == "nc" else a for a in (args or [])]
+        n = max(round(n * depth), 1) if n > 1 else int(n)
+        froms = f if isinstance(f, list) else [f]
+        save.update((i + j) if j < 0 else j for j in froms if j != -1)
+        c_in, s_in = source(i, froms[0])
+        if name in ("Conv", "C2f", "SPPF"):
+            c_out = _make_divisible(min(args[0], max_channels) * width)
+            if name == "Conv":
+                k = int(args[1]) if len(args) > 1 else 1
+                s = int(args[2]) if len(args) > 2 else 1
+                layer: nn.Module = Conv(c_in, c_out, k, s)
+                s_out = s_in * s
+            elif name == "C2f":
+                layer = C2f(c_in, c_out, n, bool(args[1]) if len(args) > 1 else False)
+                s_out = s_in
+            else:
+                layer = SPPF(c_in, c_out, int(args[1]) if len(args) > 1 else 5)
+                s_out = s_in
+        elif name in ("Upsample", "nn.Upsample"):
+            layer = _upsample(args)
+            c_out, s_out = c_in, s_in / float(layer.scale_factor)  # type: ignore[arg-type]
+        elif name == "Concat":
+            srcs = [source(i, j) for j in froms]
+            if len({s for _, s in srcs}) != 1:
+                raise ConfigError(f"model layer {i}: Concat inputs {froms} have different strides")
+            layer = Concat(int(args[0]) if args else 1)
+            c_out, s_out = sum(c for c, _ in srcs), s_in
+        else:  # Detect
+            srcs = [source(i, j) for j in froms]
+            head_strides = [s for _, s in srcs]
+            layer = Detect(
+                nc, [c for c, _ in srcs], head_strides, reg_max=reg_max, cls_channels=d.get("head_cls_channels")
+            )
+            c_out, s_out = 0, 0.0
+        layer.f, layer.i, layer.type = f, i, name  # type: ignore[assignment]
+        layers.append(layer)
+        channels.append(c_out)
+        strides.append(s_out)
+    if not isinstance(layers[-1], Detect):
+        raise ConfigError("the last model layer must be Detect")
+    return nn.Sequential(*layers), save, head_strides
+
+
+def initialize_weights(model: nn.Module) -> None:
+    """Set every BatchNorm to YOLOv8's eps/momentum; convolutions keep PyTorch's default init.
+
+    >>> m = nn.Sequential(nn.BatchNorm2d(4)); initialize_weights(m); m[0].eps, m[0].momentum
+    (0.001, 0.03)
+    """
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eps, m.momentum = BN_EPS, BN_MOMENTUM
+
+
+class DetectionModel(nn.Module):
+    """YOLOv8-class detector.
+
+    ``cfg`` is a packaged yaml name (``"yolov8.yaml"``, or ``"yolov8s.yaml"`` meaning scale s), a path, or
+    a dict (e.g. another model's ``.yaml``). ``scale`` defaults to the yaml's ``scale`` key, else ``"n"``;
+    ``nc`` to ``len(names)``, else the yaml's ``nc``, else 80.
+
+    Training mode returns the raw head maps [(B, 4 * reg_max + nc, H/s, W/s)] for s in 8, 16, 32; eval mode
+    returns (B, 4 + nc, N): xywh boxes in input pixels and sigmoid class scores. ``decode=`` overrides the
+    choice (e.g. raw maps for a validation loss while BN uses running statistics).
+
+    >>> model = DetectionModel("yolov8.yaml", scale="n", nc=3).eval()
+    >>> model(torch.zeros(1, 3, 64, 64)).shape
+    torch.Size([1, 7, 84])
+    """
+
+    def __init__(
+        self,
+        cfg: str | Path | dict = "yolov8.yaml",
+        scale: str | None = None,
+        nc: int | None = None,
+        names: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__()
+        d, implied_scale = load_model_yaml(cfg)
+        scale = scale or implied_scale or d.get("scale") or DEFAULT_SCALE
+        if names is not None:
+            names = {int(k): str(v) for k, v in names.items()}
+            if nc is not None and nc != len(names):
+                raise ConfigError(f"nc={nc} but {len(names)} class names were given")
+            nc = len(names)
+        nc = int(nc if nc is not None else d.get("nc", DEFAULT_NC))
+        if nc < 1:
+            raise ConfigError(f"nc must be >= 1, got {nc}")
+        d["nc"], d["scale"] = nc, scale
+        self.model, self.save, strides = build_layers(d, scale, nc)
+        self.register_buffer("stride", torch.tensor(strides, dtype=torch.float), persistent=False)
+        self.yaml = d
+        self.scale = scale
+        self.nc = nc
+        self.reg_max = self.head.reg_max
+        self.names = names or {i: str(i) for i in range(nc)}
+        initialize_weights(self)
+
+    @property
+    def head(self) -> Detect:
+        """The Detect layer (the last one)."""
+        return self.model[-1]  # type: ignore[return-value]
+
+    def forward(self, x: Tensor, decode: bool | None = None) -> list[Tensor] | Tensor:
+        outputs: list[Tensor | None] = []
+        y: Any = x
+        for layer in self.model:
+            f = layer.f
+            if f != -1:
+                y = outputs[f] if isinstance(f, int) else [y if j == -1 else outputs[j] for j in f]
+            y = layer(y, decode) if isinstance(layer, Detect) else layer(y)
+            outputs.append(y if layer.i in self.save else None)
+        return y
+
+    def decode(self, maps: list[Tensor]) -> Tensor:
+        """Raw head maps (training-mode output) -> (B, 4 + nc, N) as in eval mode."""
+        return self.head.decode(maps)
+
+    def fuse(self) -> DetectionModel:
+        """Fold every BatchNorm into its convolution, in place, for inference; returns ``self``.
+
+        >>> m = DetectionModel(nc=1).eval().fuse(); any(isinstance(x, nn.BatchNorm2d) for x in m.modules())
+        False
+        """
+        for m in self.modules():
+            if isinstance(m, Conv):
+                m.fuse_()
+        return self
+
+    def reset_classes(self, nc: int, names: dict[int, str] | None = None) -> DetectionModel:
+        """Replace only the final class conv of each head branch for ``nc`` classes; keep all other weights.
+
+        The head keeps its class-branch width, recorded in ``yaml["head_cls_channels"]`` when it differs from
+        what a fresh model with ``nc`` classes would use, so ``DetectionModel(model.yaml)`` rebuilds the same
+        shapes.
+
+        >>> m = DetectionModel(nc=80).reset_classes(2, {0: "cat", 1: "dog"}); m.nc, m.model[22].cv3[0][2].out_channels
+        (2, 2)
+        """
+        if names is not None and len(names) != nc:
+            raise ConfigError(f"nc={nc} but {len(names)} class names were given")
+        head = self.head
+        head.reset_classes(nc)
+        fresh_width = max(head.cv3[0][0].conv.in_channels, min(nc, 100))
+        if head.cls_channels != fresh_width:
+            self.yaml["head_cls_channels"] = head.cls_channels
+        else:
+            self.yaml.pop("head_cls_channels", None)
+        self.nc = self.yaml["nc"] = nc
+        self.names = {int(k): str(v) for k, v in names.items()} if names else {i: str(i) for i in range(nc)}
+        return self

@@ -1,0 +1,272 @@
+"""Building blocks of the YOLOv8-class detector.
+
+Attribute names and nesting follow YOLOv8's exactly (``conv``/``bn``/``act``, ``cv1``/``cv2``/``m``,
+``cv2``/``cv3``/``dfl`` in the head) because state-dict keys are derived from them, and real YOLOv8
+checkpoints are loaded by key.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from detrain.boxes import dist2bbox, make_anchors
+
+BN_EPS = 1e-3
+BN_MOMENTUM = 0.03
+
+
+class Conv(nn.Module):
+    """Conv2d (no bias) -> BatchNorm2d -> SiLU, with "same" padding for odd kernels.
+
+    >>> Conv(3, 16, k=3, s=2)(torch.zeros(1, 3, 64, 64)).shape
+    torch.Size([1, 16, 32, 32])
+    """
+
+    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, g: int = 1, act: bool = True) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(c1, c2, k, s, k // 2, groups=g, bias=False)
+        self.bn: nn.Module = nn.BatchNorm2d(c2, eps=BN_EPS, momentum=BN_MOMENTUM)
+        self.act: nn.Module = nn.SiLU() if act else nn.Identity()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.bn(self.conv(x)))
+
+    def fuse_(self) -> None:
+        """Fold the BatchNorm into the convolution, for inference. Idempotent."""
+        if isinstance(self.bn, nn.Identity):
+            return
+        self.conv = fuse_conv_bn(self.conv, self.bn)  # type: ignore[arg-type]
+        self.bn = nn.Identity()
+
+
+def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
+    """A new Conv2d (with bias) computing ``bn(conv(x))`` with BN's running statistics.
+
+    >>> c, b = nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8).eval()
+    >>> x = torch.randn(1, 3, 8, 8)
+    >>> torch.allclose(fuse_conv_bn(c, b)(x), b(c(x)), atol=1e-5)
+    True
+    """
+    fused = nn.Conv2d(
+        conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+        conv.dilation, conv.groups, bias=True, device=conv.weight.device, dtype=conv.weight.dtype,
+    )
+    with torch.no_grad():
+        scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)  # type: ignore[operator]
+        fused.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1))
+        bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)  # type: ignore[arg-type]
+        fused.bias.copy_((bias - bn.running_mean) * scale + bn.bias)  # type: ignore[operator]
+    # keep channels_last (or whatever layout the model was moved to) after fusing
+    if conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous():
+        fused.to(memory_format=torch.channels_last)
+    fused.requires_grad_(False)
+    return fused
+
+
+class Bottleneck(nn.Module):
+    """Two 3x3 Convs with an optional residual (only when the channel counts agree).
+
+    >>> Bottleneck(8, 8)(torch.zeros(1, 8, 16, 16)).shape
+    torch.Size([1, 8, 16, 16])
+    """
+
+    def __init__(self, c1: int, c2: int, shortcut: bool = True, e: float = 1.0) -> None:
+        super().__init__()
+        hidden = int(c2 * e)
+        self.cv1 = Conv(c1, hidden, 3)
+        self.cv2 = Conv(hidden, c2, 3)
+        self.add = shortcut and c1 == c2
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.cv2(self.cv1(x))
+        return x + y if self.add else y
+
+
+class C2f(nn.Module):
+    """CSP block with two halves: one half runs through ``n`` Bottlenecks, every output is concatenated.
+
+    >>> C2f(16, 32, n=2, shortcut=True)(torch.zeros(1, 16, 8, 8)).shape
+    torch.Size([1, 32, 8, 8])
+    """
+
+    def __init__(self, c1: int, c2: int, n: int = 1, shortcut: bool = False, e: float = 0.5) -> None:
+        super().__init__()
+        self.c = int(c2 * e)
+        self.cv1 = Conv(c1, 2 * self.c, 1)
+        self.cv2 = Conv((2 + n) * self.c, c2, 1)
+        self.m = nn.ModuleList(Bottleneck(self.c, self.c, shortcut) for _ in range(n))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # One cv1 then views of its halves: the only copy is the final concatenation into cv2's input.
+        y = self.cv1(x)
+        parts = [y]
+        last = y[:, self.c :]
+        for block in self.m:
+            last = block(last)
+            parts.append(last)
+        return self.cv2(torch.cat(parts, 1))
+
+
+class SPPF(nn.Module):
+    """Spatial pyramid pooling, fast: three chained max-pools of kernel ``k`` give 5/9/13 receptive fields.
+
+    >>> SPPF(32, 32)(torch.zeros(1, 32, 4, 4)).shape
+    torch.Size([1, 32, 4, 4])
+    """
+
+    def __init__(self, c1: int, c2: int, k: int = 5) -> None:
+        super().__init__()
+        hidden = c1 // 2
+        self.cv1 = Conv(c1, hidden, 1)
+        self.cv2 = Conv(hidden * 4, c2, 1)
+        self.m = nn.MaxPool2d(kernel_size=k, stride=1, padding=k // 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y0 = self.cv1(x)
+        y1 = self.m(y0)
+        y2 = self.m(y1)
+        return self.cv2(torch.cat((y0, y1, y2, self.m(y2)), 1))
+
+
+class Concat(nn.Module):
+    """Concatenate a list of tensors along ``dimension``.
+
+    >>> Concat()([torch.zeros(1, 2, 4, 4), torch.zeros(1, 3, 4, 4)]).shape
+    torch.Size([1, 5, 4, 4])
+    """
+
+    def __init__(self, dimension: int = 1) -> None:
+        super().__init__()
+        self.d = dimension
+
+    def forward(self, xs: list[Tensor]) -> Tensor:
+        return torch.cat(xs, self.d)
+
+
+class DFL(nn.Module):
+    """Distribution focal loss integral: a softmax over ``reg_max`` bins -> its expected bin index.
+
+    Input (B, 4 * reg_max, N), output (B, 4, N). The fixed ``conv`` weight (0..reg_max-1) is kept as a
+    parameter, without gradient, so the state dict matches YOLOv8's.
+
+    >>> DFL(16)(torch.zeros(1, 64, 10)).shape
+    torch.Size([1, 4, 10])
+    """
+
+    def __init__(self, reg_max: int = 16) -> None:
+        super().__init__()
+        self.reg_max = reg_max
+        self.conv = nn.Conv2d(reg_max, 1, 1, bias=False).requires_grad_(False)
+        with torch.no_grad():
+            self.conv.weight.copy_(torch.arange(reg_max, dtype=torch.float).view(1, reg_max, 1, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, _, n = x.shape
+        probs = x.view(b, 4, self.reg_max, n).softmax(2)
+        # a weighted sum over the bin axis, without the transpose a 1x1 conv would need
+        return (probs * self.conv.weight.view(1, 1, self.reg_max, 1)).sum(2)
+
+
+class Detect(nn.Module):
+    """Anchor-free decoupled head: per level a box branch (``cv2``, 4 * reg_max DFL logits) and a class
+    branch (``cv3``, nc logits).
+
+    In training mode ``forward`` returns the raw maps (B, 4 * reg_max + nc, H, W) per level; otherwise
+    the decoded (B, 4 + nc, N): xywh boxes in input pixels and sigmoid scores. Anchors are cached per
+    feature-map shape, device and dtype.
+
+    >>> head = Detect(nc=2, ch=(16, 32, 64), strides=(8, 16, 32)).eval()
+    >>> maps = [torch.zeros(1, c, 64 // s, 64 // s) for c, s in ((16, 8), (32, 16), (64, 32))]
+    >>> head(maps).shape
+    torch.Size([1, 6, 84])
+    """
+
+    def __init__(
+        self,
+        nc: int = 80,
+        ch: tuple[int, ...] | list[int] = (),
+        strides: tuple[float, ...] | list[float] | None = None,
+        reg_max: int = 16,
+        cls_channels: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.nc = nc
+        self.nl = len(ch)
+        self.reg_max = reg_max
+        self.no = nc + 4 * reg_max
+        c2 = max(16, ch[0] // 4, reg_max * 4)
+        # cls_channels lets a head keep its width after reset_classes() changed nc
+        c3 = cls_channels if cls_channels is not None else max(ch[0], min(nc, 100))
+        self.cls_channels = c3
+        self.cv2 = nn.ModuleList(
+            nn.Sequential(Conv(c, c2, 3), Conv(c2, c2, 3), nn.Conv2d(c2, 4 * reg_max, 1)) for c in ch
+        )
+        self.cv3 = nn.ModuleList(nn.Sequential(Conv(c, c3, 3), Conv(c3, c3, 3), nn.Conv2d(c3, nc, 1)) for c in ch)
+        self.dfl = DFL(reg_max) if reg_max > 1 else nn.Identity()
+        self.register_buffer("stride", torch.tensor(strides or [0.0] * self.nl, dtype=torch.float), persistent=False)
+        self._anchor_key: tuple | None = None
+        self._anchors = torch.empty(0)
+        self._anchor_strides = torch.empty(0)
+        if strides is not None:
+            self.bias_init()
+
+    def bias_init(self) -> None:
+        """Box logits start at 1.0; class logits at a prior of ~5 objects per 640 px image.
+
+        >>> Detect(nc=2, ch=(16, 32, 64), strides=(8, 16, 32)).cv3[0][2].bias[0] < -5
+        tensor(True)
+        """
+        with torch.no_grad():
+            for box, cls, s in zip(self.cv2, self.cv3, self.stride.tolist()):
+                box[-1].bias.fill_(1.0)
+                cls[-1].bias.fill_(math.log(5 / self.nc / (640 / s) ** 2))
+
+    def forward(self, xs: list[Tensor], decode: bool | None = None) -> list[Tensor] | Tensor:
+        maps = [torch.cat((box(x), cls(x)), 1) for x, box, cls in zip(xs, self.cv2, self.cv3)]
+        if decode is None:
+            decode = not self.training
+        return self.decode(maps) if decode else maps
+
+    def decode(self, maps: list[Tensor]) -> Tensor:
+        """Raw head maps -> (B, 4 + nc, N): xywh boxes in input pixels, sigmoid class scores.
+
+        >>> head = Detect(nc=1, ch=(16, 16, 16), strides=(8, 16, 32))
+        >>> head.decode([torch.zeros(2, 65, 4, 4), torch.zeros(2, 65, 2, 2), torch.zeros(2, 65, 1, 1)]).shape
+        torch.Size([2, 5, 21])
+        """
+        b = maps[0].shape[0]
+        anchors, strides = self.anchors(maps)
+        x = torch.cat([m.reshape(b, self.no, -1) for m in maps], 2)
+        box, cls = x.split((4 * self.reg_max, self.nc), 1)
+        boxes_xywh = dist2bbox(self.dfl(box), anchors, xywh=True, dim=1) * strides
+        return torch.cat((boxes_xywh, cls.sigmoid()), 1)
+
+    def anchors(self, maps: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Anchor centres (2, N) in feature units and strides (1, N) for these maps, cached by shape."""
+        key = (tuple(m.shape[2:] for m in maps), maps[0].device, maps[0].dtype)
+        if key != self._anchor_key:
+            points, strides = make_anchors(maps, self.stride)
+            self._anchors, self._anchor_strides = points.T.contiguous(), strides.T.contiguous()
+            self._anchor_key = key
+        return self._anchors, self._anchor_strides
+
+    def reset_classes(self, nc: int) -> None:
+        """Swap only the final class conv of every ``cv3`` branch for one with ``nc`` outputs.
+
+        >>> head = Detect(nc=80, ch=(16, 32, 64), strides=(8, 16, 32))
+        >>> head.reset_classes(3); head.cv3[0][2].out_channels, head.no
+        (3, 67)
+        """
+        for branch in self.cv3:
+            old: nn.Conv2d = branch[-1]
+            new = nn.Conv2d(old.in_channels, nc, 1, device=old.weight.device, dtype=old.weight.dtype)
+            if old.weight.is_contiguous(memory_format=torch.channels_last) and not old.weight.is_contiguous():
+                new.to(memory_format=torch.channels_last)
+            branch[-1] = new
+        self.nc = nc
+        self.no = nc + 4 * self.reg_max
+        self._anchor_key = None
+        self.bias_init()
