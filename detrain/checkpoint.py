@@ -1,0 +1,113 @@
+"""Checkpoints: atomic save, safe load, and the model they hold.
+
+A detrain checkpoint is a plain dict of tensors, numbers, strings and containers, so it loads with
+``torch.load(weights_only=True)``: nothing in it can run code. Ultralytics YOLOv8 files are read by the
+restricted unpickler in :mod:`detrain.weights.ultralytics` and converted on the fly.
+
+>>> ckpt = load_checkpoint("runs/train/exp/weights/best.pt")   # doctest: +SKIP
+>>> model = model_from_checkpoint(ckpt)                        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detrain import __version__
+from detrain.errors import CheckpointError
+
+FORMAT = "detrain-checkpoint"
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, fsync, then rename.
+
+    A crash or a full disk never leaves a half-written ``last.pt``: either the old file or the new one exists.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"format": FORMAT, "version": __version__, "date": _dt.datetime.now().isoformat(timespec="seconds"),
+             **state}
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a detrain checkpoint, or convert an Ultralytics YOLOv8 one, without running anything in it."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"weights file not found: {path}")
+    from detrain.weights import ultralytics as ul
+
+    if ul.is_ultralytics_checkpoint(path):
+        return from_ultralytics(ul.load_ultralytics_checkpoint(path))
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch says why (unsafe global, truncated zip, not a torch file) on its last line
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is not a detrain checkpoint (nor a YOLOv8 one); make one with 'detrain train' or "
+            "'detrain convert'"
+        )
+    return ckpt
+
+
+def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
+    """Turn :func:`detrain.weights.ultralytics.load_ultralytics_checkpoint`'s dict into a detrain checkpoint."""
+    names = {int(k): str(v) for k, v in info["names"].items()}
+    return {
+        "format": FORMAT,
+        "version": __version__,
+        "model": {
+            "yaml": None,  # the packaged YOLOv8 architecture: identical layer layout
+            "scale": info["scale"],
+            "nc": int(info["nc"]),
+            "names": names,
+            "imgsz": int(info.get("imgsz") or 640),
+            "state_dict": info["state_dict"],
+        },
+        "ema": None,
+        "epoch": -1,
+        "source": "ultralytics",
+    }
+
+
+def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True) -> torch.nn.Module:
+    """Build the DetectionModel a checkpoint describes and load its weights (the EMA ones when present)."""
+    from detrain.nn.model import DetectionModel
+
+    meta = ckpt["model"]
+    model = DetectionModel(cfg=meta.get("yaml") or "yolov8.yaml", scale=meta["scale"], nc=meta["nc"],
+                           names=meta["names"])
+    ema = ckpt.get("ema")
+    state = ema["state_dict"] if (use_ema and ema) else meta["state_dict"]
+    missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                 for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint does not fit the {meta['scale']} model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    model.imgsz = int(meta.get("imgsz") or 640)
+    return model
+
+
+def model_meta(model: torch.nn.Module, imgsz: int) -> dict[str, Any]:
+    """What a checkpoint records about a model besides its weights."""
+    return {"yaml": getattr(model, "yaml", None), "scale": model.scale, "nc": model.nc,
+            "names": dict(model.names), "imgsz": int(imgsz)}

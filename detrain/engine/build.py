@@ -1,0 +1,102 @@
+"""Turning arguments into objects: the device, the run folder, the model and the data loaders."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detrain.config import Cfg
+from detrain.errors import ConfigError
+
+_SCALED_NAME = re.compile(r"^(?:yolov8)?([nsmlx])\.ya?ml$")
+
+
+def select_device(device: Any, local_rank: int = 0) -> torch.device:
+    """The torch device of this worker: ``cpu``, ``cpu,cpu`` -> cpu; ``0,1`` -> cuda:<ids[local_rank]>."""
+    if isinstance(device, (list, tuple)):
+        parts = [str(d).strip() for d in device]
+    else:
+        parts = [p.strip() for p in str(device).split(",") if p.strip()]
+    if not parts:
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    part = parts[local_rank % len(parts)]
+    if part.lower() in ("cpu", "mps"):
+        return torch.device(part.lower())
+    if part.lower().startswith("cuda"):
+        part = part.split(":")[-1] if ":" in part else "0"
+    if not part.isdigit():
+        raise ConfigError(f"invalid device '{part}'; use cpu, a GPU index such as 0, or a list such as 0,1")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device={device} asks for CUDA but no CUDA GPU is available; use device=cpu")
+    if int(part) >= torch.cuda.device_count():
+        raise ConfigError(f"device {part} does not exist: {torch.cuda.device_count()} CUDA GPU(s) visible")
+    return torch.device("cuda", int(part))
+
+
+def increment_run_dir(project: str, name: str, task: str, exist_ok: bool) -> Path:
+    """``runs/<task>/exp``, then ``exp2``, ``exp3``… unless ``exist_ok``."""
+    root = Path(project) if project else Path("runs") / task
+    base = name or "exp"
+    path = root / base
+    if exist_ok or not path.exists():
+        return path
+    n = 2
+    while (root / f"{base}{n}").exists():
+        n += 1
+    return root / f"{base}{n}"
+
+
+def is_weights(model: str) -> bool:
+    """True when ``model`` names weights (``.pt``) rather than an architecture yaml."""
+    return str(model).endswith((".pt", ".pth"))
+
+
+def build_model(model: str, nc: int | None = None, names: dict[int, str] | None = None,
+                verbose: bool = True) -> tuple[torch.nn.Module, dict[str, Any] | None]:
+    """A DetectionModel from an architecture yaml or weights, with its head fitted to ``nc`` classes.
+
+    Returns (model, checkpoint dict or None). A yaml builds fresh weights: ``n.yaml`` (scale n of the
+    packaged YOLOv8 architecture), ``yolov8s.yaml``, or a path to a yaml of the same format.
+    """
+    from detrain.nn.model import DetectionModel
+
+    if is_weights(model):
+        from detrain.checkpoint import load_checkpoint, model_from_checkpoint
+        from detrain.weights.hub import resolve_weights
+
+        ckpt = load_checkpoint(resolve_weights(str(model)))
+        net = model_from_checkpoint(ckpt)
+        if nc is not None and (net.nc != nc or (names is not None and dict(net.names) != dict(names))):
+            if net.nc != nc:
+                if verbose:
+                    from detrain.log import console
+
+                    console.print(f"{model}: {net.nc} classes in the weights, {nc} in the dataset: keeping every "
+                                  "matching layer and re-initialising the classification outputs")
+                net.reset_classes(nc, names or {i: str(i) for i in range(nc)})
+            else:
+                net.names = dict(names)
+        return net, ckpt
+    match = _SCALED_NAME.match(Path(model).name)
+    nc = 80 if nc is None else nc
+    if match and not Path(model).is_file():
+        return DetectionModel(cfg="yolov8.yaml", scale=match.group(1), nc=nc, names=names), None
+    path = Path(model)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        scale = path.stem[-1] if path.stem[-1:] in "nsmlx" else "n"
+        return DetectionModel(cfg=str(path), scale=scale, nc=nc, names=names), None
+    raise ConfigError(
+        f"model '{model}' not found; use a scale yaml (n.yaml, s.yaml, m.yaml, l.yaml, x.yaml, yolov8n.yaml), "
+        "a path to an architecture yaml, or weights (.pt)"
+    )
+
+
+def cpu_threads_per_worker(world_size_on_node: int) -> int:
+    """Leave one core's worth per worker process; OMP_NUM_THREADS set by the user wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // max(1, world_size_on_node))

@@ -1,0 +1,87 @@
+"""From a dataset yaml to verified records and loaders, for one split, on one rank.
+
+Work that writes files (generating the synthetic set, downloading, building the label cache) is done by
+the first process of each node while the others wait at a named barrier, then they read what it wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from detrain import dist
+from detrain.config import Cfg
+from detrain.data.dataset import DetectionDataset
+from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
+from detrain.data.labels import LabelRecord, load_labels
+from detrain.data.loader import build_dataloader
+from detrain.errors import DatasetError
+
+HYP_KEYS = ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear", "perspective", "flipud",
+            "fliplr", "mosaic", "mixup")
+
+
+@dataclass
+class SplitData:
+    """One split of a dataset with its verified labels."""
+
+    info: DatasetInfo
+    split: str
+    records: list[LabelRecord]
+
+    @property
+    def nc(self) -> int:
+        return self.info.nc
+
+    @property
+    def names(self) -> dict[int, str]:
+        return dict(self.info.names)
+
+
+def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = True) -> SplitData:
+    """Resolve ``data`` and verify the labels of ``split`` (train, val or test)."""
+    first = dist.local_rank() == 0
+    if not first:
+        dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node")
+    try:
+        info = load_dataset_yaml(data)
+        files = getattr(info, split)
+        if not files:
+            raise DatasetError(f"{info.yaml_file}: the dataset has no '{split}' split")
+        records, report = load_labels(list(files), info.nc, cache=True, progress=verbose and dist.is_main())
+    finally:
+        if first:
+            dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node")
+    if verbose and dist.is_main():
+        from detrain.log import console
+
+        console.print(f"{split}: {report.summary()}" if hasattr(report, "summary") else f"{split}: {report}")
+    if not records:
+        raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
+    if cfg is not None and split == "train" and cfg.fraction < 1.0:
+        records = records[: max(1, round(len(records) * cfg.fraction))]
+    return SplitData(info=info, split=split, records=records)
+
+
+def hyp_of(cfg: Cfg) -> dict[str, Any]:
+    """The augmentation settings the dataset takes."""
+    return {k: getattr(cfg, k) for k in HYP_KEYS}
+
+
+def build_train_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int) -> DataLoader:
+    """Augmented training batches; each rank gets its slice of every global batch."""
+    dataset = DetectionDataset(data.records, imgsz=cfg.imgsz, augment=True, hyp=hyp_of(cfg), rect=cfg.rect,
+                               batch_size=local_batch, stride=32, seed=cfg.seed, cache=cfg.cache or None,
+                               close_mosaic_epoch=cfg.epochs - cfg.close_mosaic if cfg.close_mosaic else None)
+    return build_dataloader(dataset, batch_size=local_batch, shuffle=not cfg.rect, workers=cfg.workers, rank=rank,
+                            world_size=world, seed=cfg.seed)
+
+
+def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int) -> DataLoader:
+    """Rectangular, unaugmented batches over disjoint shards (no padded duplicates)."""
+    dataset = DetectionDataset(data.records, imgsz=cfg.imgsz, augment=False, hyp=hyp_of(cfg), rect=True,
+                               batch_size=local_batch, stride=32, seed=cfg.seed, cache=None)
+    return build_dataloader(dataset, batch_size=local_batch, shuffle=False, workers=min(cfg.workers, 2) if world > 1
+                            else cfg.workers, rank=rank, world_size=world, seed=cfg.seed)

@@ -1,0 +1,65 @@
+"""``detrain val``: evaluate weights (or an existing predictions file) on a dataset split, on any number of ranks.
+
+>>> from detrain.config import make_cfg
+>>> val_worker({"cfg": make_cfg({"model": "best.pt", "data": "coco8.yaml"}).to_dict()})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detrain import dist
+from detrain.config import Cfg, make_cfg
+from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, select_device
+from detrain.engine.data import build_val_loader, load_split
+from detrain.engine.validator import validate
+from detrain.errors import ConfigError
+from detrain.log import console
+
+
+def run_val(cfg: Cfg, save_dir: str | Path | None = None) -> dict[str, Any]:
+    """Validate on this rank's shard; every rank returns the same metrics."""
+    device = select_device(cfg.device, dist.local_rank())
+    if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(cpu_threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))))
+    save_dir = Path(dist.broadcast_object(
+        str(save_dir or increment_run_dir(cfg.project, cfg.name, "val", cfg.exist_ok)) if dist.is_main() else None))
+    data = load_split(cfg.data, cfg.split, cfg)
+    if cfg.predictions:
+        from detrain.engine.score_file import score_predictions_file
+
+        return score_predictions_file(cfg, data, save_dir)
+    if not cfg.model.endswith((".pt", ".pth")) and dist.is_main():
+        console.print(f"note: {cfg.model} is an architecture, not weights: validating random weights")
+    model, _ = build_model(cfg.model, verbose=dist.is_main())
+    if model.nc != data.nc:
+        raise ConfigError(f"{cfg.model} predicts {model.nc} classes but {cfg.data} has {data.nc}; "
+                          "fine-tune it on the dataset first")
+    model = model.to(device).eval()
+    if hasattr(model, "fuse"):
+        model.fuse()
+    model = model.to(memory_format=torch.channels_last)
+    world = dist.world_size()
+    if cfg.batch % world:
+        raise ConfigError(f"batch={cfg.batch} must divide by the number of workers ({world})")
+    loader = build_val_loader(data, cfg, cfg.batch // world, dist.rank(), world)
+    if dist.is_main():
+        console.print(f"validating {cfg.model} on {cfg.data} ({cfg.split}: {len(data.records)} images) "
+                      f"with {world} worker(s); results in {save_dir}")
+    metrics = validate(model, loader, data, cfg, device, save_dir=save_dir, plots=cfg.plots, verbose=cfg.verbose)
+    metrics["save_dir"] = str(save_dir)
+    return metrics
+
+
+def val_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of every rank for ``detrain val``."""
+    cfg = make_cfg(args["cfg"])
+    dist.setup(timeout_s=cfg.dist_timeout)
+    try:
+        return run_val(cfg, args.get("save_dir"))
+    finally:
+        dist.cleanup()

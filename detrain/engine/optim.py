@@ -1,0 +1,81 @@
+"""Optimizer, learning-rate schedule and warmup: the recipe YOLO users know, as plain functions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import nn
+
+from detrain.config import Cfg
+
+
+def build_optimizer(model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, weight_decay: float
+                    ) -> tuple[torch.optim.Optimizer, str, float]:
+    """Three parameter groups: weights with decay, BatchNorm weights and biases without.
+
+    ``optimizer=auto`` picks AdamW with a small, class-count-dependent rate for short runs (under 10,000
+    iterations), where SGD has no time to settle, and SGD at ``lr0`` for long ones.
+    Returns (optimizer, name, lr0 actually used).
+    """
+    decay, no_decay_bn, biases = [], [], []
+    norm_types = tuple(v for k, v in nn.__dict__.items() if "Norm" in k and isinstance(v, type))
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            if pname == "bias":
+                biases.append(p)
+            elif isinstance(module, norm_types):
+                no_decay_bn.append(p)
+            else:
+                decay.append(p)
+    name, lr, momentum = cfg.optimizer, cfg.lr0, cfg.momentum
+    if name == "auto":
+        if total_iterations > 10_000:
+            name = "SGD"
+        else:
+            name, lr, momentum = "AdamW", round(0.002 * 5 / (4 + nc), 6), 0.9
+    if name in ("Adam", "AdamW"):
+        opt_cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
+        optimizer: torch.optim.Optimizer = opt_cls(biases, lr=lr, betas=(momentum, 0.999), weight_decay=0.0)
+    else:
+        optimizer = torch.optim.SGD(biases, lr=lr, momentum=momentum, nesterov=True)
+    optimizer.add_param_group({"params": decay, "weight_decay": weight_decay})
+    optimizer.add_param_group({"params": no_decay_bn, "weight_decay": 0.0})
+    for group in optimizer.param_groups:
+        group["initial_lr"] = lr
+    return optimizer, name, lr
+
+
+def lr_lambda(cfg: Cfg) -> Callable[[float], float]:
+    """Multiplier of lr0 at an epoch: linear from 1 to lrf, or cosine with cos_lr."""
+    epochs, lrf = cfg.epochs, cfg.lrf
+    if cfg.cos_lr:
+        return lambda e: ((1 - math.cos(e * math.pi / epochs)) / 2) * (lrf - 1) + 1
+    return lambda e: max(1 - e / epochs, 0) * (1.0 - lrf) + lrf
+
+
+def warmup_iterations(cfg: Cfg, batches_per_epoch: int) -> int:
+    """At least 100 warmup iterations, unless warmup is off."""
+    return max(round(cfg.warmup_epochs * batches_per_epoch), 100) if cfg.warmup_epochs > 0 else 0
+
+
+def apply_warmup(optimizer: torch.optim.Optimizer, cfg: Cfg, ni: int, n_warmup: int, epoch_factor: float,
+                 lr0: float, momentum: float, accumulate_target: float) -> int:
+    """Set lr and momentum for iteration ``ni`` of warmup; returns the accumulation steps to use now.
+
+    Bias lr falls from ``warmup_bias_lr`` while the other groups rise from 0, both to ``lr0 * epoch_factor``.
+    """
+    xi = [0, n_warmup]
+    accumulate = max(1, int(np.interp(ni, xi, [1, accumulate_target]).round()))
+    for j, group in enumerate(optimizer.param_groups):
+        start = cfg.warmup_bias_lr if j == 0 else 0.0
+        group["lr"] = float(np.interp(ni, xi, [start, lr0 * epoch_factor]))
+        if "momentum" in group:
+            group["momentum"] = float(np.interp(ni, xi, [cfg.warmup_momentum, momentum]))
+        elif "betas" in group:
+            group["betas"] = (float(np.interp(ni, xi, [cfg.warmup_momentum, momentum])), group["betas"][1])
+    return accumulate

@@ -1,0 +1,378 @@
+"""The training loop of one worker (rank). Collectives go through :mod:`detrain.dist`; only rank 0 writes.
+
+>>> from detrain.config import make_cfg
+>>> metrics = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1, "imgsz": 128})).train()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from detrain import dist
+from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
+from detrain.config import Cfg, make_cfg
+from detrain.engine import optim
+from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, select_device
+from detrain.engine.data import build_train_loader, build_val_loader, load_split
+from detrain.engine.ema import ModelEMA, unwrap
+from detrain.engine.validator import validate
+from detrain.errors import ConfigError
+from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
+from detrain.loss import DetectionLoss
+
+LOSS_NAMES = ("box_loss", "cls_loss", "dfl_loss")
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a run uses, so that resume continues exactly."""
+    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def find_resume_checkpoint(cfg: Cfg) -> Path:
+    """``resume=path`` -> that file; ``resume=True`` -> last.pt of project/name (or the newest run)."""
+    if isinstance(cfg.resume, str):
+        path = Path(cfg.resume)
+    else:
+        root = Path(cfg.project) if cfg.project else Path("runs") / "train"
+        if cfg.name:
+            path = root / cfg.name / "weights" / "last.pt"
+        else:
+            candidates = sorted(root.glob("*/weights/last.pt"), key=lambda p: p.stat().st_mtime)
+            if not candidates:
+                raise ConfigError(f"resume=True but no {root}/*/weights/last.pt exists; pass resume=path/to/last.pt")
+            path = candidates[-1]
+    if not path.is_file():
+        raise ConfigError(f"resume: checkpoint not found: {path}")
+    return path
+
+
+class Trainer:
+    """Trains one rank. Every decision that could differ between ranks (best epoch, early stop, image size)
+    is taken once and shared, so no rank waits for another that has left the loop."""
+
+    def __init__(self, cfg: Cfg, save_dir: str | Path | None = None) -> None:
+        self.resume_ckpt: dict[str, Any] | None = None
+        if cfg.resume:
+            path = find_resume_checkpoint(cfg)
+            self.resume_ckpt = load_checkpoint(path)
+            # a resumed run keeps its own arguments; only the devices and the process layout may change
+            keep = {k: getattr(cfg, k) for k in ("device", "workers", "nnodes", "node_rank", "master_addr",
+                                                   "master_port", "max_restarts", "dist_timeout", "rdzv_backend")}
+            cfg = make_cfg({**self.resume_ckpt["train_args"], **keep, "resume": str(path)})
+            save_dir = save_dir or path.parent.parent
+        self.cfg = cfg
+        self.rank, self.world = dist.rank(), dist.world_size()
+        self.main = dist.is_main()
+        if cfg.batch % self.world:
+            raise ConfigError(f"batch={cfg.batch} must divide by the number of workers ({self.world})")
+        self.device = select_device(cfg.device, dist.local_rank())
+        if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+            torch.set_num_threads(cpu_threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", self.world))))
+        # rank 0 decides (other nodes may not know the folder the launching node picked)
+        save_dir = dist.broadcast_object(
+            str(save_dir or increment_run_dir(cfg.project, cfg.name, "train", cfg.exist_ok)) if self.main else None)
+        self.save_dir = Path(save_dir)
+        self.wdir = self.save_dir / "weights"
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        cfg = self.cfg
+        seed_everything(cfg.seed + self.rank, cfg.deterministic)
+        self.data = load_split(cfg.data, "train", cfg)
+        self.val_data = load_split(cfg.data, "val", cfg)
+        self.nc, self.names = self.data.nc, self.data.names
+        model, ckpt = build_model(cfg.model, nc=self.nc, names=self.names, verbose=self.main)
+        if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
+            model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
+        self.model = model.to(self.device)
+        if self.device.type == "cpu" or self.device.type == "cuda":
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.ema = ModelEMA(self.model)
+        if self.resume_ckpt is not None and self.resume_ckpt.get("ema"):
+            self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
+            self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
+        if self.world > 1:
+            if cfg.sync_bn:
+                self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        self.local_batch = cfg.batch // self.world
+        self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world)
+        self.val_loader = build_val_loader(self.val_data, cfg, max(1, self.local_batch * 2), self.rank, self.world)
+        self.nb = len(self.train_loader)
+        self.accumulate_target = max(round(cfg.nbs / cfg.batch), 1)
+        weight_decay = cfg.weight_decay * cfg.batch * self.accumulate_target / cfg.nbs
+        total_iters = math.ceil(len(self.data.records) / max(cfg.batch, cfg.nbs)) * cfg.epochs
+        self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
+            unwrap(self.model), cfg, self.nc, total_iters, weight_decay)
+        self.momentum = self.optimizer.param_groups[0].get("momentum", cfg.momentum if opt_name == "SGD" else 0.9)
+        if opt_name != "SGD":
+            self.momentum = self.optimizer.param_groups[0]["betas"][0]
+        self.lf = optim.lr_lambda(cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
+        self.amp_dtype = None
+        if cfg.amp and self.device.type == "cuda":
+            self.amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        bare = unwrap(self.model)
+        self.criterion = DetectionLoss(
+            nc=self.nc, strides=bare.stride, reg_max=bare.reg_max, box=cfg.box, cls=cfg.cls, dfl=cfg.dfl,
+            normalizer_reduce=dist.all_reduce_sum if self.world > 1 else None, world_size=self.world)
+        self.start_epoch, self.best_fitness = 0, None
+        if self.resume_ckpt is not None:
+            self._restore(self.resume_ckpt)
+        if self.main:
+            console.print(f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
+                          f"weight_decay={weight_decay:g}; accumulate to {cfg.batch * self.accumulate_target} "
+                          f"images; {self.world} worker(s) on {self.device.type}")
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.start_epoch = int(ckpt["epoch"]) + 1
+        self.best_fitness = ckpt.get("best_fitness")
+        self.epochs_without_improvement = int(ckpt.get("epochs_without_improvement", 0))
+        rng = ckpt.get("rng_per_rank", {}).get(str(self.rank)) or ckpt.get("rng")
+        if rng:
+            set_rng_state(rng)
+        if self.start_epoch >= self.cfg.epochs and self.main:
+            console.print(f"{self.cfg.resume}: training already finished {self.cfg.epochs} epochs; nothing to resume")
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, Any]:
+        """Run every epoch; returns the final metrics (the same dict on every rank)."""
+        self._setup()
+        cfg = self.cfg
+        if self.main:
+            self.wdir.mkdir(parents=True, exist_ok=True)
+            save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
+            console.print(f"training {cfg.model} on {cfg.data} for {cfg.epochs} epochs; results in {self.save_dir}")
+        csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch - 1 if self.resume_ckpt else None)
+        tb = TensorBoard(self.save_dir, cfg.tensorboard and self.main)
+        n_warmup = optim.warmup_iterations(cfg, self.nb)
+        self.epochs_without_improvement = getattr(self, "epochs_without_improvement", 0)
+        metrics: dict[str, Any] = {}
+        last_opt_step = -1
+        for epoch in range(self.start_epoch, cfg.epochs):
+            t0 = time.perf_counter()
+            self.train_loader.dataset.set_epoch(epoch)
+            _set_sampler_epoch(self.train_loader, epoch)
+            if cfg.close_mosaic and epoch == cfg.epochs - cfg.close_mosaic and self.main:
+                console.print(f"closing mosaic for the last {cfg.close_mosaic} epochs")
+            self.model.train()
+            progress = EpochProgress(epoch, cfg.epochs, self.nb, LOSS_NAMES) if self.main else None
+            mean_items = torch.zeros(3, device=self.device)
+            step_times: list[float] = []
+            self.optimizer.zero_grad(set_to_none=True)
+            n_images = 0
+            for i, batch in enumerate(self.train_loader):
+                ts = time.perf_counter()
+                ni = i + self.nb * epoch
+                accumulate = self.accumulate_target
+                if ni <= n_warmup:
+                    accumulate = optim.apply_warmup(self.optimizer, cfg, ni, n_warmup, self.lf(epoch), self.lr0,
+                                                    self.momentum, self.accumulate_target)
+                items, imgsz = self._step(batch, ni, last_opt_step, accumulate)
+                if ni - last_opt_step >= accumulate:
+                    self._optimizer_step()
+                    last_opt_step = ni
+                items = dist.reduce_mean(items.detach())
+                mean_items = (mean_items * i + items) / (i + 1)
+                n_images += int(batch["img"].shape[0])
+                step_times.append(time.perf_counter() - ts)
+                if progress is not None:
+                    progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
+            if progress is not None:
+                progress.close()
+            lrs = [g["lr"] for g in self.optimizer.param_groups]
+            self.scheduler.step()
+            epoch_time = time.perf_counter() - t0
+            speed = self._speed(n_images, epoch_time, step_times)
+            final = epoch + 1 == cfg.epochs
+            if cfg.val or final:
+                metrics = self._validate(epoch)
+            fitness = float(metrics.get("fitness", -float(mean_items.sum()))) if metrics else -float(mean_items.sum())
+            improved = self.best_fitness is None or fitness > self.best_fitness
+            if improved:
+                self.best_fitness = fitness
+                self.epochs_without_improvement = 0
+            else:
+                self.epochs_without_improvement += 1
+            stop = bool(dist.agree(cfg.patience > 0 and self.epochs_without_improvement >= cfg.patience))
+            row = {"epoch": epoch + 1, **{f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())},
+                   **{k: v for k, v in _metric_columns(metrics).items()},
+                   **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}, **speed}
+            if self.main:
+                csv.add(row)
+                tb.log({k: float(v) for k, v in row.items() if k != "epoch"}, epoch + 1)
+                self._save(epoch, metrics, improved)
+                console.print(
+                    f"epoch {epoch + 1}/{cfg.epochs}: " + "  ".join(f"{k.split('/')[-1]} {float(v):.4g}" for k, v in
+                                                                     row.items() if k.startswith(("train/", "metrics/")))
+                    + f"  {speed['images_per_s']:.1f} img/s, step {speed['step_ms_mean']:.0f} ms mean / "
+                      f"{speed['step_ms_slowest_rank']:.0f} ms slowest rank, {epoch_time:.1f} s")
+            dist.barrier("end of epoch")
+            if stop:
+                if self.main:
+                    console.print(f"early stop: no improvement in the last {cfg.patience} epochs")
+                break
+        tb.close()
+        result = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list, np.ndarray))}
+        if self.main:
+            if cfg.plots:
+                self._plot_results()
+            console.print(f"done: {self.save_dir}")
+        result["save_dir"] = str(self.save_dir)
+        return dist.broadcast_object(result)
+
+    def _step(self, batch: dict[str, Any], ni: int, last_opt_step: int, accumulate: int) -> tuple[torch.Tensor, int]:
+        imgs = batch["img"].to(self.device, non_blocking=True)
+        imgs = imgs.contiguous(memory_format=torch.channels_last).float().div_(255)
+        if self.cfg.multi_scale:
+            imgs = self._multi_scale(imgs)
+        will_step = ni - last_opt_step >= accumulate
+        sync_ctx = self.model.no_sync() if (self.world > 1 and not will_step) else contextlib.nullcontext()
+        with sync_ctx:
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                head_maps = self.model(imgs)
+                loss, items = self.criterion(
+                    [h.float() for h in head_maps], batch["batch_idx"].to(self.device),
+                    batch["cls"].to(self.device), batch["bboxes"].to(self.device), global_batch=self.cfg.batch)
+            self.scaler.scale(loss).backward()
+        return items, int(imgs.shape[-1])
+
+    def _multi_scale(self, imgs: torch.Tensor) -> torch.Tensor:
+        """A size from 0.5x to 1.5x imgsz, a multiple of 32, chosen on rank 0 and shared."""
+        base = self.cfg.imgsz
+        size = dist.broadcast_object(random.randrange(int(base * 0.5), int(base * 1.5) + 32) // 32 * 32
+                                     if self.main else None)
+        factor = size / max(imgs.shape[2:])
+        if factor == 1:
+            return imgs
+        new = [math.ceil(x * factor / 32) * 32 for x in imgs.shape[2:]]
+        return nn.functional.interpolate(imgs, size=new, mode="bilinear", align_corners=False)
+
+    def _optimizer_step(self) -> None:
+        self.scaler.unscale_(self.optimizer)
+        if self.cfg.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.cfg.clip_grad)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ema.update(self.model)
+
+    def _speed(self, n_images: int, epoch_time: float, step_times: list[float]) -> dict[str, float]:
+        """Images/s of the whole world, and the slowest rank's mean step time next to the mean over ranks."""
+        mean_step = float(np.mean(step_times)) if step_times else 0.0
+        stats = dist.all_gather_object((n_images, epoch_time, mean_step))
+        total_images = sum(s[0] for s in stats)
+        wall = max(s[1] for s in stats)
+        steps = [s[2] for s in stats]
+        return {"images_per_s": total_images / max(wall, 1e-9), "step_ms_mean": 1000 * float(np.mean(steps)),
+                "step_ms_slowest_rank": 1000 * max(steps)}
+
+    def _validate(self, epoch: int) -> dict[str, Any]:
+        ema = self.ema.ema
+        dist.average_buffers(ema)  # BatchNorm running stats differ per rank unless sync_bn; validate one model
+        return validate(ema, self.val_loader, self.val_data, self.cfg, self.device, save_dir=None, plots=False,
+                        verbose=False)
+
+    def _save(self, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
+        if not self.cfg.save:
+            return
+        bare = unwrap(self.model)
+        meta = model_meta(bare, self.cfg.imgsz)
+        state = {
+            "model": {**meta, "state_dict": _cpu_state(bare)},
+            "ema": {"state_dict": _cpu_state(self.ema.ema), "updates": self.ema.updates},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "epoch": epoch,
+            "best_fitness": self.best_fitness,
+            "epochs_without_improvement": self.epochs_without_improvement,
+            "train_args": self.cfg.to_dict(),
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "rng": rng_state(),
+        }
+        save_checkpoint(state, self.wdir / "last.pt")
+        light = {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "scaler", "rng")}
+        if improved:
+            save_checkpoint(light, self.wdir / "best.pt")
+        if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
+            save_checkpoint(light, self.wdir / f"epoch{epoch + 1}.pt")
+
+    def _plot_results(self) -> None:
+        try:
+            from detrain.plots_val import plot_results_csv
+
+            plot_results_csv(self.save_dir / "results.csv")
+        except Exception as e:  # a plot must never cost a finished run
+            console.print(f"results.png not written: {e}")
+
+
+def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _metric_columns(metrics: dict[str, Any]) -> dict[str, float]:
+    names = {"precision": "metrics/precision", "recall": "metrics/recall", "map50": "metrics/mAP50",
+             "map75": "metrics/mAP75", "map": "metrics/mAP50-95"}
+    return {col: float(metrics[k]) for k, col in names.items() if k in metrics}
+
+
+def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
+    for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+
+def train_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process)."""
+    cfg = make_cfg(args["cfg"])
+    dist.setup(timeout_s=cfg.dist_timeout)
+    save_dir = args.get("save_dir")
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts and save_dir and (Path(save_dir) / "weights" / "last.pt").is_file():
+        # the launcher restarted the group after a worker died: continue from the last finished epoch
+        cfg = cfg.replace(resume=str(Path(save_dir) / "weights" / "last.pt"))
+        if dist.is_main():
+            console.print(f"restart {restarts}: resuming from {cfg.resume}")
+    try:
+        return Trainer(cfg, save_dir).train()
+    finally:
+        dist.cleanup()

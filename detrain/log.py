@@ -1,0 +1,117 @@
+"""What a run shows and records: the per-epoch progress bar, results.csv, args.yaml, tensorboard.
+
+Only rank 0 creates these; the trainer hands other ranks a silent stand-in (``progress=None``).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+console = Console(highlight=False)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write a text file through a temporary file and a rename, so readers never see half of it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def save_yaml(path: str | Path, data: Mapping[str, Any]) -> Path:
+    """Atomic yaml dump (args.yaml)."""
+    return atomic_write_text(path, yaml.safe_dump(dict(data), sort_keys=False))
+
+
+class ResultsCSV:
+    """results.csv with one row per epoch. Rewritten whole (atomically) each epoch; a resumed run keeps the
+    rows of finished epochs and replaces the rest, so every epoch appears exactly once."""
+
+    def __init__(self, path: str | Path, resume_from_epoch: int | None = None) -> None:
+        self.path = Path(path)
+        self.rows: list[dict[str, Any]] = []
+        if resume_from_epoch is not None and self.path.is_file():
+            with open(self.path, newline="") as f:
+                self.rows = [r for r in csv.DictReader(f) if int(r["epoch"]) <= resume_from_epoch]
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        self.rows = [r for r in self.rows if int(r["epoch"]) != int(row["epoch"])] + [dict(row)]
+        keys: list[str] = []
+        for r in self.rows:
+            keys += [k for k in r if k not in keys]
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=keys)
+        writer.writeheader()
+        for r in self.rows:
+            writer.writerow({k: _fmt(r.get(k, "")) for k in keys})
+        atomic_write_text(self.path, buf.getvalue())
+
+
+def _fmt(value: Any) -> Any:
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+class EpochProgress:
+    """A rich progress bar for one epoch: running losses, instances, imgsz and an ETA."""
+
+    def __init__(self, epoch: int, epochs: int, total: int, loss_names: tuple[str, ...]) -> None:
+        self.loss_names = loss_names
+        self.progress = Progress(
+            TextColumn(f"{epoch + 1:>4}/{epochs:<4}"), TextColumn("{task.fields[losses]}"), BarColumn(bar_width=24),
+            MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
+            transient=False, disable=not console.is_terminal and os.environ.get("DETRAIN_PROGRESS") == "0",
+        )
+        self.task = self.progress.add_task("train", total=total, losses=self._text(None, 0, 0))
+        self.progress.start()
+
+    def _text(self, losses: Any, instances: int, imgsz: int) -> str:
+        if losses is None:
+            return " ".join(f"{n:>8}" for n in self.loss_names) + f" {'inst':>5} {'size':>5}"
+        return " ".join(f"{float(v):8.4f}" for v in losses) + f" {instances:5d} {imgsz:5d}"
+
+    def update(self, losses: Any, instances: int, imgsz: int) -> None:
+        self.progress.update(self.task, advance=1, losses=self._text(losses, instances, imgsz))
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class TensorBoard:
+    """Scalars to tensorboard when it is installed and asked for; silently nothing otherwise (with a note)."""
+
+    def __init__(self, log_dir: Path, enabled: bool) -> None:
+        self.writer = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(log_dir))
+            except ImportError:
+                console.print("tensorboard=True but tensorboard is not installed (pip install tensorboard); skipped")
+
+    def log(self, scalars: Mapping[str, float], step: int) -> None:
+        if self.writer is not None:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,31 @@
+"""Run a task (train or val) on the devices the arguments name: in this process, or one worker per device
+through torch's elastic launcher, or inside a launcher that already started us (torchrun, srun).
+
+>>> from detrain.config import make_cfg
+>>> run_task("train", make_cfg({"device": "cpu,cpu", "epochs": 1}))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from detrain import launch
+from detrain.config import Cfg
+from detrain.engine.build import increment_run_dir
+
+
+def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
+    """Train or validate; returns rank 0's result in the calling process."""
+    from detrain.engine.evaluate import val_worker
+    from detrain.engine.trainer import train_worker
+
+    entry = {"train": train_worker, "val": val_worker}[task]
+    plan = launch.parse_device(cfg.device)
+    args: dict[str, Any] = {"cfg": cfg.to_dict()}
+    spawning = not launch.in_launcher_env() and (plan.nprocs > 1 or str(cfg.nnodes) != "1")
+    if spawning and cfg.node_rank == 0 and not (task == "train" and cfg.resume):
+        # decided once, before the workers start, so that restarted workers write to the same folder
+        args["save_dir"] = str(increment_run_dir(cfg.project, cfg.name, task, cfg.exist_ok))
+    return launch.launch(entry, args, plan, nnodes=str(cfg.nnodes), node_rank=cfg.node_rank,
+                         master_addr=cfg.master_addr, master_port=cfg.master_port, max_restarts=cfg.max_restarts,
+                         rdzv_backend=cfg.rdzv_backend)
