@@ -1,0 +1,66 @@
+"""cfg/default.yaml and the validated Cfg."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from detrain.config import Cfg, comments, defaults, make_cfg, parse_cli_args
+from detrain.errors import ConfigError
+
+
+def test_every_field_has_a_default_and_a_comment():
+    fields = {f.name for f in dataclasses.fields(Cfg)}
+    assert fields == set(defaults())
+    assert all(comments()[k] for k in fields), [k for k in fields if not comments().get(k)]
+
+
+def test_defaults_validate_and_freeze():
+    cfg = make_cfg()
+    assert cfg.model == "n.yaml" and cfg.data == "shapes.yaml" and cfg.batch == 16
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.epochs = 3  # type: ignore[misc]
+
+
+def test_cli_strings_are_coerced():
+    cfg = make_cfg(parse_cli_args(["epochs=3", "--imgsz", "320", "device=0,1", "amp=false", "conf=null",
+                                   "--cos-lr", "resume=runs/x/weights/last.pt", "cache=true"]))
+    assert (cfg.epochs, cfg.imgsz, cfg.device, cfg.amp, cfg.conf, cfg.cos_lr) == (3, 320, "0,1", False, None, True)
+    assert cfg.resume == "runs/x/weights/last.pt" and cfg.cache == "ram"
+    assert make_cfg({"device": [0, 1]}).device == [0, 1]
+    assert make_cfg({"device": "0"}).device == 0
+    assert make_cfg({"resume": "true"}).resume is True
+    assert make_cfg({"optimizer": "sgd"}).optimizer == "SGD"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"epoch": 3}, "unknown argument 'epoch'; did you mean 'epochs'?"),
+        ({"imgsz": "abc"}, "invalid value for 'imgsz': 'abc'; expected an integer"),
+        ({"imgsz": 100}, "multiple of 32"),
+        ({"optimizer": "sgdd"}, "expected one of auto, SGD, AdamW, Adam"),
+        ({"lrf": 2}, "from 0.0 to 1.0"),
+        ({"amp": "maybe"}, "expected true or false"),
+        ({"cache": "gpu"}, "expected one of false, ram, disk"),
+        ({"epochs": 0}, "at least 1"),
+        ({"conf": "nan"}, "invalid value for 'conf'"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_valid(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("?", r"\?").replace("(", r"\(")):
+        make_cfg(overrides)
+
+
+def test_parse_cli_args_rejects_positional_words():
+    with pytest.raises(ConfigError, match="not key=value"):
+        parse_cli_args(["epochs"])
+    assert parse_cli_args(["--amp"]) == {"amp": "true"}
+
+
+def test_replace_validates():
+    cfg = make_cfg()
+    assert cfg.replace(epochs=5).epochs == 5
+    with pytest.raises(ConfigError):
+        cfg.replace(batch=0)

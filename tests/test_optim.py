@@ -1,0 +1,61 @@
+"""Optimizer groups, schedules, warmup and the EMA."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from detrain.config import make_cfg
+from detrain.engine import optim
+from detrain.engine.ema import ModelEMA
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1))
+
+
+def test_three_groups_decay_only_on_weights():
+    net = _net()
+    opt, name, lr = optim.build_optimizer(net, make_cfg({"optimizer": "SGD"}), nc=2, total_iterations=10,
+                                          weight_decay=5e-4)
+    assert name == "SGD" and lr == 0.01
+    biases, weights, bn = opt.param_groups
+    assert len(biases["params"]) == 3 and len(weights["params"]) == 2 and len(bn["params"]) == 1
+    assert weights["weight_decay"] == 5e-4 and bn["weight_decay"] == 0 and biases["weight_decay"] == 0
+    assert opt.defaults["nesterov"]
+
+
+def test_auto_picks_adamw_for_short_runs_and_sgd_for_long_ones():
+    cfg = make_cfg()
+    _, short, lr = optim.build_optimizer(_net(), cfg, nc=80, total_iterations=100, weight_decay=0.0)
+    _, long, _ = optim.build_optimizer(_net(), cfg, nc=80, total_iterations=20_000, weight_decay=0.0)
+    assert (short, long) == ("AdamW", "SGD") and lr == round(0.01 / 84, 6)
+
+
+def test_lr_schedules_end_at_lrf():
+    for cos in (False, True):
+        f = optim.lr_lambda(make_cfg({"epochs": 10, "lrf": 0.01, "cos_lr": cos}))
+        assert abs(f(0) - 1) < 1e-9 and abs(f(10) - 0.01) < 1e-9 and f(3) > f(7)
+
+
+def test_warmup_ramps_lr_momentum_and_accumulation():
+    cfg = make_cfg({"optimizer": "SGD"})
+    opt, _, _ = optim.build_optimizer(_net(), cfg, nc=2, total_iterations=10, weight_decay=0.0)
+    acc0 = optim.apply_warmup(opt, cfg, 0, 100, 1.0, 0.01, 0.937, 4)
+    assert acc0 == 1 and opt.param_groups[0]["lr"] == cfg.warmup_bias_lr and opt.param_groups[1]["lr"] == 0
+    assert opt.param_groups[1]["momentum"] == cfg.warmup_momentum
+    acc1 = optim.apply_warmup(opt, cfg, 100, 100, 1.0, 0.01, 0.937, 4)
+    assert acc1 == 4 and all(abs(g["lr"] - 0.01) < 1e-12 for g in opt.param_groups)
+
+
+def test_ema_follows_the_model():
+    net = _net()
+    ema = ModelEMA(net, decay=0.5, tau=1.0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(1.0)
+    for _ in range(50):
+        ema.update(net)
+    for a, b in zip(ema.ema.parameters(), net.parameters()):
+        assert torch.allclose(a, b, atol=1e-3)
+    assert not any(p.requires_grad for p in ema.ema.parameters())
