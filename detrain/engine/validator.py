@@ -25,10 +25,17 @@ from detrain.ops import non_max_suppression
 VAL_CONF = 0.001
 
 
-def image_id_of(im_file: str, index: int) -> int:
-    """COCO image id: the file's number when its stem is numeric (000000000036.jpg -> 36), else its index."""
-    stem = Path(im_file).stem
-    return int(stem) if stem.isdigit() else index
+def image_ids(im_files: list[str]) -> dict[str, int]:
+    """COCO image ids: the files' numbers when every stem is a distinct number (000000000036.jpg -> 36),
+    else the position in the split (stable, and the same on every rank).
+
+    >>> image_ids(["a/000000000036.jpg", "a/000000000042.jpg"])
+    {'a/000000000036.jpg': 36, 'a/000000000042.jpg': 42}
+    """
+    stems = [Path(f).stem for f in im_files]
+    if all(s.isdigit() for s in stems) and len({int(s) for s in stems}) == len(stems):
+        return {f: int(s) for f, s in zip(im_files, stems)}
+    return {f: i for i, f in enumerate(im_files)}
 
 
 @torch.no_grad()
@@ -63,20 +70,19 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, c
     nc = data.nc
     stats, rows = [], []
     confusion = ConfusionMatrix(nc)
-    index = _dataset_index(loader)
+    ids = image_ids([r.im_file for r in loader.dataset.records])
     plotted: list[tuple[np.ndarray, torch.Tensor, dict[str, Any]]] = []
     for batch in loader:
         dets = predict_batch(model, batch["img"], device, conf, cfg.iou, cfg.max_det)
         for si, det in enumerate(dets):
             det = det.float().cpu()
             im_file = batch["im_file"][si]
-            image_id = image_id_of(im_file, index[im_file])
+            image_id = ids[im_file]
             (gain, _), pad = batch["ratio_pad"][si]
             scale_boxes_to_original(det[:, :4], float(gain), tuple(pad), tuple(batch["ori_shape"][si]))
             gt_xyxy, gt_cls = _labels_to_original(batch, si)
-            stats.append((index[im_file], match_image(det[:, :4].numpy(), det[:, 4].numpy(),
-                                                      det[:, 5].numpy().astype(np.int64), gt_xyxy.numpy(),
-                                                      gt_cls.numpy().astype(np.int64), image_id=image_id)))
+            stats.append(match_image(det[:, :4].numpy(), det[:, 4].numpy(), det[:, 5].numpy().astype(np.int64),
+                                     gt_xyxy.numpy(), gt_cls.numpy().astype(np.int64), image_id=image_id))
             confusion.update(det.numpy(), gt_xyxy.numpy(), gt_cls.numpy().astype(np.int64))
             if cfg.save_json:
                 rows += _coco_rows(det, image_id)
@@ -87,10 +93,10 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, c
     gathered = dist.all_gather_object((stats, confusion.matrix, rows))
     metrics: dict[str, Any] | None = None
     if dist.is_main():
-        all_stats = sorted((s for part in gathered for s in part[0]), key=lambda t: t[0])
-        summary = coco_summary([s for _, s in all_stats], nc)
-        metrics = summary.as_dict() if hasattr(summary, "as_dict") else dict(summary)
-        metrics["n_images"] = len(all_stats)
+        all_stats = [s for part in gathered for s in part[0]]
+        summary = coco_summary(all_stats, nc)  # orders images by id itself, as the reference does
+        metrics = {**summary.as_dict(), "per_class": summary.per_class, "conf": summary.conf,
+                   "n_images": len(all_stats)}
         matrix = sum(part[1] for part in gathered)
         if save_dir is not None:
             _write_outputs(save_dir, metrics, [r for part in gathered for r in part[2]], cfg, data, summary,
@@ -98,11 +104,6 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, c
         if verbose:
             print_table(metrics, data.names, len(all_stats))
     return dist.broadcast_object(metrics)
-
-
-def _dataset_index(loader: torch.utils.data.DataLoader) -> dict[str, int]:
-    """im_file -> its position in the whole split (the same on every rank), for a stable merge order."""
-    return {r.im_file: i for i, r in enumerate(loader.dataset.records)}
 
 
 def _coco_rows(det: torch.Tensor, image_id: int) -> list[dict[str, Any]]:
