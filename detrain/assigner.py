@@ -95,7 +95,7 @@ class TaskAlignedAssigner:
             return self._background(pd_scores, pd_bboxes_xyxy)
 
         mask_gt = mask_gt.reshape(b, m, 1).bool()
-        labels = gt_labels.reshape(b, m).long().clamp_(0, self.num_classes - 1)
+        labels = gt_labels.reshape(b, m).long()
         candidates = anchors_inside_boxes(anchor_points, gt_bboxes_xyxy, self.eps) & mask_gt  # (B, M, N)
 
         overlaps, align_metric = self._alignment(pd_scores, pd_bboxes_xyxy, labels, gt_bboxes_xyxy, candidates)
@@ -103,49 +103,45 @@ class TaskAlignedAssigner:
         # top-k by alignment per box; picks outside the candidates (ties at zero) are dropped by the mask
         k = min(self.topk, n)
         topk_idx = align_metric.topk(k, dim=-1).indices
-        in_topk = torch.zeros_like(candidates).scatter_(-1, topk_idx, True)
-        mask_pos = in_topk & candidates  # (B, M, N)
+        mask_pos = torch.zeros_like(candidates).scatter_(-1, topk_idx, True) & candidates  # (B, M, N)
 
-        # an anchor claimed by several boxes goes to the one its prediction overlaps most
-        # (unconditional: a data-dependent branch would cost a device sync on GPU)
-        multi = mask_pos.sum(1, keepdim=True) > 1  # (B, 1, N)
-        best = overlaps.masked_fill(~mask_pos, -1.0).argmax(1, keepdim=True)  # (B, 1, N)
-        best_onehot = torch.zeros_like(mask_pos).scatter_(1, best, True)
-        mask_pos = torch.where(multi, best_onehot, mask_pos)
+        # an anchor claimed by several boxes goes to the one its prediction overlaps most; boxes that did
+        # not claim it score -1 so they never win
+        gt_idx = torch.where(mask_pos, overlaps, -1.0).argmax(1)  # (B, N)
+        fg_mask = mask_pos.any(1)
+        gt_idx = gt_idx * fg_mask  # background points at box 0, harmlessly (everything below is masked)
 
-        fg_mask = mask_pos.any(1)  # (B, N)
-        gt_idx = mask_pos.to(torch.uint8).argmax(1)  # (B, N); 0 on background, masked below
+        # normalise per box: its best-aligned anchor gets the box's best IoU. Per-anchor values and per-box
+        # maxima via scatter keep this at (B, N) and (B, M) instead of another pass over (B, M, N).
+        metric = align_metric.gather(1, gt_idx[:, None]).squeeze(1) * fg_mask
+        iou = overlaps.gather(1, gt_idx[:, None]).squeeze(1) * fg_mask
+        max_metric = metric.new_zeros(b, m).scatter_reduce_(1, gt_idx, metric, "amax")
+        max_iou = iou.new_zeros(b, m).scatter_reduce_(1, gt_idx, iou, "amax")
+        norm_align = metric * max_iou.gather(1, gt_idx) / (max_metric.gather(1, gt_idx) + self.eps)
 
         target_labels = labels.gather(1, gt_idx)
-        target_bboxes = gt_bboxes_xyxy.gather(1, gt_idx[..., None].expand(-1, -1, 4))
-        target_scores = torch.zeros_like(pd_scores).scatter_(-1, target_labels[..., None], 1.0)
-
-        # normalise per box: its best-aligned anchor gets the box's best IoU
-        align_metric = align_metric * mask_pos
-        overlaps = overlaps * mask_pos
-        max_metric = align_metric.amax(-1, keepdim=True)  # (B, M, 1)
-        max_iou = overlaps.amax(-1, keepdim=True)
-        norm_align = (align_metric * max_iou / (max_metric + self.eps)).amax(1)  # (B, N)
-        target_scores = target_scores * (norm_align * fg_mask)[..., None]
-
+        target_bboxes = gt_bboxes_xyxy.gather(1, gt_idx[..., None].expand(-1, -1, 4)) * fg_mask[..., None]
+        target_scores = torch.zeros_like(pd_scores).scatter_(
+            -1, target_labels[..., None], norm_align[..., None].to(pd_scores.dtype)
+        )
         target_labels = target_labels.masked_fill(~fg_mask, self.num_classes)
-        target_bboxes = target_bboxes * fg_mask[..., None]
         return Assignment(target_labels, target_bboxes, target_scores, fg_mask, gt_idx)
 
     def _alignment(
         self, pd_scores: Tensor, pd_bboxes: Tensor, labels: Tensor, gt_bboxes: Tensor, candidates: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """IoU and alignment metric (B, M, N), zero outside the candidates."""
-        b, m, n = candidates.shape
-        overlaps = torch.zeros(b, m, n, dtype=pd_bboxes.dtype, device=pd_bboxes.device)
-        # IoU only where it is needed: typically a small fraction of the B*M*N pairs
-        gt_pairs = gt_bboxes[:, :, None, :].expand(-1, -1, n, -1)[candidates]
-        pd_pairs = pd_bboxes[:, None, :, :].expand(-1, m, -1, -1)[candidates]
-        overlaps[candidates] = _iou_xyxy(gt_pairs, pd_pairs).clamp_(0).to(overlaps.dtype)
+        """IoU and alignment metric (B, M, N), zero outside the candidates.
 
-        # score of each box's class at every anchor: (B, nc, N) gathered along nc by the (B, M) labels
-        cls_scores = pd_scores.transpose(1, 2).gather(1, labels[..., None].expand(-1, -1, n))
-        align_metric = cls_scores.pow(self.alpha) * overlaps.pow(self.beta) * candidates
+        Both are computed only at candidate pairs, typically a small fraction of the B*M*N, then scattered.
+        """
+        b, m, n = candidates.shape
+        img, box, anchor = candidates.nonzero(as_tuple=True)
+        iou = _iou_xyxy(gt_bboxes[img, box], pd_bboxes[img, anchor]).clamp_(0)
+        score = pd_scores[img, anchor, labels[img, box]]
+        overlaps = pd_bboxes.new_zeros(b, m, n)
+        align_metric = pd_bboxes.new_zeros(b, m, n)
+        overlaps[img, box, anchor] = iou.to(overlaps.dtype)
+        align_metric[img, box, anchor] = (score.pow(self.alpha) * iou.pow(self.beta)).to(overlaps.dtype)
         return overlaps, align_metric
 
     def _background(self, pd_scores: Tensor, pd_bboxes: Tensor) -> Assignment:
