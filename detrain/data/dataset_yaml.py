@@ -1,0 +1,418 @@
+"""Dataset yaml (Ultralytics' schema) -> `DatasetInfo`: absolute image lists per split and class names.
+
+Schema: `path` (dataset root), `train`, `val`, optional `test` (each a folder of images, a `.txt` list of
+image paths, a COCO annotation `.json`, or a list of those), `names` (list or {id: name}), optional `nc`,
+optional `download` (URL, list of URLs, or list of {url, dir}). A yaml with `synthetic: shapes` is the
+built-in generated set. Label files sit where `img2label_path` says: `.../images/...` -> `.../labels/...txt`.
+
+Example:
+    >>> info = load_dataset_yaml("coco8.yaml")  # doctest: +SKIP
+    >>> len(info.train), info.names[0]  # doctest: +SKIP
+    (4, 'person')
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from detrain.data import synthetic
+from detrain.data.download import download_dataset, file_lock, is_url
+from detrain.data.labels import img2label_path
+from detrain.errors import DatasetError
+
+__all__ = [
+    "DatasetInfo",
+    "load_dataset_yaml",
+    "datasets_dir",
+    "bundled_dataset_names",
+    "img2label_path",
+    "IMG_FORMATS",
+]
+
+IMG_FORMATS = frozenset({"bmp", "dng", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp", "pfm"})
+_SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """A resolved dataset: absolute, sorted image paths per split and the class names.
+
+    `coco_json` maps a split to its COCO annotation file when one is known (the split was given as a
+    `.json`, or `<path>/annotations/instances_<split folder>.json` exists), for exact COCO evaluation.
+
+    Example:
+        >>> info = load_dataset_yaml("shapes.yaml")  # doctest: +SKIP
+        >>> info.nc, info.names  # doctest: +SKIP
+        (3, {0: 'circle', 1: 'rectangle', 2: 'triangle'})
+    """
+
+    yaml_file: Path
+    root: Path
+    train: list[str]
+    val: list[str]
+    test: list[str] | None
+    names: dict[int, str]
+    nc: int
+    coco_json: dict[str, str] | None
+    raw: dict
+
+
+def datasets_dir() -> Path:
+    """Where bundled datasets are downloaded or generated: `$DETRAIN_DATASETS_DIR`, else ~/.cache/detrain/datasets.
+
+    Example:
+        >>> datasets_dir().name  # doctest: +SKIP
+        'datasets'
+    """
+    env = os.environ.get("DETRAIN_DATASETS_DIR")
+    return Path(env).expanduser().absolute() if env else Path.home() / ".cache" / "detrain" / "datasets"
+
+
+def _bundled_dir() -> Path:
+    # Installed: the yamls ship as the package detrain.datasets. Source checkout: <repo>/datasets.
+    try:
+        resource = importlib.resources.files("detrain.datasets")
+        probe = resource.joinpath("coco8.yaml")
+        if isinstance(probe, Path) and probe.is_file():
+            return probe.parent
+    except (ModuleNotFoundError, TypeError):
+        pass
+    return Path(__file__).resolve().parents[2] / "datasets"
+
+
+def bundled_dataset_names() -> list[str]:
+    """File names of the dataset yamls that ship with detrain.
+
+    Example:
+        >>> "coco8.yaml" in bundled_dataset_names()
+        True
+    """
+    d = _bundled_dir()
+    return sorted(p.name for p in d.glob("*.yaml")) if d.is_dir() else []
+
+
+def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download: bool = True) -> DatasetInfo:
+    """Read a dataset yaml, fetch or generate the data if needed, and list every split's images.
+
+    `data` is a path, or a bare name of a bundled yaml (`coco8.yaml`, `coco8`, `shapes.yaml`) when no such
+    file is in the current folder. Bundled datasets live under `datasets_dir()`; the synthetic set is
+    generated once into `cache_dir` (default `datasets_dir()`).
+
+    Example:
+        >>> info = load_dataset_yaml("shapes.yaml")  # doctest: +SKIP
+        >>> len(info.train), len(info.val)  # doctest: +SKIP
+        (256, 64)
+    """
+    yaml_file, bundled = _find_yaml(data)
+    raw = _read_yaml(yaml_file)
+    if "synthetic" in raw:
+        return _load_synthetic(yaml_file, raw, Path(cache_dir) if cache_dir is not None else datasets_dir())
+    names = _parse_names(raw, yaml_file)
+    for key in ("train", "val"):
+        if raw.get(key) is None:
+            raise DatasetError(f"{yaml_file}: the key '{key}:' is missing; give a folder of images, a .txt list or a list of those")
+    root = _resolve_root(raw, yaml_file, bundled)
+    splits = {k: _split_entries(k, raw[k], yaml_file) for k in _SPLITS if raw.get(k) is not None}
+    missing = [p for k in ("train", "val") for p in _missing_paths(root, splits[k])]
+    if missing:
+        _fetch_or_explain(raw, yaml_file, root, missing, download)
+    lists: dict[str, list[str]] = {}
+    coco_json: dict[str, str] = {}
+    for key, entries in splits.items():
+        lists[key], json_file = _list_split(key, entries, root, yaml_file)
+        if json_file is not None:
+            coco_json[key] = json_file
+    return DatasetInfo(
+        yaml_file=yaml_file,
+        root=root,
+        train=lists["train"],
+        val=lists["val"],
+        test=lists.get("test"),
+        names=names,
+        nc=len(names),
+        coco_json=coco_json or None,
+        raw=raw,
+    )
+
+
+# ---- the yaml itself ------------------------------------------------------------------------------------
+
+
+def _find_yaml(data: str | Path) -> tuple[Path, bool]:
+    """(absolute yaml path, whether it is one of the bundled yamls)."""
+    path = Path(data).expanduser()
+    bundled_dir = _bundled_dir()
+    if path.is_file():
+        resolved = path.resolve()
+        return resolved, resolved.parent == bundled_dir.resolve()
+    if path.parent == Path("."):  # a bare name: look among the bundled yamls
+        for candidate in (path.name, f"{path.name}.yaml"):
+            if (bundled_dir / candidate).is_file():
+                return (bundled_dir / candidate).resolve(), True
+    names = ", ".join(bundled_dataset_names()) or "none"
+    raise DatasetError(f"dataset yaml '{data}' not found (looked in {Path.cwd()}); bundled datasets: {names}")
+
+
+def _read_yaml(yaml_file: Path) -> dict:
+    try:
+        raw = yaml.safe_load(yaml_file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        detail = " ".join(str(e).split())
+        raise DatasetError(f"{yaml_file}: not valid YAML ({detail})") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{yaml_file}: cannot read it ({e})") from None
+    if not isinstance(raw, dict):
+        raise DatasetError(
+            f"{yaml_file}: must be a mapping with keys path, train, val and names (got {type(raw).__name__})"
+        )
+    return raw
+
+
+def _parse_names(raw: dict, yaml_file: Path) -> dict[int, str]:
+    names = raw.get("names")
+    if names is None:
+        raise DatasetError(f"{yaml_file}: the key 'names:' is missing; give a list of class names or a mapping {{0: name, ...}}")
+    if isinstance(names, (list, tuple)):
+        parsed = {i: str(n) for i, n in enumerate(names)}
+    elif isinstance(names, dict):
+        try:
+            parsed = {int(k): str(v) for k, v in names.items()}
+        except (TypeError, ValueError):
+            raise DatasetError(f"{yaml_file}: names: keys must be integer class ids (got {list(names)[:5]})") from None
+        if sorted(parsed) != list(range(len(parsed))):
+            raise DatasetError(
+                f"{yaml_file}: names: ids must be 0..{len(parsed) - 1} without gaps (got {sorted(parsed)[:10]}...)"
+            )
+        parsed = dict(sorted(parsed.items()))
+    else:
+        raise DatasetError(f"{yaml_file}: names: must be a list or a mapping {{id: name}} (got {type(names).__name__})")
+    if not parsed:
+        raise DatasetError(f"{yaml_file}: names: is empty; list at least one class name")
+    nc = raw.get("nc")
+    if nc is not None and nc != len(parsed):
+        raise DatasetError(f"{yaml_file}: nc: {nc} disagrees with names: ({len(parsed)} classes); fix or drop nc")
+    return parsed
+
+
+def _resolve_root(raw: dict, yaml_file: Path, bundled: bool) -> Path:
+    """The dataset root: bundled yamls under datasets_dir(); others beside the yaml, then the cwd."""
+    value = raw.get("path")
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise DatasetError(f"{yaml_file}: path: must be a folder (got {value!r})")
+    if bundled:
+        base = datasets_dir()
+        return (base / Path(value).expanduser()).absolute() if value else base / yaml_file.stem
+    if not value:
+        return yaml_file.parent
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        return Path(os.path.normpath(path))
+    beside, in_cwd = yaml_file.parent / path, Path.cwd() / path
+    chosen = beside if beside.exists() or not in_cwd.exists() else in_cwd
+    return Path(os.path.normpath(chosen.absolute()))
+
+
+# ---- splits ---------------------------------------------------------------------------------------------
+
+
+def _split_entries(key: str, value: Any, yaml_file: Path) -> list[str]:
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(v, (str, os.PathLike)) and str(v).strip() for v in items):
+        raise DatasetError(
+            f"{yaml_file}: {key}: must be a folder of images, a .txt list, a COCO .json or a list of those (got {value!r})"
+        )
+    return [str(v).strip() for v in items]
+
+
+def _abs(root: Path, entry: str) -> Path:
+    path = Path(entry).expanduser()
+    return Path(os.path.normpath(path if path.is_absolute() else root / path))
+
+
+def _missing_paths(root: Path, entries: list[str]) -> list[Path]:
+    """Entries that do not exist; a .txt list counts as missing when its first image is (data not yet fetched)."""
+    missing = []
+    for entry in entries:
+        path = _abs(root, entry)
+        if not path.exists():
+            missing.append(path)
+        elif path.suffix.lower() == ".txt" and path.is_file():
+            first = next(iter(_read_txt_list(path, root)), None)
+            if first is not None and not Path(first).exists():
+                missing.append(Path(first).parent)
+    return missing
+
+
+def _list_split(key: str, entries: list[str], root: Path, yaml_file: Path) -> tuple[list[str], str | None]:
+    images: list[str] = []
+    json_file: str | None = None
+    for entry in entries:
+        path = _abs(root, entry)
+        if not path.exists():
+            raise DatasetError(f"{yaml_file}: {key}: {path} does not exist; put the {key} images there or fix '{key}:'")
+        if path.is_dir():
+            found = _images_in(path)
+            if not found:
+                exts = ", ".join(sorted(IMG_FORMATS))
+                raise DatasetError(f"{yaml_file}: {key}: folder {path} holds no images (accepted extensions: {exts})")
+            images += found
+            json_file = json_file or _annotations_json(root, path.name)
+        elif path.suffix.lower() == ".txt":
+            listed = [f for f in _read_txt_list(path, root) if _is_image(f)]
+            if not listed:
+                raise DatasetError(f"{yaml_file}: {key}: list {path} names no image files (one image path per line)")
+            images += listed
+            json_file = json_file or _annotations_json(root, path.stem)
+        elif path.suffix.lower() == ".json":
+            images += _images_from_coco_json(path, root, key, yaml_file)
+            json_file = str(path)
+        elif path.is_file() and _is_image(str(path)):
+            images.append(str(path))
+        else:
+            raise DatasetError(
+                f"{yaml_file}: {key}: {path} is not a folder, a .txt list, a COCO .json or an image"
+            )
+    return sorted(images), json_file
+
+
+def _is_image(path: str) -> bool:
+    return path.rsplit(".", 1)[-1].lower() in IMG_FORMATS
+
+
+def _images_in(folder: Path) -> list[str]:
+    found: list[str] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a symlink loop: walk each real folder once
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        found += [os.path.join(dirpath, f) for f in filenames if _is_image(f)]
+    return found
+
+
+def _read_txt_list(path: Path, root: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: cannot read the image list ({e})") from None
+    return [str(_abs(root, line.strip())) for line in lines if line.strip()]
+
+
+def _annotations_json(root: Path, split_name: str) -> str | None:
+    candidate = root / "annotations" / f"instances_{split_name}.json"
+    return str(candidate) if candidate.is_file() else None
+
+
+def _images_from_coco_json(path: Path, root: Path, key: str, yaml_file: Path) -> list[str]:
+    """Image paths named in a COCO annotation file, found in the usual COCO or YOLO folder layouts."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        file_names = [str(im["file_name"]) for im in doc["images"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DatasetError(f"{yaml_file}: {key}: {path} is not a readable COCO annotation file ({e})") from None
+    if not file_names:
+        raise DatasetError(f"{yaml_file}: {key}: {path} lists no images")
+    tag = path.stem.split("_", 1)[-1]  # instances_val2017 -> val2017
+    candidates = [root / "images" / tag, root / tag, path.parent.parent / "images" / tag, path.parent.parent / tag, root]
+    for folder in candidates:
+        if (folder / file_names[0]).is_file():
+            return [os.path.normpath(folder / f) for f in file_names]
+    raise DatasetError(
+        f"{yaml_file}: {key}: images named in {path.name} (e.g. {file_names[0]}) not found; put them in {candidates[0]}"
+    )
+
+
+# ---- getting the data -----------------------------------------------------------------------------------
+
+
+def _download_plan(value: Any, root: Path) -> list[tuple[str, Path]] | None:
+    """[(url, destination)] from `download:`, or None when it is not something detrain can fetch."""
+    items = value if isinstance(value, list) else [value]
+    plan: list[tuple[str, Path]] = []
+    for item in items:
+        if is_url(item):
+            plan.append((item.strip(), root))
+        elif isinstance(item, dict) and is_url(item.get("url")):
+            plan.append((item["url"].strip(), _abs(root, str(item.get("dir") or "."))))
+        else:
+            return None
+    return plan or None
+
+
+def _fetch_or_explain(raw: dict, yaml_file: Path, root: Path, missing: list[Path], download: bool) -> None:
+    where = f"put the dataset in {root} (images under images/, labels under labels/)"
+    plan = _download_plan(raw.get("download"), root) if raw.get("download") is not None else None
+    if raw.get("download") is None:
+        raise DatasetError(f"{yaml_file}: {missing[0]} does not exist and the yaml has no download:; {where}")
+    if plan is None:
+        raise DatasetError(
+            f"{yaml_file}: {missing[0]} does not exist and download: is not a URL, a list of URLs or of {{url, dir}}; {where}"
+        )
+    if not download:
+        raise DatasetError(
+            f"{yaml_file}: {missing[0]} does not exist and downloading is off; {where}, or allow download to fetch {plan[0][0]}"
+        )
+    for url, dest in plan:
+        download_dataset(url, dest)
+    still = [p for p in missing if not p.exists()]
+    if still:
+        raise DatasetError(f"{yaml_file}: {still[0]} still does not exist after downloading; {where}")
+
+
+def _load_synthetic(yaml_file: Path, raw: dict, cache_dir: Path) -> DatasetInfo:
+    kind = raw.get("synthetic")
+    if kind != "shapes":
+        raise DatasetError(f"{yaml_file}: synthetic: {kind!r} is unknown; valid: shapes")
+    params = {k: raw.get(k, default) for k, default in synthetic.DEFAULTS.items()}
+    if raw.get("names") is not None and _parse_names(raw, yaml_file) != synthetic.SHAPE_NAMES:
+        raise DatasetError(f"{yaml_file}: names: must be {synthetic.SHAPE_NAMES} for the shapes dataset (or left out)")
+    suffix = "" if params == synthetic.DEFAULTS else "-" + "-".join(str(params[k]) for k in synthetic.DEFAULTS)
+    root = _ensure_synthetic(cache_dir / f"shapes{suffix}", params)
+    generated = _read_yaml(root / "data.yaml")
+    lists = {k: _list_split(k, [generated[k]], root, root / "data.yaml")[0] for k in ("train", "val")}
+    names = dict(synthetic.SHAPE_NAMES)
+    return DatasetInfo(yaml_file, root, lists["train"], lists["val"], None, names, len(names), None, raw)
+
+
+def _ensure_synthetic(target: Path, params: dict) -> Path:
+    """Generate the set into `target` once: under a lock, into a temp folder renamed into place."""
+    fp = synthetic.fingerprint(**params)
+    if _synthetic_ready(target, fp):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(target.parent / f".{target.name}.lock", what=f"the generation of {target}"):
+        if _synthetic_ready(target, fp):  # another rank finished it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            synthetic.generate_shapes(tmp, **params)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the set is for everyone who can read the cache
+            if target.exists():  # an older or different set: move it aside, then swap ours in
+                stale = target.parent / f".{target.name}.stale-{uuid.uuid4().hex[:8]}"
+                os.replace(target, stale)
+                os.replace(tmp, target)
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _synthetic_ready(target: Path, fp: str) -> bool:
+    try:
+        return f"fingerprint: {fp}\n" in (target / "data.yaml").read_text()
+    except OSError:
+        return False
