@@ -113,6 +113,14 @@ class DetectionLoss:
         global_batch: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Loss for head maps (B, 4*reg_max + nc, H_i, W_i) and flat labels; see the class docstring."""
+        # a caller's autocast would run the DFL expectation (a matmul) in half precision: boxes off by
+        # ~0.1 px and a noisy CIoU; the loss is cheap next to the model, so it always runs in float32
+        with torch.autocast(head_maps[0].device.type, enabled=False):
+            return self._loss(head_maps, batch_idx, cls, bboxes_xywhn, global_batch)
+
+    def _loss(
+        self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor, global_batch: int | None
+    ) -> tuple[Tensor, Tensor]:
         batch = head_maps[0].shape[0]
         pred = torch.cat([m.reshape(batch, m.shape[1], -1) for m in head_maps], 2)
         if pred.dtype != torch.float64:  # half-precision maps (AMP) are scored in float32

@@ -177,3 +177,14 @@ def test_two_half_batches_with_shared_normalizer_reproduce_the_full_batch_gradie
     for g_full, g0, g1 in zip(grads_full, *half_grads):
         torch.testing.assert_close((g0 + g1) / 2, g_full, rtol=1e-6, atol=1e-9)
     assert any(g.abs().max() > 1e-3 for g in grads_full)  # a real gradient, not a trivially equal zero
+
+
+def test_autocast_of_the_caller_does_not_lower_the_loss_precision() -> None:
+    gen = torch.Generator().manual_seed(0)
+    maps = [torch.randn(1, CHANNELS, 8, 8, generator=gen), torch.randn(1, CHANNELS, 4, 4, generator=gen)]
+    labels = random_labels(gen, [2])
+    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)
+    _, plain = criterion(maps, *labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, autocast = criterion(maps, *labels)
+    torch.testing.assert_close(autocast, plain)
