@@ -211,7 +211,8 @@ def wait_for_cache(path: str | Path, timeout_s: float, expected_hash: str | None
     path = Path(path)
     deadline = time.monotonic() + timeout_s
     while True:
-        if _cache_hash(path) is not None and (expected_hash is None or _cache_hash(path) == expected_hash):
+        found = _cache_hash(path)
+        if found is not None and (expected_hash is None or found == expected_hash):
             return
         if time.monotonic() >= deadline:
             raise DatasetError(
