@@ -1,0 +1,395 @@
+"""Ultralytics checkpoints are read without Ultralytics, nothing in them runs, and they map onto our model."""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import hashlib
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import types
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from detrain.errors import CheckpointError
+from detrain.weights.ultralytics import (
+    InertObject,
+    is_ultralytics_checkpoint,
+    load_ultralytics_checkpoint,
+    read_torch_zip,
+    to_detrain_model,
+)
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+YOLOV8N = SHARED / "weights" / "yolov8n.pt"
+IMAGE = SHARED / "data" / "coco8" / "images" / "val" / "000000000036.jpg"
+
+
+# --------------------------------------------------------------------------------------------------
+# Helpers: fake "ultralytics" modules so the test can pickle objects under Ultralytics' class names
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def fake_ultralytics(monkeypatch: pytest.MonkeyPatch) -> dict[str, types.ModuleType]:
+    """Register empty ``ultralytics.*`` modules so pickle can name classes placed in them (undone after)."""
+    mods: dict[str, types.ModuleType] = {}
+    names = ("ultralytics", "ultralytics.nn", "ultralytics.nn.tasks", "ultralytics.nn.modules", "ultralytics.utils")
+    for name in names:
+        mod = types.ModuleType(name)
+        mod.__path__ = []  # a package, so the dotted children import from sys.modules
+        mods[name] = mod
+        monkeypatch.setitem(sys.modules, name, mod)
+    return mods
+
+
+def _stub_class(module: types.ModuleType, name: str) -> type:
+    if not hasattr(module, name):
+        cls = type(name, (), {})
+        cls.__module__ = module.__name__
+        setattr(module, name, cls)
+    return getattr(module, name)
+
+
+def _stub_module_tree(m: nn.Module, mods: dict[str, types.ModuleType], root: bool = False) -> Any:
+    """An object that pickles the way an Ultralytics nn.Module does: a class by name plus its __dict__."""
+    home = mods["ultralytics.nn.tasks" if root else "ultralytics.nn.modules"]
+    obj = _stub_class(home, type(m).__name__)()
+    obj.__dict__.update(
+        training=m.training,
+        _parameters=OrderedDict(
+            (k, None if v is None else nn.Parameter(v.detach().half(), requires_grad=v.requires_grad))
+            for k, v in m._parameters.items()
+        ),
+        _buffers=OrderedDict(m._buffers),
+        _non_persistent_buffers_set=set(m._non_persistent_buffers_set),
+        _modules=OrderedDict((k, _stub_module_tree(c, mods)) for k, c in m._modules.items()),
+    )
+    return obj
+
+
+def _write_pickle_zip(path: Path, data: bytes) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{path.stem}/data.pkl", data)
+        zf.writestr(f"{path.stem}/version", "3\n")
+    return path
+
+
+class _Call:
+    """Pickles as a call of ``fn(*args)``: the classic way a pickle runs code when it is loaded."""
+
+    def __init__(self, fn: Any, *args: Any) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.fn, self.args
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Malicious files: refused, and nothing in them runs
+# --------------------------------------------------------------------------------------------------
+
+
+def _payloads(marker: Path) -> dict[str, tuple[Any, str]]:
+    """name -> (object to pickle as a checkpoint, the global the refusal must name)."""
+    touch = f"touch {marker}"
+    system = f"{os.system.__module__}.system"  # posix.system here; nt.system on Windows
+    return {
+        "os.system": ({"model": _Call(os.system, touch)}, system),
+        "builtins.eval": ({"model": _Call(builtins.eval, f"__import__('os').system({touch!r})")}, "builtins.eval"),
+        "builtins.exec": ({"model": _Call(builtins.exec, f"open({str(marker)!r}, 'w').close()")}, "builtins.exec"),
+        "subprocess.Popen": ({"model": _Call(subprocess.Popen, ["touch", str(marker)])}, "subprocess.Popen"),
+        "nested system call": ({"train_args": {"a": [({"b": (1, _Call(os.system, touch))},)]}}, system),
+        "nested bare global": ({"train_args": {"hooks": [[{"x": (os.system,)}]]}}, system),
+        "functools.partial": ({"model": _Call(functools.partial(os.system, touch))}, "functools.partial"),
+        "builtins.getattr": ({"model": _Call(getattr, "text", "upper")}, "builtins.getattr"),
+        "importlib.import_module": ({"model": _Call(importlib.import_module, "os")}, "importlib.import_module"),
+    }
+
+
+@pytest.mark.parametrize("protocol", [0, 2])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "os.system",
+        "builtins.eval",
+        "builtins.exec",
+        "subprocess.Popen",
+        "nested system call",
+        "nested bare global",
+        "functools.partial",
+        "builtins.getattr",
+        "importlib.import_module",
+    ],
+)
+def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path, variant: str, protocol: int) -> None:
+    marker = tmp_path / "pwned"
+    obj, target = _payloads(marker)[variant]
+    path = _write_pickle_zip(tmp_path / "evil.pt", pickle.dumps(obj, protocol=protocol))
+    with pytest.raises(CheckpointError) as err:
+        load_ultralytics_checkpoint(path)
+    assert str(err.value) == f"refusing to load {path}: it asks to call {target}"
+    assert not marker.exists()
+    assert not is_ultralytics_checkpoint(path)  # the cheap peek does not unpickle either
+
+
+def test_the_payload_is_live(tmp_path: Path) -> None:
+    """Control: a plain unpickler does run the os.system payload, so the refusals above are real."""
+    marker = tmp_path / "pwned"
+    obj, _ = _payloads(marker)["os.system"]
+    pickle.loads(pickle.dumps(obj, protocol=2))
+    assert marker.exists()
+
+
+def test_reduce_inside_the_model_state_is_refused(tmp_path: Path, fake_ultralytics: dict) -> None:
+    marker = tmp_path / "pwned"
+    model = _stub_class(fake_ultralytics["ultralytics.nn.tasks"], "DetectionModel")()
+    model.__dict__.update(
+        _parameters=OrderedDict(),
+        _buffers=OrderedDict(),
+        _modules=OrderedDict({"0": _Call(os.system, f"touch {marker}")}),
+        yaml={"nc": 1},
+    )
+    path = tmp_path / "evil_model.pt"
+    torch.save({"model": model, "ema": None}, path, pickle_protocol=2)
+    assert is_ultralytics_checkpoint(path)
+    with pytest.raises(CheckpointError, match=r"it asks to call (posix|nt)\.system$"):
+        load_ultralytics_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_calls_into_ultralytics_names_only_make_records(tmp_path: Path, fake_ultralytics: dict) -> None:
+    """Even a function in an allowed namespace is never imported or called: the call becomes a record."""
+    marker = tmp_path / "ran"
+    utils = fake_ultralytics["ultralytics.utils"]
+
+    def boom(p: str) -> None:
+        Path(p).touch()
+
+    boom.__module__, boom.__qualname__ = utils.__name__, "boom"
+    utils.boom = boom
+    path = _write_pickle_zip(tmp_path / "calls.pt", pickle.dumps({"x": _Call(boom, str(marker))}, protocol=2))
+    out = read_torch_zip(path)
+    assert isinstance(out["x"], InertObject)
+    assert out["x"].inert_name == "ultralytics.utils.boom"
+    assert out["x"].inert_args == (str(marker),)
+    assert not marker.exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# The zip format itself
+# --------------------------------------------------------------------------------------------------
+
+
+def test_reads_what_torch_save_writes(tmp_path: Path) -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    obj = {
+        "f32": base,
+        "view": base[1:, ::2],  # shares the storage of f32 at an offset and stride
+        "f16": torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).half(),
+        "i64": torch.tensor([1, -2, 3]),
+        "bool": torch.tensor([True, False]),
+        "bf16": torch.ones(2, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 3),
+        "param": nn.Parameter(torch.ones(2, 2)),
+        "meta": OrderedDict(a=torch.Size([1, 2]), b={1, 2}, c=frozenset({3}), d=slice(1, 5, 2), e=torch.float16),
+        "np": np.float64(2.5),
+        "bytes": b"\x00\xff",
+    }
+    for protocol in (2, 4):
+        path = tmp_path / f"plain{protocol}.pt"
+        torch.save(obj, path, pickle_protocol=protocol)
+        got = read_torch_zip(path)
+        want = torch.load(path, weights_only=False)
+        assert got.keys() == want.keys()
+        for k in ("f32", "view", "f16", "i64", "bool", "bf16", "empty", "param"):
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+        assert got["meta"] == want["meta"]
+        assert got["np"] == 2.5 and got["bytes"] == b"\x00\xff"
+        assert not is_ultralytics_checkpoint(path)
+
+
+def test_big_endian_records_are_swapped(tmp_path: Path) -> None:
+    t = torch.tensor([1.5, -2.25, 3e8], dtype=torch.float32)
+    little = tmp_path / "little.pt"
+    torch.save(t, little)
+    big = tmp_path / "big.pt"
+    with zipfile.ZipFile(little) as src, zipfile.ZipFile(big, "w") as dst:
+        for name in src.namelist():
+            data = src.read(name)
+            if name.endswith("/byteorder"):
+                data = b"big"
+            elif "/data/" in name:
+                data = np.frombuffer(data, dtype="<f4").astype(">f4").tobytes()
+            dst.writestr(name, data)
+        if not any(n.endswith("/byteorder") for n in src.namelist()):
+            dst.writestr("little/byteorder", b"big")
+    assert torch.equal(read_torch_zip(big), t)
+
+
+def test_missing_and_non_zip_files(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=r"^weights file not found: "):
+        load_ultralytics_checkpoint(tmp_path / "absent.pt")
+    text = tmp_path / "notes.pt"
+    text.write_text("hello")
+    with pytest.raises(CheckpointError, match="not a torch zip checkpoint"):
+        load_ultralytics_checkpoint(text)
+    assert not is_ultralytics_checkpoint(text)
+    assert not is_ultralytics_checkpoint(tmp_path / "absent.pt")
+
+
+def test_a_plain_state_dict_is_not_an_ultralytics_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "sd.pt"
+    torch.save({"model": {"w": torch.ones(1)}}, path)
+    with pytest.raises(CheckpointError, match="no 'model' or 'ema' entry"):
+        load_ultralytics_checkpoint(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# A synthetic Ultralytics-shaped checkpoint (no shared files needed)
+# --------------------------------------------------------------------------------------------------
+
+
+def _synthetic_checkpoint(tmp_path: Path, mods: dict, *, with_scale: bool, ema: bool) -> tuple[Path, nn.Module]:
+    from detrain.nn.model import DetectionModel
+
+    ours = DetectionModel(scale="n", nc=3, names={0: "a", 1: "b", 2: "c"}).eval()
+    root = _stub_module_tree(ours, mods, root=True)
+    yaml_cfg = {k: v for k, v in ours.yaml.items() if with_scale or k != "scale"}
+    root.__dict__.update(yaml=yaml_cfg, names={0: "a", 1: "b", 2: "c"}, stride=torch.tensor([8.0, 16.0, 32.0]))
+    ckpt = {
+        "epoch": 7,
+        "model": None if ema else root,
+        "ema": root if ema else None,
+        "train_args": types.SimpleNamespace(imgsz=320, epochs=10),
+        "date": "2024-01-01T00:00:00",
+        "version": "8.1.0",
+    }
+    path = tmp_path / "synthetic.pt"
+    torch.save(ckpt, path, pickle_protocol=2)
+    with torch.no_grad():  # what the half-precision file holds, back in float32
+        for p in ours.parameters():
+            p.copy_(p.half().float())
+    return path, ours
+
+
+@pytest.mark.parametrize("with_scale,ema", [(True, False), (False, True)])
+def test_synthetic_checkpoint_round_trip(tmp_path: Path, fake_ultralytics: dict, with_scale: bool, ema: bool) -> None:
+    path, ours = _synthetic_checkpoint(tmp_path, fake_ultralytics, with_scale=with_scale, ema=ema)
+    assert is_ultralytics_checkpoint(path)
+    info = load_ultralytics_checkpoint(path)
+    assert list(info["state_dict"]) == list(ours.state_dict())  # same names, same order, no 'stride'
+    assert info["nc"] == 3 and info["names"] == {0: "a", 1: "b", 2: "c"}
+    assert info["stride"] == [8.0, 16.0, 32.0]
+    assert info["imgsz"] == 320 and info["scale"] == "n" and info["epoch"] == 7
+    assert info["date"] == "2024-01-01T00:00:00" and info["version"] == "8.1.0"
+    model = to_detrain_model(info).eval()
+    for (k, a), b in zip(model.state_dict().items(), ours.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), k
+    x = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ours(x))
+
+
+def test_mismatched_shapes_are_listed(tmp_path: Path, fake_ultralytics: dict) -> None:
+    path, _ = _synthetic_checkpoint(tmp_path, fake_ultralytics, with_scale=True, ema=False)
+    info = load_ultralytics_checkpoint(path)
+    sd = dict(info["state_dict"])
+    del sd["model.0.conv.weight"]
+    sd["model.22.dfl.conv.weight"] = torch.zeros(1, 8, 1, 1)
+    sd["model.99.weight"] = torch.zeros(1)
+    with pytest.raises(CheckpointError) as err:
+        to_detrain_model({**info, "state_dict": sd})
+    message = str(err.value)
+    assert "\n" not in message
+    assert "missing model.0.conv.weight (expected shape (16, 3, 3, 3))" in message
+    assert "model.22.dfl.conv.weight has shape (1, 8, 1, 1), expected (1, 16, 1, 1)" in message
+    assert "unexpected model.99.weight" in message
+
+
+# --------------------------------------------------------------------------------------------------
+# The real YOLOv8n release file
+# --------------------------------------------------------------------------------------------------
+
+needs_yolov8n = pytest.mark.skipif(not YOLOV8N.is_file(), reason="shared/weights/yolov8n.pt is not present")
+
+
+@pytest.fixture(scope="module")
+def yolov8n_info() -> dict[str, Any]:
+    return load_ultralytics_checkpoint(YOLOV8N)
+
+
+@needs_yolov8n
+def test_yolov8n_reads(yolov8n_info: dict[str, Any]) -> None:
+    digest = _sha256(YOLOV8N)
+    assert digest.startswith("31e20dde") and digest.endswith("f2ef95")
+    assert is_ultralytics_checkpoint(YOLOV8N)
+    info = yolov8n_info
+    assert info["nc"] == 80 and len(info["names"]) == 80
+    assert info["names"][0] == "person" and info["names"][79] == "toothbrush"
+    assert info["stride"] == [8.0, 16.0, 32.0]
+    assert info["scale"] == "n" and info["imgsz"] == 640
+    assert "model.22.dfl.conv.weight" in info["state_dict"]
+
+
+@needs_yolov8n
+def test_yolov8n_detects_on_a_real_image(yolov8n_info: dict[str, Any]) -> None:
+    import cv2
+    from torchvision.ops import box_iou
+
+    model = to_detrain_model(yolov8n_info).eval()
+    assert set(model.state_dict()) == set(yolov8n_info["state_dict"])
+    assert all(v.dtype == torch.float32 for v in model.state_dict().values() if v.is_floating_point())
+
+    bgr = cv2.imread(str(IMAGE))
+    assert bgr is not None
+    h0, w0 = bgr.shape[:2]
+    gain = 640 / max(h0, w0)
+    resized = cv2.resize(bgr, (round(w0 * gain), round(h0 * gain)), interpolation=cv2.INTER_LINEAR)
+    canvas = np.full((640, 640, 3), 114, np.uint8)
+    canvas[: resized.shape[0], : resized.shape[1]] = resized[:, :, ::-1]  # RGB, padded right/bottom
+    x = torch.from_numpy(canvas).permute(2, 0, 1)[None].float() / 255
+    with torch.no_grad():
+        out = model(x)[0]  # (84, 8400)
+    scores, classes = out[4:].max(0)
+    assert scores.max() > 0.5
+    confident = set(classes[scores > 0.5].tolist())
+    assert {0, 25} <= confident  # the labelled person and umbrella
+
+    # The best person box lands on the labelled person (label: class 0, xywh normalised).
+    best = int(torch.where(classes == 0, scores, torch.zeros_like(scores)).argmax())
+    cx, cy, w, h = (out[:4, best] / gain).tolist()
+    pred = torch.tensor([[cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2]])
+    lx, ly, lw, lh = 0.671279 * w0, 0.617945 * h0, 0.645759 * w0, 0.726859 * h0
+    label = torch.tensor([[lx - lw / 2, ly - lh / 2, lx + lw / 2, ly + lh / 2]])
+    assert box_iou(pred, label).item() > 0.7
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # OrderedDict() then BUILD {'a': 1}: setting state on anything but an inert record is refused
+        b"\x80\x02ccollections\nOrderedDict\n)R}X\x01\x00\x00\x00aK\x01sb.",
+        # GLOBAL ultralytics.x.Foo (a class) then BUILD (None, {'__setstate__': set}): patching a class
+        b"\x80\x02cultralytics.x\nFoo\nN}X\x0c\x00\x00\x00__setstate__c__builtin__\nset\ns\x86b.",
+    ],
+)
+def test_build_is_only_allowed_on_records(tmp_path: Path, data: bytes) -> None:
+    path = _write_pickle_zip(tmp_path / "build.pt", data)
+    refused = r"^refusing to load .*: it sets the state of a (type|OrderedDict) object"
+    with pytest.raises(CheckpointError, match=refused):
+        read_torch_zip(path)
