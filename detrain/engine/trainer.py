@@ -307,7 +307,10 @@ class Trainer:
 
     def _validate(self, epoch: int) -> dict[str, Any]:
         ema = self.ema.ema
-        dist.average_buffers(ema)  # BatchNorm running stats differ per rank unless sync_bn; validate one model
+        if self.world > 1:  # BatchNorm running stats differ per rank unless sync_bn: validate one model
+            for buf in ema.buffers():
+                if buf.dtype.is_floating_point:
+                    buf.copy_(dist.reduce_mean(buf))
         return validate(ema, self.val_loader, self.val_data, self.cfg, self.device, save_dir=None, plots=False,
                         verbose=False)
 
