@@ -136,18 +136,21 @@ def test_yaml_errors_are_one_clear_line(tmp_path, text, match):
 
 def test_missing_data_without_download_says_where_to_put_it(tmp_path):
     y = _write(tmp_path / "d.yaml", "path: ds\ntrain: images/train\nval: images/val\nnames: [a]\n")
-    with pytest.raises(DatasetError, match=r"images/train does not exist and the yaml has no download:; put the dataset in .*ds"):
+    match = r"images/train does not exist and the yaml has no download:; put the dataset in .*ds"
+    with pytest.raises(DatasetError, match=match):
         load_dataset_yaml(y)
 
 
 def test_download_off_names_the_url(tmp_path):
-    y = _write(tmp_path / "d.yaml", "path: ds\ntrain: images/train\nval: images/val\nnames: [a]\ndownload: https://x.invalid/ds.zip\n")
+    text = "path: ds\ntrain: images/train\nval: images/val\nnames: [a]\ndownload: https://x.invalid/ds.zip\n"
+    y = _write(tmp_path / "d.yaml", text)
     with pytest.raises(DatasetError, match=r"downloading is off; .*https://x\.invalid/ds\.zip"):
         load_dataset_yaml(y, download=False)
 
 
 def test_download_script_is_not_run(tmp_path):
-    y = _write(tmp_path / "d.yaml", "train: images/train\nval: images/val\nnames: [a]\ndownload: |\n  import os\n  os.system('x')\n")
+    text = "train: images/train\nval: images/val\nnames: [a]\ndownload: |\n  import os\n  os.system('x')\n"
+    y = _write(tmp_path / "d.yaml", text)
     with pytest.raises(DatasetError, match="download: is not a URL"):
         load_dataset_yaml(y)
 
@@ -156,7 +159,8 @@ def test_empty_image_folder_names_folder_and_extensions(tmp_path):
     _touch_images(tmp_path / "images" / "train", ["readme.md"])
     _touch_images(tmp_path / "images" / "val", ["v.jpg"])
     y = _write(tmp_path / "d.yaml", "train: images/train\nval: images/val\nnames: [a]\n")
-    with pytest.raises(DatasetError, match=r"train: folder .*images/train holds no images \(accepted extensions: bmp, dng.*webp\)"):
+    match = r"train: folder .*images/train holds no images \(accepted extensions: bmp, dng.*webp\)"
+    with pytest.raises(DatasetError, match=match):
         load_dataset_yaml(y)
 
 
@@ -176,7 +180,8 @@ def test_coco_json_split_and_annotations_detection(tmp_path):
         root / "annotations" / "instances_val2017.json",
         json.dumps({"images": [{"id": 2, "file_name": "2.jpg"}, {"id": 1, "file_name": "1.jpg"}], "annotations": []}),
     )
-    y = _write(tmp_path / "d.yaml", f"path: {root}\ntrain: images/train2017\nval: annotations/instances_val2017.json\nnames: [a]\n")
+    text = f"path: {root}\ntrain: images/train2017\nval: annotations/instances_val2017.json\nnames: [a]\n"
+    y = _write(tmp_path / "d.yaml", text)
     info = load_dataset_yaml(y)
     assert info.val == [str(root / "images/val2017/1.jpg"), str(root / "images/val2017/2.jpg")]
     assert info.coco_json == {"val": str(ann)}
@@ -207,7 +212,8 @@ def test_shapes_is_generated_once_into_the_cache_dir(tmp_path):
 def test_shapes_concurrent_callers_see_one_complete_set(tmp_path):
     y = _write(tmp_path / "s.yaml", "synthetic: shapes\nn_train: 5\nn_val: 2\nimgsz: 48\n")
     out: list[DatasetInfo] = []
-    threads = [threading.Thread(target=lambda: out.append(load_dataset_yaml(y, cache_dir=tmp_path / "c"))) for _ in range(3)]
+    load = lambda: out.append(load_dataset_yaml(y, cache_dir=tmp_path / "c"))  # noqa: E731
+    threads = [threading.Thread(target=load) for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:

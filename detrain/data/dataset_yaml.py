@@ -120,7 +120,9 @@ def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download:
     names = _parse_names(raw, yaml_file)
     for key in ("train", "val"):
         if raw.get(key) is None:
-            raise DatasetError(f"{yaml_file}: the key '{key}:' is missing; give a folder of images, a .txt list or a list of those")
+            raise DatasetError(
+                f"{yaml_file}: the key '{key}:' is missing; give a folder of images, a .txt list or a list of those"
+            )
     root = _resolve_root(raw, yaml_file, bundled)
     splits = {k: _split_entries(k, raw[k], yaml_file) for k in _SPLITS if raw.get(k) is not None}
     missing = [p for k in ("train", "val") for p in _missing_paths(root, splits[k])]
@@ -181,7 +183,9 @@ def _read_yaml(yaml_file: Path) -> dict:
 def _parse_names(raw: dict, yaml_file: Path) -> dict[int, str]:
     names = raw.get("names")
     if names is None:
-        raise DatasetError(f"{yaml_file}: the key 'names:' is missing; give a list of class names or a mapping {{0: name, ...}}")
+        raise DatasetError(
+            f"{yaml_file}: the key 'names:' is missing; give a list of class names or a mapping {{0: name, ...}}"
+        )
     if isinstance(names, (list, tuple)):
         parsed = {i: str(n) for i, n in enumerate(names)}
     elif isinstance(names, dict):
@@ -229,7 +233,8 @@ def _split_entries(key: str, value: Any, yaml_file: Path) -> list[str]:
     items = value if isinstance(value, list) else [value]
     if not items or not all(isinstance(v, (str, os.PathLike)) and str(v).strip() for v in items):
         raise DatasetError(
-            f"{yaml_file}: {key}: must be a folder of images, a .txt list, a COCO .json or a list of those (got {value!r})"
+            f"{yaml_file}: {key}: must be a folder of images, a .txt list, a COCO .json or a list of those "
+            f"(got {value!r})"
         )
     return [str(v).strip() for v in items]
 
@@ -325,7 +330,8 @@ def _images_from_coco_json(path: Path, root: Path, key: str, yaml_file: Path) ->
     if not file_names:
         raise DatasetError(f"{yaml_file}: {key}: {path} lists no images")
     tag = path.stem.split("_", 1)[-1]  # instances_val2017 -> val2017
-    candidates = [root / "images" / tag, root / tag, path.parent.parent / "images" / tag, path.parent.parent / tag, root]
+    above = path.parent.parent
+    candidates = [root / "images" / tag, root / tag, above / "images" / tag, above / tag, root]
     for folder in candidates:
         if (folder / file_names[0]).is_file():
             return [os.path.normpath(folder / f) for f in file_names]
@@ -358,11 +364,13 @@ def _fetch_or_explain(raw: dict, yaml_file: Path, root: Path, missing: list[Path
         raise DatasetError(f"{yaml_file}: {missing[0]} does not exist and the yaml has no download:; {where}")
     if plan is None:
         raise DatasetError(
-            f"{yaml_file}: {missing[0]} does not exist and download: is not a URL, a list of URLs or of {{url, dir}}; {where}"
+            f"{yaml_file}: {missing[0]} does not exist and download: is not a URL, a list of URLs or of "
+            f"{{url, dir}}; {where}"
         )
     if not download:
         raise DatasetError(
-            f"{yaml_file}: {missing[0]} does not exist and downloading is off; {where}, or allow download to fetch {plan[0][0]}"
+            f"{yaml_file}: {missing[0]} does not exist and downloading is off; {where}, "
+            f"or allow download to fetch {plan[0][0]}"
         )
     for url, dest in plan:
         download_dataset(url, dest)

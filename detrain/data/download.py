@@ -120,7 +120,9 @@ def download_dataset(
     dest = Path(dest_dir).expanduser().absolute()
     for url in urls:
         if not is_url(url):
-            raise DatasetError(f"download: {url!r} is not a URL (http, https, ftp or file); put the files in {dest} by hand")
+            raise DatasetError(
+                f"download: {url!r} is not a URL (http, https, ftp or file); put the files in {dest} by hand"
+            )
     dest.parent.mkdir(parents=True, exist_ok=True)
     lock = dest.parent / f".{dest.name}.download.lock"
     with file_lock(lock, what=f"the download into {dest}"):
@@ -178,8 +180,8 @@ def _copy_with_progress(response, out, total: int | None, url: str, progress: bo
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     name = posixpath.basename(urllib.parse.urlparse(url).path) or url
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns) as bar:
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, TimeRemainingColumn()) as bar:
         task = bar.add_task(f"downloading {name}", total=total)
         while chunk := response.read(_CHUNK):
             out.write(chunk)

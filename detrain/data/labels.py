@@ -196,7 +196,9 @@ def load_labels(
             _write_cache(path, digest, records, report)
             report.cache_path = path
         except OSError as e:
-            report.messages.append(f"cannot write label cache {path} ({e.strerror or e}); verification runs again next time")
+            report.messages.append(
+                f"cannot write label cache {path} ({e.strerror or e}); verification runs again next time"
+            )
     return records, report
 
 
@@ -339,13 +341,15 @@ def _parse_labels(text: str, nc: int) -> tuple[np.ndarray, np.ndarray, str | Non
             )
         c = values[0]
         if c != int(c) or not 0 <= c < nc:
-            return _none(), _none4(), f"line {lineno}: class id {c:g} out of range for nc={nc} (valid 0-{nc - 1})", notes
+            reason = f"line {lineno}: class id {c:g} out of range for nc={nc} (valid 0-{nc - 1})"
+            return _none(), _none4(), reason, notes
         bad = next((v for v in box if not -COORD_TOLERANCE <= v <= 1 + COORD_TOLERANCE), None)
         if bad is not None:
             return (
                 _none(),
                 _none4(),
-                f"line {lineno}: coordinate {bad:g} outside [0, 1] (boxes are normalised x_center y_center width height)",
+                f"line {lineno}: coordinate {bad:g} outside [0, 1] "
+                "(boxes are normalised x_center y_center width height)",
                 notes,
             )
         rows.append([c, *box])
@@ -379,7 +383,9 @@ def _none4() -> np.ndarray:
     return np.zeros((0, 4), np.float32)
 
 
-def _assemble(img_files: list[str], label_files: list[str], results: list[_Result]) -> tuple[list[LabelRecord], LabelReport]:
+def _assemble(
+    img_files: list[str], label_files: list[str], results: list[_Result]
+) -> tuple[list[LabelRecord], LabelReport]:
     report = LabelReport(total=len(results))
     records: list[LabelRecord] = []
     for im_file, r in zip(img_files, results):

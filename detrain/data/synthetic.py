@@ -126,7 +126,8 @@ def _background(rng: np.random.Generator, h: int, w: int) -> tuple[np.ndarray, n
     """A two-colour gradient with faint elongated blotches and thin lines: texture to learn to ignore."""
     c0, c1 = rng.uniform(0, 255, 3).astype(np.float32), rng.uniform(0, 255, 3).astype(np.float32)
     angle = rng.uniform(0, 2 * math.pi)
-    t = np.arange(w, dtype=np.float32)[None] * math.cos(angle) + np.arange(h, dtype=np.float32)[:, None] * math.sin(angle)
+    xs, ys = np.arange(w, dtype=np.float32)[None], np.arange(h, dtype=np.float32)[:, None]
+    t = xs * math.cos(angle) + ys * math.sin(angle)
     t = (t - t.min()) / max(float(t.max() - t.min()), 1e-6)
     img = c0 + (c1 - c0) * t[..., None]
     for _ in range(int(rng.integers(0, 6))):
