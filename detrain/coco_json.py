@@ -43,6 +43,7 @@ class CocoGroundTruth:
     category_ids: np.ndarray  # (m,) int64
     area: np.ndarray  # (m,) float64
     iscrowd: np.ndarray  # (m,) bool
+    ids: np.ndarray  # (m,) int64 annotation ids (-1 where the file has none)
 
 
 def predictions_to_coco(image_id: int, boxes_xyxy: Any, scores: Any, classes: Any,
@@ -137,7 +138,7 @@ def load_coco_annotations(path: str | Path) -> tuple[list[dict[str, Any]], dict[
         categories.append({"id": _int(c["id"], f"{path}: categories[{i}].id"), "name": str(c.get("name", c["id"]))})
     image_ids = {im["id"] for im in images}
     category_ids = {c["id"] for c in categories}
-    rows: dict[int, list[tuple[list[float], int, float, bool]]] = {i: [] for i in image_ids}
+    rows: dict[int, list[tuple[list[float], int, float, bool, int]]] = {i: [] for i in image_ids}
     for i, a in enumerate(data["annotations"]):
         where = f"{path}: annotations[{i}]"
         if not isinstance(a, dict) or not {"image_id", "category_id", "bbox"} <= a.keys():
@@ -149,7 +150,8 @@ def load_coco_annotations(path: str | Path) -> tuple[list[dict[str, Any]], dict[
             raise DatasetError(f"{where}: category_id {cat} is not among the categories {sorted(category_ids)}")
         box = _box(a["bbox"], f"{where}.bbox")
         area = _number(a["area"], f"{where}.area") if "area" in a else box[2] * box[3]
-        rows[img].append((box, cat, area, bool(a.get("iscrowd", 0))))
+        ann_id = _int(a["id"], f"{where}.id") if "id" in a else -1
+        rows[img].append((box, cat, area, bool(a.get("iscrowd", 0)), ann_id))
     gts = {}
     for img, anns in rows.items():
         gts[img] = CocoGroundTruth(
@@ -157,6 +159,7 @@ def load_coco_annotations(path: str | Path) -> tuple[list[dict[str, Any]], dict[
             category_ids=np.array([r[1] for r in anns], np.int64),
             area=np.array([r[2] for r in anns], np.float64),
             iscrowd=np.array([r[3] for r in anns], bool),
+            ids=np.array([r[4] for r in anns], np.int64),
         )
     return images, gts, categories
 
@@ -178,7 +181,8 @@ def evaluate_coco_json(gt_path: str | Path, predictions_path: str | Path, max_de
     for img in sorted(gts):
         g, d = gts[img], preds.get(img, empty)
         stats.append(match_image_coco(d.boxes_ltwh, d.scores, np.searchsorted(cat_ids, d.category_ids), g.boxes_ltwh,
-                                      np.searchsorted(cat_ids, g.category_ids), g.area, g.iscrowd, max_dets, image_id=img))
+                                      np.searchsorted(cat_ids, g.category_ids), g.area, g.iscrowd, max_dets, image_id=img,
+                                      gt_ids=g.ids))
     return coco_summary(stats, nc=len(cat_ids))
 
 

@@ -173,3 +173,27 @@ def test_equal_iou_goes_to_the_later_gt_as_in_the_reference() -> None:
     m = coco_summary(ours(gt, results), nc=1)
     np.testing.assert_allclose(m.coco_stats(), ev.stats, rtol=0, atol=1e-6)
     assert m.map50 == pytest.approx(1.0, abs=1e-9)
+
+
+def test_repeated_image_ids_count_once() -> None:
+    gt, results = random_coco(9)
+    stats = ours(gt, results)
+    assert coco_summary(stats + stats[:5], 5).coco_stats().tolist() == coco_summary(stats, 5).coco_stats().tolist()
+
+
+def test_annotation_id_zero_as_in_the_reference() -> None:
+    # The reference records matches by annotation id, so a match with annotation 0 reads as no match.
+    gt, results = random_coco(12, n_images=8)
+    for ann in gt["annotations"]:
+        ann["id"] -= 1
+    ev = reference(gt, results)
+    stats = []
+    for img in gt["images"]:
+        g = [a for a in gt["annotations"] if a["image_id"] == img["id"]]
+        d = [r for r in results if r["image_id"] == img["id"]]
+        stats.append(match_image_coco(
+            np.array([r["bbox"] for r in d]).reshape(-1, 4), np.array([r["score"] for r in d]),
+            np.array([r["category_id"] - 1 for r in d]), np.array([a["bbox"] for a in g]).reshape(-1, 4),
+            np.array([a["category_id"] - 1 for a in g]), np.array([a["area"] for a in g]),
+            np.array([a["iscrowd"] for a in g], bool), image_id=img["id"], gt_ids=[a["id"] for a in g]))
+    np.testing.assert_allclose(coco_summary(stats, 5).coco_stats(), ev.stats, rtol=0, atol=1e-6)

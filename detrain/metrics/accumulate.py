@@ -35,11 +35,17 @@ class Pooled:
 def pool(stats: Sequence[ImageStats], nc: int) -> Pooled:
     """Concatenate per-image statistics in image-id order and sort detections as the reference does.
 
+    Statistics with the same ``image_id`` (>= 0) are one image: the first one counts.
+
     >>> pool([], 3).n_gt.shape
     (3, 4)
     """
-    # Stable, so images with equal ids (or none given, -1) keep the order they were passed in.
-    ordered = sorted(stats, key=lambda s: s.image_id)
+    # Stable, so images without an id (-1) keep the order they were passed in. A distributed sampler pads
+    # shards by repeating images; an id seen again is that padding and counts once.
+    ordered = []
+    for s in sorted(stats, key=lambda s: s.image_id):
+        if s.image_id < 0 or not ordered or ordered[-1].image_id != s.image_id:
+            ordered.append(s)
     n_area = len(AREA_RANGES)
     cls = _cat([s.det_cls for s in ordered], np.int32)
     scores = _cat([s.det_scores for s in ordered], np.float64)

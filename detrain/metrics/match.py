@@ -113,6 +113,7 @@ def match_image_coco(
     max_dets: int = 100,
     *,
     image_id: int = -1,
+    gt_ids: Any | None = None,
 ) -> ImageStats:
     """:func:`match_image` for COCO ``[x_min, y_min, w, h]`` boxes, bit for bit as the reference sees them.
 
@@ -120,6 +121,9 @@ def match_image_coco(
     ...                      np.array([[0., 0, 10, 10]]), np.array([0]), gt_crowd=np.array([True]))
     >>> bool(s.ignored()[0, 0, 0])  # a detection on a crowd box is neither right nor wrong
     True
+
+    ``gt_ids`` (the annotations' ids) only matters for an id of 0: the reference stores matches by id and
+    so counts a detection matched to annotation 0 as unmatched, while the annotation is used up.
     """
     det = _as_f64(det_ltwh).reshape(-1, 4)
     scores = _as_f64(det_scores).reshape(-1)
@@ -133,8 +137,9 @@ def match_image_coco(
         raise ValueError(f"ground truth disagrees in length: {m} boxes, {len(gcls)} classes")
     area = gt[:, 2] * gt[:, 3] if gt_area is None else _as_f64(gt_area).reshape(-1)
     crowd = np.zeros(m, bool) if gt_crowd is None else _as_np(gt_crowd).reshape(-1).astype(bool)
-    if len(area) != m or len(crowd) != m:
-        raise ValueError(f"gt_area/gt_crowd must have one entry per ground truth box ({m})")
+    counts = np.ones(m, bool) if gt_ids is None else _as_np(gt_ids).reshape(-1) != 0
+    if len(area) != m or len(crowd) != m or len(counts) != m:
+        raise ValueError(f"gt_area/gt_crowd/gt_ids must have one entry per ground truth box ({m})")
 
     # Evaluation order: class by class, best score first; stable sorts keep the given order on ties.
     order = np.argsort(-scores, kind="stable")
@@ -152,7 +157,7 @@ def match_image_coco(
 
     iou = coco_box_iou(det, gt, crowd)
     iou[dcls[:, None] != gcls[None, :]] = -1.0  # other classes never match
-    matched, on_ignored = _greedy(iou, dcls, crowd, gt_ignored)
+    matched, on_ignored = _greedy(iou, dcls, crowd, gt_ignored, counts)
     ignored = on_ignored | (~matched & det_outside[:, :, None])
     return ImageStats(
         image_id=int(image_id),
@@ -189,8 +194,8 @@ def coco_box_iou(det_ltwh: np.ndarray, gt_ltwh: np.ndarray, gt_crowd: np.ndarray
         return np.where(overlap, inter / np.where(overlap, union, 1.0), 0.0)
 
 
-def _greedy(iou: np.ndarray, det_cls: np.ndarray, crowd: np.ndarray, gt_ignored: np.ndarray
-            ) -> tuple[np.ndarray, np.ndarray]:
+def _greedy(iou: np.ndarray, det_cls: np.ndarray, crowd: np.ndarray, gt_ignored: np.ndarray,
+            counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(D, A, T) matched and matched-to-an-ignored-gt flags for detections in evaluation order.
 
     Greedy matching is sequential within a class, but classes never compete for a ground truth, so the
@@ -218,7 +223,7 @@ def _greedy(iou: np.ndarray, det_cls: np.ndarray, crowd: np.ndarray, gt_ignored:
         j_ign, has_ign = _last_argmax(np.where(ok & ~regular, ious, -1.0))
         choice = np.where(has_reg, j_reg, j_ign)
         hit = has_reg | has_ign
-        matched[rows] = hit
+        matched[rows] = hit & counts[choice]
         on_ignored[rows] = has_ign & ~has_reg
         s, a, t = np.nonzero(hit)
         taken[a, t, choice[s, a, t]] = True  # rows are of different classes, so never the same gt
