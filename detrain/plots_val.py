@@ -21,11 +21,13 @@ Names = Sequence[str] | Mapping[int, str]
 _LABELLED_CLASSES = 20  # beyond this many curves a legend hides the plot
 
 
-def plot_val(metrics: DetMetrics, confusion: ConfusionMatrix | None, names: Names, save_dir: str | Path
-             ) -> list[Path]:
-    """Every validation plot into ``save_dir`` (PR_curve, F1/P/R_curve, confusion_matrix[_normalized]).
+def plot_all(save_dir: str | Path, metrics: DetMetrics, confusion: ConfusionMatrix | np.ndarray | None,
+             names: Names) -> list[Path]:
+    """Every validation plot into ``save_dir``: PR_curve, F1/P/R_curve, confusion_matrix[_normalized].png.
 
-    >>> plot_val(coco_summary([], 1), None, ["cat"], "runs/val")  # doctest: +SKIP
+    ``confusion`` is a :class:`ConfusionMatrix` or its (summed) ``matrix``; None skips those two plots.
+
+    >>> plot_all("runs/val", coco_summary(stats, nc), confusion.matrix, {0: "cat"})  # doctest: +SKIP
     [PosixPath('runs/val/PR_curve.png'), ...]
     """
     save_dir = Path(save_dir)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from detrain.metrics import ConfusionMatrix, coco_summary, match_image
-from detrain.plots_val import plot_confidence_curve, plot_confusion_matrix, plot_results_csv, plot_val
+from detrain.plots_val import plot_confidence_curve, plot_confusion_matrix, plot_all, plot_results_csv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -32,14 +32,14 @@ def some_metrics():  # noqa: ANN201
 def test_all_validation_plots(tmp_path: Path) -> None:
     cm = ConfusionMatrix(nc=3)
     cm.update(np.array([[0, 0, 10, 10, 0.9, 1]]), np.array([[0, 0, 10, 10]]), np.array([2]))
-    paths = plot_val(some_metrics(), cm, ["a", "b", "c"], tmp_path / "val")
+    paths = plot_all(tmp_path / "val", some_metrics(), cm, ["a", "b", "c"])
     assert [p.name for p in paths] == ["PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png",
                                       "confusion_matrix.png", "confusion_matrix_normalized.png"]
     assert all(is_png(p) for p in paths)
 
 
 def test_plots_of_empty_results(tmp_path: Path) -> None:
-    paths = plot_val(coco_summary([], nc=2), ConfusionMatrix(nc=2), {0: "a", 1: "b"}, tmp_path)
+    paths = plot_all(tmp_path, coco_summary([], nc=2), ConfusionMatrix(nc=2).matrix, {0: "a", 1: "b"})
     assert all(is_png(p) for p in paths)
     with pytest.raises(ValueError, match="which"):
         plot_confidence_curve(coco_summary([], nc=2), [], tmp_path / "x.png", "g1")
