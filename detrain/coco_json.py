@@ -180,9 +180,9 @@ def evaluate_coco_json(gt_path: str | Path, predictions_path: str | Path, max_de
     stats = []
     for img in sorted(gts):
         g, d = gts[img], preds.get(img, empty)
-        stats.append(match_image_coco(d.boxes_ltwh, d.scores, np.searchsorted(cat_ids, d.category_ids), g.boxes_ltwh,
-                                      np.searchsorted(cat_ids, g.category_ids), g.area, g.iscrowd, max_dets, image_id=img,
-                                      gt_ids=g.ids))
+        det_cls, gt_cls = np.searchsorted(cat_ids, d.category_ids), np.searchsorted(cat_ids, g.category_ids)
+        stats.append(match_image_coco(d.boxes_ltwh, d.scores, det_cls, g.boxes_ltwh, gt_cls, g.area, g.iscrowd,
+                                      max_dets, image_id=img, gt_ids=g.ids))
     return coco_summary(stats, nc=len(cat_ids))
 
 

@@ -91,7 +91,7 @@ def plot_confusion_matrix(confusion: ConfusionMatrix | np.ndarray, names: Names,
     values = counts / np.maximum(counts.sum(0, keepdims=True), 1) if normalize else counts.astype(np.float64)
     n = len(counts)
     labels = [_name(names, k) for k in range(n - 1)] + ["background"]
-    size = min(max(6.0, 0.35 * n), 24.0)
+    size = min(max(6.0, 0.2 * n), 16.0)
     fig = Figure(figsize=(size + 1.5, size))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()

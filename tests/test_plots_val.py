@@ -46,7 +46,7 @@ def test_plots_of_empty_results(tmp_path: Path) -> None:
 
 
 def test_confusion_matrix_of_many_classes(tmp_path: Path) -> None:
-    counts = np.random.default_rng(1).integers(0, 5, (81, 81))
+    counts = np.random.default_rng(1).integers(0, 5, (46, 46))
     assert is_png(plot_confusion_matrix(counts, [], tmp_path / "cm.png"))
 
 
