@@ -190,6 +190,29 @@ def test_calls_into_ultralytics_names_only_make_records(tmp_path: Path, fake_ult
     assert not marker.exists()
 
 
+def test_generic_reader_treats_ultralytics_as_inert_only_when_asked(tmp_path: Path, fake_ultralytics: dict) -> None:
+    """safe_pickle knows no Ultralytics: its names are records only for a caller that lists the module."""
+    from detrain.weights import safe_pickle
+
+    cls = _stub_class(fake_ultralytics["ultralytics.nn.tasks"], "DetectionModel")
+    lookalike = types.ModuleType("ultralyticsx")  # a module that merely starts with the same letters
+    lookalike_cls = type("Evil", (), {})
+    lookalike_cls.__module__ = "ultralyticsx"
+    lookalike.Evil = lookalike_cls
+    sys.modules["ultralyticsx"] = lookalike
+    try:
+        path = _write_pickle_zip(tmp_path / "m.pt", pickle.dumps({"model": cls()}, protocol=2))
+        with pytest.raises(CheckpointError, match=r"ultralytics\.nn\.tasks\.DetectionModel"):
+            safe_pickle.read_torch_zip(path)
+        out = safe_pickle.read_torch_zip(path, inert_modules=("ultralytics",))
+        assert out["model"].inert_name == "ultralytics.nn.tasks.DetectionModel"
+        evil = _write_pickle_zip(tmp_path / "x.pt", pickle.dumps({"x": lookalike_cls()}, protocol=2))
+        with pytest.raises(CheckpointError, match=r"ultralyticsx\.Evil"):
+            safe_pickle.read_torch_zip(evil, inert_modules=("ultralytics",))
+    finally:
+        del sys.modules["ultralyticsx"]
+
+
 # --------------------------------------------------------------------------------------------------
 # The zip format itself
 # --------------------------------------------------------------------------------------------------

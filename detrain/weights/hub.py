@@ -7,7 +7,7 @@ the sha256 recorded in :data:`KNOWN_SHA256`, and moved into place atomically, so
 corrupted download never leaves a file that a later run would trust.
 
 Scales whose sha256 we have not recorded yet (every scale but ``n`` today) are accepted with a warning:
-the file is still read by the restricted unpickler in :mod:`detrain.weights.ultralytics`, so an altered
+the file is still read by the restricted unpickler in :mod:`detrain.weights.safe_pickle`, so an altered
 file can give wrong weights but cannot run code.
 
 Environment:
