@@ -1,0 +1,161 @@
+"""Augmentations as plain functions ``(img, labels, rng, **hyp) -> (img, labels)``.
+
+``img`` is (H, W, 3) uint8 BGR (as cv2 reads it), ``labels`` a :class:`~detrain.data.instances.Labels` with pixel
+boxes, ``rng`` a ``numpy.random.Generator``: all randomness comes from it, so a sample is a function of the
+generator's seed. Keys and defaults are YOLO's (:data:`DEFAULT_HYP`).
+
+The dataset does not chain these one by one: it multiplies the geometry (mosaic placement, affine, flips) into one
+matrix per source image and warps once (``compose.render``), then applies HSV on the output. Each function here
+runs that same code for one step, so it can be tested (and used) on its own. The 4-image mosaic is in
+``mosaic.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cv2
+import numpy as np
+
+from detrain.data.affine import FILL, flip_matrix, random_affine_matrix, transform_boxes
+from detrain.data.compose import Tile, render
+from detrain.data.instances import Labels
+
+# The augmentation settings and YOLOv8's defaults (close_mosaic: mosaic off for the last N epochs).
+DEFAULT_HYP: dict[str, float] = {
+    "hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4,
+    "degrees": 0.0, "translate": 0.1, "scale": 0.5, "shear": 0.0, "perspective": 0.0,
+    "flipud": 0.0, "fliplr": 0.5, "mosaic": 1.0, "mixup": 0.0, "close_mosaic": 10,
+}
+MIXUP_BETA = 32.0  # mixing ratio ~ Beta(32, 32): close to an even blend
+
+
+def hsv_gains(rng: np.random.Generator, hgain: float = 0.015, sgain: float = 0.7, vgain: float = 0.4) -> np.ndarray:
+    """Random (hue, saturation, value) gains, each uniform in +-its gain."""
+    return rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain])
+
+
+def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False) -> np.ndarray:
+    """``img`` (BGR) with hue shifted by ``gains[0]`` of the circle and saturation and value scaled by
+    ``1 + gains[1:]`` (clipped); BGR out, or RGB with ``to_rgb`` (the channel swap comes free with the
+    conversion back). Returns a new array."""
+    if not np.any(gains):
+        return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if to_rgb else img.copy()
+    x = np.arange(256, dtype=np.float64)
+    lut_h = ((x + gains[0] * 180) % 180).astype(np.uint8)  # OpenCV's 8-bit hue is degrees / 2, in [0, 180)
+    lut_s = np.clip(x * (1 + gains[1]), 0, 255).astype(np.uint8)
+    lut_v = np.clip(x * (1 + gains[2]), 0, 255).astype(np.uint8)
+    hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
+    cv2.LUT(hsv, np.stack((lut_h, lut_s, lut_v), -1).reshape(1, 256, 3), dst=hsv)
+    return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB if to_rgb else cv2.COLOR_HSV2BGR)
+
+
+def random_hsv(img: np.ndarray, labels: Labels, rng: np.random.Generator, hsv_h: float = 0.015,
+               hsv_s: float = 0.7, hsv_v: float = 0.4) -> tuple[np.ndarray, Labels]:
+    """Random hue/saturation/value jitter; boxes unchanged.
+
+    >>> img = np.full((8, 8, 3), (40, 90, 200), np.uint8)
+    >>> out, _ = random_hsv(img, Labels.empty(), np.random.default_rng(0))
+    >>> out.shape, out.dtype
+    ((8, 8, 3), dtype('uint8'))
+    """
+    return apply_hsv(img, hsv_gains(rng, hsv_h, hsv_s, hsv_v)), labels
+
+
+def flip(img: np.ndarray, labels: Labels, lr: bool, ud: bool) -> tuple[np.ndarray, Labels]:
+    """Mirror left-right and/or up-down, boxes with it."""
+    h, w = img.shape[:2]
+    if lr:
+        img = img[:, ::-1]
+    if ud:
+        img = img[::-1]
+    boxes = transform_boxes(labels.boxes_xyxy, flip_matrix(w, h, lr, ud))
+    return np.ascontiguousarray(img), Labels(labels.cls, boxes)
+
+
+def random_flip(img: np.ndarray, labels: Labels, rng: np.random.Generator, fliplr: float = 0.5,
+                flipud: float = 0.0) -> tuple[np.ndarray, Labels]:
+    """Left-right flip with probability ``fliplr``, up-down with ``flipud`` (drawn in that order).
+
+    >>> img = np.zeros((4, 10, 3), np.uint8)
+    >>> _, out = random_flip(img, Labels([0], [[0, 0, 2, 4]]), np.random.default_rng(0), fliplr=1.0)
+    >>> out.boxes_xyxy.tolist()
+    [[8.0, 0.0, 10.0, 4.0]]
+    """
+    lr, ud = rng.random() < fliplr, rng.random() < flipud
+    return flip(img, labels, lr, ud)
+
+
+def random_affine(img: np.ndarray, labels: Labels, rng: np.random.Generator, degrees: float = 0.0,
+                  translate: float = 0.1, scale: float = 0.5, shear: float = 0.0, perspective: float = 0.0,
+                  out_hw: tuple[int, int] | None = None) -> tuple[np.ndarray, Labels]:
+    """YOLO's random perspective (rotation, translation, scale, shear, perspective) around the image centre, into
+    an ``out_hw`` image (default: the input's size). Boxes are transformed, clipped and filtered by the candidate
+    rule (``affine.box_candidates``).
+
+    >>> img = np.zeros((64, 64, 3), np.uint8)
+    >>> out, lab = random_affine(img, Labels([1], [[8, 8, 40, 40]]), np.random.default_rng(0), degrees=10)
+    >>> out.shape, len(lab)
+    ((64, 64, 3), 1)
+    """
+    h, w = img.shape[:2]
+    out_h, out_w = out_hw or (h, w)
+    m, s = random_affine_matrix(rng, (w / 2, h / 2), (out_w, out_h), degrees, translate, scale, shear, perspective)
+    return render([Tile(img, (w, h), (0, 0), labels)], (w, h), m, (out_w, out_h), s)
+
+
+def mixup(img: np.ndarray, labels: Labels, img2: np.ndarray, labels2: Labels,
+          rng: np.random.Generator) -> tuple[np.ndarray, Labels]:
+    """Blend two same-size training images with a ratio ~ Beta(32, 32); the labels of both are kept.
+
+    >>> a, b = np.zeros((2, 2, 3), np.uint8), np.full((2, 2, 3), 200, np.uint8)
+    >>> out, lab = mixup(a, Labels([0], [[0, 0, 1, 1]]), b, Labels([1], [[1, 1, 2, 2]]), np.random.default_rng(0))
+    >>> 60 < int(out[0, 0, 0]) < 140, lab.cls.tolist()
+    (True, [0, 1])
+    """
+    r = float(rng.beta(MIXUP_BETA, MIXUP_BETA))
+    return cv2.addWeighted(img, r, img2, 1.0 - r, 0.0), Labels.concat([labels, labels2])
+
+
+def letterbox(img: np.ndarray, new_shape: int | tuple[int, int] = (640, 640), auto: bool = False,
+              scaleup: bool = True, stride: int = 32, center: bool = True,
+              color: int = FILL) -> tuple[np.ndarray, tuple[float, float], tuple[int, int]]:
+    """Resize keeping the aspect ratio and pad to ``new_shape`` (h, w), with YOLOv8's exact numerics.
+
+    Returns (image, (gain, gain), (pad_left, pad_top)). The gain is ``r = min(new_h / h, new_w / w)`` (at most 1
+    without ``scaleup``); the resized size is ``max(round(w * r), 1)`` x ``max(round(h * r), 1)`` (resized with
+    INTER_LINEAR only if it differs); ``auto`` pads only to the next multiple of ``stride``; centred padding splits
+    it as ``top = round(dh / 2 - 0.1)``, ``bottom = round(dh / 2 + 0.1)`` (same for left/right), with grey 114.
+    A box maps as ``x * gain + pad_left`` (``Labels.scaled``).
+
+    >>> out, ratio, pad = letterbox(np.zeros((480, 640, 3), np.uint8), (640, 640))
+    >>> out.shape, ratio, pad
+    ((640, 640, 3), (1.0, 1.0), (0, 80))
+    """
+    shape = img.shape[:2]
+    if isinstance(new_shape, int):
+        new_shape = (new_shape, new_shape)
+    r = min(new_shape[0] / shape[0], new_shape[1] / shape[1])
+    if not scaleup:
+        r = min(r, 1.0)
+    new_unpad = (max(round(shape[1] * r), 1), max(round(shape[0] * r), 1))  # w, h
+    dw, dh = new_shape[1] - new_unpad[0], new_shape[0] - new_unpad[1]
+    if auto:
+        dw, dh = dw % stride, dh % stride
+    if center:
+        dw, dh = dw / 2, dh / 2
+    top, bottom = (round(dh - 0.1) if center else 0), round(dh + 0.1)
+    left, right = (round(dw - 0.1) if center else 0), round(dw + 0.1)
+    if shape[::-1] != new_unpad:
+        img = cv2.resize(img, new_unpad, interpolation=cv2.INTER_LINEAR)
+    img = cv2.copyMakeBorder(img, top, bottom, left, right, cv2.BORDER_CONSTANT, value=(color, color, color))
+    return img, (r, r), (left, top)
+
+
+def merged_hyp(hyp: Any) -> dict[str, float]:
+    """``DEFAULT_HYP`` updated with the known keys of ``hyp`` (a mapping; other keys are ignored)."""
+    out = dict(DEFAULT_HYP)
+    for k in DEFAULT_HYP:
+        if hyp is not None and k in hyp and hyp[k] is not None:
+            out[k] = float(hyp[k])
+    return out

@@ -1,0 +1,194 @@
+"""Each augmentation on its own: boxes stay on their objects, shapes/dtypes hold, numerics are YOLO's."""
+
+from __future__ import annotations
+
+import cv2
+import numpy as np
+import pytest
+
+from detrain.data.affine import _warp_general, box_candidates, flip_matrix, scaling, translation, warp_into
+from detrain.data.augment import apply_hsv, flip, letterbox, mixup, random_affine, random_flip, random_hsv
+from detrain.data.instances import Labels
+from detrain.data.mosaic import mosaic4
+
+BACKGROUND = (40, 40, 40)
+# Distinct, saturated colours (BGR): one per object, so each object can be found again by its colour.
+COLOURS = [(0, 0, 255), (0, 255, 0), (255, 0, 0), (0, 255, 255), (255, 0, 255), (255, 255, 0), (0, 128, 255),
+           (255, 128, 0)]
+
+
+def scene(h: int, w: int, boxes: list[tuple[int, int, int, int]], first_cls: int = 0) -> tuple[np.ndarray, Labels]:
+    """A flat image with filled rectangles (objects) of distinct colours and their labels (class = colour)."""
+    img = np.full((h, w, 3), BACKGROUND, np.uint8)
+    for k, (x1, y1, x2, y2) in enumerate(boxes):
+        img[y1:y2, x1:x2] = COLOURS[first_cls + k]
+    cls = np.arange(first_cls, first_cls + len(boxes))
+    return img, Labels(cls, np.array(boxes, np.float32).reshape(-1, 4))
+
+
+def mask_box(img: np.ndarray, cls: int, tol: int = 40) -> tuple[np.ndarray, int]:
+    """Bounding box (continuous pixel coordinates) and pixel count of the pixels of ``cls``'s colour."""
+    close = (np.abs(img.astype(np.int16) - np.array(COLOURS[cls], np.int16)) <= tol).all(-1)
+    ys, xs = np.nonzero(close)
+    if len(xs) == 0:
+        return np.zeros(4, np.float32), 0
+    return np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], np.float32), len(xs)
+
+
+def iou(a: np.ndarray, b: np.ndarray) -> float:
+    inter = max(0.0, min(a[2], b[2]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def assert_boxes_on_objects(img: np.ndarray, labels: Labels, min_iou: float = 0.8) -> None:
+    """Each surviving box covers its object: it contains the object's pixels (1.5 px slack for interpolation)
+    and its IoU with their bounding box is above ``min_iou``. (A rotated object cut by the border fills less
+    of its clipped box, hence the lower thresholds for rotation and shear.)"""
+    assert img.dtype == np.uint8 and img.ndim == 3
+    for c, box in zip(labels.cls, labels.boxes_xyxy):
+        found, count = mask_box(img, int(c))
+        assert count >= 20, f"class {c}: box {box} but its object is not in the image"
+        assert (found[:2] >= box[:2] - 1.5).all() and (found[2:] <= box[2:] + 1.5).all(), f"class {c}: {box} {found}"
+        h, w = img.shape[:2]
+        inside = box[0] > 2 and box[1] > 2 and box[2] < w - 2 and box[3] < h - 2
+        assert iou(box, found) > (0.85 if inside else min_iou), f"class {c}: box {box} vs object at {found}"
+    h, w = img.shape[:2]
+    b = labels.boxes_xyxy
+    assert (b[:, 0] >= 0).all() and (b[:, 1] >= 0).all() and (b[:, 2] <= w).all() and (b[:, 3] <= h).all()
+
+
+SCENE_BOXES = [(20, 30, 90, 100), (130, 40, 200, 90), (60, 120, 150, 180)]
+
+
+@pytest.mark.parametrize("kw, min_iou", [
+    ({}, 0.85),  # the defaults: scale 0.5, translate 0.1 (the fast, axis-aligned path)
+    ({"degrees": 30.0, "scale": 0.3}, 0.6),
+    ({"shear": 10.0, "translate": 0.05}, 0.7),
+    ({"perspective": 0.0008, "scale": 0.2}, 0.6),
+])
+def test_random_affine_keeps_boxes_on_objects(kw: dict, min_iou: float) -> None:
+    img, labels = scene(200, 240, SCENE_BOXES)
+    kept = 0
+    for seed in range(8):
+        out, lab = random_affine(img, labels, np.random.default_rng(seed), **kw)
+        assert out.shape == img.shape
+        assert_boxes_on_objects(out, lab, min_iou)
+        kept += len(lab)
+    assert kept >= 8
+
+
+def test_random_affine_out_size_and_empty_labels() -> None:
+    img, _ = scene(100, 160, [])
+    out, lab = random_affine(img, Labels.empty(), np.random.default_rng(0), out_hw=(64, 96))
+    assert out.shape == (64, 96, 3) and len(lab) == 0
+
+
+@pytest.mark.parametrize("lr, ud", [(True, False), (False, True), (True, True)])
+def test_flip_keeps_boxes_on_objects(lr: bool, ud: bool) -> None:
+    img, labels = scene(200, 240, SCENE_BOXES)
+    out, lab = flip(img, labels, lr, ud)
+    assert_boxes_on_objects(out, lab, 0.99)
+    assert np.array_equal(flip(out, lab, lr, ud)[0], img)
+
+
+def test_random_flip_probabilities() -> None:
+    img, labels = scene(50, 60, [(5, 5, 20, 30)])
+    assert np.array_equal(random_flip(img, labels, np.random.default_rng(0), fliplr=0.0)[0], img)
+    out, lab = random_flip(img, labels, np.random.default_rng(0), fliplr=1.0)
+    assert np.array_equal(out, img[:, ::-1]) and lab.boxes_xyxy.tolist() == [[40, 5, 55, 30]]
+
+
+@pytest.mark.parametrize("kw", [{}, {"degrees": 20.0, "shear": 5.0}])
+def test_mosaic_keeps_boxes_on_objects(kw: dict) -> None:
+    # Four 128-px images with two objects each, eight colours in all.
+    tiles = [scene(96 + 16 * (k % 2), 128, [(10, 10, 60, 50), (70, 40, 120, 90)], first_cls=2 * k) for k in range(4)]
+    kept = 0
+    for seed in range(6):
+        out, lab = mosaic4([t[0] for t in tiles], [t[1] for t in tiles], np.random.default_rng(seed), 128, **kw)
+        assert out.shape == (128, 128, 3)
+        assert_boxes_on_objects(out, lab, 0.6 if kw else 0.85)
+        kept += len(lab)
+    assert kept >= 12
+
+
+def test_mixup_blends_images_and_keeps_both_label_sets() -> None:
+    a = np.zeros((100, 120, 3), np.uint8)
+    b = np.zeros((100, 120, 3), np.uint8)
+    a[10:50, 10:60, 2] = 200  # red object in the first image
+    b[40:90, 70:110, 1] = 200  # green object in the second
+    la, lb = Labels([0], [[10, 10, 60, 50]]), Labels([1], [[70, 40, 110, 90]])
+    out, lab = mixup(a, la, b, lb, np.random.default_rng(3))
+    assert out.shape == a.shape and out.dtype == np.uint8
+    assert lab.cls.tolist() == [0, 1]
+    for channel, box in ((2, lab.boxes_xyxy[0]), (1, lab.boxes_xyxy[1])):
+        ys, xs = np.nonzero(out[..., channel] > 20)
+        assert iou(box, np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1])) > 0.95
+    r = out[20, 20, 2] / 200
+    assert 0.3 < r < 0.7  # Beta(32, 32) stays near an even blend
+
+
+def test_hsv_keeps_shape_and_dtype_and_stays_in_range() -> None:
+    rng = np.random.default_rng(0)
+    img = rng.integers(30, 220, (64, 80, 3), dtype=np.uint8)
+    out, lab = random_hsv(img, Labels([1], [[1, 2, 3, 4]]), np.random.default_rng(1))
+    assert out.shape == img.shape and out.dtype == np.uint8 and lab.cls.tolist() == [1]
+    assert not np.array_equal(out, img)
+    assert np.array_equal(apply_hsv(img, np.zeros(3)), img)
+    assert np.array_equal(apply_hsv(img, np.zeros(3), to_rgb=True), img[..., ::-1])
+
+    gains = np.array([0.015, 0.5, -0.3])
+    hsv0 = cv2.cvtColor(img, cv2.COLOR_BGR2HSV).astype(np.int32)
+    hsv1 = cv2.cvtColor(apply_hsv(img, gains), cv2.COLOR_BGR2HSV).astype(np.int32)
+    dh = (hsv1[..., 0] - hsv0[..., 0] + 90) % 180 - 90
+    # Hue moves by at most the gain's share of the circle (plus the 8-bit round trip's error).
+    assert np.percentile(np.abs(dh), 95) <= 0.015 * 180 + 2
+    v_ratio = hsv1[..., 2].mean() / hsv0[..., 2].mean()
+    s_ratio = hsv1[..., 1].mean() / hsv0[..., 1].mean()
+    assert 0.65 < v_ratio < 0.75 and 1.3 < s_ratio < 1.55
+    assert np.array_equal(apply_hsv(img, gains, to_rgb=True), apply_hsv(img, gains)[..., ::-1])
+
+
+def test_letterbox_numerics_and_boxes() -> None:
+    img, labels = scene(150, 200, [(20, 30, 90, 100), (120, 40, 190, 90)])
+    out, (r, r2), (left, top) = letterbox(img, (256, 320))
+    # r = min(256/150, 320/200) = 1.6; new size 320 x 240; dh = 16 -> top round(7.9) = 8, bottom round(8.1) = 8
+    assert (r, r2, left, top) == (1.6, 1.6, 0, 8) and out.shape == (256, 320, 3)
+    assert (out[:8] == 114).all() and (out[-8:] == 114).all()
+    assert_boxes_on_objects(out, labels.scaled(r, r, left, top), 0.95)
+
+    out, (r, _), (left, top) = letterbox(img, (256, 320), scaleup=False)  # only shrink: centred at scale 1
+    assert r == 1.0 and (left, top) == (60, 53) and out.shape == (256, 320, 3)
+    assert np.array_equal(out[53:203, 60:260], img)
+
+    out, _, (left, top) = letterbox(np.zeros((101, 99, 3), np.uint8), (96, 96), auto=True, stride=32)
+    # r = 96/101; new 94 x 96; auto pads only to a multiple of 32: dw = 2 -> left round(0.9) = 1
+    assert out.shape == (96, 96, 3) and (left, top) == (1, 0)
+
+
+def test_box_candidates_rule() -> None:
+    before = np.array([[0, 0, 100, 100]] * 5, np.float32)
+    after = np.array([
+        [0, 0, 50, 50],  # 25 % of the area: kept
+        [0, 0, 100, 2],  # only 2 px tall: a sliver
+        [0, 0, 30, 30],  # 9 % of the area: lost most of it
+        [0, 0, 3, 350],  # aspect > 100 would need a longer one; this is kept (area 10.5 %, ar 117 > 100: dropped)
+        [0, 0, 60, 60],
+    ], np.float32)
+    assert box_candidates(before, after).tolist() == [True, False, False, False, True]
+    # The random zoom does not count as a loss: at scale 0.5 a box at 30 % of its size keeps 36 % of the area.
+    assert box_candidates(before[:1], np.array([[0, 0, 30, 30]], np.float32), scale=0.5).tolist() == [True]
+
+
+def test_fast_axis_aligned_path_matches_general_warp() -> None:
+    rng = np.random.default_rng(0)
+    src = cv2.GaussianBlur(rng.integers(0, 255, (90, 120, 3), dtype=np.uint8), (9, 9), 3)
+    for m in (translation(7.3, -4.6) @ scaling(0.83, 0.83), flip_matrix(128, 96, True, True) @ scaling(1.21, 1.21)):
+        fast = np.full((96, 128, 3), 114, np.uint8)
+        general = fast.copy()
+        applied = warp_into(fast, src, m)
+        _warp_general(general, src, applied)
+        # Same pixels (up to rounding) once the general warp uses the matrix the fast path reports.
+        inner = (slice(8, -8), slice(8, -8))
+        assert np.abs(fast[inner].astype(int) - general[inner].astype(int)).max() <= 3
+        assert np.abs(applied - m).max() < 0.6
