@@ -1,0 +1,303 @@
+"""DetectionDataset: verified label records -> samples (the dict of docs/architecture.md) -> batches.
+
+Training (``augment=True``): mosaic, random affine, mixup, flips and HSV (``train_sample.py``), drawn from
+``np.random.default_rng([seed, epoch, index])``, so what a run sees does not depend on how many dataloader
+workers, processes or ranks produce it. Mosaic partners come from that same generator: from the index's *pool*
+when the sampler gives one (``Pick``: the images of the same sampler group, so one decode serves several mosaics
+of a batch, see ``loader.py``), else from the whole dataset.
+
+Validation (``augment=False``): YOLOv8's preprocessing exactly (``image_io.load_image`` rule, ``letterbox`` with
+``scaleup=False``; with ``rect=True`` images sorted by aspect ratio and letterboxed to their batch's shape).
+
+The epoch and the close-mosaic switch live in a small shared-memory tensor, so ``set_epoch`` reaches persistent
+dataloader workers. An image that cannot be read any more (it passed verification) is replaced: training draws
+another index deterministically, validation yields a grey image without labels; either way one warning per file
+and a count (``skipped_images``), never a crash mid-epoch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from detrain.data.augment import letterbox, merged_hyp
+from detrain.data.image_io import (check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side)
+from detrain.data.instances import Labels
+from detrain.data.ram_cache import RamCache, cache_key, run_tag
+from detrain.data.train_sample import SamplePlan, SampleSource, plan_sample, render_sample
+from detrain.errors import ConfigError, DatasetError
+
+MAX_SUBSTITUTIONS = 16  # unreadable images in a row before giving up on a sample
+_EPOCH, _CLOSED, _SKIPPED = 0, 1, 2  # slots of the shared state tensor
+
+
+class Pick(NamedTuple):
+    """A sampler's key for the dataset: ``index`` and its mosaic ``pool`` (the indices of its sampler group)."""
+
+    index: int
+    pool: tuple[int, ...]
+
+
+def cache_mode(cache: str | bool | None) -> str | None:
+    """``cache`` argument -> 'ram', 'disk' or None. ``cache_mode(True)`` -> 'ram'."""
+    if cache in (None, False, "", "none", "None", "false", "False"):
+        return None
+    if cache in (True, "ram", "true", "True"):
+        return "ram"
+    if cache == "disk":
+        return "disk"
+    raise ConfigError(f"cache={cache!r} is not valid: use ram, disk or False")
+
+
+def rect_batch_shapes(shapes_hw: np.ndarray, batch_size: int, imgsz: int, stride: int,
+                      pad: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """YOLO's rectangular batches: (order, batch index per sorted image, batch shapes (nb, 2) as h, w).
+
+    Images are sorted by aspect ratio h/w; batch ``i`` holds sorted images ``i*batch_size ...``; its shape is
+    [1, 1], or [max ar, 1] if all are wider than tall, or [1, 1 / min ar] if all are taller than wide, then
+    ``ceil(shape * imgsz / stride + pad) * stride``.
+
+    >>> order, bi, shapes = rect_batch_shapes(np.array([[480, 640], [640, 480]]), 1, 640, 32, 0.5)
+    >>> order.tolist(), shapes.tolist()
+    ([0, 1], [[512, 672], [672, 512]])
+    """
+    ar = shapes_hw[:, 0] / shapes_hw[:, 1]
+    order = ar.argsort()  # numpy's default sort, as YOLOv8: ties keep the same order as there
+    ar = ar[order]
+    bi = np.floor(np.arange(len(ar)) / batch_size).astype(int)
+    nb = int(bi[-1]) + 1
+    shapes = [[1.0, 1.0]] * nb
+    for i in range(nb):
+        ari = ar[bi == i]
+        mini, maxi = ari.min(), ari.max()
+        if maxi < 1:
+            shapes[i] = [maxi, 1]
+        elif mini > 1:
+            shapes[i] = [1, 1 / mini]
+    return order, bi, np.ceil(np.array(shapes) * imgsz / stride + pad).astype(int) * stride
+
+
+class DetectionDataset(Dataset):
+    """Samples for training (augmented) or validation (YOLOv8-exact letterbox) from label records.
+
+    ``records`` are ``LabelRecord``-like (``im_file``, ``shape_hw``, ``cls`` (n,), ``bboxes_xywhn`` (n, 4));
+    ``hyp`` holds the augmentation keys of :data:`detrain.data.augment.DEFAULT_HYP` (missing ones take the
+    defaults). ``close_mosaic_epoch``: from this epoch on (``set_epoch``) mosaic and mixup are off.
+
+    >>> ds = DetectionDataset(records, imgsz=640, augment=False, hyp={}, rect=True, batch_size=8)  # doctest: +SKIP
+    >>> sample = ds[0]; sample["img"].shape, sample["ratio_pad"]  # doctest: +SKIP
+    (torch.Size([3, 480, 640]), ((1.0, 1.0), (0, 0)))
+    """
+
+    def __init__(
+        self,
+        records: Sequence[Any],
+        imgsz: int,
+        augment: bool,
+        hyp: Mapping[str, float] | None = None,
+        rect: bool = False,
+        batch_size: int = 16,
+        stride: int = 32,
+        seed: int = 0,
+        cache: str | bool | None = None,
+        pad: float = 0.5,
+        *,
+        close_mosaic_epoch: int | None = None,
+    ):
+        if not records:
+            raise DatasetError("the dataset has no images")
+        self.imgsz, self.augment, self.rect = int(imgsz), bool(augment), bool(rect)
+        self.batch_size, self.stride, self.pad = int(batch_size), int(stride), float(pad)
+        self.seed = int(seed) % 2**32
+        self.hyp = merged_hyp(hyp)
+        self.close_mosaic_epoch = close_mosaic_epoch
+        records = list(records)
+        self.batch_shapes: np.ndarray | None = None  # (nb, 2) h, w per rect batch
+        self.batch_index: np.ndarray | None = None  # rect batch of each (sorted) image
+        if self.rect:
+            shapes = np.array([tuple(r.shape_hw) for r in records], dtype=np.float64)
+            order, self.batch_index, self.batch_shapes = rect_batch_shapes(shapes, self.batch_size, self.imgsz,
+                                                                           self.stride, self.pad)
+            records = [records[i] for i in order]
+        self.records = records
+        self.im_files = [str(r.im_file) for r in records]
+        self.shapes_hw = [(int(r.shape_hw[0]), int(r.shape_hw[1])) for r in records]
+        self.load_sizes_hw = [load_size(s, self.imgsz) for s in self.shapes_hw]
+        self.cache = cache_mode(cache)
+        self._source = SampleSource([(w, h) for h, w in self.load_sizes_hw], [max(s) for s in self.shapes_hw],
+                                    can_reduce=self.cache is None)
+        # epoch, mosaic closed by close_mosaic(), images replaced: shared with (persistent) dataloader workers.
+        self._state = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self._warned: set[str] = set()
+        self._ram: RamCache | None = None
+        if self.cache == "ram":
+            key = cache_key(self.im_files, self.shapes_hw, self.imgsz, run_tag())
+            self._ram = RamCache.build(key, self.load_sizes_hw, self._load_for_cache)
+        elif self.cache == "disk":
+            check_disk_cache_fits(self.im_files, self.shapes_hw)
+
+    # -- epoch and mosaic switch (shared with workers) --------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Draw this epoch's augmentations (also in persistent workers) and apply ``close_mosaic_epoch``."""
+        self._state[_EPOCH] = int(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch set by :meth:`set_epoch` (0 before)."""
+        return int(self._state[_EPOCH])
+
+    def close_mosaic(self) -> None:
+        """Switch mosaic and mixup off for good (also in persistent workers)."""
+        self._state[_CLOSED] = 1
+
+    @property
+    def mosaic_active(self) -> bool:
+        """Whether mosaic (and mixup) can still be drawn this epoch."""
+        if int(self._state[_CLOSED]):
+            return False
+        return self.close_mosaic_epoch is None or self.epoch < self.close_mosaic_epoch
+
+    @property
+    def skipped_images(self) -> int:
+        """How many times an unreadable image was replaced, over all processes."""
+        return int(self._state[_SKIPPED])
+
+    # -- samples ---------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, key: int | Pick) -> dict[str, Any]:
+        """The sample of ``key`` (an index, or a sampler's :class:`Pick`)."""
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: Sequence[int | Pick]) -> list[dict[str, Any]]:
+        """A batch of samples; images shared by several mosaics of the batch are decoded once."""
+        if not self.augment:
+            return [self._val_sample(int(k[0] if isinstance(k, tuple) else k)) for k in keys]
+        epoch, mosaic_on = self.epoch, self.mosaic_active
+        picks = [k if isinstance(k, Pick) else Pick(int(k), ()) for k in keys]
+        plans = [self._plan(p, epoch, 0, mosaic_on) for p in picks]
+        decoded: dict[tuple[int, int], np.ndarray | None] = {}
+        samples = []
+        for pick, plan in zip(picks, plans):
+            for attempt in range(1, MAX_SUBSTITUTIONS + 1):
+                needed = [(t.index, t.reduce) for layer in plan.layers for t in layer.tiles]
+                for k in needed:
+                    if k not in decoded:
+                        decoded[k] = self._pixels(*k)
+                bad = [i for i, r in needed if decoded[(i, r)] is None]
+                if not bad:
+                    break
+                self._skip(bad, "another image is used in its place")
+                plan = self._plan(pick, epoch, attempt, mosaic_on)
+            else:
+                raise DatasetError(f"{MAX_SUBSTITUTIONS} unreadable images in a row around "
+                                   f"{self.im_files[pick.index]}: were the images moved or deleted?")
+            img, labels = render_sample(plan, lambda i, r: decoded[(i, r)], self._labels_at_load_size)
+            h0, w0 = self.shapes_hw[plan.index]
+            lh, lw = self.load_sizes_hw[plan.index]
+            samples.append(self._sample(img, False, labels, plan.index, ((lh / h0, lw / w0), (0, 0))))
+        return samples
+
+    def _plan(self, pick: Pick, epoch: int, attempt: int, mosaic_on: bool) -> SamplePlan:
+        """Attempt 0 is the index itself; a replacement (attempt k) is drawn from (seed, epoch, index, k)."""
+        if attempt == 0:
+            rng, index = np.random.default_rng([self.seed, epoch, pick.index]), pick.index
+        else:
+            rng = np.random.default_rng([self.seed, epoch, pick.index, attempt])
+            index = int(rng.integers(len(self)))
+        out_hw = tuple(int(v) for v in self.batch_shapes[self.batch_index[pick.index]]) if self.rect else None
+        return plan_sample(index, rng, self._source, self.hyp, self.imgsz, mosaic_on, out_hw, pick.pool or None)
+
+    def _val_sample(self, index: int) -> dict[str, Any]:
+        h0, w0 = self.shapes_hw[index]
+        img = self.load_image(index)
+        labels = self._labels_at_load_size(index)
+        if img is None:
+            self._skip([index], "evaluated as an empty grey image")
+            lh, lw = self.load_sizes_hw[index]
+            img, labels = np.full((lh, lw, 3), 114, np.uint8), Labels.empty()
+        h, w = img.shape[:2]
+        shape = tuple(int(v) for v in self.batch_shapes[self.batch_index[index]]) if self.rect else (
+            self.imgsz, self.imgsz)
+        img, (r, _), (left, top) = letterbox(img, shape, auto=False, scaleup=False)
+        ratio_pad = ((h / h0 * r, w / w0 * r), (left, top))
+        return self._sample(img, True, labels.scaled(r, r, left, top), index, ratio_pad)
+
+    def _sample(self, img: np.ndarray, bgr: bool, labels: Labels, index: int,
+                ratio_pad: tuple[tuple[float, float], tuple[float, float]]) -> dict[str, Any]:
+        """The contract's dict; HWC -> CHW (and BGR -> RGB) in one cv2.split into the tensor's planes."""
+        h, w = img.shape[:2]
+        chw = torch.empty((3, h, w), dtype=torch.uint8)
+        planes = chw.numpy()
+        cv2.split(img, [planes[2], planes[1], planes[0]] if bgr else [planes[0], planes[1], planes[2]])
+        return {
+            "img": chw,
+            "cls": torch.from_numpy(labels.cls.astype(np.float32).reshape(-1, 1)),
+            "bboxes": torch.from_numpy(labels.to_xywhn(w, h)),
+            "im_file": self.im_files[index],
+            "ori_shape": self.shapes_hw[index],
+            "ratio_pad": ratio_pad,
+        }
+
+    # -- pixels ----------------------------------------------------------------------------------------------
+    def load_image(self, index: int) -> np.ndarray | None:
+        """Image ``index`` BGR at load size (YOLOv8's ``load_image``), from the cache if any; None if unreadable."""
+        if self._ram is not None:
+            return self._ram.get(index)
+        img = read_npy(self.im_files[index]) if self.cache == "disk" else read_image(self.im_files[index])
+        return None if img is None else resize_long_side(img, self.imgsz)
+
+    def _load_for_cache(self, index: int) -> np.ndarray | None:
+        img = read_npy(self.im_files[index]) if self.cache == "disk" else read_image(self.im_files[index])
+        if img is None:
+            return None
+        h, w = self.load_sizes_hw[index]
+        img = resize_long_side(img, self.imgsz)
+        # The file disagrees with its verified shape (e.g. EXIF rotation read differently): fit the promised slot.
+        return img if img.shape[:2] == (h, w) else cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)
+
+    def _pixels(self, index: int, reduce: int) -> np.ndarray | None:
+        """Decoded pixels for training at any resolution (the warp scales them to the load size)."""
+        if self._ram is not None:
+            return self._ram.get(index)
+        if self.cache == "disk":
+            return read_npy(self.im_files[index])
+        return read_image(self.im_files[index], reduce)
+
+    def _labels_at_load_size(self, index: int) -> Labels:
+        rec = self.records[index]
+        h, w = self.load_sizes_hw[index]
+        return Labels.from_xywhn(rec.cls, rec.bboxes_xywhn, w, h)
+
+    def _skip(self, indices: Sequence[int], what: str) -> None:
+        for i in indices:
+            self._state[_SKIPPED] += 1
+            if self.im_files[i] not in self._warned:
+                self._warned.add(self.im_files[i])
+                warnings.warn(f"{self.im_files[i]}: image unreadable since verification; {what}", stacklevel=3)
+
+    # -- batches ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def collate(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Samples -> ``img`` (B, 3, H, W) uint8, ``batch_idx`` (M,) int64, ``cls`` (M, 1), ``bboxes`` (M, 4);
+        ``im_file``, ``ori_shape``, ``ratio_pad`` as lists. In a worker the images are stacked straight into
+        shared memory (``default_collate``), saving a copy on the way to the main process."""
+        imgs = [b["img"] for b in batch]
+        if len({tuple(t.shape) for t in imgs}) != 1:
+            raise ValueError(f"images of one batch differ in size: {sorted({tuple(t.shape) for t in imgs})}")
+        counts = [len(b["cls"]) for b in batch]
+        return {
+            "img": default_collate(imgs),
+            "batch_idx": torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts, dtype=torch.int64)),
+            "cls": torch.cat([b["cls"] for b in batch], 0),
+            "bboxes": torch.cat([b["bboxes"] for b in batch], 0),
+            "im_file": [b["im_file"] for b in batch],
+            "ori_shape": [b["ori_shape"] for b in batch],
+            "ratio_pad": [b["ratio_pad"] for b in batch],
+        }
