@@ -113,6 +113,7 @@ def test_missing_yaml_lists_bundled_names(tmp_path, monkeypatch):
     ("text", "match"),
     [
         ("- a\n- b\n", r"must be a mapping .* \(got list\)"),
+        ("# nothing\n", r"must be a mapping .* \(got an empty file\)"),
         ("train: [unclosed\n", "not valid YAML"),
         ("train: images/train\nval: images/val\n", r"the key 'names:' is missing"),
         ("val: images/val\nnames: [a]\n", r"the key 'train:' is missing"),

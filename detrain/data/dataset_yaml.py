@@ -155,8 +155,8 @@ def _find_yaml(data: str | Path) -> tuple[Path, bool]:
     path = Path(data).expanduser()
     bundled_dir = _bundled_dir()
     if path.is_file():
-        resolved = path.resolve()
-        return resolved, resolved.parent == bundled_dir.resolve()
+        # abspath, not resolve(): a symlinked yaml's relative `path` means beside the link, as the user sees it
+        return Path(os.path.abspath(path)), path.resolve().parent == bundled_dir.resolve()
     if path.parent == Path("."):  # a bare name: look among the bundled yamls
         for candidate in (path.name, f"{path.name}.yaml"):
             if (bundled_dir / candidate).is_file():
@@ -175,7 +175,8 @@ def _read_yaml(yaml_file: Path) -> dict:
         raise DatasetError(f"{yaml_file}: cannot read it ({e})") from None
     if not isinstance(raw, dict):
         raise DatasetError(
-            f"{yaml_file}: must be a mapping with keys path, train, val and names (got {type(raw).__name__})"
+            f"{yaml_file}: must be a mapping with keys path, train, val and names "
+            f"(got {'an empty file' if raw is None else type(raw).__name__})"
         )
     return raw
 

@@ -176,8 +176,9 @@ def load_labels(
         >>> report.summary("train")  # doctest: +SKIP
         'train: 1 images, 1 with labels, 0 missing, 0 empty, 0 corrupt (cache: /data/labels/train.cache)'
     """
-    if not isinstance(nc, int) or nc < 1:
+    if isinstance(nc, bool) or not isinstance(nc, (int, np.integer)) or nc < 1:
         raise DatasetError(f"load_labels: nc={nc!r} is invalid; it must be a positive integer")
+    nc = int(nc)
     img_files = [os.fspath(f) for f in img_files]
     label_files = [img2label_path(f) for f in img_files]
     path = (Path(cache_path) if cache_path is not None else default_cache_path(label_files)) if cache else None
