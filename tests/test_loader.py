@@ -1,0 +1,146 @@
+"""Samplers and build_dataloader: rank slicing, equal batch counts, disjoint validation shards, worker-count
+independence and close_mosaic reaching persistent workers."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from detrain.data.dataset import DetectionDataset
+from detrain.data.loader import GlobalBatchSampler, ShardSampler, build_dataloader
+
+BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 60, 60), (60, 20, 60)]
+NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
+
+
+@dataclass
+class Rec:
+    im_file: str
+    shape_hw: tuple[int, int]
+    cls: np.ndarray
+    bboxes_xywhn: np.ndarray
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[Rec]:
+    """20 small images, each a flat colour with one square object."""
+    folder = tmp_path_factory.mktemp("loader")
+    recs = []
+    for k in range(20):
+        h, w = (48, 64) if k % 3 else (64, 48)
+        img = np.full((h, w, 3), BACKGROUND_BGR[k % 6], np.uint8)
+        img[10:30, 10:30] = (255, 255, 255)
+        path = folder / f"{k:02d}.png"
+        cv2.imwrite(str(path), img)
+        box = np.array([[20 / w, 20 / h, 20 / w, 20 / h]], np.float32)
+        recs.append(Rec(str(path), (h, w), np.array([k % 4]), box))
+    return recs
+
+
+def indices(batches) -> list[list[int]]:
+    return [[p.index if hasattr(p, "index") else int(p) for p in b] for b in batches]
+
+
+@pytest.mark.parametrize("n, drop_last", [(64, False), (50, False), (50, True), (5, False)])
+def test_one_rank_of_16_equals_two_ranks_of_8(n: int, drop_last: bool) -> None:
+    for epoch in (0, 3):
+        one = GlobalBatchSampler(n, 16, seed=5, drop_last=drop_last)
+        two = [GlobalBatchSampler(n, 8, r, 2, seed=5, drop_last=drop_last) for r in (0, 1)]
+        for s in (one, *two):
+            s.set_epoch(epoch)
+        a, b0, b1 = indices(one), indices(two[0]), indices(two[1])
+        assert len(a) == len(b0) == len(b1) == len(one) == len(two[0])
+        for step, batch in enumerate(a):
+            joint = b0[step] + b1[step]
+            if len(batch) == 16 or drop_last:
+                assert joint == batch  # exactly the same images at every full step
+            else:  # the last, incomplete step: the same images, padded to an even split by wrapping
+                assert joint[: len(batch)] == batch and len(b0[step]) == len(b1[step])
+        if not drop_last:
+            assert set(itertools.chain(*a)) == set(range(n))
+    assert indices(GlobalBatchSampler(n, 16, seed=5)) != indices(_at_epoch(GlobalBatchSampler(n, 16, seed=5), 1))
+
+
+def _at_epoch(sampler: GlobalBatchSampler, epoch: int) -> GlobalBatchSampler:
+    sampler.set_epoch(epoch)
+    return sampler
+
+
+def test_every_rank_gets_the_same_number_of_batches() -> None:
+    for n, world in ((50, 3), (7, 4), (100, 8)):
+        counts = [len(list(GlobalBatchSampler(n, 4, r, world))) for r in range(world)]
+        sizes = [[len(b) for b in GlobalBatchSampler(n, 4, r, world)] for r in range(world)]
+        assert len(set(counts)) == 1 and all(s == sizes[0] for s in sizes)
+
+
+def test_pools_are_groups_of_the_epoch_order() -> None:
+    sampler = GlobalBatchSampler(40, 16, seed=1, pool_size=8)
+    order = sampler.order().tolist()
+    for b, batch in enumerate(sampler):
+        for j, pick in enumerate(batch):
+            p = b * 16 + j
+            assert list(pick.pool) == order[p // 8 * 8: p // 8 * 8 + 8] and pick.index in pick.pool
+
+
+def test_val_shards_are_disjoint_complete_and_keep_the_batches() -> None:
+    for n, bs, world in ((10, 3, 2), (17, 4, 3), (3, 2, 4)):
+        single = list(ShardSampler(n, bs))
+        shards = [list(ShardSampler(n, bs, r, world)) for r in range(world)]
+        flat = [i for s in shards for b in s for i in b]
+        assert sorted(flat) == list(range(n)) and len(flat) == n  # no duplicates, nothing missing
+        assert [b for s in shards for b in s] == single  # contiguous runs of the single-process batches
+
+
+def test_two_ranks_see_the_same_pixels_as_one(records: list[Rec]) -> None:
+    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={}, seed=2)
+    one = build_dataloader(ds, 8, shuffle=True, workers=0, seed=2)
+    two = [build_dataloader(ds, 4, shuffle=True, workers=0, rank=r, world_size=2, seed=2) for r in (0, 1)]
+    for a, b0, b1 in zip(one, *two):
+        assert torch.equal(a["img"], torch.cat((b0["img"], b1["img"])))
+        assert torch.equal(a["bboxes"], torch.cat((b0["bboxes"], b1["bboxes"])))
+
+
+def test_samples_do_not_depend_on_the_number_of_workers(records: list[Rec]) -> None:
+    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={}, seed=4)
+    runs = []
+    for workers in (0, 2):
+        loader = build_dataloader(ds, 4, shuffle=True, workers=workers, seed=4)
+        loader.batch_sampler.set_epoch(1)
+        ds.set_epoch(1)
+        runs.append([b["img"] for b in loader])
+        del loader
+    assert len(runs[0]) == len(runs[1]) and all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def _background_count(img: torch.Tensor) -> int:
+    hwc = img.permute(1, 2, 0).numpy().astype(np.int16)
+    return sum((np.abs(hwc - np.array(c[::-1], np.int16)) <= 8).all(-1).mean() > 0.02 for c in BACKGROUND_BGR)
+
+
+def test_close_mosaic_reaches_persistent_workers(records: list[Rec]) -> None:
+    ds = DetectionDataset(records, imgsz=64, augment=True, hyp=NO_HSV, close_mosaic_epoch=1)
+    loader = build_dataloader(ds, 10, shuffle=True, workers=1, seed=0)
+    assert loader.persistent_workers
+    seen = {}
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        loader.batch_sampler.set_epoch(epoch)
+        seen[epoch] = [_background_count(img) for b in loader for img in b["img"]]
+    assert max(seen[0]) >= 2  # mosaics show several images
+    assert set(seen[1]) == {1}  # the same worker process now renders single images
+
+
+def test_val_loader_shards_rect_batches(records: list[Rec]) -> None:
+    ds = DetectionDataset(records, imgsz=64, augment=False, hyp={}, rect=True, batch_size=4)
+    single = [b for b in build_dataloader(ds, 4, shuffle=False, workers=0)]
+    shards = [[b for b in build_dataloader(ds, 4, shuffle=False, workers=0, rank=r, world_size=3)] for r in range(3)]
+    merged = [b for s in shards for b in s]
+    assert [b["img"].shape for b in merged] == [b["img"].shape for b in single]
+    assert [f for b in merged for f in b["im_file"]] == [f for b in single for f in b["im_file"]]
+    assert len({b["img"].shape for b in single}) > 1  # wide and tall batches have their own shapes
