@@ -1,0 +1,183 @@
+"""Training-step throughput: forward + loss + backward + optimizer step on random images.
+
+Times detrain's DetectionModel with DetectionLoss and SGD. When ``ultralytics`` is importable (it is never a
+dependency; e.g. ``PYTHONPATH=/path/to/ulib``), its YOLOv8 DetectionModel of the same scale is timed the same
+way, with its v8DetectionLoss, in the same process, and the throughput ratio is printed. The two are timed
+in alternating blocks and summarised by the median step, so load from other processes on a shared machine
+hits both alike.
+
+Example::
+
+    python scripts/bench_train.py --scale n --imgsz 320 --batch 8 --iters 20 --warmup 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
+
+from detrain.loss import DetectionLoss  # noqa: E402
+from detrain.nn.model import DetectionModel  # noqa: E402
+
+
+@dataclass
+class Batch:
+    """Random images in [0, 1] and a few random boxes per image, in the loss contract's flat layout."""
+
+    imgs: torch.Tensor  # (B, 3, H, W) float
+    batch_idx: torch.Tensor  # (M,)
+    cls: torch.Tensor  # (M, 1)
+    bboxes_xywhn: torch.Tensor  # (M, 4)
+
+
+def make_batch(batch: int, imgsz: int, nc: int, boxes_per_image: int, device: torch.device, seed: int) -> Batch:
+    """A reproducible random batch.
+
+    >>> b = make_batch(2, 64, 80, 3, torch.device("cpu"), 0); b.imgs.shape, b.bboxes_xywhn.shape
+    (torch.Size([2, 3, 64, 64]), torch.Size([6, 4]))
+    """
+    g = torch.Generator().manual_seed(seed)
+    m = batch * boxes_per_image
+    centres = torch.rand(m, 2, generator=g) * 0.6 + 0.2
+    sizes = torch.rand(m, 2, generator=g) * 0.35 + 0.05
+    return Batch(
+        imgs=torch.rand(batch, 3, imgsz, imgsz, generator=g).to(device),
+        batch_idx=torch.arange(batch).repeat_interleave(boxes_per_image).float().to(device),
+        cls=torch.randint(0, nc, (m, 1), generator=g).float().to(device),
+        bboxes_xywhn=torch.cat((centres, sizes), 1).to(device),
+    )
+
+
+def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=0.01, momentum=0.937, nesterov=True, weight_decay=5e-4)
+
+
+def detrain_step(args: argparse.Namespace, batch: Batch, device: torch.device) -> Callable[[], None]:
+    """One detrain training step as a closure over its model, loss and optimizer."""
+    model = DetectionModel(scale=args.scale, nc=args.nc).to(device).train()
+    imgs = batch.imgs
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        imgs = imgs.contiguous(memory_format=torch.channels_last)
+    criterion = DetectionLoss(args.nc, model.stride, reg_max=model.reg_max)
+    optimizer = _sgd(model)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = criterion(model(imgs), batch.batch_idx, batch.cls, batch.bboxes_xywhn)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def ultralytics_step(args: argparse.Namespace, batch: Batch, device: torch.device) -> Callable[[], None] | None:
+    """The same step with Ultralytics' YOLOv8 model and v8DetectionLoss, or None when it is not installed."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")  # never reach the network from a benchmark
+    os.environ.setdefault("YOLO_VERBOSE", "False")
+    try:
+        from ultralytics.nn.tasks import DetectionModel as UltralyticsModel
+    except ImportError:
+        return None
+    model = UltralyticsModel(f"yolov8{args.scale}.yaml", nc=args.nc, verbose=False).to(device).train()
+    model.args = SimpleNamespace(box=7.5, cls=0.5, dfl=1.5)  # the loss reads its gains from here
+    criterion = model.init_criterion()
+    optimizer = _sgd(model)
+    # Ultralytics trains in the default (contiguous) memory format; it is timed as it trains
+    data = {"img": batch.imgs, "batch_idx": batch.batch_idx, "cls": batch.cls, "bboxes": batch.bboxes_xywhn}
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss, _ = criterion(model(batch.imgs), data)
+        loss.sum().backward()
+        optimizer.step()
+
+    return step
+
+
+def _timed(step: Callable[[], None], n: int, device: torch.device, clock: Callable[[], float]) -> list[float]:
+    times = []
+    for _ in range(n):
+        start = clock()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((clock() - start) * 1000)
+    return times
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", default="n", choices=list("nsmlx"))
+    p.add_argument("--imgsz", type=int, default=320)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20, help="timed steps per implementation")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
+                   help="detrain in channels_last memory format (default: on)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--nc", type=int, default=80)
+    p.add_argument("--boxes", type=int, default=4, help="random boxes per image")
+    p.add_argument("--block", type=int, default=5, help="steps per alternating block")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: this process's CPU time, a fair measure on a shared machine with --threads 1")
+    p.add_argument("--no-ultralytics", action="store_true", help="time detrain only")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    batch = make_batch(args.batch, args.imgsz, args.nc, args.boxes, device, seed=0)
+
+    steps: dict[str, Callable[[], None]] = {"detrain": detrain_step(args, batch, device)}
+    if not args.no_ultralytics:
+        theirs = ultralytics_step(args, batch, device)
+        if theirs is None:
+            print("ultralytics is not importable: timing detrain only", file=sys.stderr)
+        else:
+            steps["ultralytics"] = theirs
+
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    for step in steps.values():
+        _timed(step, args.warmup, device, clock)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    remaining = args.iters
+    while remaining > 0:  # alternate, so a burst of outside load lands on both
+        n = min(args.block, remaining)
+        for name, step in steps.items():
+            times[name] += _timed(step, n, device, clock)
+        remaining -= n
+
+    layout = {"detrain": "channels_last" if args.channels_last else "contiguous", "ultralytics": "contiguous"}
+    print(f"scale {args.scale}  imgsz {args.imgsz}  batch {args.batch}  threads {torch.get_num_threads()}  "
+          f"device {device}  iters {args.iters}  warmup {args.warmup}  clock {args.clock}")
+    print(f"{'impl':<12} {'layout':<14} {'median ms':>10} {'mean ms':>9} {'min ms':>8} {'img/s':>8}")
+    throughput = {}
+    for name, ms in times.items():
+        median = statistics.median(ms)
+        throughput[name] = args.batch / (median / 1000)
+        print(f"{name:<12} {layout[name]:<14} {median:>10.1f} {statistics.fmean(ms):>9.1f} {min(ms):>8.1f} "
+              f"{throughput[name]:>8.1f}")
+    if "ultralytics" in throughput:
+        print(f"throughput ratio detrain / ultralytics: {throughput['detrain'] / throughput['ultralytics']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
