@@ -226,7 +226,7 @@ class DetectionModel(nn.Module):
 
     @property
     def head(self) -> Detect:
-        """The Detect layer (the last one)."""
+        """The Detect layer (the last one): ``DetectionModel().head.reg_max`` -> 16."""
         return self.model[-1]  # type: ignore[return-value]
 
     def forward(self, x: Tensor, decode: bool | None = None) -> list[Tensor] | Tensor:
@@ -241,7 +241,14 @@ class DetectionModel(nn.Module):
         return y
 
     def decode(self, maps: list[Tensor]) -> Tensor:
-        """Raw head maps (training-mode output) -> (B, 4 + nc, N) as in eval mode."""
+        """Raw head maps (training-mode output) -> (B, 4 + nc, N) as in eval mode.
+
+        >>> m = DetectionModel(nc=2).eval()
+        >>> with torch.no_grad():
+        ...     maps = m(torch.zeros(1, 3, 64, 64), decode=False)
+        ...     m.decode(maps).shape
+        torch.Size([1, 6, 84])
+        """
         return self.head.decode(maps)
 
     def fuse(self) -> DetectionModel:

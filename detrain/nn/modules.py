@@ -245,7 +245,14 @@ class Detect(nn.Module):
         return torch.cat((boxes_xywh, cls.sigmoid()), 1)
 
     def anchors(self, maps: list[Tensor]) -> tuple[Tensor, Tensor]:
-        """Anchor centres (2, N) in feature units and strides (1, N) for these maps, cached by shape."""
+        """Anchor centres (2, N) in feature units and strides (1, N) for these maps, cached by shape.
+
+        >>> head = Detect(nc=1, ch=(16, 16, 16), strides=(8, 16, 32))
+        >>> maps = [torch.zeros(1, 65, 2, 2), torch.zeros(1, 65, 1, 1), torch.zeros(1, 65, 1, 1)]
+        >>> points, strides = head.anchors(maps)
+        >>> points[:, :2].tolist(), strides.tolist()
+        ([[0.5, 1.5], [0.5, 0.5]], [[8.0, 8.0, 8.0, 8.0, 16.0, 32.0]])
+        """
         key = (tuple(m.shape[2:] for m in maps), maps[0].device, maps[0].dtype)
         if key != self._anchor_key:
             points, strides = make_anchors(maps, self.stride)
