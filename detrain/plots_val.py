@@ -1,7 +1,8 @@
-"""Validation plots as PNG files: PR curves, F1/P/R over confidence, confusion matrix, results.png.
+"""Validation plots: PR curves, F1/P/R over confidence, confusion matrix, results.png (PNG), and batches of
+images with their boxes drawn (JPEG).
 
-Drawing uses matplotlib's object API on the Agg canvas (no pyplot, no global backend switch), so it is
-safe in worker processes and threads and never opens a window.
+Curves use matplotlib's object API on the Agg canvas (no pyplot, no global backend switch), so they are
+safe in worker processes and threads and never open a window; batch images are drawn with OpenCV.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import cv2
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -138,6 +140,62 @@ def plot_results_csv(csv_path: str | Path, path: str | Path | None = None) -> Pa
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return _save(fig, csv_path.with_name("results.png") if path is None else path)
+
+
+def plot_images(imgs: np.ndarray, boxes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]], names: Names,
+                path: str | Path, im_files: Sequence[str] | None = None, max_size: int = 1920) -> Path:
+    """A grid of up to 16 images (uint8 (B, 3, H, W) RGB, all one size) with boxes drawn, saved as JPEG.
+
+    ``boxes[i]`` is (corner boxes (n, 4) in the image's pixels, classes (n,), scores (n,) or None for
+    ground truth); a box is labelled with its class name, and its score when given. The grid is scaled down
+    to at most ``max_size`` pixels a side.
+
+    >>> plot_images(np.zeros((1, 3, 32, 32), np.uint8), [(np.array([[2., 2, 20, 20]]), np.array([0]), None)],
+    ...             ["cat"], "val_batch0_labels.jpg")  # doctest: +SKIP
+    """
+    imgs = np.asarray(imgs)[:16]
+    n, _, h, w = imgs.shape
+    cols = max(1, math.ceil(math.sqrt(n)))
+    rows = max(1, math.ceil(n / cols))
+    scale = min(1.0, max_size / max(cols * w, rows * h))
+    th, tw = max(1, round(h * scale)), max(1, round(w * scale))
+    canvas = np.full((rows * th, cols * tw, 3), 255, np.uint8)
+    thickness = max(1, round(0.003 * max(th, tw) + 0.5))
+    font = max(0.3, 0.35 * thickness)
+    for i in range(n):
+        y0, x0 = (i // cols) * th, (i % cols) * tw
+        tile = np.ascontiguousarray(imgs[i].transpose(1, 2, 0)[:, :, ::-1])  # RGB CHW -> BGR HWC for OpenCV
+        if scale != 1.0:
+            tile = cv2.resize(tile, (tw, th), interpolation=cv2.INTER_AREA)
+        xyxy, cls, scores = boxes[i] if i < len(boxes) else (np.zeros((0, 4)), np.zeros(0, np.int64), None)
+        for j, (box, c) in enumerate(zip(np.asarray(xyxy, np.float64).reshape(-1, 4) * scale,
+                                         np.asarray(cls).reshape(-1).astype(int))):
+            color = _color(c)
+            p1, p2 = (int(box[0]), int(box[1])), (int(box[2]), int(box[3]))
+            cv2.rectangle(tile, p1, p2, color, thickness, cv2.LINE_AA)
+            label = _name(names, c) + (f" {float(scores[j]):.2f}" if scores is not None else "")
+            (lw, lh), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, font, 1)
+            top = max(p1[1] - lh - base, 0)
+            cv2.rectangle(tile, (p1[0], top), (p1[0] + lw, top + lh + base), color, -1)
+            cv2.putText(tile, label, (p1[0], top + lh), cv2.FONT_HERSHEY_SIMPLEX, font, (255, 255, 255), 1,
+                        cv2.LINE_AA)
+        cv2.rectangle(tile, (0, 0), (tw - 1, th - 1), (255, 255, 255), max(1, thickness // 2))
+        if im_files is not None and i < len(im_files):
+            cv2.putText(tile, Path(im_files[i]).name[:40], (3, th - 4), cv2.FONT_HERSHEY_SIMPLEX, font,
+                        (220, 220, 220), 1, cv2.LINE_AA)
+        canvas[y0: y0 + th, x0: x0 + tw] = tile
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not cv2.imwrite(str(path), canvas, [cv2.IMWRITE_JPEG_QUALITY, 90]):
+        raise OSError(f"cannot write {path}")
+    return path
+
+
+def _color(k: int) -> tuple[int, int, int]:
+    """A distinct, stable BGR colour per class (golden-ratio hues)."""
+    hue = int((k * 0.618033988749895 % 1.0) * 179)
+    bgr = cv2.cvtColor(np.array([[[hue, 200, 230]]], np.uint8), cv2.COLOR_HSV2BGR)[0, 0]
+    return int(bgr[0]), int(bgr[1]), int(bgr[2])
 
 
 def _figure() -> tuple[Figure, object]:

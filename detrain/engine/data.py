@@ -6,7 +6,7 @@ the first process of each node while the others wait at a named barrier, then th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -17,6 +17,7 @@ from detrain.data.dataset import DetectionDataset
 from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
 from detrain.data.labels import LabelRecord, load_labels
 from detrain.data.loader import build_dataloader
+from detrain.engine.ground_truth import explicit_json, json_labels, json_split_gt
 from detrain.errors import DatasetError
 
 HYP_KEYS = ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear", "perspective", "flipud",
@@ -30,6 +31,8 @@ class SplitData:
     info: DatasetInfo
     split: str
     records: list[LabelRecord]
+    # evaluation ground truth, built once by detrain.engine.ground_truth.split_ground_truth
+    ground_truth: Any = field(default=None, repr=False, compare=False)
 
     @property
     def nc(self) -> int:
@@ -54,15 +57,25 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
     finally:
         if first:
             dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node")
+    ground_truth, summary = None, report.summary() if hasattr(report, "summary") else str(report)
+    json_file = explicit_json(info, split)
+    if json_file is not None:  # the split is a COCO json: its annotations are the labels
+        ground_truth = json_split_gt(json_file, records, info.names)
+        records, summary = json_labels(records, ground_truth, json_file)
+        if getattr(report, "corrupt", 0):
+            summary += f"; {report.corrupt} corrupt images left out"
     if verbose and dist.is_main():
         from detrain.log import console
 
-        console.print(f"{split}: {report.summary()}" if hasattr(report, "summary") else f"{split}: {report}")
+        console.print(f"{split}: {summary}")
     if not records:
         raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
     if cfg is not None and split == "train" and cfg.fraction < 1.0:
         records = records[: max(1, round(len(records) * cfg.fraction))]
-    return SplitData(info=info, split=split, records=records)
+    data = SplitData(info=info, split=split, records=records, ground_truth=ground_truth)
+    if ground_truth is not None and len(records) != len(ground_truth.images):  # a train fraction
+        data.ground_truth = None
+    return data
 
 
 def hyp_of(cfg: Cfg) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch
 
 from detrain import dist
 from detrain.config import Cfg, make_cfg
-from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, select_device
+from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
 from detrain.engine.data import build_val_loader, load_split
 from detrain.engine.validator import validate
 from detrain.errors import ConfigError
@@ -33,9 +33,11 @@ def run_val(cfg: Cfg, save_dir: str | Path | None = None) -> dict[str, Any]:
         from detrain.engine.score_file import score_predictions_file
 
         return score_predictions_file(cfg, data, save_dir)
-    if not cfg.model.endswith((".pt", ".pth")) and dist.is_main():
+    if not is_weights(cfg.model) and dist.is_main():
         console.print(f"note: {cfg.model} is an architecture, not weights: validating random weights")
-    model, _ = build_model(cfg.model, verbose=dist.is_main())
+    weights = is_weights(cfg.model)
+    model, _ = build_model(cfg.model, nc=None if weights else data.nc, names=None if weights else data.names,
+                           verbose=dist.is_main())
     if model.nc != data.nc:
         raise ConfigError(f"{cfg.model} predicts {model.nc} classes but {cfg.data} has {data.nc}; "
                           "fine-tune it on the dataset first")
@@ -44,9 +46,9 @@ def run_val(cfg: Cfg, save_dir: str | Path | None = None) -> dict[str, Any]:
         model.fuse()
     model = model.to(memory_format=torch.channels_last)
     world = dist.world_size()
-    if cfg.batch % world:
-        raise ConfigError(f"batch={cfg.batch} must divide by the number of workers ({world})")
-    loader = build_val_loader(data, cfg, cfg.batch // world, dist.rank(), world)
+    # Every rank runs whole single-process batches (the same rectangular shapes, so the same numbers for any
+    # number of ranks); the ranks share the batches, contiguous and disjoint.
+    loader = build_val_loader(data, cfg, cfg.batch, dist.rank(), world)
     if dist.is_main():
         console.print(f"validating {cfg.model} on {cfg.data} ({cfg.split}: {len(data.records)} images) "
                       f"with {world} worker(s); results in {save_dir}")

@@ -1,6 +1,11 @@
 """Validation: every rank scores its own shard, per-image statistics are gathered, the COCO-exact metrics
 are computed once on rank 0 and broadcast, so every rank agrees on them.
 
+Detections are scored exactly as ``predictions.json`` holds them (boxes ``[x, y, w, h]`` rounded to 3
+decimals in the original image's pixels, scores to 5), against the split's ground truth from
+:mod:`detrain.engine.ground_truth`; so scoring that file with ``detrain val predictions=...`` (or pycocotools,
+for a COCO json dataset) gives the same numbers, and so does any number of ranks.
+
 >>> metrics = validate(model, loader, data, cfg, torch.device("cpu"))  # doctest: +SKIP
 >>> metrics["map"], metrics["map50"]                                    # doctest: +SKIP
 """
@@ -8,6 +13,7 @@ are computed once on rank 0 and broadcast, so every rank agrees on them.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,118 +24,187 @@ from torch import nn
 from detrain import dist
 from detrain.boxes import scale_boxes_to_original, xywh2xyxy
 from detrain.config import Cfg
+from detrain.engine.ground_truth import ImageGT, SplitGT, image_ids, split_ground_truth
+from detrain.errors import DatasetError
 from detrain.log import atomic_write_text, console
-from detrain.metrics import ConfusionMatrix, coco_summary, match_image
+from detrain.metrics import ConfusionMatrix, ImageStats, coco_summary, match_image_coco
 from detrain.ops import non_max_suppression
 
+__all__ = ["VAL_CONF", "Scorer", "finish", "image_ids", "predict_batch", "print_table", "validate"]
+
 VAL_CONF = 0.001
-
-
-def image_ids(im_files: list[str]) -> dict[str, int]:
-    """COCO image ids: the files' numbers when every stem is a distinct number (000000000036.jpg -> 36),
-    else the position in the split (stable, and the same on every rank).
-
-    >>> image_ids(["a/000000000036.jpg", "a/000000000042.jpg"])
-    {'a/000000000036.jpg': 36, 'a/000000000042.jpg': 42}
-    """
-    stems = [Path(f).stem for f in im_files]
-    if all(s.isdigit() for s in stems) and len({int(s) for s in stems}) == len(stems):
-        return {f: int(s) for f, s in zip(im_files, stems)}
-    return {f: i for i, f in enumerate(im_files)}
+PLOT_BATCHES = 3  # val_batch{0,1,2}_{labels,pred}.jpg
+PLOT_CONF = 0.25  # detections drawn on the batch images
 
 
 @torch.no_grad()
 def predict_batch(model: nn.Module, imgs_uint8: torch.Tensor, device: torch.device, conf: float, iou: float,
-                  max_det: int) -> list[torch.Tensor]:
-    """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, NMS on the device."""
+                  max_det: int, multi_label: bool = False) -> list[torch.Tensor]:
+    """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, NMS on the device.
+
+    ``multi_label`` keeps every (box, class) pair above ``conf``, as validation does (YOLOv8's val too)."""
     imgs = imgs_uint8.to(device, non_blocking=True).float().div_(255)
     if device.type in ("cpu", "cuda"):
         imgs = imgs.contiguous(memory_format=torch.channels_last)
     preds = model(imgs)
     if isinstance(preds, (tuple, list)):
         preds = preds[0]
-    return non_max_suppression(preds, conf_thres=conf, iou_thres=iou, max_det=max_det)
+    return non_max_suppression(preds, conf_thres=conf, iou_thres=iou, max_det=max_det, multi_label=multi_label)
 
 
-def _labels_to_original(batch: dict[str, Any], si: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ground-truth boxes of image ``si`` mapped from the letterboxed input back to the file's pixels."""
-    keep = batch["batch_idx"] == si
-    cls = batch["cls"][keep].view(-1)
-    h, w = batch["img"].shape[2:]
-    boxes = xywh2xyxy(batch["bboxes"][keep].float() * torch.tensor([w, h, w, h], dtype=torch.float32))
-    (gain, _), pad = batch["ratio_pad"][si]
-    return scale_boxes_to_original(boxes, float(gain), tuple(pad), tuple(batch["ori_shape"][si])), cls
+def coco_detections(det: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(n, 6) corner detections in original pixels -> (ltwh rounded to 3 decimals, scores rounded to 5, classes),
+    the values ``predictions.json`` holds (the same arithmetic as :func:`detrain.coco_json.predictions_to_coco`).
+
+    >>> ltwh, s, c = coco_detections(np.array([[1.00004, 2, 11, 22, 0.9123456, 3]], np.float32))
+    >>> ltwh.tolist(), s.tolist(), c.tolist()
+    ([[1.0, 2.0, 10.0, 20.0]], [0.91235], [3])
+    """
+    if hasattr(det, "detach"):
+        det = det.detach().cpu().numpy()
+    d = np.asarray(det).reshape(-1, 6).astype(np.float64)
+    ltwh = np.round(np.concatenate((d[:, :2], d[:, 2:4] - d[:, :2]), 1), 3)
+    return ltwh, np.round(d[:, 4], 5), d[:, 5].astype(np.int64)
+
+
+@dataclass
+class Scorer:
+    """One rank's share of an evaluation: per-image statistics, confusion counts and (optionally) detections."""
+
+    nc: int
+    keep_detections: bool = False
+    stats: list[ImageStats] = field(default_factory=list)
+    confusion: ConfusionMatrix = field(init=False)
+    detections: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.confusion = ConfusionMatrix(self.nc)
+
+    def add(self, g: ImageGT, ltwh: np.ndarray, scores: np.ndarray, cls: np.ndarray) -> None:
+        """Score one image's detections (COCO boxes in original pixels) against its ground truth."""
+        self.stats.append(match_image_coco(ltwh, scores, cls, g.boxes_ltwh, g.cls, g.area, g.crowd,
+                                           image_id=g.image_id, gt_ids=g.ann_ids))
+        xyxy = np.concatenate((ltwh[:, :2], ltwh[:, :2] + ltwh[:, 2:]), 1)
+        regular = ~g.crowd
+        self.confusion.update(np.concatenate((xyxy, scores[:, None], cls[:, None]), 1), g.boxes_xyxy()[regular],
+                              g.cls[regular])
+        if self.keep_detections:
+            self.detections.append((g.image_id, ltwh, scores, cls))
+
+    def part(self) -> tuple[list[ImageStats], np.ndarray, list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]]:
+        """What this rank sends to rank 0."""
+        return self.stats, self.confusion.matrix, self.detections
 
 
 def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, cfg: Cfg, device: torch.device,
              save_dir: Path | None = None, plots: bool = False, verbose: bool = True) -> dict[str, Any]:
-    """COCO-exact metrics of ``model`` on ``loader``'s split (the same dict on every rank)."""
+    """COCO-exact metrics of ``model`` on ``loader``'s split (the same dict on every rank).
+
+    ``data`` is the split's ``SplitData``; with ``save_dir`` rank 0 writes metrics.json (and predictions.json
+    when ``cfg.save_json``), and with ``plots`` the curves, confusion matrices and the first batches drawn.
+    """
     was_training = model.training
     model.eval()
     conf = VAL_CONF if cfg.conf is None else cfg.conf
-    nc = data.nc
-    stats, rows = [], []
-    confusion = ConfusionMatrix(nc)
-    ids = image_ids([r.im_file for r in loader.dataset.records])
-    plotted: list[tuple[np.ndarray, torch.Tensor, dict[str, Any]]] = []
-    for batch in loader:
-        dets = predict_batch(model, batch["img"], device, conf, cfg.iou, cfg.max_det)
-        for si, det in enumerate(dets):
-            det = det.float().cpu()
-            im_file = batch["im_file"][si]
-            image_id = ids[im_file]
-            (gain, _), pad = batch["ratio_pad"][si]
-            scale_boxes_to_original(det[:, :4], float(gain), tuple(pad), tuple(batch["ori_shape"][si]))
-            gt_xyxy, gt_cls = _labels_to_original(batch, si)
-            stats.append(match_image(det[:, :4].numpy(), det[:, 4].numpy(), det[:, 5].numpy().astype(np.int64),
-                                     gt_xyxy.numpy(), gt_cls.numpy().astype(np.int64), image_id=image_id))
-            confusion.update(det.numpy(), gt_xyxy.numpy(), gt_cls.numpy().astype(np.int64))
-            if cfg.save_json:
-                rows += _coco_rows(det, image_id)
-            if plots and len(plotted) < 3 and si == 0:
-                plotted.append((batch["img"][si].numpy(), det.clone(), {"im_file": im_file}))
-    if was_training:
-        model.train()
-    gathered = dist.all_gather_object((stats, confusion.matrix, rows))
-    metrics: dict[str, Any] | None = None
-    if dist.is_main():
-        all_stats = [s for part in gathered for s in part[0]]
-        summary = coco_summary(all_stats, nc)  # orders images by id itself, as the reference does
-        metrics = {**summary.as_dict(), "per_class": summary.per_class, "conf": summary.conf,
-                   "n_images": len(all_stats)}
-        matrix = sum(part[1] for part in gathered)
-        if save_dir is not None:
-            _write_outputs(save_dir, metrics, [r for part in gathered for r in part[2]], cfg, data, summary,
-                           matrix, plots)
-        if verbose:
-            print_table(metrics, data.names, len(all_stats))
+    gt = split_ground_truth(data)
+    scorer = Scorer(data.nc, keep_detections=bool(cfg.save_json) and save_dir is not None)
+    drawn: list[dict[str, Any]] = []
+    draw = plots and save_dir is not None and dist.is_main()
+    try:
+        for bi, batch in enumerate(loader):
+            dets = predict_batch(model, batch["img"], device, conf, cfg.iou, cfg.max_det, multi_label=True)
+            if draw and bi < PLOT_BATCHES:
+                drawn.append(_for_plot(batch, dets))
+            for si, det in enumerate(dets):
+                det = det.float().cpu()
+                (gain_y, gain_x), pad = batch["ratio_pad"][si]
+                scale_boxes_to_original(det[:, :4], (float(gain_x), float(gain_y)), tuple(pad),
+                                        tuple(batch["ori_shape"][si]))
+                scorer.add(_image_gt(gt, batch["im_file"][si]), *coco_detections(det))
+    finally:
+        if was_training:
+            model.train()
+    gathered = dist.all_gather_object(scorer.part())
+    metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn) if dist.is_main() else None
     return dist.broadcast_object(metrics)
 
 
-def _coco_rows(det: torch.Tensor, image_id: int) -> list[dict[str, Any]]:
-    rows = []
-    for x1, y1, x2, y2, score, cls in det.tolist():
-        rows.append({"image_id": image_id, "category_id": int(cls) + 1,
-                     "bbox": [round(x1, 3), round(y1, 3), round(x2 - x1, 3), round(y2 - y1, 3)],
-                     "score": round(score, 5)})
-    return rows
+def finish(gathered: list[tuple[Any, Any, Any]], data: Any, gt: SplitGT, cfg: Cfg, save_dir: Path | None,
+           plots: bool, verbose: bool, drawn: list[dict[str, Any]] | None = None,
+           predictions_file: str | None = None) -> dict[str, Any]:
+    """Rank 0: the metrics of all ranks' :meth:`Scorer.part`, written to ``save_dir`` and printed."""
+    all_stats = [s for part in gathered for s in part[0]]
+    summary = coco_summary(all_stats, data.nc)  # orders images by id itself, as the reference does
+    n_images = len({s.image_id for s in all_stats})
+    metrics: dict[str, Any] = {**summary.as_dict(), "per_class": summary.per_class, "conf": summary.conf,
+                               "n_images": n_images, "images_per_rank": [len(part[0]) for part in gathered],
+                               "ground_truth": gt.source}
+    if predictions_file:
+        metrics["predictions"] = str(predictions_file)
+    matrix = np.sum([np.asarray(part[1]) for part in gathered], axis=0)
+    if save_dir is not None:
+        save_dir = Path(save_dir)
+        save_dir.mkdir(parents=True, exist_ok=True)
+        _write_metrics(save_dir / "metrics.json", metrics, data.names)
+        if cfg.save_json and not predictions_file:
+            dets = sorted((d for part in gathered for d in part[2]), key=lambda d: d[0])
+            atomic_write_text(save_dir / "predictions.json", _results_json(dets, gt.category_ids))
+        if plots:
+            _plot(save_dir, summary, matrix, data.names, drawn or [])
+    if verbose:
+        print_table(metrics, data.names, n_images)
+    return metrics
 
 
-def _write_outputs(save_dir: Path, metrics: dict[str, Any], rows: list[dict[str, Any]], cfg: Cfg, data: Any,
-                   summary: Any, matrix: np.ndarray, plots: bool) -> None:
-    save_dir.mkdir(parents=True, exist_ok=True)
-    plain = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str))}
-    plain["per_class"] = {data.names.get(int(c), str(c)): v for c, v in metrics.get("per_class", {}).items()}
-    atomic_write_text(save_dir / "metrics.json", json.dumps(plain, indent=2, default=float))
-    if cfg.save_json:
-        atomic_write_text(save_dir / "predictions.json", json.dumps(rows))
-    if plots:
-        try:
-            from detrain import plots_val
+def _image_gt(gt: SplitGT, im_file: str) -> ImageGT:
+    try:
+        return gt.images[im_file]
+    except KeyError:
+        raise DatasetError(f"{im_file} is not an image of the split being validated") from None
 
-            plots_val.plot_all(save_dir, summary, matrix, data.names)
-        except Exception as e:  # never lose the metrics for a plot
-            console.print(f"plots not written: {e}")
+
+def _results_json(dets: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], category_ids: np.ndarray) -> str:
+    """COCO results file text, one detection per line, in image-id order (file order within an image)."""
+    lines = []
+    cats = category_ids.tolist()
+    for image_id, ltwh, scores, cls in dets:
+        for box, score, c in zip(ltwh.tolist(), scores.tolist(), cls.tolist()):
+            lines.append(json.dumps({"image_id": image_id, "category_id": cats[c], "bbox": box, "score": score}))
+    return "[\n" + ",\n".join(lines) + "\n]\n" if lines else "[]\n"
+
+
+def _write_metrics(path: Path, metrics: dict[str, Any], names: dict[int, str]) -> None:
+    plain = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list))}
+    plain["per_class"] = {names.get(int(c), str(c)): v for c, v in metrics.get("per_class", {}).items()}
+    atomic_write_text(path, json.dumps(plain, indent=2, default=float))
+
+
+def _for_plot(batch: dict[str, Any], dets: list[torch.Tensor]) -> dict[str, Any]:
+    """What the batch pictures need, in the letterboxed input's pixels (at most 16 images)."""
+    n = min(len(dets), 16)
+    h, w = batch["img"].shape[2:]
+    keep = batch["batch_idx"] < n
+    boxes = xywh2xyxy(batch["bboxes"][keep].float() * torch.tensor([w, h, w, h], dtype=torch.float32))
+    preds = [d[d[:, 4] >= PLOT_CONF].float().cpu().numpy() for d in dets[:n]]
+    return {"img": batch["img"][:n].numpy(), "batch_idx": batch["batch_idx"][keep].numpy(),
+            "cls": batch["cls"][keep].view(-1).numpy().astype(np.int64), "boxes": boxes.numpy(), "preds": preds,
+            "im_file": list(batch["im_file"][:n])}
+
+
+def _plot(save_dir: Path, summary: Any, matrix: np.ndarray, names: dict[int, str], drawn: list[dict[str, Any]]
+          ) -> None:
+    try:
+        from detrain import plots_val
+
+        plots_val.plot_all(save_dir, summary, matrix, names)
+        for i, b in enumerate(drawn):
+            labels = [(b["boxes"][b["batch_idx"] == j], b["cls"][b["batch_idx"] == j], None)
+                      for j in range(len(b["img"]))]
+            preds = [(p[:, :4], p[:, 5].astype(np.int64), p[:, 4]) for p in b["preds"]]
+            plots_val.plot_images(b["img"], labels, names, save_dir / f"val_batch{i}_labels.jpg", b["im_file"])
+            plots_val.plot_images(b["img"], preds, names, save_dir / f"val_batch{i}_pred.jpg", b["im_file"])
+    except Exception as e:  # never lose the metrics for a plot
+        console.print(f"plots not written: {type(e).__name__}: {e}")
 
 
 def print_table(metrics: dict[str, Any], names: dict[int, str], n_images: int) -> None:
