@@ -35,7 +35,7 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
     if dist.is_main():
         n = sum(len(d.scores) for d in predictions.values())
         console.print(f"scoring {path}: {n} detections on {len(predictions)} of {len(gt.images)} images "
-                      f"({data.split} split, ground truth: {gt.source})")
+                      f"({data.split} split, ground truth: {gt.source}); results in {save_dir}")
     class_of = gt.class_of()
     images = sorted(gt.images.values(), key=lambda g: g.image_id)
     world, rank = dist.world_size(), dist.rank()
