@@ -1,0 +1,449 @@
+"""The process group, every collective and every timeout, in one place.
+
+The trainer never calls ``torch.distributed`` itself; it asks this module. In a single process (no
+``WORLD_SIZE`` > 1 in the environment) every function here is a no-op or the identity, so the same
+training code runs unchanged on one device and on many.
+
+Timeouts come in two phases:
+
+* start-up (``startup_timeout_s``, default 600 s): joining the group and the first barrier, where
+  ranks may legitimately wait for each other to import, build models or cache labels;
+* training (``timeout_s``, default 300 s or ``$DETRAIN_DIST_TIMEOUT_S``): every collective after
+  ``setup`` returns. A rank that hangs or dies makes its peers' next collective fail within this
+  bound, so the elastic launcher can stop the run instead of waiting for torch's 30-minute default.
+
+The switch between the two uses ``torch.distributed.set_timeout`` on the default group (public since
+torch 2.7; the older private ``_set_pg_timeout`` is used before that). It changes the timeout of
+every later operation on the group, DDP's gradient all-reduces included. For gloo a timed-out
+collective raises in Python, which this module turns into a one-line ``DistributedError`` naming
+the operation, the rank and the cause. For NCCL the watchdog aborts the process instead (CUDA work
+is asynchronous, so raising is not safe); the launcher then reports the rank and the signal.
+A phase that is known to take long (rank 0 downloading a dataset) passes ``timeout_s`` to
+``barrier`` for that one wait.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ParamSpec, TypeVar
+
+import torch
+import torch.distributed as tdist
+
+from detrain.errors import DistributedError
+
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_STARTUP_TIMEOUT_S = 600.0
+TIMEOUT_ENV = "DETRAIN_DIST_TIMEOUT_S"
+DEVICE_ENV = "DETRAIN_DEVICE"  # set by detrain.launch for each worker: "cpu", "cuda:1", "mps"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the run; returned by ``setup``."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: str
+    backend: str | None
+    timeout_s: float
+    restart_count: int
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+_info: DistInfo | None = None
+
+
+# ----------------------------------------------------------------------------------------- setup
+
+
+def setup(
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+) -> DistInfo:
+    """Join the process group described by the environment (or stay single-process).
+
+    Reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT (set by torch's
+    elastic launcher or torchrun), or maps SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID when those are
+    absent. The device comes from ``$DETRAIN_DEVICE`` (set by ``detrain.launch``), else
+    ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. Backend: nccl for CUDA, gloo otherwise.
+
+    Example:
+        >>> info = setup()            # in a plain Python process: no group, rank 0 of 1
+        >>> info.world_size, info.distributed
+        (1, False)
+        >>> cleanup()
+    """
+    global _info
+    if _info is not None and (not _info.distributed or tdist.is_initialized()):
+        return _info
+    _map_slurm_env()
+    world = _env_int("WORLD_SIZE", 1)
+    rank_ = _env_int("RANK", 0)
+    local = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    device = _pick_device(local)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+    restarts = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if world <= 1:
+        _info = DistInfo(0, 0, 1, 1, device, None, timeout, restarts)
+        return _info
+
+    for key in ("MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(key):
+            raise DistributedError(f"WORLD_SIZE={world} is set but {key} is not; start through detrain or torchrun")
+    backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    startup = timedelta(seconds=startup_timeout_s)
+    try:
+        tdist.init_process_group(
+            backend=backend,
+            timeout=startup,
+            device_id=torch.device(device) if device.startswith("cuda") else None,
+            **_store_args(rank_, world, restarts, startup),
+        )
+    except Exception as e:  # a dead master, a bad address: say which rank could not join where
+        raise DistributedError(f"rank {rank_} of {world} could not join the process group at {where}: {_cause(e)}") from e
+    _info = DistInfo(rank_, local, world, local_world, device, backend, timeout, restarts)
+    # Every rank has reached this point before training begins: a slow start is not a hang.
+    barrier("setup", timeout_s=startup_timeout_s)
+    _set_group_timeout(timeout)
+    return _info
+
+
+def cleanup() -> None:
+    """Leave the process group (if any); safe to call twice or without ``setup``.
+
+    Example:
+        >>> cleanup()
+    """
+    global _info
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+    _info = None
+
+
+def info() -> DistInfo | None:
+    """The ``DistInfo`` from the last ``setup``, or None before it."""
+    return _info
+
+
+# ----------------------------------------------------------------------------------- who am I
+
+
+def is_distributed() -> bool:
+    """True inside an initialised process group of more than one rank.
+
+    Example:
+        >>> is_distributed()
+        False
+    """
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def rank() -> int:
+    """Global rank; 0 when not distributed.
+
+    Example:
+        >>> rank()
+        0
+    """
+    return tdist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """Number of ranks; 1 when not distributed.
+
+    Example:
+        >>> world_size()
+        1
+    """
+    return tdist.get_world_size() if is_distributed() else 1
+
+
+def local_rank() -> int:
+    """Rank within this node (picks the GPU); 0 when not distributed.
+
+    Example:
+        >>> local_rank()
+        0
+    """
+    return _info.local_rank if _info is not None and is_distributed() else 0
+
+
+def is_main() -> bool:
+    """True on global rank 0 (and in a single process): the rank that logs and saves.
+
+    Example:
+        >>> is_main()
+        True
+    """
+    return rank() == 0
+
+
+def restart_count() -> int:
+    """How many times the elastic launcher restarted this worker group (0 on the first attempt).
+
+    The trainer resumes from last.pt when this is > 0.
+
+    Example:
+        >>> restart_count()
+        0
+    """
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+
+
+def rank_zero_only(fn: Callable[P, R]) -> Callable[P, R | None]:
+    """Run ``fn`` on rank 0 only; other ranks get None. Never wrap a function that calls a collective.
+
+    Example:
+        >>> @rank_zero_only
+        ... def hello() -> str:
+        ...     return "hi"
+        >>> hello()
+        'hi'
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
+        return fn(*args, **kwargs) if is_main() else None
+
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------- collectives
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of ``t`` over all ranks, as a new detached tensor (``t`` itself is left alone).
+
+    Example:
+        >>> all_reduce_sum(torch.tensor([1.0, 2.0]))   # single process: a copy
+        tensor([1., 2.])
+    """
+    out = t.detach().clone()
+    if is_distributed():
+        with _named("all_reduce_sum"):
+            tdist.all_reduce(out, op=tdist.ReduceOp.SUM)
+    return out
+
+
+def reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Mean of ``t`` over all ranks, as a new detached tensor (for logging loss items).
+
+    Example:
+        >>> reduce_mean(torch.tensor([2.0]))
+        tensor([2.])
+    """
+    out = all_reduce_sum(t)
+    return out / world_size() if is_distributed() else out
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order, on every rank.
+
+    Example:
+        >>> all_gather_object({"tp": 3})
+        [{'tp': 3}]
+    """
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    with _named("all_gather_object"):
+        tdist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank (the others' ``obj`` is ignored).
+
+    Example:
+        >>> broadcast_object([1, 2])
+        [1, 2]
+    """
+    if not is_distributed():
+        return obj
+    box = [obj]
+    with _named(f"broadcast_object(src={src})"):
+        tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def agree(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank, so that all ranks take the same branch (stop early, best fitness).
+
+    Example:
+        >>> agree(True)
+        True
+    """
+    return broadcast_object(value, src=0)
+
+
+def barrier(name: str, timeout_s: float | None = None) -> None:
+    """Wait until every rank reaches the barrier called ``name``.
+
+    ``timeout_s`` overrides the training timeout for this one wait (e.g. while rank 0 downloads a
+    dataset). On gloo it is a monitored barrier, so rank 0's error names the ranks that never came.
+
+    Example:
+        >>> barrier("dataset ready")   # no-op in a single process
+    """
+    if not is_distributed():
+        return
+    timeout = _info.timeout_s if timeout_s is None and _info is not None else (timeout_s or DEFAULT_TIMEOUT_S)
+    with _named(f"barrier '{name}'", timeout):
+        if tdist.get_backend() == "gloo":
+            tdist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        else:
+            with _group_timeout(timeout):
+                tdist.barrier(device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None)
+
+
+# ------------------------------------------------------------------------------------ internals
+
+
+@contextmanager
+def _named(what: str, timeout_s: float | None = None) -> Iterator[None]:
+    """Turn a failed collective into one line that names the operation, this rank and the cause."""
+    try:
+        yield
+    except DistributedError:
+        raise
+    except Exception as e:
+        timeout = timeout_s if timeout_s is not None else (_info.timeout_s if _info else DEFAULT_TIMEOUT_S)
+        where = f"rank {rank()} of {world_size()}"
+        raise DistributedError(f"{what} failed on {where}: {_cause(e, timeout)}") from e
+
+
+PEER_LOST_MARK = "(one of them hung or died)"  # lets the launcher tell consequences from root causes
+
+
+def _cause(e: BaseException, timeout_s: float | None = None) -> str:
+    text = str(e).strip()
+    # gloo and c10d prefix messages with a source location or rank: "[/path/pair.cc:78] ...", "[Rank 0]: ..."
+    first = re.sub(r"^(\[[^\]]*\]:?\s*)+", "", text.splitlines()[0] if text else type(e).__name__).lstrip(": ")[:200]
+    low = text.lower()
+    bound = f" within {timeout_s:g}s" if timeout_s is not None else ""
+    missing = re.search(r"ranks? ([\d, ]+) failed to pass monitoredbarrier", low)
+    if missing:
+        return f"rank(s) {missing.group(1).strip()} did not arrive{bound} {PEER_LOST_MARK}"
+    if "timed out" in low or "timeout" in low:
+        after = f" after {timeout_s:g}s" if timeout_s is not None else ""
+        return f"timed out{after} waiting for the other ranks {PEER_LOST_MARK} [{first}]"
+    if "connection closed" in low or "connection reset" in low or "broken pipe" in low:
+        return f"lost the connection to another rank {PEER_LOST_MARK} [{first}]"
+    return f"{type(e).__name__}: {first}"
+
+
+def _store_args(rank_: int, world: int, restarts: int, timeout: timedelta) -> dict[str, Any]:
+    """How ``init_process_group`` finds its peers.
+
+    Under torch's elastic agent the workers share the agent's TCPStore, which outlives a restart; the
+    keys of the failed attempt would still be there and a new rank could read a dead peer's address
+    (pytorch/pytorch#135712). A prefix per attempt keeps every attempt's keys apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {"init_method": "env://"}
+    client = tdist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout
+    )
+    return {"store": tdist.PrefixStore(f"detrain/attempt_{restarts}", client), "rank": rank_, "world_size": world}
+
+
+def _set_group_timeout(timeout_s: float) -> None:
+    delta = timedelta(seconds=timeout_s)
+    if hasattr(tdist, "set_timeout"):
+        tdist.set_timeout(delta)
+    else:  # torch < 2.7
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        _set_pg_timeout(delta)
+
+
+@contextmanager
+def _group_timeout(timeout_s: float) -> Iterator[None]:
+    _set_group_timeout(timeout_s)
+    try:
+        yield
+    finally:
+        if _info is not None:
+            _set_group_timeout(_info.timeout_s)
+
+
+def _env_int(key: str, default: int) -> int:
+    value = os.environ.get(key, "")
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise DistributedError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def _pick_device(local: int) -> str:
+    device = os.environ.get(DEVICE_ENV, "")
+    if device:
+        return device
+    return f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+
+
+def _map_slurm_env() -> None:
+    """Under ``srun`` (several tasks, no torchrun variables) translate SLURM's variables to torch's."""
+    if "RANK" in os.environ or not slurm_tasks():
+        return
+    env = os.environ
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
+    env["LOCAL_WORLD_SIZE"] = re.split(r"[(,]", per_node)[0]  # "4(x2),3" -> "4"
+    if not env.get("MASTER_ADDR"):
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        env["MASTER_ADDR"] = first_slurm_host(nodes) or "127.0.0.1"
+    if not env.get("MASTER_PORT"):
+        # Every task of the job derives the same port; different jobs on one node rarely collide.
+        env["MASTER_PORT"] = str(15000 + _env_int("SLURM_JOB_ID", 0) % 20000)
+
+
+def slurm_tasks() -> bool:
+    """True inside a task started by ``srun`` with more than one task (a world SLURM already launched)."""
+    env = os.environ
+    return (
+        env.get("DETRAIN_IGNORE_SLURM", "") not in ("1", "true")
+        and "SLURM_PROCID" in env
+        and "SLURM_LOCALID" in env
+        and "SLURM_STEP_ID" in env
+        and _env_int("SLURM_NTASKS", 1) > 1
+    )
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list.
+
+    Example:
+        >>> first_slurm_host("gpu[07-09,12],cpu01")
+        'gpu07'
+    """
+    m = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        return ""
+    prefix, ranges = m.group(1), m.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first

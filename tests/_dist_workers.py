@@ -1,0 +1,136 @@
+"""Tiny worker functions for the distributed tests.
+
+Spawned workers import their entry by name, so these live at the top level of an importable module.
+Every worker takes one dict and returns something small and picklable.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detrain import dist
+
+
+def collectives(args: dict[str, Any]) -> dict[str, Any]:
+    """Exercise every collective; return what this rank saw."""
+    info = dist.setup(timeout_s=args.get("timeout_s", 30.0))
+    r, w = dist.rank(), dist.world_size()
+    total = dist.all_reduce_sum(torch.tensor([float(r + 1)]))
+    mean = dist.reduce_mean(torch.tensor([float(r)]))
+    gathered = dist.all_gather_object({"rank": r})
+    shared = dist.broadcast_object(f"from-{r}", src=0)
+    branch = dist.agree(r == 0)  # rank 0 says True; everyone must take the same branch
+    dist.barrier("end")
+    return {
+        "rank": r,
+        "world": w,
+        "local_rank": dist.local_rank(),
+        "device": info.device,
+        "backend": info.backend,
+        "sum": total.item(),
+        "mean": mean.item(),
+        "gathered": gathered,
+        "shared": shared,
+        "agree": branch,
+        "main": dist.is_main(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def report(args: dict[str, Any]) -> dict[str, Any]:
+    """Join the world, check it with one all-reduce, report rank/world (used by torchrun and 2-node tests)."""
+    dist.setup(timeout_s=30.0)
+    total = dist.all_reduce_sum(torch.ones(1)).item()
+    return {"rank": dist.rank(), "world": dist.world_size(), "sum": total, "pid": os.getpid()}
+
+
+def die_once(args: dict[str, Any]) -> dict[str, Any]:
+    """Rank 1 SIGKILLs itself on the first attempt; after the restart everyone finishes."""
+    dist.setup(timeout_s=20.0)
+    marker = Path(args["marker"])
+    if dist.rank() == 1 and dist.restart_count() == 0 and not marker.exists():
+        marker.write_text("died")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier("after restart")
+    return {"rank": dist.rank(), "restarts": dist.restart_count()}
+
+
+def die_always(args: dict[str, Any]) -> None:
+    """Rank 1 is killed; rank 0 waits in a collective (its peer's death ends the run)."""
+    dist.setup(timeout_s=20.0)
+    if dist.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier("never passed")
+
+
+def raise_error(args: dict[str, Any]) -> None:
+    """Rank 1 raises a plain Python error with a recognisable message."""
+    dist.setup(timeout_s=20.0)
+    if dist.rank() == 1:
+        raise ValueError("boom from rank 1")
+    dist.barrier("never passed")
+
+
+def hang(args: dict[str, Any]) -> None:
+    """Rank 1 sleeps forever before the all-reduce; rank 0's all-reduce must time out."""
+    dist.setup(timeout_s=args["timeout_s"])
+    Path(args["pidfile"] + f".{dist.rank()}").write_text(str(os.getpid()))
+    if dist.rank() == 1:
+        while True:
+            time.sleep(1)
+    dist.all_reduce_sum(torch.ones(1))
+
+
+def sleep_forever(args: dict[str, Any]) -> None:
+    """Every rank writes its pid and sleeps: used to test Ctrl-C."""
+    dist.setup(timeout_s=30.0)
+    Path(args["pidfile"] + f".{dist.rank()}").write_text(str(os.getpid()))
+    while True:
+        time.sleep(1)
+
+
+def device_env(args: dict[str, Any]) -> dict[str, str]:
+    """The device the launcher assigned to this worker."""
+    return {k: os.environ.get(k, "") for k in ("DETRAIN_DEVICE", "DETRAIN_DEVICE_KIND", "OMP_NUM_THREADS")}
+
+
+def _main(argv: list[str]) -> int:
+    """Entry points for the tests that need a process of their own.
+
+    * ``torchrun OUT``: run under ``python -m torch.distributed.run``; launch() must join that world;
+    * ``node NODE_RANK PORT OUT``: one of two "nodes" on 127.0.0.1 (one CPU worker each);
+    * ``sleep PIDFILE``: two CPU workers that sleep until Ctrl-C.
+    """
+    import json
+
+    import _dist_workers as mod  # by module name, so spawned workers can import the entry
+    from detrain.launch import launch, parse_device
+
+    mode = argv[0]
+    if mode == "torchrun":
+        result = launch(mod.report, {}, parse_device("cpu"))
+        assert result is not None
+        result["launcher_pid"] = os.getpid()
+        Path(f"{argv[1]}.{result['rank']}").write_text(json.dumps(result))
+    elif mode == "node":
+        node_rank, port, out = int(argv[1]), int(argv[2]), argv[3]
+        result = launch(mod.report, {}, parse_device("cpu"), nnodes="2", node_rank=node_rank, master_port=port)
+        Path(f"{out}.{node_rank}").write_text(json.dumps(result))
+    elif mode == "sleep":
+        try:
+            launch(mod.sleep_forever, {"pidfile": argv[1]}, parse_device("cpu,cpu"))
+        except KeyboardInterrupt:
+            print("interrupted", flush=True)
+            return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,131 @@
+"""dist: collectives are identities in one process, and correct and bounded across two gloo workers.
+
+The multi-process tests launch tiny workers from ``_dist_workers.py`` through ``detrain.launch``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+import _dist_workers as workers
+from detrain import dist
+from detrain.errors import DistributedError
+from detrain.launch import launch, parse_device
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# ------------------------------------------------------------------------------ one process
+
+
+def test_single_process_is_identity() -> None:
+    with mock.patch.dict(os.environ, {}, clear=False):
+        for k in LAUNCHER_VARS:
+            os.environ.pop(k, None)
+        os.environ["DETRAIN_DEVICE"] = "cpu"
+        info = dist.setup()
+        try:
+            assert (info.rank, info.world_size, info.distributed, info.backend) == (0, 1, False, None)
+            assert (dist.rank(), dist.local_rank(), dist.world_size()) == (0, 0, 1)
+            assert dist.is_main() and not dist.is_distributed()
+            t = torch.tensor([1.0, 2.0], requires_grad=True)
+            s = dist.all_reduce_sum(t)
+            assert torch.equal(s, t.detach()) and s is not t and not s.requires_grad
+            assert torch.equal(dist.reduce_mean(torch.tensor([3.0])), torch.tensor([3.0]))
+            assert dist.all_gather_object({"a": 1}) == [{"a": 1}]
+            assert dist.broadcast_object("x") == "x"
+            assert dist.agree(False) is False
+            dist.barrier("nothing to wait for")
+            assert dist.rank_zero_only(lambda: 5)() == 5
+            assert dist.restart_count() == 0
+        finally:
+            dist.cleanup()
+    assert dist.info() is None
+
+
+def test_missing_master_is_a_clear_error() -> None:
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1", "DETRAIN_DEVICE": "cpu"}):
+        os.environ.pop("MASTER_ADDR", None)
+        with pytest.raises(DistributedError, match="MASTER_ADDR is not"):
+            dist.setup()
+    dist.cleanup()
+
+
+def test_slurm_variables_map_to_torch_ones() -> None:
+    slurm = {
+        "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234",
+    }
+    with mock.patch.dict(os.environ, slurm):
+        for k in LAUNCHER_VARS:
+            os.environ.pop(k, None)
+        assert dist.slurm_tasks()
+        dist._map_slurm_env()
+        got = {k: os.environ[k] for k in LAUNCHER_VARS}
+    assert got == {
+        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(15000 + 1234 % 20000),
+    }
+
+
+def test_first_slurm_host() -> None:
+    assert dist.first_slurm_host("node01") == "node01"
+    assert dist.first_slurm_host("gpu[07-09,12],cpu01") == "gpu07"
+    assert dist.first_slurm_host("a-b[3,5]") == "a-b3"
+
+
+# ------------------------------------------------------------------------------- two workers
+
+
+def test_collectives_on_two_workers() -> None:
+    r0 = launch(workers.collectives, {}, parse_device("cpu,cpu"))
+    assert r0 is not None  # rank 0's return value comes back to the caller
+    assert (r0["rank"], r0["world"], r0["backend"], r0["device"]) == (0, 2, "gloo", "cpu")
+    assert r0["sum"] == 3.0  # 1 + 2
+    assert r0["mean"] == 0.5  # (0 + 1) / 2
+    assert r0["gathered"] == [{"rank": 0}, {"rank": 1}]
+    assert r0["shared"] == "from-0"
+    assert r0["agree"] is True and r0["main"] is True
+
+
+def test_restart_after_a_killed_worker(tmp_path: Path) -> None:
+    result = launch(workers.die_once, {"marker": str(tmp_path / "died")}, parse_device("cpu,cpu"), max_restarts=1)
+    assert (tmp_path / "died").exists()
+    assert result == {"rank": 0, "restarts": 1}
+
+
+def test_dead_worker_ends_the_run() -> None:
+    with pytest.raises(DistributedError) as err:
+        launch(workers.die_always, {}, parse_device("cpu,cpu"))
+    assert "worker rank 1 was killed by SIGKILL" in str(err.value)
+
+
+def test_worker_exception_is_reported_in_one_line() -> None:
+    with pytest.raises(DistributedError) as err:
+        launch(workers.raise_error, {}, parse_device("cpu,cpu"))
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "worker rank 1 failed (exit code 1): ValueError: boom from rank 1" in msg
+
+
+def test_hang_times_out_and_nothing_is_left(tmp_path: Path) -> None:
+    pidfile = str(tmp_path / "pid")
+    with pytest.raises(DistributedError) as err:
+        launch(workers.hang, {"timeout_s": 3.0, "pidfile": pidfile}, parse_device("cpu,cpu"))
+    msg = str(err.value)
+    assert "worker rank 0 failed" in msg and "all_reduce_sum failed on rank 0 of 2: timed out after 3s" in msg
+    pids = [int(Path(f"{pidfile}.{r}").read_text()) for r in (0, 1)]
+    assert not any(_alive(pid) for pid in pids)  # the sleeping rank was stopped too

@@ -1,0 +1,263 @@
+"""launch: device strings, pre-flight errors, and real launches through torch's elastic launcher.
+
+Workers are tiny functions in ``_dist_workers.py`` on gloo over 127.0.0.1. Where a test needs a launcher
+process of its own (torchrun, two nodes, Ctrl-C) it runs ``_dist_workers.py`` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+import _dist_workers as workers
+from detrain.errors import DistributedError
+from detrain.launch import DevicePlan, check_batch, in_launcher_env, launch, parse_device, parse_nnodes
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(Path(__file__).with_name("_dist_workers.py"))
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    """A child environment outside any launcher, with detrain importable."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _fake_gpus(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+# ------------------------------------------------------------------------------- parse_device
+
+
+@pytest.mark.parametrize(
+    ("device", "kind", "ids", "nprocs"),
+    [
+        ("cpu", "cpu", (), 1),
+        ("CPU", "cpu", (), 1),
+        ("cpu,cpu", "cpu", (), 2),
+        (["cpu", "cpu", "cpu"], "cpu", (), 3),
+        (0, "cuda", (0,), 1),
+        ("0", "cuda", (0,), 1),
+        ("cuda:1", "cuda", (1,), 1),
+        ("cuda", "cuda", (0,), 1),
+        ("0,1", "cuda", (0, 1), 2),
+        ("1, 0", "cuda", (1, 0), 2),
+        ("[0,1]", "cuda", (0, 1), 2),
+        ([0, 1], "cuda", (0, 1), 2),
+        ("cuda:0,cuda:1", "cuda", (0, 1), 2),
+    ],
+)
+def test_parse_device(monkeypatch: pytest.MonkeyPatch, device, kind, ids, nprocs) -> None:
+    _fake_gpus(monkeypatch, 2)
+    plan = parse_device(device)
+    assert (plan.kind, plan.ids, plan.nprocs, plan.auto) == (kind, ids, nprocs, False)
+
+
+def test_parse_device_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpus(monkeypatch, 0)
+    assert parse_device(None) == DevicePlan("cpu", (), 1, auto=True)
+    assert parse_device("") == DevicePlan("cpu", (), 1, auto=True)
+    _fake_gpus(monkeypatch, 2)
+    assert parse_device("") == DevicePlan("cuda", (0,), 1, auto=True)
+
+
+@pytest.mark.parametrize(
+    ("device", "gpus", "words"),
+    [
+        ("2", 2, ["cuda:2 does not exist", "2 CUDA GPU(s) are visible"]),
+        ("0,5", 2, ["cuda:5 does not exist"]),
+        ("0,0", 2, ["cuda:0 twice"]),
+        ("0", 0, ["no CUDA GPU", "device=cpu"]),
+        ("cpu,0", 2, ["mixes cpu and cuda"]),
+        ("-1", 2, ["negative"]),
+        ("gpu", 2, ["'gpu' is not a device"]),
+        ("mps,mps", 0, ["only one mps"]),
+    ],
+)
+def test_parse_device_errors(monkeypatch: pytest.MonkeyPatch, device: str, gpus: int, words: list[str]) -> None:
+    _fake_gpus(monkeypatch, gpus)
+    with pytest.raises(DistributedError) as err:
+        parse_device(device)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for word in words:
+        assert word in msg
+
+
+def test_device_for_each_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_gpus(monkeypatch, 4)
+    assert DevicePlan("cuda", (2, 3), 2).device_for(1, 2) == "cuda:3"
+    assert DevicePlan("cuda", (0,), 1, auto=True).device_for(3, 4) == "cuda:3"
+    assert DevicePlan("cpu", (), 2).device_for(1, 2) == "cpu"
+    with pytest.raises(DistributedError, match="lists 1 GPU"):
+        DevicePlan("cuda", (0,), 1).device_for(1, 2)  # torchrun started 2 processes but device=0
+
+
+def test_check_batch_and_nnodes() -> None:
+    assert check_batch(16, 2) == 8
+    with pytest.raises(DistributedError, match="multiple of 4, e.g. 12"):
+        check_batch(10, 4)
+    with pytest.raises(DistributedError):
+        check_batch(1, 2)
+    assert parse_nnodes("2") == (2, 2)
+    assert parse_nnodes(3) == (3, 3)
+    assert parse_nnodes("1:4") == (1, 4)
+    for bad in ("0", "3:2", "x", "1:2:3"):
+        with pytest.raises(DistributedError, match="nnodes"):
+            parse_nnodes(bad)
+
+
+def test_in_launcher_env() -> None:
+    with mock.patch.dict(os.environ, {}, clear=False):
+        for k in LAUNCHER_VARS:
+            os.environ.pop(k, None)
+        assert not in_launcher_env()
+        os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
+        assert in_launcher_env()
+
+
+# ------------------------------------------------------------------------- pre-flight errors
+
+
+def test_single_device_is_a_plain_call() -> None:
+    marker = object()
+    assert launch(lambda args: (args["x"], marker), {"x": 1}, parse_device("cpu")) == (1, marker)
+    assert "DETRAIN_DEVICE" not in os.environ  # the worker's variables do not leak into the caller
+
+
+def test_port_in_use_is_a_clear_error() -> None:
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(DistributedError, match=f"master_port={port} is already in use"):
+            launch(workers.report, {}, parse_device("cpu,cpu"), master_port=port)
+
+
+def test_unreachable_master_is_a_clear_error() -> None:
+    port = _free_port()  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=f"cannot reach the master at 127.0.0.1:{port}"):
+        launch(workers.report, {}, parse_device("cpu"), nnodes=2, node_rank=1, master_port=port, connect_timeout=1.0)
+    assert time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"nnodes": 2}, "master_port=PORT"),
+        ({"nnodes": 2, "node_rank": 2, "master_port": 29400}, "node_rank=2 must be in 0..1"),
+        ({"nnodes": "1:2", "master_port": 29400, "rdzv_backend": "static"}, "needs rdzv_backend=c10d"),
+        ({"master_port": 70000}, "not a TCP port"),
+    ],
+)
+def test_bad_multi_node_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(DistributedError, match=match):
+        launch(workers.report, {}, parse_device("cpu,cpu"), **kwargs)
+
+
+def test_local_function_cannot_be_spawned() -> None:
+    def local(args: dict) -> None:
+        return None
+
+    with pytest.raises(DistributedError, match="top-level function"):
+        launch(local, {}, parse_device("cpu,cpu"))
+
+
+# ---------------------------------------------------------------------------- real launches
+
+
+def test_workers_get_their_device_and_threads() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    result = launch(workers.device_env, {}, parse_device("cpu,cpu"))
+    assert result is not None
+    assert result["DETRAIN_DEVICE"] == "cpu" and result["DETRAIN_DEVICE_KIND"] == "cpu"
+    cores = len(os.sched_getaffinity(0))
+    assert result["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
+    assert signal.getsignal(signal.SIGINT) is before  # elastic's handler does not outlive the launch
+
+
+def test_joins_a_torchrun_world_instead_of_spawning(tmp_path: Path) -> None:
+    out = str(tmp_path / "rank")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", SCRIPT, "torchrun", out]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    assert [(r["rank"], r["world"], r["sum"]) for r in results] == [(0, 2, 2.0), (1, 2, 2.0)]
+    for r in results:  # the entry ran inside the process torchrun started: nothing was spawned again
+        assert r["pid"] == r["launcher_pid"]
+
+
+def test_two_nodes_form_one_world(tmp_path: Path) -> None:
+    port, out = _free_port(), str(tmp_path / "node")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, "node", str(node), str(port), out],
+            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
+    node0 = json.loads(Path(f"{out}.0").read_text())
+    assert (node0["rank"], node0["world"], node0["sum"]) == (0, 2, 2.0)
+    assert json.loads(Path(f"{out}.1").read_text()) is None  # rank 0 lives on node 0
+
+
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            pids.append(int(entry))
+    return pids
+
+
+def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
+    pidfile = str(tmp_path / "pid")
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, "sleep", pidfile],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not all(Path(f"{pidfile}.{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-2000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal does on Ctrl-C: the whole foreground group
+        log = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, log[-2000:]
+    assert "interrupted" in log
+    deadline = time.monotonic() + 30  # the multiprocessing helpers exit once their parent is gone
+    while _session_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _session_pids(proc.pid) == []
