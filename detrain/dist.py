@@ -120,7 +120,8 @@ def setup(
             **_store_args(rank_, world, restarts, startup),
         )
     except Exception as e:  # a dead master, a bad address: say which rank could not join where
-        raise DistributedError(f"rank {rank_} of {world} could not join the process group at {where}: {_cause(e)}") from e
+        msg = f"rank {rank_} of {world} could not join the process group at {where}: {_cause(e)}"
+        raise DistributedError(msg) from e
     _info = DistInfo(rank_, local, world, local_world, device, backend, timeout, restarts)
     # Every rank has reached this point before training begins: a slow start is not a hang.
     barrier("setup", timeout_s=startup_timeout_s)

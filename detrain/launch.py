@@ -22,6 +22,7 @@ import errno
 import os
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -65,7 +66,8 @@ class DevicePlan:
         if self.auto:
             if local_rank >= torch.cuda.device_count():
                 raise DistributedError(
-                    f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} CUDA GPU(s) are visible on this node"
+                    f"local rank {local_rank} has no GPU: "
+                    f"{torch.cuda.device_count()} CUDA GPU(s) are visible on this node"
                 )
             return f"cuda:{local_rank}"
         if local_rank >= len(self.ids) or (local_world_size is not None and local_world_size != len(self.ids)):
@@ -171,7 +173,9 @@ def check_batch(batch: int, world: int) -> int:
     """
     if world < 1 or batch < world or batch % world:
         up = max(world, -(-batch // world) * world)
-        raise DistributedError(f"batch={batch} does not split evenly over {world} workers; use a multiple of {world}, e.g. {up}")
+        raise DistributedError(
+            f"batch={batch} does not split evenly over {world} workers; use a multiple of {world}, e.g. {up}"
+        )
     return batch // world
 
 
@@ -180,8 +184,8 @@ def in_launcher_env() -> bool:
 
     Example:
         >>> import os
-        >>> in_launcher_env() == all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) or dist.slurm_tasks()
-        True
+        >>> in_launcher_env()   # a plain `python` process
+        False
     """
     env = os.environ
     return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) or dist.slurm_tasks()
@@ -260,11 +264,16 @@ def launch(
     elif node_rank > 0:
         _wait_reachable(master_addr, master_port, connect_timeout)
 
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # Elastic keeps per-attempt error files in a log folder; ours goes away with the launch (torch's
+    # default would leave a torchelastic_* folder in /tmp per run). The failures are parsed before that.
+    log_dir = tempfile.TemporaryDirectory(prefix="detrain_elastic_")
     config = LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir.name),
         min_nodes=lo,
         max_nodes=hi,
         nproc_per_node=plan.nprocs,
@@ -282,7 +291,7 @@ def launch(
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {}
-    with _restore_signal_handlers(), _environ(env):
+    with log_dir, _restore_signal_handlers(), _environ(env):
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
         except ChildFailedError as e:
@@ -354,7 +363,8 @@ def _rendezvous(
     lo: int, hi: int, node_rank: int, addr: str, port: int, backend: str | None
 ) -> tuple[str, str, dict[str, Any]]:
     if not 0 <= node_rank < hi:
-        raise DistributedError(f"node_rank={node_rank} must be in 0..{hi - 1} for nnodes={lo if lo == hi else f'{lo}:{hi}'}")
+        shown = str(lo) if lo == hi else f"{lo}:{hi}"
+        raise DistributedError(f"node_rank={node_rank} must be in 0..{hi - 1} for nnodes={shown}")
     if not 0 <= port <= 65535:
         raise DistributedError(f"master_port={port} is not a TCP port (0..65535)")
     if hi > 1 and not port:
@@ -376,7 +386,8 @@ def _check_entry(entry: Callable[..., Any]) -> None:
     qual = getattr(entry, "__qualname__", "")
     if "<lambda>" in qual or "<locals>" in qual or not getattr(entry, "__module__", None):
         raise DistributedError(
-            f"entry {qual or entry!r} cannot be sent to spawned workers; use a top-level function of an importable module"
+            f"entry {qual or entry!r} cannot be sent to spawned workers; "
+            "use a top-level function of an importable module"
         )
 
 

@@ -105,7 +105,7 @@ def _main(argv: list[str]) -> int:
     """Entry points for the tests that need a process of their own.
 
     * ``torchrun OUT``: run under ``python -m torch.distributed.run``; launch() must join that world;
-    * ``node NODE_RANK PORT OUT``: one of two "nodes" on 127.0.0.1 (one CPU worker each);
+    * ``node NODE_RANK PORT OUT NNODES``: one of two "nodes" on 127.0.0.1 (one CPU worker each);
     * ``sleep PIDFILE``: two CPU workers that sleep until Ctrl-C.
     """
     import json
@@ -120,8 +120,8 @@ def _main(argv: list[str]) -> int:
         result["launcher_pid"] = os.getpid()
         Path(f"{argv[1]}.{result['rank']}").write_text(json.dumps(result))
     elif mode == "node":
-        node_rank, port, out = int(argv[1]), int(argv[2]), argv[3]
-        result = launch(mod.report, {}, parse_device("cpu"), nnodes="2", node_rank=node_rank, master_port=port)
+        node_rank, port, out, nnodes = int(argv[1]), int(argv[2]), argv[3], argv[4]
+        result = launch(mod.report, {}, parse_device("cpu"), nnodes=nnodes, node_rank=node_rank, master_port=port)
         Path(f"{out}.{node_rank}").write_text(json.dumps(result))
     elif mode == "sleep":
         try:

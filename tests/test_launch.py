@@ -208,20 +208,37 @@ def test_joins_a_torchrun_world_instead_of_spawning(tmp_path: Path) -> None:
         assert r["pid"] == r["launcher_pid"]
 
 
-def test_two_nodes_form_one_world(tmp_path: Path) -> None:
+def _two_nodes(tmp_path: Path, nnodes: str) -> list:
     port, out = _free_port(), str(tmp_path / "node")
     procs = [
         subprocess.Popen(
-            [sys.executable, SCRIPT, "node", str(node), str(port), out],
+            [sys.executable, SCRIPT, "node", str(node), str(port), out, nnodes],
             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for node in (0, 1)
     ]
     logs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
-    node0 = json.loads(Path(f"{out}.0").read_text())
+    return [json.loads(Path(f"{out}.{node}").read_text()) for node in (0, 1)]
+
+
+def test_two_nodes_form_one_world(tmp_path: Path) -> None:
+    node0, node1 = _two_nodes(tmp_path, "2")
     assert (node0["rank"], node0["world"], node0["sum"]) == (0, 2, 2.0)
-    assert json.loads(Path(f"{out}.1").read_text()) is None  # rank 0 lives on node 0
+    assert node1 is None  # static rendezvous: node_rank 0 holds rank 0, and only its caller gets a value
+
+
+def test_elastic_nodes_form_one_world(tmp_path: Path) -> None:
+    results = _two_nodes(tmp_path, "1:2")  # c10d rendezvous; ranks follow the order of arrival
+    assert sum(r is None for r in results) == 1
+    rank0 = next(r for r in results if r is not None)
+    assert (rank0["rank"], rank0["world"], rank0["sum"]) == (0, 2, 2.0)
+
+
+def test_missing_node_ends_the_rendezvous() -> None:
+    port = _free_port()
+    with pytest.raises(DistributedError, match=f"could not form the group at 127.0.0.1:{port}"):
+        launch(workers.report, {}, parse_device("cpu"), nnodes=2, master_port=port, start_timeout=2)
 
 
 def _session_pids(sid: int) -> list[int]:
