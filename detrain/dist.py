@@ -345,6 +345,9 @@ def _cause(e: BaseException, timeout_s: float | None = None) -> str:
     missing = re.search(r"ranks? ([\d, ]+) failed to pass monitoredbarrier", low)
     if missing:
         return f"rank(s) {missing.group(1).strip()} did not arrive{bound} {PEER_LOST_MARK}"
+    silent = re.search(r"waiting for send/recv from rank (\d+)", low)  # monitored barrier, seen from rank > 0
+    if silent:
+        return f"no answer from rank {silent.group(1)}{bound} {PEER_LOST_MARK}"
     if "timed out" in low or "timeout" in low:
         after = f" after {timeout_s:g}s" if timeout_s is not None else ""
         return f"timed out{after} waiting for the other ranks {PEER_LOST_MARK} [{first}]"

@@ -129,3 +129,20 @@ def test_hang_times_out_and_nothing_is_left(tmp_path: Path) -> None:
     assert "worker rank 0 failed" in msg and "all_reduce_sum failed on rank 0 of 2: timed out after 3s" in msg
     pids = [int(Path(f"{pidfile}.{r}").read_text()) for r in (0, 1)]
     assert not any(_alive(pid) for pid in pids)  # the sleeping rank was stopped too
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        ("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 20000 ms", "rank(s) 1, 3 did not arrive within 20s"),
+        ("Rank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0.",
+         "no answer from rank 0 within 20s"),
+        ("[/gloo/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete",
+         "timed out after 20s waiting for the other ranks"),
+        ("[/gloo/pair.cc:598] Connection closed by peer [127.0.0.1]:1234", "lost the connection to another rank"),
+    ],
+)
+def test_collective_failures_read_as_one_line(error: str, expected: str) -> None:
+    cause = dist._cause(RuntimeError(error), 20.0)
+    assert cause.startswith(expected) and dist.PEER_LOST_MARK in cause and "\n" not in cause
+    assert dist._cause(ValueError("bad\nvalue")) == "ValueError: bad"
