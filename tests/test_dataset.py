@@ -215,12 +215,22 @@ def test_close_mosaic_epoch_and_switch(records: list[Rec]) -> None:
 
 def test_collate(records: list[Rec]) -> None:
     ds = DetectionDataset(records, imgsz=64, augment=True, hyp={})
-    batch = DetectionDataset.collate(ds.__getitems__([0, 1, 2]))
+    samples = ds.__getitems__([0, 1, 2])
+    batch = DetectionDataset.collate(samples)
     assert batch["img"].shape == (3, 3, 64, 64) and batch["img"].dtype == torch.uint8
     m = len(batch["cls"])
     assert batch["batch_idx"].shape == (m,) and batch["bboxes"].shape == (m, 4) and batch["cls"].shape == (m, 1)
     assert batch["batch_idx"].tolist() == sorted(batch["batch_idx"].tolist())
     assert len(batch["im_file"]) == len(batch["ori_shape"]) == len(batch["ratio_pad"]) == 3
+    # A whole __getitems__ batch is handed on as views of its one block; anything else is stacked: same values.
+    assert batch["img"].data_ptr() == samples[0]["img"].data_ptr()
+    assert batch["cls"].untyped_storage().data_ptr() == batch["img"].untyped_storage().data_ptr()
+    stacked = DetectionDataset.collate([ds[i] for i in (0, 1, 2)])
+    assert stacked["img"].data_ptr() != samples[0]["img"].data_ptr()
+    for key in ("img", "batch_idx", "cls", "bboxes"):
+        assert torch.equal(batch[key], stacked[key]), key
+    part = DetectionDataset.collate(samples[1:])
+    assert torch.equal(part["img"], batch["img"][1:]) and part["batch_idx"].max() <= 1
 
 
 def test_disk_cache_gives_the_same_samples(records: list[Rec]) -> None:

@@ -38,16 +38,21 @@ def hsv_gains(rng: np.random.Generator, hgain: float = 0.015, sgain: float = 0.7
 def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False) -> np.ndarray:
     """``img`` (BGR) with hue shifted by ``gains[0]`` of the circle and saturation and value scaled by
     ``1 + gains[1:]`` (clipped); BGR out, or RGB with ``to_rgb`` (the channel swap comes free with the
-    conversion back). Returns a new array."""
+    conversion back). Returns a new array.
+
+    OpenCV's full-range 8-bit HSV (hue 0-255 for the whole circle) is used: its conversion back is a quarter
+    faster than the 0-180 one and the hue steps are finer.
+    """
     if not np.any(gains):
         return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if to_rgb else img.copy()
     x = np.arange(256, dtype=np.float64)
-    lut_h = ((x + gains[0] * 180) % 180).astype(np.uint8)  # OpenCV's 8-bit hue is degrees / 2, in [0, 180)
-    lut_s = np.clip(x * (1 + gains[1]), 0, 255).astype(np.uint8)
-    lut_v = np.clip(x * (1 + gains[2]), 0, 255).astype(np.uint8)
-    hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
-    cv2.LUT(hsv, np.stack((lut_h, lut_s, lut_v), -1).reshape(1, 256, 3), dst=hsv)
-    return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB if to_rgb else cv2.COLOR_HSV2BGR)
+    lut = np.empty((1, 256, 3), np.uint8)
+    lut[0, :, 0] = (x + gains[0] * 256) % 256
+    lut[0, :, 1] = np.clip(x * (1 + gains[1]), 0, 255)
+    lut[0, :, 2] = np.clip(x * (1 + gains[2]), 0, 255)
+    hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV_FULL)
+    cv2.LUT(hsv, lut, dst=hsv)
+    return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB_FULL if to_rgb else cv2.COLOR_HSV2BGR_FULL)
 
 
 def random_hsv(img: np.ndarray, labels: Labels, rng: np.random.Generator, hsv_h: float = 0.015,

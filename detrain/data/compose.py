@@ -59,10 +59,11 @@ def render(
         # The visible part in the tile's own pixels (whole pixels, so at most one extra pixel at a cut edge).
         rect = (max(math.floor((vx1 - ox) / sx), 0), max(math.floor((vy1 - oy) / sy), 0),
                 min(math.ceil((vx2 - ox) / sx), pw), min(math.ceil((vy2 - oy) / sy), ph))
-        placement = translation(ox, oy) @ scaling(sx, sy)  # tile pixels -> canvas
-        applied = warp_into(out, tile.pixels, m @ placement, rect)
+        wanted = m @ translation(ox, oy) @ scaling(sx, sy)  # tile pixels -> output
+        applied = warp_into(out, tile.pixels, wanted, rect)
         if len(tile.labels):
-            m_tile = applied @ np.linalg.inv(placement)  # canvas -> output as the pixels actually moved
+            # canvas -> output as the pixels actually moved (the fast path may round the shift)
+            m_tile = m if applied is wanted else applied @ scaling(1 / sx, 1 / sy) @ translation(-ox, -oy)
             before = clip_boxes(tile.labels.boxes_xyxy + np.float32((ox, oy, ox, oy)), vx1, vy1, vx2, vy2)
             after = clip_boxes(transform_boxes(before, m_tile), 0, 0, out_w, out_h)
             keep = box_candidates(before, after, scale)

@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from detrain.data.augment import letterbox, merged_hyp
+from detrain.data.batch_memory import BatchBlock, whole_block
 from detrain.data.image_io import (check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side)
 from detrain.data.instances import Labels
 from detrain.data.ram_cache import RamCache, cache_key, run_tag
@@ -80,6 +81,16 @@ def rect_batch_shapes(shapes_hw: np.ndarray, batch_size: int, imgsz: int, stride
         elif mini > 1:
             shapes[i] = [1, 1 / mini]
     return order, bi, np.ceil(np.array(shapes) * imgsz / stride + pad).astype(int) * stride
+
+
+class _Rendered(NamedTuple):
+    """A finished sample before it becomes the contract's dict: HWC pixels (BGR or RGB) and labels in them."""
+
+    img: np.ndarray
+    bgr: bool
+    labels: Labels
+    index: int
+    ratio_pad: tuple[tuple[float, float], tuple[float, float]]
 
 
 class DetectionDataset(Dataset):
@@ -178,7 +189,7 @@ class DetectionDataset(Dataset):
     def __getitems__(self, keys: Sequence[int | Pick]) -> list[dict[str, Any]]:
         """A batch of samples; images shared by several mosaics of the batch are decoded once."""
         if not self.augment:
-            return [self._val_sample(int(k[0] if isinstance(k, tuple) else k)) for k in keys]
+            return self._finish([self._val_sample(int(k[0] if isinstance(k, tuple) else k)) for k in keys])
         epoch, mosaic_on = self.epoch, self.mosaic_active
         picks = [k if isinstance(k, Pick) else Pick(int(k), ()) for k in keys]
         plans = [self._plan(p, epoch, 0, mosaic_on) for p in picks]
@@ -201,8 +212,8 @@ class DetectionDataset(Dataset):
             img, labels = render_sample(plan, lambda i, r: decoded[(i, r)], self._labels_at_load_size)
             h0, w0 = self.shapes_hw[plan.index]
             lh, lw = self.load_sizes_hw[plan.index]
-            samples.append(self._sample(img, False, labels, plan.index, ((lh / h0, lw / w0), (0, 0))))
-        return samples
+            samples.append(_Rendered(img, False, labels, plan.index, ((lh / h0, lw / w0), (0, 0))))
+        return self._finish(samples)
 
     def _plan(self, pick: Pick, epoch: int, attempt: int, mosaic_on: bool) -> SamplePlan:
         """Attempt 0 is the index itself; a replacement (attempt k) is drawn from (seed, epoch, index, k)."""
@@ -214,7 +225,7 @@ class DetectionDataset(Dataset):
         out_hw = tuple(int(v) for v in self.batch_shapes[self.batch_index[pick.index]]) if self.rect else None
         return plan_sample(index, rng, self._source, self.hyp, self.imgsz, mosaic_on, out_hw, pick.pool or None)
 
-    def _val_sample(self, index: int) -> dict[str, Any]:
+    def _val_sample(self, index: int) -> _Rendered:
         h0, w0 = self.shapes_hw[index]
         img = self.load_image(index)
         labels = self._labels_at_load_size(index)
@@ -227,23 +238,30 @@ class DetectionDataset(Dataset):
             self.imgsz, self.imgsz)
         img, (r, _), (left, top) = letterbox(img, shape, auto=False, scaleup=False)
         ratio_pad = ((h / h0 * r, w / w0 * r), (left, top))
-        return self._sample(img, True, labels.scaled(r, r, left, top), index, ratio_pad)
+        return _Rendered(img, True, labels.scaled(r, r, left, top), index, ratio_pad)
 
-    def _sample(self, img: np.ndarray, bgr: bool, labels: Labels, index: int,
-                ratio_pad: tuple[tuple[float, float], tuple[float, float]]) -> dict[str, Any]:
-        """The contract's dict; HWC -> CHW (and BGR -> RGB) in one cv2.split into the tensor's planes."""
-        h, w = img.shape[:2]
-        chw = torch.empty((3, h, w), dtype=torch.uint8)
-        planes = chw.numpy()
-        cv2.split(img, [planes[2], planes[1], planes[0]] if bgr else [planes[0], planes[1], planes[2]])
-        return {
-            "img": chw,
-            "cls": torch.from_numpy(labels.cls.astype(np.float32).reshape(-1, 1)),
-            "bboxes": torch.from_numpy(labels.to_xywhn(w, h)),
-            "im_file": self.im_files[index],
-            "ori_shape": self.shapes_hw[index],
-            "ratio_pad": ratio_pad,
-        }
+    def _finish(self, rendered: Sequence[_Rendered]) -> list[dict[str, Any]]:
+        """The contract's dicts. Images and labels are written straight into one block for the whole batch
+        (``batch_memory.py``: shared memory inside a dataloader worker), which ``collate`` hands on without
+        copying; HWC -> CHW (and BGR -> RGB) is one cv2.split per image into the block's planes."""
+        counts = [len(r.labels) for r in rendered]
+        if len({r.img.shape for r in rendered}) == 1:
+            h, w = rendered[0].img.shape[:2]
+            block = BatchBlock.allocate(len(rendered), h, w, counts)
+            views = [block.sample(i) for i in range(len(rendered))]
+        else:  # images of different sizes cannot form one batch: separate tensors
+            views = [(torch.empty((3, *r.img.shape[:2]), dtype=torch.uint8), torch.empty((c, 1)),
+                      torch.empty((c, 4))) for r, c in zip(rendered, counts)]
+        out = []
+        for r, (chw, cls, bboxes) in zip(rendered, views):
+            h, w = r.img.shape[:2]
+            planes = chw.numpy()
+            cv2.split(r.img, [planes[2], planes[1], planes[0]] if r.bgr else [planes[0], planes[1], planes[2]])
+            cls.view(-1).numpy()[:] = r.labels.cls
+            bboxes.numpy()[:] = r.labels.to_xywhn(w, h)
+            out.append({"img": chw, "cls": cls, "bboxes": bboxes, "im_file": self.im_files[r.index],
+                        "ori_shape": self.shapes_hw[r.index], "ratio_pad": r.ratio_pad})
+        return out
 
     # -- pixels ----------------------------------------------------------------------------------------------
     def load_image(self, index: int) -> np.ndarray | None:
@@ -285,19 +303,20 @@ class DetectionDataset(Dataset):
     # -- batches ---------------------------------------------------------------------------------------------
     @staticmethod
     def collate(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        """Samples -> ``img`` (B, 3, H, W) uint8, ``batch_idx`` (M,) int64, ``cls`` (M, 1), ``bboxes`` (M, 4);
-        ``im_file``, ``ori_shape``, ``ratio_pad`` as lists. In a worker the images are stacked straight into
-        shared memory (``default_collate``), saving a copy on the way to the main process."""
+        """Samples -> ``img`` (B, 3, H, W) uint8, ``batch_idx`` (M,) float32 (as YOLOv8), ``cls`` (M, 1),
+        ``bboxes`` (M, 4); ``im_file``, ``ori_shape``, ``ratio_pad`` as lists. A batch made by one
+        ``__getitems__`` call already lies in one block: it is returned as views, without copying."""
         imgs = [b["img"] for b in batch]
         if len({tuple(t.shape) for t in imgs}) != 1:
             raise ValueError(f"images of one batch differ in size: {sorted({tuple(t.shape) for t in imgs})}")
-        counts = [len(b["cls"]) for b in batch]
-        return {
-            "img": default_collate(imgs),
-            "batch_idx": torch.repeat_interleave(torch.arange(len(batch)), torch.tensor(counts, dtype=torch.int64)),
-            "cls": torch.cat([b["cls"] for b in batch], 0),
-            "bboxes": torch.cat([b["bboxes"] for b in batch], 0),
-            "im_file": [b["im_file"] for b in batch],
-            "ori_shape": [b["ori_shape"] for b in batch],
-            "ratio_pad": [b["ratio_pad"] for b in batch],
-        }
+        block = whole_block(imgs, [b["cls"] for b in batch])
+        if block is not None:
+            arrays = {"img": block.img, "batch_idx": block.batch_idx, "cls": block.cls, "bboxes": block.bboxes}
+        else:
+            counts = torch.tensor([len(b["cls"]) for b in batch], dtype=torch.int64)
+            arrays = {"img": default_collate(imgs),
+                      "batch_idx": torch.repeat_interleave(torch.arange(len(batch), dtype=torch.float32), counts),
+                      "cls": torch.cat([b["cls"] for b in batch], 0),
+                      "bboxes": torch.cat([b["bboxes"] for b in batch], 0)}
+        return {**arrays, "im_file": [b["im_file"] for b in batch], "ori_shape": [b["ori_shape"] for b in batch],
+                "ratio_pad": [b["ratio_pad"] for b in batch]}

@@ -59,10 +59,23 @@ def reduce_factor(long_side: int, needed_long_side: float) -> int:
 
 
 def read_image(path: str, reduce: int = 1) -> np.ndarray | None:
-    """BGR uint8 (H, W, 3) from ``cv2.imread``, decoded at 1/``reduce`` scale (DCT scaling for JPEG); None if
-    unreadable. ``read_image("missing.jpg")`` -> None."""
-    img = cv2.imread(path, _REDUCED_FLAGS[reduce])
-    if img is not None and (img.ndim != 3 or img.shape[2] != 3):  # cv2 gives 3 channels for IMREAD_COLOR
+    """BGR uint8 (H, W, 3) decoded at 1/``reduce`` scale (DCT scaling for JPEG); None if unreadable.
+
+    Bytes are read with numpy and decoded with ``cv2.imdecode``, as YOLOv8 does: the same pixels (EXIF
+    orientation applied), non-ASCII paths work, and it is a little faster than ``cv2.imread``.
+    ``read_image("missing.jpg")`` -> None.
+    """
+    try:
+        data = np.fromfile(path, np.uint8)
+    except OSError:
+        return None
+    if not data.size:
+        return None
+    try:
+        img = cv2.imdecode(data, _REDUCED_FLAGS[reduce])
+    except cv2.error:
+        return None
+    if img is not None and (img.ndim != 3 or img.shape[2] != 3):  # IMREAD_COLOR gives 3 channels; be sure
         img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR) if img.ndim == 2 else img[..., :3]
     return img
 

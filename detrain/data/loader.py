@@ -127,6 +127,7 @@ def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: in
     Training (``shuffle`` or an augmenting dataset) uses :class:`GlobalBatchSampler`, evaluation
     :class:`ShardSampler`. Batches are collated by ``dataset.collate`` when it has one; memory is pinned when CUDA
     is available; workers persist across epochs (the dataset's ``set_epoch`` reaches them through shared memory).
+    With workers, OpenCV in the calling process is set to one thread (see the comment in the code: fork safety).
     Call ``loader.batch_sampler.set_epoch(epoch)`` (and ``dataset.set_epoch``) before each epoch.
 
     >>> loader = build_dataloader(dataset, batch_size=8, shuffle=True, workers=2, rank=0, world_size=2)  # doctest: +SKIP
@@ -136,6 +137,11 @@ def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: in
     else:
         sampler = ShardSampler(len(dataset), batch_size, rank, world_size)
     workers = max(0, min(int(workers), os.cpu_count() or 1))
+    if workers > 0:
+        # Workers are forked from this process. Forking while OpenCV's thread pool is running (e.g. right after
+        # the labels were verified with threads) can copy one of its mutexes locked into a worker, which then
+        # hangs in its first cv2 call. One thread here stops that pool; the workers are the parallelism anyway.
+        cv2.setNumThreads(1)
     generator = torch.Generator()
     generator.manual_seed(int(np.random.SeedSequence([int(seed) % 2**32, rank]).generate_state(1)[0]))
     return DataLoader(

@@ -1,0 +1,214 @@
+"""Images per second of the training dataloader (mosaic on, imgsz 640, batch 16), and of Ultralytics' when it is
+importable (e.g. ``PYTHONPATH=/opt/ulib``), with the same settings and worker counts.
+
+The train images of the dataset yaml are listed many times over (``--repeat``, as distinct symlinks in a
+temporary folder, labels beside them) so that it behaves like a large dataset: no loader can serve a mosaic
+partner from a decoded-image buffer of the same file, and Ultralytics' label cache lands in the temporary
+folder, not beside the real labels. Both loaders run alternately, ``--rounds`` times; the table shows the best
+round of each (the machine may be shared: the best round is the least disturbed one).
+
+    python scripts/bench_data.py                       # ../shared/data/coco8.yaml, workers 1 and 2
+    PYTHONPATH=/opt/ulib python scripts/bench_data.py --workers 1 2 4 --batches 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def mirror(images: list[str], repeat: int, folder: Path) -> list[str]:
+    """``repeat`` distinct symlinks per image under folder/images/train, with labels under folder/labels/train."""
+    (folder / "images" / "train").mkdir(parents=True)
+    (folder / "labels" / "train").mkdir(parents=True)
+    out = []
+    for im in images:
+        src = Path(im)
+        label = Path(str(src.parent).replace(f"{os.sep}images", f"{os.sep}labels", 1)) / f"{src.stem}.txt"
+        for j in range(repeat):
+            dst = folder / "images" / "train" / f"{src.stem}_r{j:04d}{src.suffix}"
+            dst.symlink_to(src.resolve())
+            if label.exists():
+                (folder / "labels" / "train" / f"{dst.stem}.txt").symlink_to(label.resolve())
+            out.append(str(dst))
+    return sorted(out)
+
+
+def train_images(data: str) -> tuple[list[str], dict[int, str]]:
+    """The train images and class names of a dataset yaml (detrain's reader if present, else a plain glob)."""
+    try:
+        from detrain.data.dataset_yaml import load_dataset_yaml
+
+        info = load_dataset_yaml(data, download=False)
+        return list(info.train), dict(info.names)
+    except ImportError:
+        import yaml
+
+        raw = yaml.safe_load(Path(data).read_text())
+        root = (Path(data).parent / raw.get("path", ".")).resolve()
+        names = raw["names"] if isinstance(raw["names"], dict) else dict(enumerate(raw["names"]))
+        return sorted(glob.glob(str(root / raw["train"] / "*.*"))), names
+
+
+def records_for(files: list[str], nc: int) -> list[Any]:
+    """Verified label records (detrain.data.labels if present, else read directly)."""
+    try:
+        from detrain.data.labels import load_labels
+
+        records, _ = load_labels(files, nc, cache=False, progress=False)
+        return records
+    except ImportError:
+        import cv2
+        from dataclasses import dataclass
+
+        @dataclass
+        class Rec:
+            im_file: str
+            shape_hw: tuple[int, int]
+            cls: np.ndarray
+            bboxes_xywhn: np.ndarray
+
+        shapes = {}
+        out = []
+        for f in files:
+            real = os.path.realpath(f)
+            shapes.setdefault(real, cv2.imread(real).shape[:2])
+            lf = f.replace(f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}").rsplit(".", 1)[0] + ".txt"
+            a = np.loadtxt(lf, ndmin=2).reshape(-1, 5) if os.path.exists(lf) else np.zeros((0, 5))
+            out.append(Rec(f, shapes[real], a[:, 0].astype(np.int64), a[:, 1:].astype(np.float32)))
+        return out
+
+
+def endless(loader: Any) -> Iterator[Any]:
+    while True:
+        yield from loader
+
+
+def images_per_second(loader: Any, warmup: int, batches: int) -> float:
+    it = endless(loader)
+    for _ in range(warmup):  # worker start-up and the first prefetches
+        next(it)
+    t0, n = time.perf_counter(), 0
+    for _ in range(batches):
+        n += len(next(it)["img"])
+    return n / (time.perf_counter() - t0)
+
+
+def detrain_loader(files: list[str], names: dict[int, str], imgsz: int, batch: int) -> Callable[[int], Any]:
+    from detrain.data.dataset import DetectionDataset
+    from detrain.data.loader import build_dataloader
+
+    dataset = DetectionDataset(records_for(files, len(names)), imgsz=imgsz, augment=True, hyp={"mosaic": 1.0},
+                               batch_size=batch)
+    return lambda workers: build_dataloader(dataset, batch, shuffle=True, workers=workers)
+
+
+def ultralytics_loader(folder: Path, names: dict[int, str], imgsz: int, batch: int) -> Callable[[int], Any] | None:
+    try:
+        from ultralytics.cfg import get_cfg
+        from ultralytics.data.build import build_dataloader, build_yolo_dataset
+    except ImportError:
+        return None
+    data = {"path": str(folder), "train": str(folder / "images" / "train"), "val": str(folder / "images" / "train"),
+            "names": names, "nc": len(names), "channels": 3}
+
+    def build(workers: int) -> Any:
+        cfg = get_cfg(overrides={"imgsz": imgsz, "batch": batch, "workers": workers, "mosaic": 1.0})
+        dataset = build_yolo_dataset(cfg, data["train"], batch, data, mode="train", stride=32)
+        return build_dataloader(dataset, batch, workers, shuffle=True, rank=-1)
+
+    return build
+
+
+def child(args: argparse.Namespace) -> None:
+    """One measurement: build loader ``args.child`` with ``args.child_workers`` workers, print its images/s."""
+    folder = Path(args.folder)
+    _, names = train_images(args.data)
+    files = sorted(glob.glob(str(folder / "images" / "train" / "*")))
+    if args.child == "detrain":
+        build = detrain_loader(files, names, args.imgsz, args.batch)
+    else:
+        build = ultralytics_loader(folder, names, args.imgsz, args.batch)
+        if build is None:
+            print(json.dumps({"ips": None}))
+            return
+    loader = build(args.child_workers)
+    print(json.dumps({"ips": images_per_second(loader, args.warmup, args.batches)}))
+
+
+def measure(args: argparse.Namespace, folder: Path, name: str, workers: int) -> float | None:
+    cmd = [sys.executable, __file__, "--child", name, "--child-workers", str(workers), "--folder", str(folder),
+           "--data", args.data, "--imgsz", str(args.imgsz), "--batch", str(args.batch), "--batches", str(args.batches),
+           "--warmup", str(args.warmup)]
+    try:
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{name} with {workers} workers did not finish in 10 minutes")
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode != 0 or not lines:
+        raise SystemExit(f"{name} with {workers} workers failed:\n{run.stderr[-3000:]}")
+    return json.loads(lines[-1])["ips"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default=str(REPO.parent / "shared" / "data" / "coco8.yaml"))
+    p.add_argument("--imgsz", type=int, default=640)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--repeat", type=int, default=200, help="how many times each train image is listed")
+    p.add_argument("--batches", type=int, default=40, help="timed batches per run")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--child", choices=["detrain", "ultralytics"], help=argparse.SUPPRESS)
+    p.add_argument("--child-workers", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--folder", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    images, _ = train_images(args.data)
+    try:
+        import ultralytics  # noqa: F401
+        names = ["detrain", "ultralytics"]
+    except ImportError:
+        names = ["detrain"]
+    best: dict[tuple[str, int], float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
+        folder = Path(tmp)
+        n = len(mirror(images, args.repeat, folder))
+        load0 = os.getloadavg()[0]
+        for _ in range(args.rounds):
+            for workers in args.workers:
+                for name in names:
+                    ips = measure(args, folder, name, workers)
+                    best[(name, workers)] = max(best.get((name, workers), 0.0), ips or 0.0)
+        load1 = os.getloadavg()[0]
+
+    print(f"\n{n} images ({len(images)} files x {args.repeat}), imgsz {args.imgsz}, batch {args.batch}, mosaic 1.0, "
+          f"best of {args.rounds} rounds of {args.batches} batches; {os.cpu_count()} CPUs, "
+          f"load average {load0:.1f} -> {load1:.1f}")
+    print("| workers | detrain img/s | ultralytics img/s | ratio |")
+    print("|---|---|---|---|")
+    for workers in args.workers:
+        ours, theirs = best[("detrain", workers)], best.get(("ultralytics", workers))
+        ratio = f"{ours / theirs:.2f}x" if theirs else "-"
+        print(f"| {workers} | {ours:.1f} | {f'{theirs:.1f}' if theirs else 'not importable'} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
