@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +18,8 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console(highlight=False)
+# a log file or a pipe still gets full-width lines
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
@@ -44,12 +46,12 @@ class ResultsCSV:
     """results.csv with one row per epoch. Rewritten whole (atomically) each epoch; a resumed run keeps the
     rows of finished epochs and replaces the rest, so every epoch appears exactly once."""
 
-    def __init__(self, path: str | Path, resume_from_epoch: int | None = None) -> None:
+    def __init__(self, path: str | Path, keep_epochs_upto: int | None = None) -> None:
         self.path = Path(path)
         self.rows: list[dict[str, Any]] = []
-        if resume_from_epoch is not None and self.path.is_file():
+        if keep_epochs_upto is not None and self.path.is_file():
             with open(self.path, newline="") as f:
-                self.rows = [r for r in csv.DictReader(f) if int(r["epoch"]) <= resume_from_epoch]
+                self.rows = [r for r in csv.DictReader(f) if int(r["epoch"]) <= keep_epochs_upto]
 
     def add(self, row: Mapping[str, Any]) -> None:
         self.rows = [r for r in self.rows if int(r["epoch"]) != int(row["epoch"])] + [dict(row)]

@@ -13,7 +13,7 @@ def test_results_csv_keeps_each_epoch_once_across_a_resume(tmp_path):
     for epoch in (1, 2, 3):
         log.add({"epoch": epoch, "train/box_loss": 1.0 / epoch})
     # a run that resumes after epoch 2 rewrites epoch 3 and goes on
-    log = ResultsCSV(path, resume_from_epoch=2)
+    log = ResultsCSV(path, keep_epochs_upto=2)
     log.add({"epoch": 3, "train/box_loss": 0.3, "metrics/mAP50": 0.5})
     log.add({"epoch": 4, "train/box_loss": 0.25, "metrics/mAP50": 0.6})
     rows = list(csv.DictReader(open(path)))

@@ -35,7 +35,11 @@ LOSS_NAMES = ("box_loss", "cls_loss", "dfl_loss")
 
 def rng_state() -> dict[str, Any]:
     """Every random generator a run uses, so that resume continues exactly."""
-    state: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    # numpy's key array as a tensor: checkpoints hold only what torch.load(weights_only=True) accepts
+    state: dict[str, Any] = {"python": random.getstate(),
+                             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
+                                       float(gauss)],
                              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -44,7 +48,8 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -130,7 +135,9 @@ class Trainer:
             self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         self.local_batch = cfg.batch // self.world
         self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world)
-        self.val_loader = build_val_loader(self.val_data, cfg, max(1, self.local_batch * 2), self.rank, self.world)
+        # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
+        # the number of ranks
+        self.val_loader = build_val_loader(self.val_data, cfg, cfg.batch, self.rank, self.world)
         self.nb = len(self.train_loader)
         self.accumulate_target = max(round(cfg.nbs / cfg.batch), 1)
         weight_decay = cfg.weight_decay * cfg.batch * self.accumulate_target / cfg.nbs
@@ -181,7 +188,7 @@ class Trainer:
             self.wdir.mkdir(parents=True, exist_ok=True)
             save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
             console.print(f"training {cfg.model} on {cfg.data} for {cfg.epochs} epochs; results in {self.save_dir}")
-        csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch - 1 if self.resume_ckpt else None)
+        csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
         tb = TensorBoard(self.save_dir, cfg.tensorboard and self.main)
         n_warmup = optim.warmup_iterations(cfg, self.nb)
         self.epochs_without_improvement = getattr(self, "epochs_without_improvement", 0)
@@ -337,7 +344,7 @@ class Trainer:
         if improved:
             save_checkpoint(light, self.wdir / "best.pt")
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
-            save_checkpoint(light, self.wdir / f"epoch{epoch + 1}.pt")
+            save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
 
     def _plot_results(self) -> None:
         try:
