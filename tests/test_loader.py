@@ -144,3 +144,15 @@ def test_val_loader_shards_rect_batches(records: list[Rec]) -> None:
     assert [b["img"].shape for b in merged] == [b["img"].shape for b in single]
     assert [f for b in merged for f in b["im_file"]] == [f for b in single for f in b["im_file"]]
     assert len({b["img"].shape for b in single}) > 1  # wide and tall batches have their own shapes
+
+
+def test_rect_training_batches_keep_one_shape_even_when_padded(records: list[Rec]) -> None:
+    # 20 images, 3 ranks x 4: the last global batch (8 images) is padded by wrapping to the first image, whose
+    # rectangular batch has another shape; rank 2's last batch (18, 19, 0) still takes one shape (its first's).
+    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={}, rect=True, batch_size=4)
+    assert ds.batch_shape(0) != ds.batch_shape(19)
+    for rank in (0, 1, 2):
+        loader = build_dataloader(ds, 4, shuffle=False, workers=0, rank=rank, world_size=3)
+        sampler_batches = list(loader.batch_sampler)
+        for keys, batch in zip(sampler_batches, loader):
+            assert tuple(batch["img"].shape[2:]) == ds.batch_shape(keys[0].index)

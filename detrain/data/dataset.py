@@ -6,8 +6,9 @@ workers, processes or ranks produce it. Mosaic partners come from that same gene
 when the sampler gives one (``Pick``: the images of the same sampler group, so one decode serves several mosaics
 of a batch, see ``loader.py``), else from the whole dataset.
 
-Validation (``augment=False``): YOLOv8's preprocessing exactly (``image_io.load_image`` rule, ``letterbox`` with
-``scaleup=False``; with ``rect=True`` images sorted by aspect ratio and letterboxed to their batch's shape).
+Validation (``augment=False``): YOLOv8's preprocessing exactly (``load_image``, i.e. ``image_io.resize_long_side``,
+then ``letterbox`` with ``scaleup=False``; with ``rect=True`` images sorted by aspect ratio and letterboxed to their
+batch's shape).
 
 The epoch and the close-mosaic switch live in a small shared-memory tensor, so ``set_epoch`` reaches persistent
 dataloader workers. An image that cannot be read any more (it passed verification) is replaced: training draws
@@ -187,12 +188,16 @@ class DetectionDataset(Dataset):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys: Sequence[int | Pick]) -> list[dict[str, Any]]:
-        """A batch of samples; images shared by several mosaics of the batch are decoded once."""
+        """A batch of samples; images shared by several mosaics of the batch are decoded once.
+
+        With ``rect`` every sample takes the shape of the first key's rectangular batch: a batch is one group
+        of the sorted images, except where the sampler padded the last one by wrapping around to the start."""
+        picks = [k if isinstance(k, Pick) else Pick(int(k[0] if isinstance(k, tuple) else k), ()) for k in keys]
+        out_hw = self.batch_shape(picks[0].index) if self.rect and picks else None
         if not self.augment:
-            return self._finish([self._val_sample(int(k[0] if isinstance(k, tuple) else k)) for k in keys])
+            return self._finish([self._val_sample(p.index, out_hw) for p in picks])
         epoch, mosaic_on = self.epoch, self.mosaic_active
-        picks = [k if isinstance(k, Pick) else Pick(int(k), ()) for k in keys]
-        plans = [self._plan(p, epoch, 0, mosaic_on) for p in picks]
+        plans = [self._plan(p, epoch, 0, mosaic_on, out_hw) for p in picks]
         decoded: dict[tuple[int, int], np.ndarray | None] = {}
         samples = []
         for pick, plan in zip(picks, plans):
@@ -205,7 +210,7 @@ class DetectionDataset(Dataset):
                 if not bad:
                     break
                 self._skip(bad, "another image is used in its place")
-                plan = self._plan(pick, epoch, attempt, mosaic_on)
+                plan = self._plan(pick, epoch, attempt, mosaic_on, out_hw)
             else:
                 raise DatasetError(f"{MAX_SUBSTITUTIONS} unreadable images in a row around "
                                    f"{self.im_files[pick.index]}: were the images moved or deleted?")
@@ -215,17 +220,21 @@ class DetectionDataset(Dataset):
             samples.append(_Rendered(img, False, labels, plan.index, ((lh / h0, lw / w0), (0, 0))))
         return self._finish(samples)
 
-    def _plan(self, pick: Pick, epoch: int, attempt: int, mosaic_on: bool) -> SamplePlan:
+    def batch_shape(self, index: int) -> tuple[int, int]:
+        """(h, w) of the rectangular batch of ``index`` (``rect`` only)."""
+        return tuple(int(v) for v in self.batch_shapes[self.batch_index[index]])  # type: ignore[return-value]
+
+    def _plan(self, pick: Pick, epoch: int, attempt: int, mosaic_on: bool,
+              out_hw: tuple[int, int] | None) -> SamplePlan:
         """Attempt 0 is the index itself; a replacement (attempt k) is drawn from (seed, epoch, index, k)."""
         if attempt == 0:
             rng, index = np.random.default_rng([self.seed, epoch, pick.index]), pick.index
         else:
             rng = np.random.default_rng([self.seed, epoch, pick.index, attempt])
             index = int(rng.integers(len(self)))
-        out_hw = tuple(int(v) for v in self.batch_shapes[self.batch_index[pick.index]]) if self.rect else None
         return plan_sample(index, rng, self._source, self.hyp, self.imgsz, mosaic_on, out_hw, pick.pool or None)
 
-    def _val_sample(self, index: int) -> _Rendered:
+    def _val_sample(self, index: int, shape: tuple[int, int] | None) -> _Rendered:
         h0, w0 = self.shapes_hw[index]
         img = self.load_image(index)
         labels = self._labels_at_load_size(index)
@@ -234,9 +243,7 @@ class DetectionDataset(Dataset):
             lh, lw = self.load_sizes_hw[index]
             img, labels = np.full((lh, lw, 3), 114, np.uint8), Labels.empty()
         h, w = img.shape[:2]
-        shape = tuple(int(v) for v in self.batch_shapes[self.batch_index[index]]) if self.rect else (
-            self.imgsz, self.imgsz)
-        img, (r, _), (left, top) = letterbox(img, shape, auto=False, scaleup=False)
+        img, (r, _), (left, top) = letterbox(img, shape or (self.imgsz, self.imgsz), auto=False, scaleup=False)
         ratio_pad = ((h / h0 * r, w / w0 * r), (left, top))
         return _Rendered(img, True, labels.scaled(r, r, left, top), index, ratio_pad)
 
