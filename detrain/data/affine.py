@@ -102,6 +102,12 @@ def transform_boxes(boxes_xyxy: np.ndarray, m: np.ndarray) -> np.ndarray:
     if n == 0:
         return np.zeros((0, 4), np.float32)
     b = boxes_xyxy
+    if m[0, 1] == 0.0 and m[1, 0] == 0.0 and not is_perspective(m):  # scale + shift (+ flips): corners map to corners
+        xs = b[:, [0, 2]] * m[0, 0] + m[0, 2]
+        ys = b[:, [1, 3]] * m[1, 1] + m[1, 2]
+        xs.sort(1)
+        ys.sort(1)
+        return np.stack((xs[:, 0], ys[:, 0], xs[:, 1], ys[:, 1]), 1).astype(np.float32)
     corners = np.stack((b[:, [0, 1]], b[:, [2, 1]], b[:, [0, 3]], b[:, [2, 3]]), 1).reshape(-1, 2)
     xy = transform_points(corners, m).reshape(n, 4, 2)
     return np.concatenate((xy.min(1), xy.max(1)), 1).astype(np.float32)
@@ -109,10 +115,7 @@ def transform_boxes(boxes_xyxy: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 def clip_boxes(boxes_xyxy: np.ndarray, x1: float, y1: float, x2: float, y2: float) -> np.ndarray:
     """Boxes clipped to the rectangle [x1, x2] x [y1, y2] (a new array)."""
-    out = np.empty_like(boxes_xyxy)
-    out[:, [0, 2]] = boxes_xyxy[:, [0, 2]].clip(x1, x2)
-    out[:, [1, 3]] = boxes_xyxy[:, [1, 3]].clip(y1, y2)
-    return out
+    return boxes_xyxy.clip(np.array([x1, y1, x1, y1], boxes_xyxy.dtype), np.array([x2, y2, x2, y2], boxes_xyxy.dtype))
 
 
 def box_candidates(
