@@ -26,7 +26,11 @@ RESIZE_INTERPOLATION = cv2.INTER_LINEAR
 
 
 def load_size(shape_hw: tuple[int, int], imgsz: int) -> tuple[int, int]:
-    """(h, w) after :func:`resize_long_side` of an image of ``shape_hw``. ``load_size((480, 640), 320)`` -> (240, 320)."""
+    """(h, w) after :func:`resize_long_side` of an image of ``shape_hw``.
+
+    >>> load_size((480, 640), 320)
+    (240, 320)
+    """
     h0, w0 = shape_hw
     r = imgsz / max(h0, w0)
     if r == 1:
@@ -93,7 +97,7 @@ def read_npy(im_file: str) -> np.ndarray | None:
     the cache (one warning), not the run.
     """
     path = npy_path(im_file)
-    if path.exists() and path.stat().st_mtime >= Path(im_file).stat().st_mtime:  # older than the image: stale
+    if path.exists() and path.stat().st_mtime >= _mtime(im_file):  # older than the image: stale
         try:
             arr = np.load(path, allow_pickle=False)
             if arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[2] == 3:
@@ -114,6 +118,14 @@ def read_npy(im_file: str) -> np.ndarray | None:
             Path(tmp).unlink(missing_ok=True)
         warnings.warn(f"cache=disk: cannot write {path} ({e}); decoding that image every time", stacklevel=2)
     return img
+
+
+def _mtime(path: str) -> float:
+    """Modification time of ``path``, or -inf if it is gone (then a cached copy is all there is)."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return float("-inf")
 
 
 def check_disk_cache_fits(im_files: list[str], shapes_hw: list[tuple[int, int]]) -> None:

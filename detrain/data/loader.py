@@ -130,7 +130,7 @@ def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: in
     With workers, OpenCV in the calling process is set to one thread (see the comment in the code: fork safety).
     Call ``loader.batch_sampler.set_epoch(epoch)`` (and ``dataset.set_epoch``) before each epoch.
 
-    >>> loader = build_dataloader(dataset, batch_size=8, shuffle=True, workers=2, rank=0, world_size=2)  # doctest: +SKIP
+    >>> loader = build_dataloader(dataset, 8, shuffle=True, workers=2, rank=0, world_size=2)  # doctest: +SKIP
     """
     if shuffle or getattr(dataset, "augment", False):
         sampler: Sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world_size, seed, shuffle, drop_last)
