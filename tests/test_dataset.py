@@ -297,3 +297,43 @@ def test_ram_cache_marks_unreadable_images(tmp_path: Path) -> None:
     cache = RamCache.build("gaps", [(2, 2), (2, 2)], lambda i: None if i else np.ones((2, 2, 3), np.uint8),
                            local_rank=0, directory=str(tmp_path))
     assert cache.get(0) is not None and cache.get(1) is None
+
+
+COCO8 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco8"
+
+
+@pytest.mark.skipif(not COCO8.is_dir(), reason="../shared/data/coco8 is not there")
+def test_val_samples_equal_ultralytics(tmp_path: Path) -> None:
+    """Bit-for-bit the same validation tensors, order, rect shapes, ratio_pad and boxes as YOLOv8's own loader
+    (runs where ``ultralytics`` is importable, e.g. PYTHONPATH=/opt/ulib; on a copy, so its label cache stays here)."""
+    pytest.importorskip("ultralytics")
+    import shutil
+
+    from ultralytics.cfg import get_cfg
+    from ultralytics.data.build import build_yolo_dataset
+
+    for sub in ("images", "labels"):
+        shutil.copytree(COCO8 / sub / "val", tmp_path / sub / "val")
+    recs = []
+    for f in sorted((tmp_path / "images" / "val").glob("*.jpg")):
+        rows = np.loadtxt(tmp_path / "labels" / "val" / f"{f.stem}.txt", ndmin=2).reshape(-1, 5)
+        rows = np.unique(rows, axis=0)  # as its label check does
+        shape = cv2.imread(str(f)).shape[:2]
+        recs.append(Rec(str(f), shape, rows[:, 0].astype(np.int64), rows[:, 1:].astype(np.float32)))
+    data = {"path": str(tmp_path), "val": str(tmp_path / "images" / "val"), "names": {i: str(i) for i in range(80)},
+            "nc": 80, "channels": 3}
+    for imgsz, batch in ((640, 2), (320, 3)):
+        theirs = build_yolo_dataset(get_cfg(overrides={"imgsz": imgsz, "batch": batch}), data["val"], batch, data,
+                                    mode="val", rect=True, stride=32)
+        ours = DetectionDataset(recs, imgsz=imgsz, augment=False, hyp={}, rect=True, batch_size=batch)
+        assert [str(f) for f in theirs.im_files] == ours.im_files
+        assert np.array_equal(theirs.batch_shapes, ours.batch_shapes)
+        for i in range(len(ours)):
+            t, o = theirs[i], ours[i]
+            assert torch.equal(t["img"], o["img"])
+            assert tuple(t["ori_shape"]) == o["ori_shape"]
+            (tg, tp), (og, op) = t["ratio_pad"], o["ratio_pad"]
+            assert tuple(map(float, tg)) == og and tuple(map(float, tp)) == op
+            key = lambda c, b: sorted(zip(c.view(-1).tolist(), map(tuple, b.tolist())))  # noqa: E731
+            assert np.allclose(np.array([k[1] for k in key(t["cls"], t["bboxes"])]),
+                               np.array([k[1] for k in key(o["cls"], o["bboxes"])]), atol=1e-6)
