@@ -22,6 +22,7 @@ import errno
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -384,7 +385,10 @@ def _rendezvous(
 
 def _check_entry(entry: Callable[..., Any]) -> None:
     qual = getattr(entry, "__qualname__", "")
-    if "<lambda>" in qual or "<locals>" in qual or not getattr(entry, "__module__", None):
+    module = getattr(entry, "__module__", None)
+    # A notebook's __main__ has no file, so spawned workers cannot import what was defined there.
+    no_file = module == "__main__" and not getattr(sys.modules.get("__main__"), "__file__", None)
+    if "<lambda>" in qual or "<locals>" in qual or not module or no_file:
         raise DistributedError(
             f"entry {qual or entry!r} cannot be sent to spawned workers; "
             "use a top-level function of an importable module"
