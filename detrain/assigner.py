@@ -3,12 +3,14 @@
 Each ground-truth box picks the ``topk`` anchors whose centre lies inside it and whose prediction is best
 aligned with it, where alignment = ``score[gt class] ** alpha * IoU(pred, gt) ** beta``. The soft target
 of a positive anchor is its alignment, rescaled per box so that the best-aligned anchor of a box gets that
-box's best IoU. Everything is computed on padded (B, M, N) tensors, with no Python loop over images,
-boxes or anchors.
+box's best IoU. Candidates are found on (V, N) tensors for the V real (unpadded) boxes; predictions are
+read only at candidate (box, anchor) pairs, and everything after the per-box top-k works on the at most
+V * topk positive pairs. There is no Python loop over images, boxes or anchors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -31,6 +33,25 @@ class Assignment(NamedTuple):
     gt_idx: Tensor
 
 
+class SparseAssignment(NamedTuple):
+    """:class:`Assignment` without the dense (B, N, nc) scores: one target score per anchor instead.
+
+    ``score`` (B, N): the normalised alignment of the anchor's assigned box, zero on background; the
+    dense ``scores`` of :class:`Assignment` are this value at ``labels`` and zero at every other class.
+    The other fields are as in :class:`Assignment`.
+    """
+
+    labels: Tensor
+    bboxes_xyxy: Tensor
+    score: Tensor
+    fg_mask: Tensor
+    gt_idx: Tensor
+
+
+BoxesAt = Callable[[Tensor, Tensor], Tensor]
+"""``boxes(img, anchor) -> (K, 4)`` predicted xyxy boxes in pixels at K (image, anchor) index pairs."""
+
+
 def _iou_xyxy(box1: Tensor, box2: Tensor, eps: float = 1e-9) -> Tensor:
     """Element-wise plain IoU of (K, 4) xyxy boxes, (K,). ``_iou_xyxy(b, b)`` is 1 for non-empty ``b``."""
     inter_wh = (torch.minimum(box1[:, 2:], box2[:, 2:]) - torch.maximum(box1[:, :2], box2[:, :2])).clamp(0)
@@ -49,7 +70,11 @@ def anchors_inside_boxes(anchor_points: Tensor, gt_bboxes_xyxy: Tensor, eps: flo
     ax, ay = anchor_points[:, 0], anchor_points[:, 1]
     x1, y1, x2, y2 = (gt_bboxes_xyxy[..., i, None] for i in range(4))
     # four broadcast comparisons instead of a (B, M, N, 4) distance tensor: a quarter of the memory
-    return (ax - x1 > eps) & (ay - y1 > eps) & (x2 - ax > eps) & (y2 - ay > eps)
+    inside = ax - x1 > eps
+    inside &= ay - y1 > eps
+    inside &= x2 - ax > eps
+    inside &= y2 - ay > eps
+    return inside
 
 
 class TaskAlignedAssigner:
@@ -89,69 +114,100 @@ class TaskAlignedAssigner:
         ``pd_scores`` (B, N, nc) sigmoid scores, ``pd_bboxes_xyxy`` (B, N, 4) and ``anchor_points`` (N, 2) in
         pixels; ``gt_labels`` (B, M, 1), ``gt_bboxes_xyxy`` (B, M, 4) and ``mask_gt`` (B, M, 1) padded to M.
         """
+        out = self.assign_sparse(pd_scores, pd_bboxes_xyxy, anchor_points, gt_labels, gt_bboxes_xyxy, mask_gt)
+        scores = torch.zeros_like(pd_scores)
+        fg = out.fg_mask
+        scores[fg, out.labels[fg]] = out.score[fg].to(scores.dtype)
+        return Assignment(out.labels, out.bboxes_xyxy, scores, fg, out.gt_idx)
+
+    @torch.no_grad()
+    def assign_sparse(
+        self,
+        pd_scores: Tensor,
+        pd_bboxes_xyxy: Tensor | BoxesAt,
+        anchor_points: Tensor,
+        gt_labels: Tensor,
+        gt_bboxes_xyxy: Tensor,
+        mask_gt: Tensor,
+        logits: bool = False,
+    ) -> SparseAssignment:
+        """Assign targets, reading predictions only where an anchor centre lies inside a box.
+
+        Arguments as for ``__call__``, except: ``pd_scores`` may be raw logits (``logits=True``; the sigmoid is
+        then taken only at the candidate pairs) and need not be contiguous, and ``pd_bboxes_xyxy`` may be a
+        function ``(img, anchor) -> (K, 4)`` that decodes boxes only at the K candidate pairs. Everything
+        past the candidates works on the at most B * M * topk positive pairs, never on another (B, N, nc).
+        """
         b, n, _ = pd_scores.shape
         m = gt_bboxes_xyxy.shape[1]
-        if m == 0:
-            return self._background(pd_scores, pd_bboxes_xyxy)
-
-        mask_gt = mask_gt.reshape(b, m, 1).bool()
-        labels = gt_labels.reshape(b, m).long()
-        candidates = anchors_inside_boxes(anchor_points, gt_bboxes_xyxy, self.eps) & mask_gt  # (B, M, N)
-
-        overlaps, align_metric = self._alignment(pd_scores, pd_bboxes_xyxy, labels, gt_bboxes_xyxy, candidates)
-
-        # top-k by alignment per box; picks outside the candidates (ties at zero) are dropped by the mask
-        k = min(self.topk, n)
-        topk_idx = align_metric.topk(k, dim=-1).indices
-        mask_pos = torch.zeros_like(candidates).scatter_(-1, topk_idx, True) & candidates  # (B, M, N)
-
-        # an anchor claimed by several boxes goes to the one its prediction overlaps most; boxes that did
-        # not claim it score -1 so they never win
-        gt_idx = torch.where(mask_pos, overlaps, -1.0).argmax(1)  # (B, N)
-        fg_mask = mask_pos.any(1)
-        gt_idx = gt_idx * fg_mask  # background points at box 0, harmlessly (everything below is masked)
-
-        # normalise per box: its best-aligned anchor gets the box's best IoU. Per-anchor values and per-box
-        # maxima via scatter keep this at (B, N) and (B, M) instead of another pass over (B, M, N).
-        metric = align_metric.gather(1, gt_idx[:, None]).squeeze(1) * fg_mask
-        iou = overlaps.gather(1, gt_idx[:, None]).squeeze(1) * fg_mask
-        max_metric = metric.new_zeros(b, m).scatter_reduce_(1, gt_idx, metric, "amax")
-        max_iou = iou.new_zeros(b, m).scatter_reduce_(1, gt_idx, iou, "amax")
-        norm_align = metric * max_iou.gather(1, gt_idx) / (max_metric.gather(1, gt_idx) + self.eps)
-
-        target_labels = labels.gather(1, gt_idx)
-        target_bboxes = gt_bboxes_xyxy.gather(1, gt_idx[..., None].expand(-1, -1, 4)) * fg_mask[..., None]
-        target_scores = torch.zeros_like(pd_scores).scatter_(
-            -1, target_labels[..., None], norm_align[..., None].to(pd_scores.dtype)
-        )
-        target_labels = target_labels.masked_fill(~fg_mask, self.num_classes)
-        return Assignment(target_labels, target_bboxes, target_scores, fg_mask, gt_idx)
-
-    def _alignment(
-        self, pd_scores: Tensor, pd_bboxes: Tensor, labels: Tensor, gt_bboxes: Tensor, candidates: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """IoU and alignment metric (B, M, N), zero outside the candidates.
-
-        Both are computed only at candidate pairs, typically a small fraction of the B*M*N, then scattered.
-        """
-        b, m, n = candidates.shape
-        img, box, anchor = candidates.nonzero(as_tuple=True)
-        iou = _iou_xyxy(gt_bboxes[img, box], pd_bboxes[img, anchor]).clamp_(0)
-        score = pd_scores[img, anchor, labels[img, box]]
-        overlaps = pd_bboxes.new_zeros(b, m, n)
-        align_metric = pd_bboxes.new_zeros(b, m, n)
-        overlaps[img, box, anchor] = iou.to(overlaps.dtype)
-        align_metric[img, box, anchor] = (score.pow(self.alpha) * iou.pow(self.beta)).to(overlaps.dtype)
-        return overlaps, align_metric
-
-    def _background(self, pd_scores: Tensor, pd_bboxes: Tensor) -> Assignment:
-        """Every anchor is background (no ground truth in the batch)."""
-        b, n, _ = pd_scores.shape
         device = pd_scores.device
-        return Assignment(
+        # work on the real boxes only (V of the B * M padded slots), so padding to the fullest image is free
+        v_img, v_box = mask_gt.reshape(b, m).bool().nonzero(as_tuple=True)
+        v_boxes = gt_bboxes_xyxy[v_img, v_box]  # (V, 4)
+        candidates = anchors_inside_boxes(anchor_points, v_boxes[None], self.eps)[0]  # (V, N)
+        row, anchor = candidates.nonzero(as_tuple=True)
+        if row.numel() == 0:
+            return self._background(b, n, gt_bboxes_xyxy.dtype, pd_scores.dtype, device)
+        v_labels = gt_labels.reshape(b, m)[v_img, v_box].long()  # (V,)
+        img = v_img[row]
+
+        # IoU and alignment at the candidate pairs only, scattered into (V, N) for the per-box top-k
+        pd_boxes = pd_bboxes_xyxy(img, anchor) if callable(pd_bboxes_xyxy) else pd_bboxes_xyxy[img, anchor]
+        iou = _iou_xyxy(v_boxes[row], pd_boxes).clamp_(0)
+        score = pd_scores[img, anchor, v_labels[row]]
+        if logits:
+            score = score.sigmoid()
+        v = v_boxes.shape[0]
+        dtype = gt_bboxes_xyxy.dtype
+        overlaps = torch.zeros(v, n, dtype=dtype, device=device)
+        align_metric = torch.zeros(v, n, dtype=dtype, device=device)
+        overlaps[row, anchor] = iou.to(dtype)
+        align_metric[row, anchor] = (score.pow(self.alpha) * iou.pow(self.beta)).to(dtype)
+
+        # top-k by alignment per box; picks outside the candidates (ties at zero) are dropped
+        k = min(self.topk, n)
+        topk_metric, topk_idx = align_metric.topk(k, dim=-1)  # (V, k)
+        p_row, p_slot = candidates.gather(-1, topk_idx).nonzero(as_tuple=True)
+        p_anchor = topk_idx[p_row, p_slot]
+        p_metric = topk_metric[p_row, p_slot]
+        p_iou = overlaps[p_row, p_anchor]
+        p_img, p_box = v_img[p_row], v_box[p_row]
+
+        # an anchor claimed by several boxes goes to the one its prediction overlaps most (the lowest box
+        # index among equals): per-anchor maxima by scatter over the positive pairs
+        flat = p_img * n + p_anchor
+        best_iou = p_iou.new_full((b * n,), -1.0).scatter_reduce_(0, flat, p_iou, "amax")
+        wins = p_iou == best_iou[flat]
+        winner = flat.new_full((b * n,), m).scatter_reduce_(0, flat[wins], p_box[wins], "amin")
+        keep = p_box == winner[flat]
+        a_row, a_img, a_anchor = p_row[keep], p_img[keep], p_anchor[keep]
+        a_metric, a_iou = p_metric[keep], p_iou[keep]
+
+        # normalise per box: its best-aligned anchor gets the box's best IoU
+        max_metric = a_metric.new_zeros(v).scatter_reduce_(0, a_row, a_metric, "amax")
+        max_iou = a_iou.new_zeros(v).scatter_reduce_(0, a_row, a_iou, "amax")
+        norm_align = a_metric * max_iou[a_row] / (max_metric[a_row] + self.eps)
+
+        fg_mask = torch.zeros(b, n, dtype=torch.bool, device=device)
+        fg_mask[a_img, a_anchor] = True
+        gt_idx = torch.zeros(b, n, dtype=torch.long, device=device)
+        gt_idx[a_img, a_anchor] = v_box[a_row]
+        target_labels = torch.full((b, n), self.num_classes, dtype=torch.long, device=device)
+        target_labels[a_img, a_anchor] = v_labels[a_row]
+        target_bboxes = gt_bboxes_xyxy.new_zeros(b, n, 4)
+        target_bboxes[a_img, a_anchor] = v_boxes[a_row]
+        target_score = torch.zeros(b, n, dtype=pd_scores.dtype, device=device)
+        target_score[a_img, a_anchor] = norm_align.to(pd_scores.dtype)
+        return SparseAssignment(target_labels, target_bboxes, target_score, fg_mask, gt_idx)
+
+    def _background(
+        self, b: int, n: int, box_dtype: torch.dtype, score_dtype: torch.dtype, device: torch.device
+    ) -> SparseAssignment:
+        """Every anchor is background (no ground truth, or no anchor inside any box)."""
+        return SparseAssignment(
             torch.full((b, n), self.num_classes, dtype=torch.long, device=device),
-            torch.zeros_like(pd_bboxes),
-            torch.zeros_like(pd_scores),
+            torch.zeros(b, n, 4, dtype=box_dtype, device=device),
+            torch.zeros(b, n, dtype=score_dtype, device=device),
             torch.zeros(b, n, dtype=torch.bool, device=device),
             torch.zeros(b, n, dtype=torch.long, device=device),
         )

@@ -63,6 +63,53 @@ def pad_targets(
     return out_cls, out_boxes, mask[..., None]
 
 
+def concat_head_maps(head_maps: list[Tensor]) -> Tensor:
+    """Head maps (B, C, H_i, W_i) -> (B, N, C), anchors in ``make_anchors`` order, with a single copy.
+
+    A channels_last map already is (B, H, W, C) in memory, so it enters the concatenation as a view.
+
+    >>> maps = [torch.arange(8.).reshape(1, 2, 2, 2), torch.zeros(1, 2, 1, 1)]
+    >>> concat_head_maps(maps)[0, :, 0].tolist()
+    [0.0, 1.0, 2.0, 3.0, 0.0]
+    """
+    b = head_maps[0].shape[0]
+    return torch.cat([m.permute(0, 2, 3, 1).reshape(b, -1, m.shape[1]) for m in head_maps], 1)
+
+
+class _SparseTargetBCE(torch.autograd.Function):
+    """Sum of BCE-with-logits over every logit, against targets that are zero except at K given entries.
+
+    BCE(x, t) = softplus(x) - t * x, so the sum is one dense softplus pass plus a K-term correction; the
+    gradient sigmoid(x) - t is one dense pass with the K targets subtracted in place.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, img: Tensor, anchor: Tensor, label: Tensor, target: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(logits, img, anchor, label, target)
+        return F.softplus(logits).sum() - (logits[img, anchor, label] * target).sum()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        logits, img, anchor, label, target = ctx.saved_tensors
+        out = torch.sigmoid(logits)
+        out.index_put_((img, anchor, label), -target, accumulate=True)
+        return out.mul_(grad), None, None, None, None
+
+
+def bce_with_logits_sum_sparse(logits: Tensor, img: Tensor, anchor: Tensor, label: Tensor, target: Tensor) -> Tensor:
+    """``F.binary_cross_entropy_with_logits(logits, t, reduction="sum")`` for the (B, N, nc) ``t`` that is
+    zero except ``t[img, anchor, label] = target`` (distinct positions), without building ``t``.
+
+    >>> x, t = torch.randn(2, 5, 3), torch.zeros(2, 5, 3)
+    >>> t[1, 2, 0] = 0.7
+    >>> i, a, c = (torch.tensor([v]) for v in (1, 2, 0))
+    >>> ours = bce_with_logits_sum_sparse(x, i, a, c, torch.tensor([0.7]))
+    >>> torch.allclose(ours, F.binary_cross_entropy_with_logits(x, t, reduction="sum"))
+    True
+    """
+    return _SparseTargetBCE.apply(logits, img, anchor, label, target.to(logits.dtype))
+
+
 class DetectionLoss:
     """YOLOv8-style detection loss over raw head maps.
 
@@ -122,45 +169,49 @@ class DetectionLoss:
         self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor, global_batch: int | None
     ) -> tuple[Tensor, Tensor]:
         batch = head_maps[0].shape[0]
-        pred = torch.cat([m.reshape(batch, m.shape[1], -1) for m in head_maps], 2)
+        pred = concat_head_maps(head_maps)  # (B, N, 4 * reg_max + nc)
         if pred.dtype != torch.float64:  # half-precision maps (AMP) are scored in float32
             pred = pred.float()
-        pred_distri, pred_logits = pred.permute(0, 2, 1).split((4 * self.reg_max, self.nc), -1)
+        pred_distri, pred_logits = pred.split((4 * self.reg_max, self.nc), -1)
+        # box logits are only ever read at a few rows; the class logits go through a dense softplus, which
+        # is several times faster on contiguous memory than on this strided view
+        pred_logits = pred_logits.contiguous()
         anchors, stride_per_anchor, proj = self._anchors(head_maps, pred.dtype, pred.device)
-
-        # box = softmax expectation over reg_max bins per side, in feature units
-        pred_dist = pred_distri.reshape(batch, -1, 4, self.reg_max)
-        pred_bboxes = dist2bbox(pred_dist.softmax(-1) @ proj, anchors, xywh=False)
 
         img_h, img_w = (float(s) * self.strides[0] for s in head_maps[0].shape[2:])
         scale = pred.new_tensor([img_w, img_h, img_w, img_h])
         gt_cls, gt_boxes, mask_gt = pad_targets(
             batch_idx.to(pred.device), cls.to(pred), xywh2xyxy(bboxes_xywhn.to(pred) * scale), batch
         )
-        target = self.assigner(
-            pred_logits.detach().sigmoid(),
-            pred_bboxes.detach() * stride_per_anchor,
-            anchors * stride_per_anchor,
-            gt_cls,
-            gt_boxes,
-            mask_gt,
+
+        def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
+            dist = self._decode(pred_distri.detach()[img, anchor], proj)
+            return dist2bbox(dist, anchors[anchor], xywh=False) * stride_per_anchor[anchor]
+
+        # the assigner reads scores and boxes only at candidate pairs: no dense sigmoid or box decode
+        target = self.assigner.assign_sparse(
+            pred_logits.detach(), boxes_at, anchors * stride_per_anchor, gt_cls, gt_boxes, mask_gt, logits=True
         )
 
-        normalizer = target.scores.sum()
+        normalizer = target.score.sum()
         if self.normalizer_reduce is not None:
             # every rank must reach this collective, with or without boxes of its own
             normalizer = self.normalizer_reduce(normalizer.detach().clone())
         normalizer = normalizer.clamp(min=1.0)
 
-        loss_cls = F.binary_cross_entropy_with_logits(pred_logits, target.scores, reduction="sum")
-        fg = target.fg_mask
-        if bool(fg.any()):
-            weight = target.scores.sum(-1)[fg]
-            target_bboxes = target.bboxes_xyxy / stride_per_anchor
-            _, ciou = bbox_iou_ciou(pred_bboxes[fg], target_bboxes[fg])
+        fg_img, fg_anchor = target.fg_mask.nonzero(as_tuple=True)
+        weight = target.score[fg_img, fg_anchor]
+        loss_cls = bce_with_logits_sum_sparse(pred_logits, fg_img, fg_anchor, target.labels[fg_img, fg_anchor], weight)
+        if fg_img.numel():
+            # box and DFL terms only at the foreground anchors
+            fg_distri = pred_distri[fg_img, fg_anchor]  # (F, 4 * reg_max)
+            fg_anchors, fg_strides = anchors[fg_anchor], stride_per_anchor[fg_anchor]
+            pred_bboxes = dist2bbox(self._decode(fg_distri, proj), fg_anchors, xywh=False)
+            target_bboxes = target.bboxes_xyxy[fg_img, fg_anchor] / fg_strides
+            _, ciou = bbox_iou_ciou(pred_bboxes, target_bboxes)
             loss_box = ((1.0 - ciou.squeeze(-1)) * weight).sum()
-            target_ltrb = bbox2dist(anchors, target_bboxes, self.reg_max)[fg]
-            dfl = distribution_focal_loss(pred_dist[fg].reshape(-1, self.reg_max), target_ltrb.reshape(-1))
+            target_ltrb = bbox2dist(fg_anchors, target_bboxes, self.reg_max)
+            dfl = distribution_focal_loss(fg_distri.reshape(-1, self.reg_max), target_ltrb.reshape(-1))
             loss_dfl = (dfl.reshape(-1, 4).mean(-1) * weight).sum()
         else:
             # zero but still attached to the box channels, so DDP sees every parameter take part
@@ -172,6 +223,10 @@ class DetectionLoss:
         if global_batch is None:
             global_batch = batch * self.world_size
         return items.sum() * global_batch, items.detach()
+
+    def _decode(self, distri: Tensor, proj: Tensor) -> Tensor:
+        """(K, 4 * reg_max) DFL logits -> (K, 4) distances: the softmax expectation over bins, per side."""
+        return distri.reshape(-1, 4, self.reg_max).softmax(-1) @ proj
 
     def _anchors(self, head_maps: list[Tensor], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
         """Anchor points (N, 2), strides (N, 1) and the DFL projection, cached per feature shapes."""

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
+from detrain.engine.optim import kernel_options  # noqa: E402
 from detrain.loss import DetectionLoss  # noqa: E402
 from detrain.nn.model import DetectionModel  # noqa: E402
 
@@ -59,9 +60,9 @@ def make_batch(batch: int, imgsz: int, nc: int, boxes_per_image: int, device: to
     )
 
 
-def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
+def _sgd(model: torch.nn.Module, **kernel: bool) -> torch.optim.Optimizer:
     params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.SGD(params, lr=0.01, momentum=0.937, nesterov=True, weight_decay=5e-4)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.937, nesterov=True, weight_decay=5e-4, **kernel)
 
 
 def detrain_step(args: argparse.Namespace, batch: Batch, device: torch.device) -> Callable[[], None]:
@@ -72,7 +73,8 @@ def detrain_step(args: argparse.Namespace, batch: Batch, device: torch.device) -
         model = model.to(memory_format=torch.channels_last)
         imgs = imgs.contiguous(memory_format=torch.channels_last)
     criterion = DetectionLoss(args.nc, model.stride, reg_max=model.reg_max)
-    optimizer = _sgd(model)
+    # the update kernel detrain's trainer picks (engine/optim.py: fused where torch has one)
+    optimizer = _sgd(model, **kernel_options(list(model.parameters())))
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -94,7 +96,7 @@ def ultralytics_step(args: argparse.Namespace, batch: Batch, device: torch.devic
     model = UltralyticsModel(f"yolov8{args.scale}.yaml", nc=args.nc, verbose=False).to(device).train()
     model.args = SimpleNamespace(box=7.5, cls=0.5, dfl=1.5)  # the loss reads its gains from here
     criterion = model.init_criterion()
-    optimizer = _sgd(model)
+    optimizer = _sgd(model)  # Ultralytics' trainer asks for no fused/foreach kernel on CPU
     # Ultralytics trains in the default (contiguous) memory format; it is timed as it trains
     data = {"img": batch.imgs, "batch_idx": batch.batch_idx, "cls": batch.cls, "bboxes": batch.bboxes_xywhn}
 

@@ -38,16 +38,57 @@ def build_optimizer(model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, 
             name = "SGD"
         else:
             name, lr, momentum = "AdamW", round(0.002 * 5 / (4 + nc), 6), 0.9
+    groups = [
+        {"params": biases, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay_bn, "weight_decay": 0.0},
+    ]
+    # all groups go to the constructor: that is where a fused optimizer checks its parameters and declares
+    # that it takes GradScaler's scale and inf flags itself
+    kernel = kernel_options(biases + decay + no_decay_bn)
     if name in ("Adam", "AdamW"):
         opt_cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
-        optimizer: torch.optim.Optimizer = opt_cls(biases, lr=lr, betas=(momentum, 0.999), weight_decay=0.0)
+        optimizer: torch.optim.Optimizer = opt_cls(groups, lr=lr, betas=(momentum, 0.999), weight_decay=0.0, **kernel)
     else:
-        optimizer = torch.optim.SGD(biases, lr=lr, momentum=momentum, nesterov=True)
-    optimizer.add_param_group({"params": decay, "weight_decay": weight_decay})
-    optimizer.add_param_group({"params": no_decay_bn, "weight_decay": 0.0})
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, weight_decay=0.0, **kernel)
     for group in optimizer.param_groups:
         group["initial_lr"] = lr
     return optimizer, name, lr
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
+
+
+def kernel_options(params: list[torch.Tensor]) -> dict[str, bool]:
+    """Optimizer keyword for the fastest update kernel: ``fused=True`` when every parameter is a float tensor
+    on one device type with fused SGD/Adam/AdamW kernels (CPU, CUDA), else ``{}`` (torch's default).
+
+    The fused kernels update every tensor of a group in one pass (on CPU about twice as fast as the
+    per-tensor loop that torch uses there by default) and compute the same update.
+
+    >>> kernel_options([torch.zeros(2)]), kernel_options([])
+    ({'fused': True}, {})
+    """
+    types = {p.device.type for p in params}
+    if len(types) == 1 and types <= set(_FUSED_DEVICES) and all(p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, keeping this run's kernel choice (``fused``/``foreach``).
+
+    A state dict carries each group's flags; loading one saved on another device, or by an older version,
+    would otherwise switch the kernel (or ask for a fused kernel the device lacks).
+    """
+    state = {**state, "param_groups": [dict(g) for g in state["param_groups"]]}
+    for saved, group in zip(state["param_groups"], optimizer.param_groups):
+        for key in ("fused", "foreach"):
+            if key in group:
+                saved[key] = group[key]
+            else:
+                saved.pop(key, None)
+    optimizer.load_state_dict(state)
 
 
 def lr_lambda(cfg: Cfg) -> Callable[[float], float]:

@@ -32,7 +32,7 @@ class Conv(nn.Module):
         self.act: nn.Module = nn.SiLU() if act else nn.Identity()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.act(self.bn(self.conv(x)))
+        return self.act(self.bn(conv2d(self.conv, x)))
 
     def fuse_(self) -> None:
         """Fold the BatchNorm into the convolution, for inference. Idempotent."""
@@ -40,6 +40,39 @@ class Conv(nn.Module):
             return
         self.conv = fuse_conv_bn(self.conv, self.bn)  # type: ignore[arg-type]
         self.bn = nn.Identity()
+
+
+def _pointwise_as_matmul(conv: nn.Conv2d, x: Tensor) -> bool:
+    """Whether ``conv`` is a plain 1x1 convolution best run as a matmul over channels_last pixels."""
+    return (
+        x.device.type == "cpu"
+        and conv.kernel_size == (1, 1)
+        and conv.stride == (1, 1)
+        and conv.padding == (0, 0)
+        and conv.groups == 1
+        and x.dim() == 4
+        and x.is_contiguous(memory_format=torch.channels_last)
+        and not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export())
+    )
+
+
+def conv2d(conv: nn.Conv2d, x: Tensor) -> Tensor:
+    """``conv(x)``; a 1x1 convolution of a channels_last CPU tensor runs as one matmul over its pixels.
+
+    In channels_last memory a 1x1 convolution is exactly ``(N*H*W, C_in) @ (C_in, C_out)``, and the result
+    is again channels_last: no layout conversion either way. On one CPU thread PyTorch otherwise sends
+    small-batch 1x1 convolutions to its unblocked NCHW kernel, which copies to and from NCHW each time;
+    with more threads (oneDNN) the matmul is still no slower. Hooks on ``conv`` itself are bypassed here.
+
+    >>> c = nn.Conv2d(8, 4, 1)
+    >>> x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    >>> y = conv2d(c, x); torch.allclose(y, c(x), atol=1e-5), y.is_contiguous(memory_format=torch.channels_last)
+    (True, True)
+    """
+    if not _pointwise_as_matmul(conv, x):
+        return conv(x)
+    w = conv.weight.view(conv.out_channels, conv.in_channels)  # a view for either layout of a 1x1 weight
+    return torch.nn.functional.linear(x.permute(0, 2, 3, 1), w, conv.bias).permute(0, 3, 1, 2)
 
 
 def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
@@ -170,6 +203,14 @@ class DFL(nn.Module):
         return (probs * self.conv.weight.view(1, 1, self.reg_max, 1)).sum(2)
 
 
+def _branch(seq: nn.Sequential, x: Tensor) -> Tensor:
+    """``seq(x)`` for a head branch (Conv, Conv, 1x1 Conv2d), its final 1x1 convolution through :func:`conv2d`."""
+    *convs, last = seq
+    for layer in convs:
+        x = layer(x)
+    return conv2d(last, x)
+
+
 class Detect(nn.Module):
     """Anchor-free decoupled head: per level a box branch (``cv2``, 4 * reg_max DFL logits) and a class
     branch (``cv3``, nc logits).
@@ -225,7 +266,7 @@ class Detect(nn.Module):
                 cls[-1].bias.fill_(math.log(5 / self.nc / (640 / s) ** 2))
 
     def forward(self, xs: list[Tensor], decode: bool | None = None) -> list[Tensor] | Tensor:
-        maps = [torch.cat((box(x), cls(x)), 1) for x, box, cls in zip(xs, self.cv2, self.cv3)]
+        maps = [torch.cat((_branch(box, x), _branch(cls, x)), 1) for x, box, cls in zip(xs, self.cv2, self.cv3)]
         if decode is None:
             decode = not self.training
         return self.decode(maps) if decode else maps
