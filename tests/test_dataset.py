@@ -224,6 +224,7 @@ def test_collate(records: list[Rec]) -> None:
     assert len(batch["im_file"]) == len(batch["ori_shape"]) == len(batch["ratio_pad"]) == 3
     # A whole __getitems__ batch is handed on as views of its one block; anything else is stacked: same values.
     assert batch["img"].data_ptr() == samples[0]["img"].data_ptr()
+    assert batch["img"].is_contiguous(memory_format=torch.channels_last)  # training batches: what the model wants
     assert batch["cls"].untyped_storage().data_ptr() == batch["img"].untyped_storage().data_ptr()
     stacked = DetectionDataset.collate([ds[i] for i in (0, 1, 2)])
     assert stacked["img"].data_ptr() != samples[0]["img"].data_ptr()
@@ -231,6 +232,9 @@ def test_collate(records: list[Rec]) -> None:
         assert torch.equal(batch[key], stacked[key]), key
     part = DetectionDataset.collate(samples[1:])
     assert torch.equal(part["img"], batch["img"][1:]) and part["batch_idx"].max() <= 1
+    val = DetectionDataset(records, imgsz=64, augment=False, hyp={})
+    vbatch = DetectionDataset.collate(val.__getitems__([0, 1]))
+    assert vbatch["img"].is_contiguous() and torch.equal(vbatch["img"][1], val[1]["img"])
 
 
 def test_disk_cache_gives_the_same_samples(records: list[Rec]) -> None:

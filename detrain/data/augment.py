@@ -35,16 +35,22 @@ def hsv_gains(rng: np.random.Generator, hgain: float = 0.015, sgain: float = 0.7
     return rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain])
 
 
-def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False) -> np.ndarray:
+def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False,
+              dst: np.ndarray | None = None) -> np.ndarray:
     """``img`` (BGR) with hue shifted by ``gains[0]`` of the circle and saturation and value scaled by
     ``1 + gains[1:]`` (clipped); BGR out, or RGB with ``to_rgb`` (the channel swap comes free with the
-    conversion back). Returns a new array.
+    conversion back). Written into ``dst`` (same shape) if given, else a new array.
 
     OpenCV's full-range 8-bit HSV (hue 0-255 for the whole circle) is used: its conversion back is a quarter
     faster than the 0-180 one and the hue steps are finer.
     """
     if not np.any(gains):
-        return cv2.cvtColor(img, cv2.COLOR_BGR2RGB) if to_rgb else img.copy()
+        if to_rgb:
+            return cv2.cvtColor(img, cv2.COLOR_BGR2RGB, dst=dst)
+        if dst is None:
+            return img.copy()
+        dst[...] = img
+        return dst
     x = np.arange(256, dtype=np.float64)
     lut = np.empty((1, 256, 3), np.uint8)
     lut[0, :, 0] = (x + gains[0] * 256) % 256
@@ -52,7 +58,7 @@ def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False) -> np.nd
     lut[0, :, 2] = np.clip(x * (1 + gains[2]), 0, 255)
     hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV_FULL)
     cv2.LUT(hsv, lut, dst=hsv)
-    return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB_FULL if to_rgb else cv2.COLOR_HSV2BGR_FULL)
+    return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB_FULL if to_rgb else cv2.COLOR_HSV2BGR_FULL, dst=dst)
 
 
 def random_hsv(img: np.ndarray, labels: Labels, rng: np.random.Generator, hsv_h: float = 0.015,

@@ -6,6 +6,8 @@ dataset renders a whole batch into ONE segment laid out as
 
     [ images (n, 3, h, w) uint8 | pad to 8 bytes | batch_idx (M,) f32 | cls (M,) f32 | bboxes (M, 4) f32 ]
 
+(the images optionally channels-last: each image's bytes are then h x w x 3, viewed as (3, h, w)),
+
 hands each sample views of its parts, and ``collate`` recognises a complete block and returns views of it: no
 stacking, no concatenation, one segment per batch. Pages are faulted in with one ``madvise`` call where Linux
 offers it (MADV_POPULATE_WRITE, 5.14+), which is much cheaper than faulting them one by one.
@@ -66,7 +68,7 @@ class BatchBlock:
     starts: list[int]
 
     @classmethod
-    def allocate(cls, n: int, h: int, w: int, counts: Sequence[int]) -> BatchBlock:
+    def allocate(cls, n: int, h: int, w: int, counts: Sequence[int], channels_last: bool = False) -> BatchBlock:
         """A block for ``n`` images of h x w with ``counts[i]`` labels each (``batch_idx`` filled in).
 
         >>> block = BatchBlock.allocate(2, 4, 4, [1, 2])
@@ -76,7 +78,8 @@ class BatchBlock:
         m = int(sum(counts))
         offset = _label_offset(n * 3 * h * w)
         raw = new_bytes(offset + 24 * m)
-        img = raw[: n * 3 * h * w].view(n, 3, h, w)
+        pixels = raw[: n * 3 * h * w]
+        img = pixels.view(n, h, w, 3).permute(0, 3, 1, 2) if channels_last else pixels.view(n, 3, h, w)
         labels = torch.empty(0, dtype=torch.float32).set_(raw.untyped_storage(), offset // 4, (6 * m,))
         starts = [0]
         for c in counts:
@@ -102,9 +105,11 @@ def whole_block(imgs: Sequence[torch.Tensor], cls: Sequence[torch.Tensor]) -> Ba
     offset = _label_offset(n * numel)
     if first.dtype != torch.uint8 or first.storage_offset() != 0 or storage.nbytes() != offset + 24 * m:
         return None  # not a block of exactly this many images and labels
+    if not (first.is_contiguous() or first.permute(1, 2, 0).is_contiguous()):
+        return None
     ptr, row = storage.data_ptr(), offset // 4 + m
     for i, (t, c) in enumerate(zip(imgs, cls)):
-        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != i * numel:
+        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != i * numel or t.stride() != first.stride():
             return None
         if len(c):
             if c.untyped_storage().data_ptr() != ptr or c.storage_offset() != row:
@@ -114,5 +119,10 @@ def whole_block(imgs: Sequence[torch.Tensor], cls: Sequence[torch.Tensor]) -> Ba
     starts = [0]
     for c in cls:
         starts.append(starts[-1] + len(c))
-    return BatchBlock(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, *first.shape)), labels[:m],
+    c, h, w = first.shape
+    if first.is_contiguous():
+        img = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, c, h, w))
+    else:  # channels-last images
+        img = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, c)).permute(0, 3, 1, 2)
+    return BatchBlock(img, labels[:m],
                       labels[m: 2 * m].view(m, 1), labels[2 * m:].view(m, 4), starts)

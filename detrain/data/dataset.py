@@ -31,7 +31,8 @@ from detrain.data.batch_memory import BatchBlock, whole_block
 from detrain.data.image_io import (check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side)
 from detrain.data.instances import Labels
 from detrain.data.ram_cache import RamCache, cache_key, run_tag
-from detrain.data.train_sample import SamplePlan, SampleSource, plan_sample, render_sample
+from detrain.data.augment import apply_hsv
+from detrain.data.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
 from detrain.errors import ConfigError, DatasetError
 
 MAX_SUBSTITUTIONS = 16  # unreadable images in a row before giving up on a sample
@@ -85,13 +86,14 @@ def rect_batch_shapes(shapes_hw: np.ndarray, batch_size: int, imgsz: int, stride
 
 
 class _Rendered(NamedTuple):
-    """A finished sample before it becomes the contract's dict: HWC pixels (BGR or RGB) and labels in them."""
+    """A sample before it becomes the contract's dict: HWC BGR pixels and the labels in them; for training also
+    the HSV gains still to apply (the colour step writes straight into the batch's memory)."""
 
     img: np.ndarray
-    bgr: bool
     labels: Labels
     index: int
     ratio_pad: tuple[tuple[float, float], tuple[float, float]]
+    hsv: np.ndarray | None = None
 
 
 class DetectionDataset(Dataset):
@@ -184,8 +186,10 @@ class DetectionDataset(Dataset):
         return len(self.records)
 
     def __getitem__(self, key: int | Pick) -> dict[str, Any]:
-        """The sample of ``key`` (an index, or a sampler's :class:`Pick`)."""
-        return self.__getitems__([key])[0]
+        """The sample of ``key`` (an index, or a sampler's :class:`Pick`); ``img`` is a contiguous (3, H, W)."""
+        sample = self.__getitems__([key])[0]
+        sample["img"] = sample["img"].contiguous()
+        return sample
 
     def __getitems__(self, keys: Sequence[int | Pick]) -> list[dict[str, Any]]:
         """A batch of samples; images shared by several mosaics of the batch are decoded once.
@@ -214,10 +218,10 @@ class DetectionDataset(Dataset):
             else:
                 raise DatasetError(f"{MAX_SUBSTITUTIONS} unreadable images in a row around "
                                    f"{self.im_files[pick.index]}: were the images moved or deleted?")
-            img, labels = render_sample(plan, lambda i, r: decoded[(i, r)], self._labels_at_load_size)
+            img, labels = render_geometry(plan, lambda i, r: decoded[(i, r)], self._labels_at_load_size)
             h0, w0 = self.shapes_hw[plan.index]
             lh, lw = self.load_sizes_hw[plan.index]
-            samples.append(_Rendered(img, False, labels, plan.index, ((lh / h0, lw / w0), (0, 0))))
+            samples.append(_Rendered(img, labels, plan.index, ((lh / h0, lw / w0), (0, 0)), plan.hsv))
         return self._finish(samples)
 
     def batch_shape(self, index: int) -> tuple[int, int]:
@@ -245,28 +249,37 @@ class DetectionDataset(Dataset):
         h, w = img.shape[:2]
         img, (r, _), (left, top) = letterbox(img, shape or (self.imgsz, self.imgsz), auto=False, scaleup=False)
         ratio_pad = ((h / h0 * r, w / w0 * r), (left, top))
-        return _Rendered(img, True, labels.scaled(r, r, left, top), index, ratio_pad)
+        return _Rendered(img, labels.scaled(r, r, left, top), index, ratio_pad)
 
     def _finish(self, rendered: Sequence[_Rendered]) -> list[dict[str, Any]]:
-        """The contract's dicts. Images and labels are written straight into one block for the whole batch
-        (``batch_memory.py``: shared memory inside a dataloader worker), which ``collate`` hands on without
-        copying; HWC -> CHW (and BGR -> RGB) is one cv2.split per image into the block's planes."""
+        """The contract's dicts, written straight into one block of memory for the whole batch
+        (``batch_memory.py``: shared memory inside a dataloader worker) that ``collate`` hands on without copying.
+
+        Training images are laid out channels-last: the colour step (HSV, BGR -> RGB) writes them in place and the
+        trainer's ``contiguous(memory_format=torch.channels_last)`` has nothing left to do; each ``img`` is still
+        a (3, H, W) RGB view. Validation images are plain contiguous (3, H, W): one cv2.split into the planes."""
         counts = [len(r.labels) for r in rendered]
+        channels_last = self.augment
         if len({r.img.shape for r in rendered}) == 1:
             h, w = rendered[0].img.shape[:2]
-            block = BatchBlock.allocate(len(rendered), h, w, counts)
+            block = BatchBlock.allocate(len(rendered), h, w, counts, channels_last)
             views = [block.sample(i) for i in range(len(rendered))]
         else:  # images of different sizes cannot form one batch: separate tensors
+            channels_last = False
             views = [(torch.empty((3, *r.img.shape[:2]), dtype=torch.uint8), torch.empty((c, 1)),
                       torch.empty((c, 4))) for r, c in zip(rendered, counts)]
         out = []
-        for r, (chw, cls, bboxes) in zip(rendered, views):
+        for r, (img, cls, bboxes) in zip(rendered, views):
             h, w = r.img.shape[:2]
-            planes = chw.numpy()
-            cv2.split(r.img, [planes[2], planes[1], planes[0]] if r.bgr else [planes[0], planes[1], planes[2]])
+            if channels_last:
+                apply_hsv(r.img, r.hsv, to_rgb=True, dst=img.permute(1, 2, 0).numpy())
+            else:
+                rgb = r.img if r.hsv is None else apply_hsv(r.img, r.hsv)  # still BGR
+                planes = img.numpy()
+                cv2.split(rgb, [planes[2], planes[1], planes[0]])
             cls.view(-1).numpy()[:] = r.labels.cls
             bboxes.numpy()[:] = r.labels.to_xywhn(w, h)
-            out.append({"img": chw, "cls": cls, "bboxes": bboxes, "im_file": self.im_files[r.index],
+            out.append({"img": img, "cls": cls, "bboxes": bboxes, "im_file": self.im_files[r.index],
                         "ori_shape": self.shapes_hw[r.index], "ratio_pad": r.ratio_pad})
         return out
 
@@ -312,7 +325,8 @@ class DetectionDataset(Dataset):
     def collate(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Samples -> ``img`` (B, 3, H, W) uint8, ``batch_idx`` (M,) float32 (as YOLOv8), ``cls`` (M, 1),
         ``bboxes`` (M, 4); ``im_file``, ``ori_shape``, ``ratio_pad`` as lists. A batch made by one
-        ``__getitems__`` call already lies in one block: it is returned as views, without copying."""
+        ``__getitems__`` call already lies in one block: it is returned as views, without copying (training
+        batches channels-last, see ``_finish``)."""
         imgs = [b["img"] for b in batch]
         if len({tuple(t.shape) for t in imgs}) != 1:
             raise ValueError(f"images of one batch differ in size: {sorted({tuple(t.shape) for t in imgs})}")

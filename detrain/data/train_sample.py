@@ -136,12 +136,12 @@ def _choose_reductions(layer: LayerPlan, source: SampleSource) -> None:
         tile.reduce = reduce_factor(source.file_long_sides[tile.index], max(tile.size_wh) * stretch)
 
 
-def render_sample(
+def render_geometry(
     plan: SamplePlan,
     pixels: Callable[[int, int], np.ndarray],
     labels_at_load_size: Callable[[int], Labels],
 ) -> tuple[np.ndarray, Labels]:
-    """The planned sample as (out_h, out_w, 3) uint8 **RGB** and its labels (pixels of the output).
+    """The planned sample before its colour step: (out_h, out_w, 3) uint8 BGR and its labels (output pixels).
 
     ``pixels(index, reduce)`` gives the decoded image (any resolution: it is stretched to the tile's load size by the
     same warp), ``labels_at_load_size(index)`` its labels in load-size pixels.
@@ -156,4 +156,15 @@ def render_sample(
     img = images[0]
     if len(images) == 2:
         img = cv2.addWeighted(images[0], plan.mix_ratio, images[1], 1.0 - plan.mix_ratio, 0.0)
-    return apply_hsv(img, plan.hsv, to_rgb=True), Labels.concat(labels)
+    return img, Labels.concat(labels)
+
+
+def render_sample(
+    plan: SamplePlan,
+    pixels: Callable[[int, int], np.ndarray],
+    labels_at_load_size: Callable[[int], Labels],
+) -> tuple[np.ndarray, Labels]:
+    """The whole planned sample: (out_h, out_w, 3) uint8 **RGB** after HSV, and its labels.
+    (The dataset applies the colour step itself, straight into the batch's memory.)"""
+    img, labels = render_geometry(plan, pixels, labels_at_load_size)
+    return apply_hsv(img, plan.hsv, to_rgb=True), labels
