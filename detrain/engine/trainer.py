@@ -122,8 +122,8 @@ class Trainer:
         if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
             model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
         self.model = model.to(self.device)
-        if self.device.type == "cpu" or self.device.type == "cuda":
-            self.model = self.model.to(memory_format=torch.channels_last)
+        if self.device.type in ("cpu", "cuda"):
+            self.model = _to_channels_last(self.model)
         self.ema = ModelEMA(self.model)
         if self.resume_ckpt is not None and self.resume_ckpt.get("ema"):
             self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
@@ -132,7 +132,8 @@ class Trainer:
             if cfg.sync_bn:
                 self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+            # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights
+            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids, gradient_as_bucket_view=True)
         self.local_batch = cfg.batch // self.world
         self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
@@ -353,6 +354,17 @@ class Trainer:
             plot_results_csv(self.save_dir / "results.csv")
         except Exception as e:  # a plot must never cost a finished run
             console.print(f"results.png not written: {e}")
+
+
+def _to_channels_last(model: nn.Module) -> nn.Module:
+    """Channels-last weights, except 1x1 kernels kept in their plain layout (equally valid for them), which
+    is the layout autograd gives their gradients: DDP's buckets then need no strided copies."""
+    model = model.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 4 and p.shape[2:] == (1, 1):
+                p.data = p.data.reshape(p.shape[0], -1).clone().view(p.shape)  # strides (C, 1, 1, 1)
+    return model
 
 
 def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
