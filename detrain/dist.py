@@ -12,8 +12,8 @@ Timeouts come in two phases:
   ``setup`` returns. A rank that hangs or dies makes its peers' next collective fail within this
   bound, so the elastic launcher can stop the run instead of waiting for torch's 30-minute default.
 
-The switch between the two uses ``torch.distributed.set_timeout`` on the default group (public since
-torch 2.7; the older private ``_set_pg_timeout`` is used before that). It changes the timeout of
+The switch between the two uses ``torch.distributed.set_timeout`` on the default group (public in
+recent torch, 2.14 included; older versions get the private ``_set_pg_timeout``). It changes the timeout of
 every later operation on the group, DDP's gradient all-reduces included. For gloo a timed-out
 collective raises in Python, which this module turns into a one-line ``DistributedError`` naming
 the operation, the rank and the cause. For NCCL the watchdog aborts the process instead (CUDA work
