@@ -46,6 +46,9 @@ def test_warmup_ramps_lr_momentum_and_accumulation():
     assert opt.param_groups[1]["momentum"] == cfg.warmup_momentum
     acc1 = optim.apply_warmup(opt, cfg, 100, 100, 1.0, 0.01, 0.937, 4)
     assert acc1 == 4 and all(abs(g["lr"] - 0.01) < 1e-12 for g in opt.param_groups)
+    auto = make_cfg()  # optimizer=auto: no bias-lr kick at the start (it would wreck pretrained weights)
+    optim.apply_warmup(opt, auto, 0, 100, 1.0, 0.01, 0.937, 4)
+    assert opt.param_groups[0]["lr"] == 0
 
 
 def test_ema_follows_the_model():

@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -127,7 +128,9 @@ def default_cache_path(label_files: list[str]) -> Path:
     """
     label_dir = Path(label_files[0]).parent if label_files else Path("labels")
     beside = label_dir.parent / f"{label_dir.name}.cache"
-    if label_dir.parent.is_dir() and os.access(label_dir.parent, os.W_OK):
+    # the mode bits too: root passes os.access everywhere, yet a folder marked read-only should stay untouched
+    if (label_dir.parent.is_dir() and os.access(label_dir.parent, os.W_OK)
+            and label_dir.parent.stat().st_mode & stat.S_IWUSR):
         return beside
     base = Path(os.environ.get("DETRAIN_CACHE_DIR") or Path.home() / ".cache" / "detrain").expanduser()
     digest = hashlib.sha256(str(beside).encode()).hexdigest()[:12]

@@ -109,11 +109,13 @@ def apply_warmup(optimizer: torch.optim.Optimizer, cfg: Cfg, ni: int, n_warmup: 
     """Set lr and momentum for iteration ``ni`` of warmup; returns the accumulation steps to use now.
 
     Bias lr falls from ``warmup_bias_lr`` while the other groups rise from 0, both to ``lr0 * epoch_factor``.
+    With ``optimizer=auto`` the bias warmup starts at 0 too: auto picks small adaptive-rate settings for
+    short runs (fine-tuning), where a bias step of 0.1 would wreck pretrained weights in the first iteration.
     """
     xi = [0, n_warmup]
     accumulate = max(1, int(np.interp(ni, xi, [1, accumulate_target]).round()))
     for j, group in enumerate(optimizer.param_groups):
-        start = cfg.warmup_bias_lr if j == 0 else 0.0
+        start = cfg.warmup_bias_lr if (j == 0 and cfg.optimizer != "auto") else 0.0
         group["lr"] = float(np.interp(ni, xi, [start, lr0 * epoch_factor]))
         if "momentum" in group:
             group["momentum"] = float(np.interp(ni, xi, [cfg.warmup_momentum, momentum]))

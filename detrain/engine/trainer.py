@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from detrain import dist
 from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.engine import optim
-from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, select_device
+from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
 from detrain.engine.ema import ModelEMA, unwrap
 from detrain.engine.validator import validate
@@ -129,7 +130,12 @@ class Trainer:
             self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
             self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
         if self.world > 1:
-            if cfg.sync_bn:
+            if cfg.sync_bn and self.device.type == "cpu":
+                # torch's SyncBatchNorm (and DDP with it) runs on GPUs only; gloo CPU workers sync through ours
+                from detrain.engine.sync_bn import convert_sync_batchnorm_cpu
+
+                self.model = convert_sync_batchnorm_cpu(self.model)
+            elif cfg.sync_bn:
                 self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
             ids = [self.device.index] if self.device.type == "cuda" else None
             # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights
@@ -194,8 +200,15 @@ class Trainer:
         n_warmup = optim.warmup_iterations(cfg, self.nb)
         self.epochs_without_improvement = getattr(self, "epochs_without_improvement", 0)
         metrics: dict[str, Any] = {}
+        start: dict[str, Any] = {}
+        if is_weights(cfg.model) and self.resume_ckpt is None and cfg.val:
+            # fine-tuning: score the starting weights, so the final mAP can be read against them
+            start = self._validate(-1)
+            if self.main:
+                console.print(f"starting weights: mAP50 {start['map50']:.4f}  mAP50-95 {start['map']:.4f}")
         last_opt_step = -1
         for epoch in range(self.start_epoch, cfg.epochs):
+            _test_kill_hook(epoch, self.rank)
             t0 = time.perf_counter()
             self.train_loader.dataset.set_epoch(epoch)
             _set_sampler_epoch(self.train_loader, epoch)
@@ -260,9 +273,14 @@ class Trainer:
                 break
         tb.close()
         result = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list, np.ndarray))}
+        if start:
+            result["start_map50"], result["start_map"] = start["map50"], start["map"]
         if self.main:
             if cfg.plots:
                 self._plot_results()
+            if start and metrics:
+                console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {cfg.epochs} (started at {start['map']:.4f}); "
+                              f"mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})")
             console.print(f"done: {self.save_dir}")
         result["save_dir"] = str(self.save_dir)
         return dist.broadcast_object(result)
@@ -381,6 +399,15 @@ def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
     for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
+
+
+def _test_kill_hook(epoch: int, rank: int) -> None:
+    """Test-only fault injection: ``DETRAIN_TEST_KILL_AT="EPOCH:RANK"`` makes that global rank SIGKILL itself at
+    the start of that (0-based) epoch, on the launcher's first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a
+    restarted group runs on. Unset (always, outside tests/test_train_distributed.py) it does nothing."""
+    spec = os.environ.get("DETRAIN_TEST_KILL_AT")
+    if spec and spec == f"{epoch}:{rank}" and dist.restart_count() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
