@@ -15,6 +15,7 @@ from torch import Tensor
 
 from detrain.assigner import TaskAlignedAssigner
 from detrain.boxes import bbox2dist, bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
+from detrain.nn.modules import memory_format_of
 
 
 def distribution_focal_loss(pred_logits: Tensor, target: Tensor) -> Tensor:
@@ -63,17 +64,52 @@ def pad_targets(
     return out_cls, out_boxes, mask[..., None]
 
 
-def concat_head_maps(head_maps: list[Tensor]) -> Tensor:
-    """Head maps (B, C, H_i, W_i) -> (B, N, C), anchors in ``make_anchors`` order, with a single copy.
+class _SplitHeadMaps(torch.autograd.Function):
+    """Head maps (B, C, H_i, W_i) -> box (B, N, nb) and class (B, N, C - nb) logits, each contiguous.
 
-    A channels_last map already is (B, H, W, C) in memory, so it enters the concatenation as a view.
+    A channels_last map already is (B, H, W, C) in memory, so each part is gathered by one strided copy.
+    The backward writes both gradients straight into one buffer per map, in the map's own memory layout:
+    every level's gradient is then dense per image, so the head's last 1x1 convolutions take it as is.
+    """
+
+    @staticmethod
+    def forward(ctx, nb: int, *maps: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        b = maps[0].shape[0]
+        rows = [m.permute(0, 2, 3, 1).reshape(b, -1, m.shape[1]) for m in maps]  # views for channels_last
+        ctx.nb = nb
+        ctx.maps = [(m.shape, m.dtype, m.device, memory_format_of(m)) for m in maps]
+        return torch.cat([r[..., :nb] for r in rows], 1), torch.cat([r[..., nb:] for r in rows], 1)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_box: Tensor | None, grad_cls: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grads: list[Tensor | None] = [None]
+        start = 0
+        for shape, dtype, device, layout in ctx.maps:
+            b, _, h, w = shape
+            grad = torch.empty(shape, dtype=dtype, device=device, memory_format=layout)
+            rows = grad.permute(0, 2, 3, 1)  # (B, H, W, C) view
+            for part, g in ((rows[..., : ctx.nb], grad_box), (rows[..., ctx.nb :], grad_cls)):
+                if g is None:
+                    part.zero_()
+                else:
+                    part.copy_(g[:, start : start + h * w].unflatten(1, (h, w)))
+            grads.append(grad)
+            start += h * w
+        return tuple(grads)
+
+
+def split_head_maps(head_maps: list[Tensor], nb: int) -> tuple[Tensor, Tensor]:
+    """Head maps (B, C, H_i, W_i) -> (B, N, nb) and (B, N, C - nb), anchors in ``make_anchors`` order.
+
+    Both parts come out contiguous, with one read of the maps and, in the backward, one write per map.
 
     >>> maps = [torch.arange(8.).reshape(1, 2, 2, 2), torch.zeros(1, 2, 1, 1)]
-    >>> concat_head_maps(maps)[0, :, 0].tolist()
-    [0.0, 1.0, 2.0, 3.0, 0.0]
+    >>> box, cls = split_head_maps(maps, 1)
+    >>> box[0, :, 0].tolist(), cls.shape
+    ([0.0, 1.0, 2.0, 3.0, 0.0], torch.Size([1, 5, 1]))
     """
-    b = head_maps[0].shape[0]
-    return torch.cat([m.permute(0, 2, 3, 1).reshape(b, -1, m.shape[1]) for m in head_maps], 1)
+    return _SplitHeadMaps.apply(nb, *head_maps)
 
 
 class _SparseTargetBCE(torch.autograd.Function):
@@ -169,19 +205,17 @@ class DetectionLoss:
         self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor, global_batch: int | None
     ) -> tuple[Tensor, Tensor]:
         batch = head_maps[0].shape[0]
-        pred = concat_head_maps(head_maps)  # (B, N, 4 * reg_max + nc)
-        if pred.dtype != torch.float64:  # half-precision maps (AMP) are scored in float32
-            pred = pred.float()
-        pred_distri, pred_logits = pred.split((4 * self.reg_max, self.nc), -1)
-        # box logits are only ever read at a few rows; the class logits go through a dense softplus, which
-        # is several times faster on contiguous memory than on this strided view
-        pred_logits = pred_logits.contiguous()
-        anchors, stride_per_anchor, proj = self._anchors(head_maps, pred.dtype, pred.device)
+        # box logits (B, N, 4 * reg_max) are only ever read at a few rows; the class logits (B, N, nc) go
+        # through a dense softplus, several times faster on contiguous memory than on a strided view
+        pred_distri, pred_logits = split_head_maps(head_maps, 4 * self.reg_max)
+        if pred_logits.dtype != torch.float64:  # half-precision maps (AMP) are scored in float32
+            pred_distri, pred_logits = pred_distri.float(), pred_logits.float()
+        anchors, stride_per_anchor, proj = self._anchors(head_maps, pred_logits.dtype, pred_logits.device)
 
         img_h, img_w = (float(s) * self.strides[0] for s in head_maps[0].shape[2:])
-        scale = pred.new_tensor([img_w, img_h, img_w, img_h])
+        scale = pred_logits.new_tensor([img_w, img_h, img_w, img_h])
         gt_cls, gt_boxes, mask_gt = pad_targets(
-            batch_idx.to(pred.device), cls.to(pred), xywh2xyxy(bboxes_xywhn.to(pred) * scale), batch
+            batch_idx.to(pred_logits.device), cls.to(pred_logits), xywh2xyxy(bboxes_xywhn.to(pred_logits) * scale), batch
         )
 
         def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
@@ -218,7 +252,7 @@ class DetectionLoss:
             loss_box = loss_dfl = pred_distri.sum() * 0.0
 
         scale_items = self.world_size if self.normalizer_reduce is not None else 1
-        gains = pred.new_tensor(self.gains) * scale_items
+        gains = pred_logits.new_tensor(self.gains) * scale_items
         items = torch.stack((loss_box, loss_cls, loss_dfl)) / normalizer * gains
         if global_batch is None:
             global_batch = batch * self.world_size

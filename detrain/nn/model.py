@@ -18,7 +18,7 @@ import yaml as pyyaml
 from torch import Tensor, nn
 
 from detrain.errors import ConfigError
-from detrain.nn.modules import BN_EPS, BN_MOMENTUM, C2f, Concat, Conv, Detect, SPPF
+from detrain.nn.modules import BN_EPS, BN_MOMENTUM, C2f, Concat, Conv, Detect, SPPF, Upsample
 
 DEFAULT_SCALE = "n"
 DEFAULT_NC = 80
@@ -85,7 +85,7 @@ def _upsample(args: list) -> nn.Upsample:
         args = args[1:]
     factor = float(args[0]) if args else 2.0
     mode = str(args[1]) if len(args) > 1 else "nearest"
-    return nn.Upsample(scale_factor=factor, mode=mode)
+    return Upsample(scale_factor=factor, mode=mode)
 
 
 _MODULE_NAMES = {"Conv", "C2f", "SPPF", "Upsample", "nn.Upsample", "Concat", "Detect"}

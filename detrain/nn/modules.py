@@ -99,6 +99,17 @@ def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     return fused
 
 
+def memory_format_of(x: Tensor) -> torch.memory_format:
+    """channels_last for a 4-D tensor stored that way (and not also plain contiguous), else contiguous.
+
+    >>> memory_format_of(torch.zeros(1, 3, 2, 2).contiguous(memory_format=torch.channels_last))
+    torch.channels_last
+    """
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
+        return torch.channels_last
+    return torch.contiguous_format
+
+
 class Bottleneck(nn.Module):
     """Two 3x3 Convs with an optional residual (only when the channel counts agree).
 
@@ -136,7 +147,9 @@ class C2f(nn.Module):
         # One cv1 then views of its halves: the only copy is the final concatenation into cv2's input.
         y = self.cv1(x)
         parts = [y]
-        last = y[:, self.c :]
+        # the second half as a dense tensor of y's layout: a convolution would copy the strided channel slice
+        # in its forward and again in its backward
+        last = y[:, self.c :].contiguous(memory_format=memory_format_of(y))
         for block in self.m:
             last = block(last)
             parts.append(last)
@@ -162,6 +175,61 @@ class SPPF(nn.Module):
         y1 = self.m(y0)
         y2 = self.m(y1)
         return self.cv2(torch.cat((y0, y1, y2, self.m(y2)), 1))
+
+
+class _NearestUpsample(torch.autograd.Function):
+    """Nearest upsampling by an integer factor whose backward reads a strided gradient as it is.
+
+    The gradient reaching an upsample is usually a channel slice of the following concatenation's
+    gradient; torch's own backward first copies it to a dense tensor. Here the k*k input-pixel sums are
+    taken straight from the strided (B, H, k, W, k, C) view of a channels_last gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, k: int) -> Tensor:  # type: ignore[override]
+        ctx.k = k
+        return nn.functional.interpolate(x, scale_factor=float(k), mode="nearest")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        k = ctx.k
+        b, c, h, w = grad.shape
+        cells = grad.permute(0, 2, 3, 1).unflatten(1, (h // k, k)).unflatten(3, (w // k, k))  # (B, H, k, W, k, C)
+        out = cells[:, :, 0, :, 0].clone()
+        for i in range(k):
+            for j in range(k):
+                if i or j:
+                    out += cells[:, :, i, :, j]
+        return out.permute(0, 3, 1, 2), None
+
+
+class Upsample(nn.Upsample):
+    """``nn.Upsample`` (same arguments, no state); nearest upsampling of a channels_last CPU tensor by an
+    integer factor takes a backward that avoids a copy of the incoming gradient.
+
+    >>> up = Upsample(scale_factor=2.0)
+    >>> x = torch.randn(1, 3, 2, 2).contiguous(memory_format=torch.channels_last).requires_grad_()
+    >>> torch.equal(up(x), nn.Upsample(scale_factor=2.0)(x))
+    True
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        k = self.scale_factor
+        if (
+            self.mode == "nearest"
+            and self.size is None
+            and isinstance(k, float)
+            and k.is_integer()
+            and k >= 1
+            and x.dim() == 4
+            and x.device.type == "cpu"
+            and x.requires_grad
+            and x.is_contiguous(memory_format=torch.channels_last)
+            and not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export())
+        ):
+            return _NearestUpsample.apply(x, int(k))
+        return super().forward(x)
 
 
 class Concat(nn.Module):
