@@ -15,12 +15,11 @@ import difflib
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from detrain.assets import asset_dir
 from detrain.errors import ConfigError
 
 Device = Union[str, int, list]
@@ -139,10 +138,7 @@ _NONE = {"null", "none", "~"}
 
 
 def _default_yaml_text() -> str:
-    try:
-        return resources.files("detrain.cfg").joinpath("default.yaml").read_text()
-    except (ModuleNotFoundError, FileNotFoundError, TypeError):  # a source checkout that was never installed
-        return (Path(__file__).resolve().parents[1] / "cfg" / "default.yaml").read_text()
+    return (asset_dir("cfg") / "default.yaml").read_text()
 
 
 @functools.lru_cache(maxsize=1)

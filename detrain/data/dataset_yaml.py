@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ import yaml
 from detrain.data import synthetic
 from detrain.data.download import download_dataset, file_lock, is_url
 from detrain.data.labels import img2label_path
+from detrain.assets import asset_dir
 from detrain.errors import DatasetError
 
 __all__ = [
@@ -79,15 +79,7 @@ def datasets_dir() -> Path:
 
 
 def _bundled_dir() -> Path:
-    # Installed: the yamls ship as the package detrain.datasets. Source checkout: <repo>/datasets.
-    try:
-        resource = importlib.resources.files("detrain.datasets")
-        probe = resource.joinpath("coco8.yaml")
-        if isinstance(probe, Path) and probe.is_file():
-            return probe.parent
-    except (ModuleNotFoundError, TypeError):
-        pass
-    return Path(__file__).resolve().parents[2] / "datasets"
+    return asset_dir("datasets")
 
 
 def bundled_dataset_names() -> list[str]:

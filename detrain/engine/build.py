@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from detrain.config import Cfg
 from detrain.errors import ConfigError
 
 _SCALED_NAME = re.compile(r"^(?:yolov8)?([nsmlx])\.ya?ml$")

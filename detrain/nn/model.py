@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 import yaml as pyyaml
 from torch import Tensor, nn
 
+from detrain.assets import asset_dir
 from detrain.errors import ConfigError
 from detrain.nn.modules import BN_EPS, BN_MOMENTUM, C2f, Concat, Conv, Detect, SPPF, Upsample
 
@@ -26,10 +26,7 @@ _SCALED_NAME = re.compile(r"^(?P<stem>.*\d)(?P<scale>[nsmlx])(?P<suffix>\.ya?ml)
 
 
 def _packaged_models_dir() -> Path:
-    try:
-        return Path(str(resources.files("detrain.cfg.models")))
-    except ModuleNotFoundError:  # a source checkout that was never installed
-        return Path(__file__).resolve().parents[2] / "cfg" / "models"
+    return asset_dir("cfg/models")
 
 
 def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
