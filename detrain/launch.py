@@ -374,7 +374,9 @@ def _rendezvous(
         raise DistributedError(f"rdzv_backend={backend!r} is not supported; use static or c10d")
     if lo != hi and backend == "static":
         raise DistributedError(f"nnodes={lo}:{hi} is elastic and needs rdzv_backend=c10d, not static")
-    if backend is None:
+    if backend is None or (backend == "static" and not port and hi == 1):
+        # Static rendezvous needs a known port; with master_port=0 on one node (the config's defaults) c10d
+        # lets its store bind a free port itself (no race with another run picking the same one).
         backend = "static" if lo == hi and port else "c10d"
     endpoint = f"{addr}:{port}"
     if backend == "static":

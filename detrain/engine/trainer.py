@@ -140,6 +140,10 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights
             self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids, gradient_as_bucket_view=True)
+            if self.resume_ckpt is None or not self.resume_ckpt.get("ema"):
+                # DDP gave every rank rank 0's weights; the EMA was copied earlier from this rank's own
+                # (seed + rank) init, so ranks > 0 would validate a slightly different model
+                self.ema.ema.load_state_dict(unwrap(self.model).state_dict())
         self.local_batch = cfg.batch // self.world
         self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
