@@ -53,11 +53,11 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"weights file not found: {path}")
     from detrain.weights import ultralytics as ul
 
-    if ul.is_ultralytics_checkpoint(path):
-        return from_ultralytics(ul.load_ultralytics_checkpoint(path))
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch says why (unsafe global, truncated zip, not a torch file) on its last line
+        if ul.is_ultralytics_checkpoint(path):  # pickled Ultralytics classes: the restricted reader takes it
+            return from_ultralytics(ul.load_ultralytics_checkpoint(path))
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
@@ -84,7 +84,7 @@ def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
         },
         "ema": None,
         "epoch": -1,
-        "source": "ultralytics",
+        "source": "yolov8",
     }
 
 
