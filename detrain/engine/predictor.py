@@ -62,9 +62,10 @@ def draw(img_bgr: np.ndarray, det: np.ndarray, names: dict[int, str], line_width
         scale = lw / 3
         (tw, th), _ = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, max(lw - 1, 1))
         top = p1[1] - th - 3 >= 0
-        q2 = (p1[0] + tw, p1[1] - th - 3 if top else p1[1] + th + 3)
-        cv2.rectangle(out, p1, q2, color, -1, cv2.LINE_AA)
-        cv2.putText(out, label, (p1[0], p1[1] - 2 if top else p1[1] + th + 2), cv2.FONT_HERSHEY_SIMPLEX, scale,
+        x0 = max(0, min(p1[0], out.shape[1] - tw))  # keep the label inside the image
+        q1, q2 = (x0, p1[1]), (x0 + tw, p1[1] - th - 3 if top else p1[1] + th + 3)
+        cv2.rectangle(out, q1, q2, color, -1, cv2.LINE_AA)
+        cv2.putText(out, label, (x0, p1[1] - 2 if top else p1[1] + th + 2), cv2.FONT_HERSHEY_SIMPLEX, scale,
                     (255, 255, 255), max(lw - 1, 1), cv2.LINE_AA)
     return out
 
