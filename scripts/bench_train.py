@@ -1,10 +1,11 @@
 """Training-step throughput: forward + loss + backward + optimizer step on random images.
 
-Times detrain's DetectionModel with DetectionLoss and SGD. When ``ultralytics`` is importable (it is never a
-dependency; e.g. ``PYTHONPATH=/path/to/ulib``), its YOLOv8 DetectionModel of the same scale is timed the same
-way, with its v8DetectionLoss, in the same process, and the throughput ratio is printed. The two are timed
-in alternating blocks and summarised by the median step, so load from other processes on a shared machine
-hits both alike.
+Times detrain's DetectionModel with DetectionLoss and SGD, using the update kernel detrain's trainer picks
+(fused where torch has one). When ``ultralytics`` is importable (it is never a dependency; e.g.
+``PYTHONPATH=/path/to/ulib``), its YOLOv8 DetectionModel of the same scale is timed the same way, with its
+v8DetectionLoss and the plain SGD its trainer uses on CPU, in the same process, and the throughput ratio is
+printed. The two are timed in alternating blocks and summarised by the median step, so load from other
+processes on a shared machine hits both alike.
 
 Example::
 
