@@ -134,3 +134,94 @@ def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data
     for r1, r2 in zip(rows_one, rows_two):
         for col in ("train/box_loss", "train/cls_loss", "train/dfl_loss"):
             assert float(r2[col]) == pytest.approx(float(r1[col]), rel=1e-4), (r1["epoch"], col)
+
+
+# ------------------------------------------------------------------ multi-node, torchrun, faults
+
+FAST = dict(imgsz=64, batch=8, workers=0, warmup_epochs=0, close_mosaic=0, val=False, plots=False, verbose=False,
+            exist_ok=True, name="run")
+
+
+def _tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries ``DETRAIN_TEST_TAG=tag`` (every descendant of a test's child)."""
+    needle = f"DETRAIN_TEST_TAG={tag}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0"):
+                    stat = (entry / "stat").read_text()
+                    if stat.rsplit(")", 1)[1].split()[0] != "Z":  # a zombie is already dead
+                        pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def _no_orphans(tag: str) -> None:
+    deadline = time.monotonic() + 30  # let the OS finish reaping; a leftover after that is an orphan
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _tagged(tag), f"processes left behind: {_tagged(tag)}"
+
+
+def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    common = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nnodes": 2, "master_addr": "127.0.0.1",
+              "master_port": port, "project": str(tmp_path / "runs")}
+    nodes = [subprocess.Popen(_cli(*_kv({**common, "node_rank": r})), env=_env(), cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    outs = []
+    try:
+        for p in nodes:
+            outs.append(p.communicate(timeout=LIMIT_S)[0])
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (p, out) in enumerate(zip(nodes, outs)):
+        assert p.returncode == 0, f"node {r} exit {p.returncode}\n{out[-3000:]}"
+    assert "2 worker(s) on cpu" in outs[0]  # node 0's rank 0 saw a world of two
+    written = sorted((tmp_path / "runs").rglob("results.csv"))
+    assert written == [tmp_path / "runs" / "run" / "results.csv"]
+    assert [r["epoch"] for r in _rows(tmp_path / "runs" / "run")] == ["1"]
+
+
+def test_under_torchrun_each_rank_joins_instead_of_spawning(data: Path, tmp_path: Path) -> None:
+    args = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "project": str(tmp_path / "runs")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "detrain.cli", "train", *_kv(args)]
+    proc = _run(cmd, _env())
+    _ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "2 worker(s) on cpu" in out
+    assert out.count("optimizer:") == 1  # one world of 2 ranks, not 2 launches of their own
+    assert sorted((tmp_path / "runs").rglob("results.csv")) == [tmp_path / "runs" / "run" / "results.csv"]
+    assert [r["epoch"] for r in _rows(tmp_path / "runs" / "run")] == ["1"]
+
+
+def test_a_killed_worker_is_restarted_and_the_run_completes(data: Path, tmp_path: Path) -> None:
+    args = {**FAST, "data": str(data), "epochs": 2, "device": "cpu,cpu", "max_restarts": 1,
+            "project": str(tmp_path / "runs")}
+    tag = uuid.uuid4().hex
+    proc = _run(_cli(*_kv(args)), _env(DETRAIN_TEST_KILL_AT="1:1", DETRAIN_TEST_TAG=tag))  # rank 1, 2nd epoch
+    _ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "restart 1: resuming from" in out, out[-3000:]
+    run = tmp_path / "runs" / "run"
+    assert [r["epoch"] for r in _rows(run)] == ["1", "2"]
+    assert torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=True)["epoch"] == 1
+    _no_orphans(tag)
+
+
+def test_a_dead_worker_without_restarts_ends_the_run_with_its_rank(data: Path, tmp_path: Path) -> None:
+    args = {**FAST, "data": str(data), "epochs": 2, "device": "cpu,cpu", "project": str(tmp_path / "runs")}
+    tag = uuid.uuid4().hex
+    # 60 s after the kill at the start of the first epoch (plus start-up on a loaded 2-core machine)
+    proc = _run(_cli(*_kv(args)), _env(DETRAIN_TEST_KILL_AT="0:1", DETRAIN_TEST_TAG=tag), timeout=150)
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+    # the last line is detrain's own one-line report (torch's elastic agent logs its traceback above it)
+    assert err.startswith("error: worker rank 1 ") and "SIGKILL" in err, proc.stderr[-3000:]
+    _no_orphans(tag)
