@@ -238,6 +238,8 @@ class Trainer:
                 items = dist.reduce_mean(items.detach())
                 mean_items = (mean_items * i + items) / (i + 1)
                 n_images += int(batch["img"].shape[0])
+                if self.main and cfg.plots and epoch == self.start_epoch and i < 3:
+                    self._plot_batch(batch, self.save_dir / f"train_batch{i}.jpg")
                 step_times.append(time.perf_counter() - ts)
                 if progress is not None:
                     progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
@@ -368,6 +370,24 @@ class Trainer:
             save_checkpoint(light, self.wdir / "best.pt")
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
             save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
+
+    def _plot_batch(self, batch: dict[str, Any], path: Path) -> None:
+        """The augmented images a step sees (mosaic and all), with their boxes: a check of the pipeline."""
+        from detrain.boxes import xywh2xyxy
+        from detrain.plots_val import plot_images
+
+        imgs = batch["img"].contiguous().numpy()
+        h, w = imgs.shape[2:]
+        scale = torch.tensor([w, h, w, h], dtype=torch.float32)
+        boxes = []
+        for j in range(len(imgs)):
+            keep = batch["batch_idx"] == j
+            boxes.append((xywh2xyxy(batch["bboxes"][keep].float() * scale).numpy(),
+                          batch["cls"][keep].view(-1).long().numpy(), None))
+        try:
+            plot_images(imgs, boxes, self.names, path, batch["im_file"])
+        except Exception as e:  # a picture must never cost a run
+            console.print(f"{path.name} not written: {e}")
 
     def _plot_results(self) -> None:
         try:
