@@ -169,3 +169,35 @@ def test_matches_slow_reference_on_random_boxes() -> None:
     assert torch.equal(out.fg_mask, fg)
     assert torch.equal(out.gt_idx[fg], gt_idx[fg])
     torch.testing.assert_close(out.scores, target, rtol=1e-4, atol=1e-6)
+
+
+def test_sparse_assignment_from_logits_and_a_box_function_matches_dense() -> None:
+    """``assign_sparse`` reads logits and boxes only at candidate pairs; the targets are the dense ones."""
+    gen = torch.Generator().manual_seed(7)
+    anchors = grid_anchors(8)
+    b, n, m, nc = 3, anchors.shape[0], 4, 5
+    centres = torch.rand(b, m, 2, generator=gen) * 48 + 8
+    sizes = torch.rand(b, m, 2, generator=gen) * 30 + 10
+    gts = torch.cat((centres - sizes / 2, centres + sizes / 2), -1)
+    labels = torch.randint(0, nc, (b, m, 1), generator=gen).float()
+    mask_gt = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool).unsqueeze(-1)
+    pd_centres = anchors.expand(b, n, 2) + torch.randn(b, n, 2, generator=gen) * 4
+    pd_sizes = torch.rand(b, n, 2, generator=gen) * 24 + 12
+    pd_boxes = torch.cat((pd_centres - pd_sizes / 2, pd_centres + pd_sizes / 2), -1)
+    logits = torch.randn(b, n, nc, generator=gen) * 2
+    asked = []
+
+    def boxes_at(img: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        asked.append(img.numel())
+        return pd_boxes[img, anchor]
+
+    assigner = TaskAlignedAssigner(topk=6, num_classes=nc)
+    dense = assigner(logits.sigmoid(), pd_boxes, anchors, labels, gts, mask_gt)
+    sparse = assigner.assign_sparse(logits, boxes_at, anchors, labels, gts, mask_gt, logits=True)
+    inside = anchors_inside_boxes(anchors, gts) & mask_gt
+    assert asked == [int(inside.sum())] and asked[0] < b * n  # only the candidate pairs were decoded
+    assert dense.fg_mask.sum() > 10 and not dense.fg_mask[1].any()
+    for name in ("labels", "bboxes_xyxy", "fg_mask", "gt_idx"):
+        assert torch.equal(getattr(sparse, name), getattr(dense, name)), name
+    torch.testing.assert_close(sparse.score, dense.scores.sum(-1))
+    assert torch.all((dense.scores > 0).sum(-1) <= 1)

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
-from detrain.loss import DetectionLoss, distribution_focal_loss, pad_targets
+from detrain.assigner import TaskAlignedAssigner
+from detrain.loss import (
+    DetectionLoss,
+    bce_with_logits_sum_sparse,
+    distribution_focal_loss,
+    pad_targets,
+    split_head_maps,
+)
 
 NC, REG_MAX = 3, 8
 STRIDES = [8.0, 16.0]  # two levels of 8x8 and 4x4 cells: a 64x64 image
@@ -188,3 +196,90 @@ def test_autocast_of_the_caller_does_not_lower_the_loss_precision() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, autocast = criterion(maps, *labels)
     torch.testing.assert_close(autocast, plain)
+
+
+def dense_reference_loss(maps: list[torch.Tensor], batch_idx, cls, bboxes_xywhn, strides) -> torch.Tensor:
+    """The loss written plainly over every anchor: dense sigmoid and box decode, the assigner's dense
+    targets, BCE against the (B, N, nc) target scores. Returns the (3,) items."""
+    from detrain.boxes import bbox2dist, bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
+
+    b = maps[0].shape[0]
+    pred = torch.cat([m.reshape(b, m.shape[1], -1) for m in maps], 2).permute(0, 2, 1)
+    distri, logits = pred.split((4 * REG_MAX, NC), -1)
+    anchors, stride = make_anchors(maps, torch.tensor(strides), 0.5)
+    boxes = dist2bbox(distri.reshape(b, -1, 4, REG_MAX).softmax(-1) @ torch.arange(REG_MAX, dtype=pred.dtype),
+                      anchors, xywh=False)
+    size = maps[0].shape[2] * strides[0]
+    gt_cls, gt_boxes, mask = pad_targets(batch_idx, cls.to(pred), xywh2xyxy(bboxes_xywhn.to(pred) * size), b)
+    target = TaskAlignedAssigner(10, NC)(logits.detach().sigmoid(), boxes.detach() * stride, anchors * stride,
+                                         gt_cls, gt_boxes, mask)
+    norm = target.scores.sum().clamp(min=1)
+    loss_cls = nn.functional.binary_cross_entropy_with_logits(logits, target.scores, reduction="sum")
+    fg = target.fg_mask
+    weight = target.scores.sum(-1)[fg]
+    t_boxes = target.bboxes_xyxy / stride
+    _, ciou = bbox_iou_ciou(boxes[fg], t_boxes[fg])
+    loss_box = ((1 - ciou.squeeze(-1)) * weight).sum()
+    ltrb = bbox2dist(anchors, t_boxes, REG_MAX)[fg]
+    dfl = distribution_focal_loss(distri.reshape(b, -1, 4, REG_MAX)[fg].reshape(-1, REG_MAX), ltrb.reshape(-1))
+    loss_dfl = (dfl.reshape(-1, 4).mean(-1) * weight).sum()
+    return torch.stack((loss_box, loss_cls, loss_dfl)) / norm * torch.tensor([7.5, 0.5, 1.5], dtype=pred.dtype)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_matches_the_dense_reference_in_value_and_gradient(layout: torch.memory_format) -> None:
+    """Sparse scoring (candidate pairs, foreground rows, sparse-target BCE) is only a faster way to the
+    same loss and gradient."""
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(3, CHANNELS, 8, 8), (3, CHANNELS, 4, 4)]
+    maps = [(torch.randn(*s, generator=gen, dtype=torch.float64) * 2).contiguous(memory_format=layout) for s in shapes]
+    labels = random_labels(gen, [3, 0, 4])
+    grads = []
+    for fn in ("ours", "reference"):
+        leaves = [m.clone().requires_grad_() for m in maps]
+        if fn == "ours":
+            loss, items = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)(leaves, *labels)
+            torch.testing.assert_close(loss, items.sum() * 3)
+        else:
+            items = dense_reference_loss(leaves, *labels, STRIDES)
+            loss = items.sum() * 3
+        loss.backward()
+        grads.append(([m.grad for m in leaves], items.detach()))
+    (ours, ours_items), (ref, ref_items) = grads
+    torch.testing.assert_close(ours_items, ref_items, rtol=1e-10, atol=1e-12)
+    assert torch.all(ref_items > 0)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert ours[0].is_contiguous(memory_format=layout)  # gradients come back in the maps' own layout
+
+
+def test_sparse_target_bce_matches_dense_bce() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 7, 4, generator=gen, dtype=torch.float64) * 5).requires_grad_()
+    img, anchor, label = torch.tensor([0, 1, 1]), torch.tensor([3, 0, 6]), torch.tensor([2, 0, 3])
+    target = torch.tensor([0.3, 0.9, 0.05], dtype=torch.float64)
+    dense = torch.zeros(2, 7, 4, dtype=torch.float64)
+    dense[img, anchor, label] = target
+    ours = bce_with_logits_sum_sparse(x, img, anchor, label, target)
+    (ours * 2).backward()
+    g = x.grad.clone()
+    x.grad = None
+    ref = nn.functional.binary_cross_entropy_with_logits(x, dense, reduction="sum")
+    (ref * 2).backward()
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(g, x.grad)
+
+
+def test_split_head_maps_is_the_anchor_major_concatenation() -> None:
+    gen = torch.Generator().manual_seed(0)
+    maps = [torch.randn(2, 5, 3, 4, generator=gen), torch.randn(2, 5, 2, 2, generator=gen)]
+    maps[0] = maps[0].contiguous(memory_format=torch.channels_last)  # layouts may differ per map
+    maps = [m.requires_grad_() for m in maps]
+    box, cls = split_head_maps(maps, 2)
+    assert box.is_contiguous() and cls.is_contiguous()
+    full = torch.cat([m.flatten(2) for m in maps], 2).transpose(1, 2)
+    torch.testing.assert_close(torch.cat((box, cls), -1), full)
+    (box.pow(2).sum() + cls.sum()).backward()
+    for m in maps:
+        torch.testing.assert_close(m.grad, torch.cat((2 * m[:, :2], torch.ones_like(m[:, 2:])), 1).detach())
+    assert maps[0].grad.is_contiguous(memory_format=torch.channels_last) and maps[1].grad.is_contiguous()

@@ -12,7 +12,7 @@ import yaml
 from detrain.errors import ConfigError
 from detrain.nn.info import model_info
 from detrain.nn.model import DetectionModel, load_model_yaml
-from detrain.nn.modules import C2f, Conv, Detect
+from detrain.nn.modules import C2f, Conv, Detect, Upsample, conv2d
 
 # Taken from the official YOLOv8 checkpoints / reference implementation (nc=80): parameter count
 # (DFL's fixed weight included), number of state-dict entries, and a few key -> shape pairs.
@@ -273,3 +273,59 @@ def test_conv_fuse_is_a_plain_conv() -> None:
     ref = conv(x)
     conv.fuse_()
     torch.testing.assert_close(conv(x), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_channels_last_gradients_match_contiguous(tiny: DetectionModel) -> None:
+    """The channels_last fast paths (1x1 convs as matmuls, the upsample backward, dense C2f halves) change
+    nothing beyond float rounding, forward or backward (training-mode BatchNorm magnifies rounding to ~1e-4
+    of the largest gradient; a real mistake shows at order one)."""
+    torch.manual_seed(0)
+    x = torch.rand(2, 3, 64, 64)
+    grads, maps = [], []
+    for layout in (torch.contiguous_format, torch.channels_last):
+        model = copy.deepcopy(tiny).train().to(memory_format=layout)
+        out = model(x.contiguous(memory_format=layout))
+        weights = [torch.linspace(-1, 1, m.numel()).reshape(m.shape) for m in out]
+        sum((m * w).sum() for m, w in zip(out, weights)).backward()
+        maps.append([m.detach() for m in out])
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    for a, b in zip(*maps):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, atol=1e-3 * g.abs().max().item(), rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_pointwise_conv_as_matmul(bias: bool) -> None:
+    conv = torch.nn.Conv2d(6, 5, 1, bias=bias)
+    x = torch.randn(2, 6, 4, 3).contiguous(memory_format=torch.channels_last).requires_grad_()
+    y = conv2d(conv, x)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    g = torch.randn_like(y)
+    y.backward(g)
+    grads = [x.grad.clone(), conv.weight.grad.clone()]
+    x.grad = None
+    conv.zero_grad()
+    ref = conv(x)
+    ref.backward(g)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(grads[0], x.grad)
+    torch.testing.assert_close(grads[1], conv.weight.grad)
+    strided = torch.nn.Conv2d(6, 5, 1, stride=2)
+    assert conv2d(strided, x).shape == strided(x).shape  # not a plain 1x1: torch's own convolution
+
+
+@pytest.mark.parametrize("factor", [2.0, 3.0])
+def test_upsample_backward_reads_a_strided_gradient(factor: float) -> None:
+    x = torch.randn(2, 4, 3, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
+    up = Upsample(scale_factor=factor)
+    y = up(x)
+    torch.testing.assert_close(y, torch.nn.Upsample(scale_factor=factor)(x), rtol=0, atol=0)
+    # the gradient a following Concat hands back: a channel slice of a wider channels_last tensor
+    wide = torch.randn(2, 7, *y.shape[2:]).contiguous(memory_format=torch.channels_last)
+    y.backward(wide[:, 1:5])
+    ours = x.grad.clone()
+    x.grad = None
+    torch.nn.Upsample(scale_factor=factor)(x).backward(wide[:, 1:5])
+    torch.testing.assert_close(ours, x.grad)
+    assert ours.is_contiguous(memory_format=torch.channels_last)

@@ -62,3 +62,46 @@ def test_ema_follows_the_model():
     for a, b in zip(ema.ema.parameters(), net.parameters()):
         assert torch.allclose(a, b, atol=1e-3)
     assert not any(p.requires_grad for p in ema.ema.parameters())
+
+
+def test_fused_update_kernel_on_cpu_and_kept_when_loading_a_state():
+    net = _net()
+    for name in ("SGD", "AdamW"):
+        opt, _, _ = optim.build_optimizer(net, make_cfg({"optimizer": name}), nc=2, total_iterations=10,
+                                          weight_decay=5e-4)
+        assert all(g["fused"] for g in opt.param_groups)
+        net(torch.rand(1, 3, 8, 8)).sum().backward()
+        opt.step()
+        state = opt.state_dict()
+        for group in state["param_groups"]:  # as an older or other-device checkpoint would have it
+            group["fused"], group["foreach"] = None, True
+        again, _, _ = optim.build_optimizer(net, make_cfg({"optimizer": name}), nc=2, total_iterations=10,
+                                            weight_decay=5e-4)
+        optim.load_optimizer_state(again, state)
+        assert all(g["fused"] and not g.get("foreach") for g in again.param_groups)
+        assert state["param_groups"][0]["fused"] is None  # the caller's dict is left as it was
+        again.step()
+        net.zero_grad()
+
+
+def test_fused_sgd_takes_the_same_step_as_the_per_tensor_loop():
+    torch.manual_seed(0)
+    nets = [_net(), _net()]
+    nets[1].load_state_dict(nets[0].state_dict())
+    opts = []
+    for net, fused in zip(nets, (True, False)):
+        opt, _, _ = optim.build_optimizer(net, make_cfg({"optimizer": "SGD"}), nc=2, total_iterations=10,
+                                          weight_decay=5e-4)
+        if not fused:
+            groups = [{**g, "fused": None, "foreach": False} for g in opt.param_groups]
+            opt = torch.optim.SGD(groups, lr=0.01, momentum=0.937, nesterov=True)
+        assert bool(opt.param_groups[0]["fused"]) is fused
+        opts.append(opt)
+    x = torch.rand(2, 3, 8, 8)
+    for _ in range(3):
+        for net, opt in zip(nets, opts):
+            opt.zero_grad()
+            net(x).pow(2).mean().backward()
+            opt.step()
+    for a, b in zip(*(n.parameters() for n in nets)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
