@@ -315,7 +315,7 @@ def test_pointwise_conv_as_matmul(bias: bool) -> None:
     assert conv2d(strided, x).shape == strided(x).shape  # not a plain 1x1: torch's own convolution
 
 
-@pytest.mark.parametrize("factor", [2.0, 3.0])
+@pytest.mark.parametrize("factor", [2.0, 3.0])  # 3: torch's own path, which must still be taken
 def test_upsample_backward_reads_a_strided_gradient(factor: float) -> None:
     x = torch.randn(2, 4, 3, 5).contiguous(memory_format=torch.channels_last).requires_grad_()
     up = Upsample(scale_factor=factor)

@@ -178,7 +178,8 @@ class SPPF(nn.Module):
 
 
 class _NearestUpsample(torch.autograd.Function):
-    """Nearest upsampling by an integer factor whose backward reads a strided gradient as it is.
+    """Nearest upsampling by an integer factor k (each input pixel becomes a k x k block) whose backward
+    reads a strided gradient as it is.
 
     The gradient reaching an upsample is usually a channel slice of the following concatenation's
     gradient; torch's own backward first copies it to a dense tensor. Here the k*k input-pixel sums are
@@ -205,8 +206,8 @@ class _NearestUpsample(torch.autograd.Function):
 
 
 class Upsample(nn.Upsample):
-    """``nn.Upsample`` (same arguments, no state); nearest upsampling of a channels_last CPU tensor by an
-    integer factor takes a backward that avoids a copy of the incoming gradient.
+    """``nn.Upsample`` (same arguments, no state); 2x nearest upsampling of a channels_last CPU tensor takes
+    a backward that avoids a copy of the incoming gradient.
 
     >>> up = Upsample(scale_factor=2.0)
     >>> x = torch.randn(1, 3, 2, 2).contiguous(memory_format=torch.channels_last).requires_grad_()
@@ -215,20 +216,17 @@ class Upsample(nn.Upsample):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        k = self.scale_factor
         if (
             self.mode == "nearest"
             and self.size is None
-            and isinstance(k, float)
-            and k.is_integer()
-            and k >= 1
+            and self.scale_factor in (2, 2.0, (2, 2), (2.0, 2.0))  # torch maps output pixel i to i >> 1 exactly
             and x.dim() == 4
             and x.device.type == "cpu"
             and x.requires_grad
             and x.is_contiguous(memory_format=torch.channels_last)
             and not (torch.jit.is_tracing() or torch.jit.is_scripting() or torch.onnx.is_in_onnx_export())
         ):
-            return _NearestUpsample.apply(x, int(k))
+            return _NearestUpsample.apply(x, 2)
         return super().forward(x)
 
 
