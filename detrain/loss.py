@@ -82,7 +82,9 @@ class _SplitHeadMaps(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_box: Tensor | None, grad_cls: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(  # type: ignore[override]
+        ctx, grad_box: Tensor | None, grad_cls: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
         grads: list[Tensor | None] = [None]
         start = 0
         for shape, dtype, device, layout in ctx.maps:
@@ -120,11 +122,14 @@ class _SparseTargetBCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, img: Tensor, anchor: Tensor, label: Tensor, target: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx, logits: Tensor, img: Tensor, anchor: Tensor, label: Tensor, target: Tensor
+    ) -> Tensor:
         ctx.save_for_backward(logits, img, anchor, label, target)
         return F.softplus(logits).sum() - (logits[img, anchor, label] * target).sum()
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         logits, img, anchor, label, target = ctx.saved_tensors
         out = torch.sigmoid(logits)
@@ -215,7 +220,7 @@ class DetectionLoss:
         img_h, img_w = (float(s) * self.strides[0] for s in head_maps[0].shape[2:])
         scale = pred_logits.new_tensor([img_w, img_h, img_w, img_h])
         gt_cls, gt_boxes, mask_gt = pad_targets(
-            batch_idx.to(pred_logits.device), cls.to(pred_logits), xywh2xyxy(bboxes_xywhn.to(pred_logits) * scale), batch
+            batch_idx.to(scale.device), cls.to(scale), xywh2xyxy(bboxes_xywhn.to(scale) * scale), batch
         )
 
         def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
