@@ -45,7 +45,8 @@ class Conv(nn.Module):
 def _pointwise_as_matmul(conv: nn.Conv2d, x: Tensor) -> bool:
     """Whether ``conv`` is a plain 1x1 convolution best run as a matmul over channels_last pixels."""
     return (
-        x.device.type == "cpu"
+        type(conv) is nn.Conv2d  # not a subclass with a forward of its own
+        and x.device.type == "cpu"
         and conv.kernel_size == (1, 1)
         and conv.stride == (1, 1)
         and conv.padding == (0, 0)
@@ -62,7 +63,8 @@ def conv2d(conv: nn.Conv2d, x: Tensor) -> Tensor:
     In channels_last memory a 1x1 convolution is exactly ``(N*H*W, C_in) @ (C_in, C_out)``, and the result
     is again channels_last: no layout conversion either way. On one CPU thread PyTorch otherwise sends
     small-batch 1x1 convolutions to its unblocked NCHW kernel, which copies to and from NCHW each time;
-    with more threads (oneDNN) the matmul is still no slower. Hooks on ``conv`` itself are bypassed here.
+    with more threads (oneDNN) the matmul is still no slower. Hooks on ``conv`` itself are bypassed here;
+    subclasses of ``nn.Conv2d`` always run their own forward.
 
     >>> c = nn.Conv2d(8, 4, 1)
     >>> x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
