@@ -177,7 +177,7 @@ class Trainer:
                           f"images; {self.world} worker(s) on {self.device.type}")
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        optim.load_optimizer_state(self.optimizer, ckpt["optimizer"])  # keeps this run's kernel choice
         self.scheduler.load_state_dict(ckpt["scheduler"])
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
