@@ -133,8 +133,31 @@ def ultralytics_loader(folder: Path, names: dict[int, str], imgsz: int, batch: i
     return build
 
 
+def _watchdog(seconds: float) -> None:
+    """If a measurement hangs, print where every process of it stands (this one and its loader workers), then
+    exit with an error instead of waiting for the outer timeout."""
+    import faulthandler
+    import multiprocessing
+    import signal
+    import threading
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # inherited by forked workers
+
+    def fire() -> None:
+        time.sleep(seconds)
+        print(f"no result after {seconds:.0f} s; stacks follow", file=sys.stderr, flush=True)
+        for proc in multiprocessing.active_children():
+            os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
 def child(args: argparse.Namespace) -> None:
     """One measurement: build loader ``args.child`` with ``args.child_workers`` workers, print its images/s."""
+    _watchdog(300)
     folder = Path(args.folder)
     _, names = train_images(args.data)
     files = sorted(glob.glob(str(folder / "images" / "train" / "*")))
@@ -146,20 +169,29 @@ def child(args: argparse.Namespace) -> None:
             print(json.dumps({"ips": None}))
             return
     loader = build(args.child_workers)
-    print(json.dumps({"ips": images_per_second(loader, args.warmup, args.batches)}))
+    ips = images_per_second(loader, args.warmup, args.batches)
+    del loader  # stop the workers before reporting
+    import gc
+
+    gc.collect()
+    print(json.dumps({"ips": ips}), flush=True)
 
 
 def measure(args: argparse.Namespace, folder: Path, name: str, workers: int) -> float | None:
     cmd = [sys.executable, __file__, "--child", name, "--child-workers", str(workers), "--folder", str(folder),
            "--data", args.data, "--imgsz", str(args.imgsz), "--batch", str(args.batch), "--batches", str(args.batches),
            "--warmup", str(args.warmup)]
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        raise SystemExit(f"{name} with {workers} workers did not finish in 10 minutes")
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    if run.returncode != 0 or not lines:
-        raise SystemExit(f"{name} with {workers} workers failed:\n{run.stderr[-3000:]}")
+    # Output to a file, not a pipe: a pipe would also wait for any worker process that outlives the measurement.
+    with tempfile.TemporaryFile("w+") as out:
+        try:
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=600).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+        out.seek(0)
+        text = out.read()
+    lines = [line for line in text.splitlines() if line.startswith("{")]
+    if rc != 0 or not lines:
+        raise SystemExit(f"{name} with {workers} workers failed (exit {rc}):\n{text[-20000:]}")
     return json.loads(lines[-1])["ips"]
 
 

@@ -16,7 +16,6 @@ offers it (MADV_POPULATE_WRITE, 5.14+), which is much cheaper than faulting them
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,8 +24,9 @@ from torch.utils.data import get_worker_info
 
 _MADV_POPULATE_WRITE = 23
 try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-except OSError:  # not a libc platform: no pre-faulting
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)  # the C library already loaded
+    _LIBC.madvise  # noqa: B018 (present on POSIX systems)
+except (OSError, AttributeError, TypeError):  # no madvise here: no pre-faulting
     _LIBC = None
 
 

@@ -19,7 +19,6 @@ into contiguous, disjoint runs, one per rank, without padded duplicates; ranks m
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import math
 import os
 import random
@@ -117,10 +116,10 @@ def _keep_freed_memory() -> None:
     faulting it in again, page by page, for the next image (about a tenth of a worker's time otherwise). A worker
     then holds on to its peak use, a few tens of MB. No-op where the C library is not glibc."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc = ctypes.CDLL(None)  # the C library already loaded (no ldconfig lookup in a worker)
         libc.mallopt(_M_TRIM_THRESHOLD, 512 << 20)
         libc.mallopt(_M_MMAP_THRESHOLD, 256 << 20)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         pass
 
 
