@@ -102,6 +102,9 @@ class DetectionDataset(Dataset):
     ``records`` are ``LabelRecord``-like (``im_file``, ``shape_hw``, ``cls`` (n,), ``bboxes_xywhn`` (n, 4));
     ``hyp`` holds the augmentation keys of :data:`detrain.data.augment.DEFAULT_HYP` (missing ones take the
     defaults). ``close_mosaic_epoch``: from this epoch on (``set_epoch``) mosaic and mixup are off.
+    ``cache``: None (decode the files, at reduced JPEG scale where a sample shows an image small enough), 'disk'
+    (decoded originals as ``.npy`` beside the images: the same samples) or 'ram' (load-size images, once per node
+    in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly).
 
     >>> ds = DetectionDataset(records, imgsz=640, augment=False, hyp={}, rect=True, batch_size=8)  # doctest: +SKIP
     >>> sample = ds[0]; sample["img"].shape, sample["ratio_pad"]  # doctest: +SKIP
