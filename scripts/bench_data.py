@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -48,48 +47,19 @@ def mirror(images: list[str], repeat: int, folder: Path) -> list[str]:
 
 
 def train_images(data: str) -> tuple[list[str], dict[int, str]]:
-    """The train images and class names of a dataset yaml (detrain's reader if present, else a plain glob)."""
-    try:
-        from detrain.data.dataset_yaml import load_dataset_yaml
+    """The train images and class names of a dataset yaml."""
+    from detrain.data.dataset_yaml import load_dataset_yaml
 
-        info = load_dataset_yaml(data, download=False)
-        return list(info.train), dict(info.names)
-    except ImportError:
-        import yaml
-
-        raw = yaml.safe_load(Path(data).read_text())
-        root = (Path(data).parent / raw.get("path", ".")).resolve()
-        names = raw["names"] if isinstance(raw["names"], dict) else dict(enumerate(raw["names"]))
-        return sorted(glob.glob(str(root / raw["train"] / "*.*"))), names
+    info = load_dataset_yaml(data, download=False)
+    return list(info.train), dict(info.names)
 
 
 def records_for(files: list[str], nc: int) -> list[Any]:
-    """Verified label records (detrain.data.labels if present, else read directly)."""
-    try:
-        from detrain.data.labels import load_labels
+    """Verified label records."""
+    from detrain.data.labels import load_labels
 
-        records, _ = load_labels(files, nc, cache=False, progress=False)
-        return records
-    except ImportError:
-        import cv2
-        from dataclasses import dataclass
-
-        @dataclass
-        class Rec:
-            im_file: str
-            shape_hw: tuple[int, int]
-            cls: np.ndarray
-            bboxes_xywhn: np.ndarray
-
-        shapes = {}
-        out = []
-        for f in files:
-            real = os.path.realpath(f)
-            shapes.setdefault(real, cv2.imread(real).shape[:2])
-            lf = f.replace(f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}").rsplit(".", 1)[0] + ".txt"
-            a = np.loadtxt(lf, ndmin=2).reshape(-1, 5) if os.path.exists(lf) else np.zeros((0, 5))
-            out.append(Rec(f, shapes[real], a[:, 0].astype(np.int64), a[:, 1:].astype(np.float32)))
-        return out
+    records, _ = load_labels(files, nc, cache=False, progress=False)
+    return records
 
 
 def endless(loader: Any) -> Iterator[Any]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import multiprocessing as mp
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from detrain.data.labels import LabelRecord as Rec
 from detrain.boxes import scale_boxes_to_original, xywh2xyxy
 from detrain.data import image_io, ram_cache
 from detrain.data.dataset import DetectionDataset, Pick, rect_batch_shapes
@@ -26,14 +26,6 @@ OBJECT_BGR = [(0, 0, 255), (0, 255, 0), (255, 0, 0), (0, 255, 255), (255, 0, 255
 BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 60, 60), (60, 20, 60)]
 
 
-@dataclass
-class Rec:
-    """Stands in for labels.LabelRecord (same fields)."""
-
-    im_file: str
-    shape_hw: tuple[int, int]
-    cls: np.ndarray
-    bboxes_xywhn: np.ndarray
 
 
 def make_images(folder: Path, shapes_hw: list[tuple[int, int]], suffix: str = ".png") -> list[Rec]:

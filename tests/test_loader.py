@@ -4,14 +4,13 @@ independence and close_mosaic reaching persistent workers."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from pathlib import Path
 
 import cv2
 import numpy as np
 import pytest
 import torch
 
+from detrain.data.labels import LabelRecord as Rec
 from detrain.data.dataset import DetectionDataset
 from detrain.data.loader import GlobalBatchSampler, ShardSampler, build_dataloader
 
@@ -19,12 +18,6 @@ BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 6
 NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
 
 
-@dataclass
-class Rec:
-    im_file: str
-    shape_hw: tuple[int, int]
-    cls: np.ndarray
-    bboxes_xywhn: np.ndarray
 
 
 @pytest.fixture(scope="module")
