@@ -155,9 +155,8 @@ class Trainer:
         total_iters = math.ceil(len(self.data.records) / max(cfg.batch, cfg.nbs)) * cfg.epochs
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
             unwrap(self.model), cfg, self.nc, total_iters, weight_decay)
-        self.momentum = self.optimizer.param_groups[0].get("momentum", cfg.momentum if opt_name == "SGD" else 0.9)
-        if opt_name != "SGD":
-            self.momentum = self.optimizer.param_groups[0]["betas"][0]
+        first = self.optimizer.param_groups[0]
+        self.momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # SGD or Adam(W)
         self.lf = optim.lr_lambda(cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
         self.amp_dtype = None
@@ -261,7 +260,7 @@ class Trainer:
                 self.epochs_without_improvement += 1
             stop = bool(dist.agree(cfg.patience > 0 and self.epochs_without_improvement >= cfg.patience))
             row = {"epoch": epoch + 1, **{f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())},
-                   **{k: v for k, v in _metric_columns(metrics).items()},
+                   **_metric_columns(metrics),
                    **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}, **speed}
             if self.main:
                 csv.add(row)
@@ -302,7 +301,7 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 head_maps = self.model(imgs)
                 loss, items = self.criterion(
-                    [h.float() for h in head_maps], batch["batch_idx"].to(self.device),
+                    head_maps, batch["batch_idx"].to(self.device),
                     batch["cls"].to(self.device), batch["bboxes"].to(self.device), global_batch=self.cfg.batch)
             self.scaler.scale(loss).backward()
         return items, int(imgs.shape[-1])
