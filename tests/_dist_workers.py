@@ -101,6 +101,44 @@ def device_env(args: dict[str, Any]) -> dict[str, str]:
     return {k: os.environ.get(k, "") for k in ("DETRAIN_DEVICE", "DETRAIN_DEVICE_KIND", "OMP_NUM_THREADS")}
 
 
+def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Build the training loader with cache=ram (one loader worker), take two batches; every rank's view."""
+    import glob
+
+    from detrain.config import make_cfg
+    from detrain.engine.data import build_train_loader, load_split
+    from detrain.launch import check_batch
+
+    dist.setup(timeout_s=60.0)
+    cfg = make_cfg({"data": args["data"], "imgsz": 64, "batch": args["batch"], "workers": 1, "cache": "ram",
+                    "epochs": 3, "seed": 0})
+    data = load_split(args["data"], "train", cfg, verbose=False)
+    loader = build_train_loader(data, cfg, check_batch(cfg.batch, dist.world_size()), dist.rank(), dist.world_size())
+    cache = loader.dataset._ram
+    it = iter(loader)
+    batches = [next(it)["img"] for _ in range(2)]
+    worker_pids = [w.pid for w in it._workers]
+    seen = {
+        "rank": dist.rank(),
+        "pid": os.getpid(),
+        "stem": cache.stem,
+        "owner_pid": cache.owner_pid,
+        "files": sorted(glob.glob(f"{os.path.dirname(cache.stem)}/detrain-ram-*.bin")),
+        "start_method": loader.multiprocessing_context.get_start_method(),
+        "worker_maps_cache": [_maps(pid, cache.stem) for pid in worker_pids],
+        "batches": batches,
+    }
+    everyone = dist.all_gather_object(seen)
+    del it, loader
+    return everyone
+
+
+def _maps(pid: int, stem: str) -> bool:
+    """Whether process ``pid`` has the cache file mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any(f"{stem}.bin" in line for line in f)
+
+
 def _main(argv: list[str]) -> int:
     """Entry points for the tests that need a process of their own.
 
