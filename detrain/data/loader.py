@@ -155,8 +155,8 @@ def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: in
     Training (``shuffle`` or an augmenting dataset) uses :class:`GlobalBatchSampler`, evaluation
     :class:`ShardSampler`. Batches are collated by ``dataset.collate`` when it has one; memory is pinned when CUDA
     is available; workers persist across epochs (the dataset's ``set_epoch`` reaches them through shared memory).
-    Workers are forked on Linux (:func:`worker_start_method`); OpenCV in the calling process is then set to one thread (see
-    the comment in the code: fork safety).
+    Workers are forked on Linux (:func:`worker_start_method`); OpenCV in the calling process is then set to one
+    thread (see the comment in the code: fork safety).
     Call ``loader.batch_sampler.set_epoch(epoch)`` (and ``dataset.set_epoch``) before each epoch.
 
     >>> loader = build_dataloader(dataset, 8, shuffle=True, workers=2, rank=0, world_size=2)  # doctest: +SKIP

@@ -1,0 +1,144 @@
+"""The user's ``device`` value -> a :class:`DevicePlan`: which kind of device, which GPUs, how many workers.
+
+Accepted ``device`` values (``parse_device``):
+
+* ``None`` / ``""``: cuda:0 when CUDA is available, else the CPU (under torchrun: cuda:LOCAL_RANK);
+* ``"cpu"``: one CPU process; ``"cpu,cpu"`` (or ``["cpu", "cpu"]``): two CPU workers on gloo;
+* ``0``, ``"0"``, ``"cuda:0"``, ``"cuda"``: one GPU; ``"0,1"``, ``[0, 1]``, ``"cuda:0,cuda:1"``: one
+  worker per listed GPU on nccl (indices count the GPUs visible through CUDA_VISIBLE_DEVICES);
+* ``"mps"``: Apple's GPU, one process.
+
+Everything wrong with the value is a :class:`DistributedError` before any process starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from detrain.errors import DistributedError
+
+DeviceKind = Literal["cpu", "cuda", "mps"]
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """Which devices this node runs on: ``nprocs`` workers of one ``kind``.
+
+    ``ids`` are CUDA indices (one per worker) and empty for cpu/mps; ``auto`` means the user named no
+    device, so under an external launcher each rank takes ``cuda:LOCAL_RANK``.
+    """
+
+    kind: DeviceKind
+    ids: tuple[int, ...]
+    nprocs: int
+    auto: bool = False
+
+    def device_for(self, local_rank: int, local_world_size: int | None = None) -> str:
+        """The torch device string for the worker with this local rank.
+
+        Example:
+            >>> DevicePlan("cuda", (2, 3), 2).device_for(1)
+            'cuda:3'
+        """
+        if self.kind != "cuda":
+            return self.kind
+        if self.auto:
+            if local_rank >= torch.cuda.device_count():
+                raise DistributedError(
+                    f"local rank {local_rank} has no GPU: "
+                    f"{torch.cuda.device_count()} CUDA GPU(s) are visible on this node"
+                )
+            return f"cuda:{local_rank}"
+        if local_rank >= len(self.ids) or (local_world_size is not None and local_world_size != len(self.ids)):
+            raise DistributedError(
+                f"device={','.join(map(str, self.ids))} lists {len(self.ids)} GPU(s) but the launcher started "
+                f"{local_world_size or local_rank + 1} processes on this node; list one GPU per process"
+            )
+        return f"cuda:{self.ids[local_rank]}"
+
+
+def parse_device(device: str | int | Sequence[str | int] | None) -> DevicePlan:
+    """Turn the user's ``device`` into a ``DevicePlan``; raise ``DistributedError`` before anything starts.
+
+    Example:
+        >>> parse_device("cpu,cpu")
+        DevicePlan(kind='cpu', ids=(), nprocs=2, auto=False)
+        >>> parse_device("cpu").nprocs
+        1
+    """
+    shown = _show(device)
+    tokens = _tokens(device)
+    if not tokens:
+        if torch.cuda.is_available():
+            return DevicePlan("cuda", (0,), 1, auto=True)
+        return DevicePlan("cpu", (), 1, auto=True)
+
+    kinds: list[DeviceKind] = []
+    ids: list[int] = []
+    for tok in tokens:
+        low = tok.lower()
+        if low == "cpu":
+            kinds.append("cpu")
+        elif low == "mps":
+            kinds.append("mps")
+        elif low == "cuda":
+            kinds.append("cuda")
+            ids.append(0)
+        else:
+            num = low[5:] if low.startswith("cuda:") else low
+            if not num.lstrip("-").isdigit():
+                raise DistributedError(f"device={shown}: {tok!r} is not a device; use cpu, mps, 0 or 0,1")
+            if int(num) < 0:
+                raise DistributedError(f"device={shown}: negative GPU indices are not supported; list indices like 0,1")
+            kinds.append("cuda")
+            ids.append(int(num))
+
+    if len(set(kinds)) > 1:
+        raise DistributedError(f"device={shown} mixes {' and '.join(sorted(set(kinds)))}; use one kind of device")
+    kind = kinds[0]
+    if kind == "cpu":
+        return DevicePlan("cpu", (), len(kinds))
+    if kind == "mps":
+        if len(kinds) > 1:
+            raise DistributedError(f"device={shown}: there is only one mps device; use device=mps")
+        if not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+            raise DistributedError(f"device={shown} but MPS is not available on this machine; use device=cpu")
+        return DevicePlan("mps", (), 1)
+
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise DistributedError(f"device={shown} lists cuda:{dupes[0]} twice; each worker needs its own GPU")
+    if not torch.cuda.is_available():
+        raise DistributedError(f"device={shown} asks for CUDA but no CUDA GPU is available here; use device=cpu")
+    count = torch.cuda.device_count()
+    missing = [i for i in ids if i >= count]
+    if missing:
+        raise DistributedError(
+            f"device={shown}: cuda:{missing[0]} does not exist; {count} CUDA GPU(s) are visible (valid: 0..{count - 1})"
+        )
+    return DevicePlan("cuda", tuple(ids), len(ids))
+
+
+def _tokens(device: str | int | Sequence[str | int] | None) -> list[str]:
+    if device is None:
+        return []
+    if isinstance(device, bool):
+        raise DistributedError(f"device={device} is not a device; use cpu, mps, 0 or 0,1")
+    if isinstance(device, int):
+        return [str(device)]
+    items = [device] if isinstance(device, str) else list(device)
+    out: list[str] = []
+    for item in items:
+        # "[0, 1]" arrives as text from the command line; "0 1" is as clear as "0,1".
+        out += [t for t in str(item).strip().strip("[]()").replace(" ", ",").split(",") if t.strip()]
+    return [t.strip() for t in out]
+
+
+def _show(device: object) -> str:
+    if isinstance(device, (list, tuple)):
+        return ",".join(str(d) for d in device)
+    return "''" if device is None or device == "" else str(device)
