@@ -8,8 +8,9 @@ read by :class:`_RestrictedUnpickler`:
 - a short allow-list of reconstructors (tensors, parameters, storages, ``torch.Size``, dtypes,
   ``OrderedDict``, ``set`` ...) is served by *our own* small functions that check their arguments;
 - classes from namespaces that only hold data for us (``torch.nn.modules.*``, ``types.SimpleNamespace``,
-  plus the caller's ``inert_modules`` such as ``ultralytics``) become :class:`InertObject` records that keep
-  their constructor arguments and ``__setstate__`` state and never call anything;
+  plus the caller's ``inert_modules`` such as ``ultralytics``) become :class:`InertObject` records (see
+  :mod:`detrain.weights.inert`) that keep their constructor arguments and ``__setstate__`` state and never
+  call anything;
 - any other global (``os.system``, ``builtins.eval``, ``subprocess.Popen``, ``functools.partial`` ...)
   stops the load with :class:`~detrain.errors.CheckpointError` before it can be called.
 
@@ -38,98 +39,9 @@ import numpy as np
 import torch
 
 from detrain.errors import CheckpointError
+from detrain.weights.inert import InertObject, inert_class, is_inert_namespace
 
 __all__ = ["InertObject", "read_torch_zip"]
-
-# --------------------------------------------------------------------------------------------------
-# Inert records
-# --------------------------------------------------------------------------------------------------
-
-
-class InertObject:
-    """Stands in for an object of a class we will not import: keeps its arguments and state, runs nothing.
-
-    Each pickled class name gets its own subclass (see :func:`_inert_class`), so ``type(obj).__name__``
-    still reads ``Conv`` or ``DetectionModel``; the full name is in ``obj.inert_name``.
-
-    Example:
-        >>> cls = _inert_class("ultralytics.nn.modules", "Conv")
-        >>> obj = cls.__new__(cls); obj.__setstate__({"c": 1})
-        >>> obj.inert_name, obj.inert_state
-        ('ultralytics.nn.modules.Conv', {'c': 1})
-    """
-
-    inert_module: str = ""
-    inert_qualname: str = ""
-
-    # The pickled attributes stay inside inert_state, so nothing in a file can shadow a record's own names.
-    def __new__(cls, *args: Any, **kwargs: Any) -> InertObject:
-        obj = object.__new__(cls)
-        object.__setattr__(obj, "inert_args", args)
-        object.__setattr__(obj, "inert_kwargs", kwargs)
-        object.__setattr__(obj, "inert_state", None)
-        return obj
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # a REDUCE calls cls(*args): just record
-        pass
-
-    def __setstate__(self, state: Any) -> None:
-        object.__setattr__(self, "inert_state", state)
-
-    @property
-    def inert_name(self) -> str:
-        return f"{self.inert_module}.{self.inert_qualname}"
-
-    def attrs(self) -> dict[str, Any]:
-        """The object's attribute dict as pickled (``__dict__`` state, or the slots half of a pair)."""
-        state = self.inert_state
-        if isinstance(state, tuple) and len(state) == 2:  # (dict_state, slot_state)
-            merged: dict[str, Any] = {}
-            for part in state:
-                if isinstance(part, dict):
-                    merged.update(part)
-            return merged
-        if isinstance(state, dict):
-            return state
-        return {}
-
-    def __repr__(self) -> str:
-        return f"<inert {self.inert_name}>"
-
-
-_INERT_CLASSES: dict[tuple[str, str], type[InertObject]] = {}
-
-
-def _inert_class(module: str, qualname: str) -> type[InertObject]:
-    key = (module, qualname)
-    if key not in _INERT_CLASSES:
-        name = qualname.rsplit(".", 1)[-1] or "Inert"
-        _INERT_CLASSES[key] = type(name, (InertObject,), {"inert_module": module, "inert_qualname": qualname})
-    return _INERT_CLASSES[key]
-
-
-
-# Namespaces whose classes we only ever need as data. Nothing is imported from them: every name in them
-# becomes an InertObject record, so even a function among them can only be "called" into a record.
-# Callers add their own whole modules (with everything under them) through ``inert_modules``.
-_INERT_MODULES = ("torch.nn.modules",)
-_INERT_NAMES = {
-    "types": {"SimpleNamespace"},
-    "argparse": {"Namespace"},
-    "pathlib": {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"},
-    "datetime": {"datetime", "date", "time", "timedelta", "timezone"},
-}
-
-
-def _in_modules(module: str, modules: tuple[str, ...]) -> bool:
-    return any(module == m or module.startswith(m + ".") for m in modules)
-
-
-def _is_inert_namespace(module: str, name: str, extra_modules: tuple[str, ...] = ()) -> bool:
-    if _in_modules(module, _INERT_MODULES) or _in_modules(module, extra_modules):
-        return True
-    return name in _INERT_NAMES.get(module, ())
-
 
 # --------------------------------------------------------------------------------------------------
 # Safe reconstructors: our own code, called by the pickle with arguments we check
@@ -401,8 +313,8 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
         numpy_fn = _numpy_reconstructors(module, name)
         if numpy_fn is not None:
             return numpy_fn
-        if _is_inert_namespace(module, name, self._inert_modules):
-            return _inert_class(module, name)
+        if is_inert_namespace(module, name, self._inert_modules):
+            return inert_class(module, name)
         raise _Refused(f"it asks to call {module}.{name}")
 
     def persistent_load(self, pid: Any) -> _Storage:
