@@ -26,62 +26,14 @@ from detrain.engine import optim
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
 from detrain.engine.ema import ModelEMA, unwrap
+from detrain.engine.reproduce import find_resume_checkpoint, rng_state, seed_everything, set_rng_state
+from detrain.engine.train_plots import plot_results, plot_train_batch
 from detrain.engine.validator import validate
 from detrain.errors import ConfigError
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.loss import DetectionLoss
 
 LOSS_NAMES = ("box_loss", "cls_loss", "dfl_loss")
-
-
-def rng_state() -> dict[str, Any]:
-    """Every random generator a run uses, so that resume continues exactly."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    # numpy's key array as a tensor: checkpoints hold only what torch.load(weights_only=True) accepts
-    state: dict[str, Any] = {"python": random.getstate(),
-                             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                                       float(gauss)],
-                             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def seed_everything(seed: int, deterministic: bool) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.deterministic = True
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
-
-def find_resume_checkpoint(cfg: Cfg) -> Path:
-    """``resume=path`` -> that file; ``resume=True`` -> last.pt of project/name (or the newest run)."""
-    if isinstance(cfg.resume, str):
-        path = Path(cfg.resume)
-    else:
-        root = Path(cfg.project) if cfg.project else Path("runs") / "train"
-        if cfg.name:
-            path = root / cfg.name / "weights" / "last.pt"
-        else:
-            candidates = sorted(root.glob("*/weights/last.pt"), key=lambda p: p.stat().st_mtime)
-            if not candidates:
-                raise ConfigError(f"resume=True but no {root}/*/weights/last.pt exists; pass resume=path/to/last.pt")
-            path = candidates[-1]
-    if not path.is_file():
-        raise ConfigError(f"resume: checkpoint not found: {path}")
-    return path
 
 
 class Trainer:
@@ -238,7 +190,7 @@ class Trainer:
                 mean_items = (mean_items * i + items) / (i + 1)
                 n_images += int(batch["img"].shape[0])
                 if self.main and cfg.plots and epoch == self.start_epoch and i < 3:
-                    self._plot_batch(batch, self.save_dir / f"train_batch{i}.jpg")
+                    plot_train_batch(batch, self.names, self.save_dir / f"train_batch{i}.jpg")
                 step_times.append(time.perf_counter() - ts)
                 if progress is not None:
                     progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
@@ -282,7 +234,7 @@ class Trainer:
             result["start_map50"], result["start_map"] = start["map50"], start["map"]
         if self.main:
             if cfg.plots:
-                self._plot_results()
+                plot_results(self.save_dir)
             if start and metrics:
                 console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {cfg.epochs} (started at {start['map']:.4f}); "
                               f"mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})")
@@ -369,32 +321,6 @@ class Trainer:
             save_checkpoint(light, self.wdir / "best.pt")
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
             save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
-
-    def _plot_batch(self, batch: dict[str, Any], path: Path) -> None:
-        """The augmented images a step sees (mosaic and all), with their boxes: a check of the pipeline."""
-        from detrain.boxes import xywh2xyxy
-        from detrain.plots_val import plot_images
-
-        imgs = batch["img"].contiguous().numpy()
-        h, w = imgs.shape[2:]
-        scale = torch.tensor([w, h, w, h], dtype=torch.float32)
-        boxes = []
-        for j in range(len(imgs)):
-            keep = batch["batch_idx"] == j
-            boxes.append((xywh2xyxy(batch["bboxes"][keep].float() * scale).numpy(),
-                          batch["cls"][keep].view(-1).long().numpy(), None))
-        try:
-            plot_images(imgs, boxes, self.names, path, batch["im_file"])
-        except Exception as e:  # a picture must never cost a run
-            console.print(f"{path.name} not written: {e}")
-
-    def _plot_results(self) -> None:
-        try:
-            from detrain.plots_val import plot_results_csv
-
-            plot_results_csv(self.save_dir / "results.csv")
-        except Exception as e:  # a plot must never cost a finished run
-            console.print(f"results.png not written: {e}")
 
 
 def _to_channels_last(model: nn.Module) -> nn.Module:
