@@ -11,6 +11,7 @@ from typing import Any
 
 from detrain import launch
 from detrain.config import Cfg
+from detrain.engine.batch_plan import batch_plan
 from detrain.engine.build import increment_run_dir
 
 
@@ -23,6 +24,10 @@ def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
     plan = launch.parse_device(cfg.device)
     args: dict[str, Any] = {"cfg": cfg.to_dict()}
     spawning = not launch.in_launcher_env() and (plan.nprocs > 1 or str(cfg.nnodes) != "1")
+    if task == "train" and not cfg.resume and not launch.in_launcher_env():
+        # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting
+        planned = plan.nprocs * launch.parse_nnodes(cfg.nnodes)[1]
+        batch_plan(cfg.batch, cfg.nbs, planned, planned)
     if spawning and cfg.node_rank == 0 and not (task == "train" and cfg.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder
         args["save_dir"] = str(increment_run_dir(cfg.project, cfg.name, task, cfg.exist_ok))

@@ -201,6 +201,34 @@ def test_under_torchrun_each_rank_joins_instead_of_spawning(data: Path, tmp_path
     assert [r["epoch"] for r in _rows(tmp_path / "runs" / "run")] == ["1"]
 
 
+def test_fewer_workers_than_planned_keep_their_batch_and_accumulate(data: Path, tmp_path: Path) -> None:
+    """Elastic membership: 2 ranks of a run planned for 2 nodes x 2 (nnodes=1:2; here one node under torchrun)
+    keep the per-rank batch of 4 ranks (8 / 4 = 2) and take 2 steps of 4 images per update of 8, so a
+    16-image epoch is 4 steps and 2 updates, as it would be with all 4 ranks."""
+    args = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nbs": 8, "nnodes": "1:2",
+            "project": str(tmp_path / "runs")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "detrain.cli", "train", *_kv(args)]
+    proc = _run(cmd, _env())
+    _ok(proc)
+    out = proc.stdout + proc.stderr
+    assert "accumulate to 8 images; 2 worker(s) on cpu" in out
+    assert ("elastic: 2 of the 4 planned workers; each keeps its batch of 2 and 2 steps of 4 images make an update "
+            "(planned: 8)") in " ".join(out.split())
+    ckpt = torch.load(tmp_path / "runs" / "run" / "weights" / "last.pt", map_location="cpu", weights_only=True)
+    assert ckpt["ema"]["updates"] == 2
+
+
+def test_a_batch_the_planned_world_cannot_split_stops_before_starting(data: Path, tmp_path: Path) -> None:
+    args = {**FAST, "data": str(data), "batch": 6, "device": "cpu,cpu", "nnodes": "1:2", "master_port": _free_port(),
+            "project": str(tmp_path / "runs")}
+    proc = _run(_cli(*_kv(args)), _env(), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: batch=6 does not split evenly over the 4 workers this run is planned for; use a multiple of 4, e.g. 8"]
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_killed_worker_is_restarted_and_the_run_completes(data: Path, tmp_path: Path) -> None:
     args = {**FAST, "data": str(data), "epochs": 2, "device": "cpu,cpu", "max_restarts": 1,
             "project": str(tmp_path / "runs")}

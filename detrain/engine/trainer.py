@@ -23,13 +23,13 @@ from detrain import dist
 from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.engine import optim
+from detrain.engine.batch_plan import batch_plan, planned_world_size
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
 from detrain.engine.ema import ModelEMA, unwrap
 from detrain.engine.reproduce import find_resume_checkpoint, rng_state, seed_everything, set_rng_state
 from detrain.engine.train_plots import plot_results, plot_train_batch
 from detrain.engine.validator import validate
-from detrain.errors import ConfigError
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.loss import DetectionLoss
 
@@ -53,8 +53,8 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world = dist.rank(), dist.world_size()
         self.main = dist.is_main()
-        if cfg.batch % self.world:
-            raise ConfigError(f"batch={cfg.batch} must divide by the number of workers ({self.world})")
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        self.plan = batch_plan(cfg.batch, cfg.nbs, self.world, planned_world_size(cfg.nnodes, self.world, local_world))
         self.device = select_device(cfg.device, dist.local_rank())
         if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(cpu_threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", self.world))))
@@ -96,14 +96,14 @@ class Trainer:
                 # DDP gave every rank rank 0's weights; the EMA was copied earlier from this rank's own
                 # (seed + rank) init, so ranks > 0 would validate a slightly different model
                 self.ema.ema.load_state_dict(unwrap(self.model).state_dict())
-        self.local_batch = cfg.batch // self.world
+        self.local_batch = self.plan.local_batch
         self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
         self.val_loader = build_val_loader(self.val_data, cfg, cfg.batch, self.rank, self.world)
         self.nb = len(self.train_loader)
-        self.accumulate_target = max(round(cfg.nbs / cfg.batch), 1)
-        weight_decay = cfg.weight_decay * cfg.batch * self.accumulate_target / cfg.nbs
+        self.accumulate_target = self.plan.accumulate
+        weight_decay = cfg.weight_decay * self.plan.update_images / cfg.nbs  # as planned, whatever the world now
         total_iters = math.ceil(len(self.data.records) / max(cfg.batch, cfg.nbs)) * cfg.epochs
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
             unwrap(self.model), cfg, self.nc, total_iters, weight_decay)
@@ -123,9 +123,14 @@ class Trainer:
         if self.resume_ckpt is not None:
             self._restore(self.resume_ckpt)
         if self.main:
+            plan = self.plan
             console.print(f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
-                          f"weight_decay={weight_decay:g}; accumulate to {cfg.batch * self.accumulate_target} "
+                          f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
                           f"images; {self.world} worker(s) on {self.device.type}")
+            if plan.planned_world != self.world:
+                console.print(f"elastic: {self.world} of the {plan.planned_world} planned workers; each keeps its "
+                              f"batch of {plan.local_batch} and {plan.accumulate} steps of {plan.step_images} images "
+                              f"make an update (planned: {plan.update_images})")
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         optim.load_optimizer_state(self.optimizer, ckpt["optimizer"])  # keeps this run's kernel choice
@@ -218,11 +223,11 @@ class Trainer:
                 csv.add(row)
                 tb.log({k: float(v) for k, v in row.items() if k != "epoch"}, epoch + 1)
                 self._save(epoch, metrics, improved)
-                console.print(
-                    f"epoch {epoch + 1}/{cfg.epochs}: " + "  ".join(f"{k.split('/')[-1]} {float(v):.4g}" for k, v in
-                                                                     row.items() if k.startswith(("train/", "metrics/")))
-                    + f"  {speed['images_per_s']:.1f} img/s, step {speed['step_ms_mean']:.0f} ms mean / "
-                      f"{speed['step_ms_slowest_rank']:.0f} ms slowest rank, {epoch_time:.1f} s")
+                shown = "  ".join(f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items()
+                                  if k.startswith(("train/", "metrics/")))
+                console.print(f"epoch {epoch + 1}/{cfg.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
+                              f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
+                              f"rank, {epoch_time:.1f} s")
             dist.barrier("end of epoch")
             if stop:
                 if self.main:
@@ -236,8 +241,8 @@ class Trainer:
             if cfg.plots:
                 plot_results(self.save_dir)
             if start and metrics:
-                console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {cfg.epochs} (started at {start['map']:.4f}); "
-                              f"mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})")
+                console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {cfg.epochs} (started at "
+                              f"{start['map']:.4f}); mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})")
             console.print(f"done: {self.save_dir}")
         result["save_dir"] = str(self.save_dir)
         return dist.broadcast_object(result)
@@ -254,7 +259,8 @@ class Trainer:
                 head_maps = self.model(imgs)
                 loss, items = self.criterion(
                     head_maps, batch["batch_idx"].to(self.device),
-                    batch["cls"].to(self.device), batch["bboxes"].to(self.device), global_batch=self.cfg.batch)
+                    batch["cls"].to(self.device), batch["bboxes"].to(self.device),
+                    global_batch=self.plan.step_images)
             self.scaler.scale(loss).backward()
         return items, int(imgs.shape[-1])
 
