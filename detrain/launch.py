@@ -13,6 +13,7 @@ failures are worded by :mod:`detrain.launch_failures`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import tempfile
@@ -27,7 +28,7 @@ from detrain import dist
 from detrain.devices import DeviceKind, DevicePlan, parse_device
 from detrain.errors import DistributedError
 from detrain.launch_checks import check_entry, check_port_free, parse_nnodes, rendezvous_settings, wait_reachable
-from detrain.launch_failures import describe_failure
+from detrain.launch_failures import describe_failure, explained
 
 __all__ = ["DeviceKind", "DevicePlan", "check_batch", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
 
@@ -145,10 +146,12 @@ def launch(
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {}
-    with log_dir, _restore_signal_handlers(), _environ(env):
+    with log_dir, _restore_signal_handlers(), _environ(env), _held_elastic_logs() as held:
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
         except ChildFailedError as e:
+            if explained(e):
+                held.drop()  # the one line below is the whole story
             raise DistributedError(describe_failure(e, max_restarts)) from None
         except SignalException as e:
             if e.sigval == signal.SIGINT:
@@ -210,6 +213,38 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+
+
+class _HeldRecords(logging.Handler):
+    """Torch elastic's log records (warnings and up), kept back while the launch runs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def drop(self) -> None:
+        self.records.clear()
+
+
+@contextlib.contextmanager
+def _held_elastic_logs() -> Iterator[_HeldRecords]:
+    """Hold back what the elastic agent logs until the outcome is known, then let it through, except where the
+    failure is one of detrain's own errors: the agent logs each failed worker's full traceback, and above a
+    one-line "dataset yaml not found" that is only noise. A crash or a restart still shows everything."""
+    log = logging.getLogger("torch.distributed.elastic")
+    held, propagate = _HeldRecords(), log.propagate
+    log.addHandler(held)
+    log.propagate = False
+    try:
+        yield held
+    finally:
+        log.removeHandler(held)
+        log.propagate = propagate
+        for kept in held.records:
+            logging.getLogger(kept.name).handle(kept)
 
 
 @contextlib.contextmanager

@@ -7,6 +7,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from detrain import dist
+from detrain.errors import CheckpointError, ConfigError, DatasetError, DetrainError, DistributedError
+
+DETRAIN_ERRORS = tuple(c.__name__ for c in (DetrainError, ConfigError, DatasetError, CheckpointError, DistributedError))
 
 
 def describe_failure(e: ChildFailedError, max_restarts: int) -> str:
@@ -16,8 +19,7 @@ def describe_failure(e: ChildFailedError, max_restarts: int) -> str:
     noticed a dead peer; a rank that failed on its own is the root cause, so it is preferred.
     """
     failures = e.failures
-    primary = [r for r, f in failures.items() if not _is_consequence(f)] or list(failures)
-    root_rank = min(primary, key=lambda r: (failures[r].timestamp, r))
+    root_rank = _root_rank(failures)
     parts = [f"worker rank {root_rank} {_how(failures[root_rank])}"]
     others = sorted(r for r in failures if r != root_rank)
     if others:
@@ -25,6 +27,18 @@ def describe_failure(e: ChildFailedError, max_restarts: int) -> str:
     if max_restarts:
         parts.append(f"after max_restarts={max_restarts} restarts")
     return " ".join(parts)
+
+
+def explained(e: ChildFailedError) -> bool:
+    """Whether that one line says it all: the rank that caused the failure raised one of detrain's own errors,
+    whose message is written for the user, so elastic's copy of its traceback would add nothing."""
+    msg = _message(e.failures[_root_rank(e.failures)])
+    return msg.split(":", 1)[0].strip() in DETRAIN_ERRORS
+
+
+def _root_rank(failures: dict[int, Any]) -> int:
+    primary = [r for r, f in failures.items() if not _is_consequence(f)] or list(failures)
+    return min(primary, key=lambda r: (failures[r].timestamp, r))
 
 
 def _message(failure: Any) -> str:

@@ -71,9 +71,13 @@ def die_always(args: dict[str, Any]) -> None:
 
 
 def raise_error(args: dict[str, Any]) -> None:
-    """Rank 1 raises a plain Python error with a recognisable message."""
+    """Rank 1 raises a plain Python error with a recognisable message (one of detrain's with ``detrain``)."""
     dist.setup(timeout_s=20.0)
     if dist.rank() == 1:
+        if args.get("detrain"):
+            from detrain.errors import DatasetError
+
+            raise DatasetError("no data here")
         raise ValueError("boom from rank 1")
     dist.barrier("never passed")
 

@@ -5,7 +5,10 @@ The multi-process tests launch tiny workers from ``_dist_workers.py`` through ``
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -119,6 +122,36 @@ def test_worker_exception_is_reported_in_one_line() -> None:
     msg = str(err.value)
     assert "\n" not in msg
     assert "worker rank 1 failed (exit code 1): ValueError: boom from rank 1" in msg
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(logging.Formatter().format(record))  # with the traceback the record carries
+
+
+@contextlib.contextmanager
+def _torch_log() -> Iterator[list[str]]:
+    """What reaches the "torch.distributed" logger, whose own handler prints elastic's records."""
+    handler, log = _Lines(), logging.getLogger("torch.distributed")
+    log.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        log.removeHandler(handler)
+
+
+def test_elastic_traceback_shows_for_a_crash_and_not_for_detrain_errors() -> None:
+    with _torch_log() as lines, pytest.raises(DistributedError, match="ValueError: boom from rank 1"):
+        launch(workers.raise_error, {}, parse_device("cpu,cpu"))
+    assert any("ValueError: boom from rank 1" in line and "Traceback" in line for line in lines)
+    # a message written for the user is the whole story: one line, no traceback above it
+    with _torch_log() as lines, pytest.raises(DistributedError, match="DatasetError: no data here"):
+        launch(workers.raise_error, {"detrain": True}, parse_device("cpu,cpu"))
+    assert not any("no data here" in line for line in lines)
 
 
 def test_hang_times_out_and_nothing_is_left(tmp_path: Path) -> None:
