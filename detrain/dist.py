@@ -36,7 +36,9 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as tdist
 
+from detrain.env import env_int
 from detrain.errors import DistributedError
+from detrain.slurm import map_slurm_env
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -92,16 +94,16 @@ def setup(
     global _info
     if _info is not None and (not _info.distributed or tdist.is_initialized()):
         return _info
-    _map_slurm_env()
-    world = _env_int("WORLD_SIZE", 1)
-    rank_ = _env_int("RANK", 0)
-    local = _env_int("LOCAL_RANK", 0)
-    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    map_slurm_env()
+    world = env_int("WORLD_SIZE", 1)
+    rank_ = env_int("RANK", 0)
+    local = env_int("LOCAL_RANK", 0)
+    local_world = env_int("LOCAL_WORLD_SIZE", 1)
     device = _pick_device(local)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
-    restarts = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    restarts = env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if world <= 1:
         _info = DistInfo(0, 0, 1, 1, device, None, timeout, restarts)
         return _info
@@ -208,7 +210,7 @@ def restart_count() -> int:
         >>> restart_count()
         0
     """
-    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    return env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
 
 def rank_zero_only(fn: Callable[P, R]) -> Callable[P, R | None]:
@@ -391,63 +393,8 @@ def _group_timeout(timeout_s: float) -> Iterator[None]:
             _set_group_timeout(_info.timeout_s)
 
 
-def _env_int(key: str, default: int) -> int:
-    value = os.environ.get(key, "")
-    try:
-        return int(value) if value else default
-    except ValueError:
-        raise DistributedError(f"environment variable {key}={value!r} is not an integer") from None
-
-
 def _pick_device(local: int) -> str:
     device = os.environ.get(DEVICE_ENV, "")
     if device:
         return device
     return f"cuda:{local}" if torch.cuda.is_available() else "cpu"
-
-
-def _map_slurm_env() -> None:
-    """Under ``srun`` (several tasks, no torchrun variables) translate SLURM's variables to torch's."""
-    if "RANK" in os.environ or not slurm_tasks():
-        return
-    env = os.environ
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
-    env["LOCAL_WORLD_SIZE"] = re.split(r"[(,]", per_node)[0]  # "4(x2),3" -> "4"
-    if not env.get("MASTER_ADDR"):
-        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
-        env["MASTER_ADDR"] = first_slurm_host(nodes) or "127.0.0.1"
-    if not env.get("MASTER_PORT"):
-        # Every task of the job derives the same port; different jobs on one node rarely collide.
-        env["MASTER_PORT"] = str(15000 + _env_int("SLURM_JOB_ID", 0) % 20000)
-
-
-def slurm_tasks() -> bool:
-    """True inside a task started by ``srun`` with more than one task (a world SLURM already launched)."""
-    env = os.environ
-    return (
-        env.get("DETRAIN_IGNORE_SLURM", "") not in ("1", "true")
-        and "SLURM_PROCID" in env
-        and "SLURM_LOCALID" in env
-        and "SLURM_STEP_ID" in env
-        and _env_int("SLURM_NTASKS", 1) > 1
-    )
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a SLURM node list.
-
-    Example:
-        >>> first_slurm_host("gpu[07-09,12],cpu01")
-        'gpu07'
-    """
-    m = re.match(r"^([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        return ""
-    prefix, ranges = m.group(1), m.group(2)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first

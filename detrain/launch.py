@@ -29,6 +29,7 @@ from detrain.devices import DeviceKind, DevicePlan, parse_device
 from detrain.errors import DistributedError
 from detrain.launch_checks import check_entry, check_port_free, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.launch_failures import describe_failure, explained
+from detrain.slurm import slurm_tasks
 
 __all__ = ["DeviceKind", "DevicePlan", "check_batch", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
 
@@ -62,7 +63,7 @@ def in_launcher_env() -> bool:
         False
     """
     env = os.environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) or dist.slurm_tasks()
+    return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) or slurm_tasks()
 
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import _dist_workers as workers
-from detrain import dist
+from detrain import dist, slurm
 from detrain.errors import DistributedError
 from detrain.launch import launch, parse_device
 
@@ -68,15 +68,15 @@ def test_missing_master_is_a_clear_error() -> None:
 
 
 def test_slurm_variables_map_to_torch_ones() -> None:
-    slurm = {
+    task_env = {
         "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
         "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234",
     }
-    with mock.patch.dict(os.environ, slurm):
+    with mock.patch.dict(os.environ, task_env):
         for k in LAUNCHER_VARS:
             os.environ.pop(k, None)
-        assert dist.slurm_tasks()
-        dist._map_slurm_env()
+        assert slurm.slurm_tasks()
+        slurm.map_slurm_env()
         got = {k: os.environ[k] for k in LAUNCHER_VARS}
     assert got == {
         "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
@@ -85,9 +85,9 @@ def test_slurm_variables_map_to_torch_ones() -> None:
 
 
 def test_first_slurm_host() -> None:
-    assert dist.first_slurm_host("node01") == "node01"
-    assert dist.first_slurm_host("gpu[07-09,12],cpu01") == "gpu07"
-    assert dist.first_slurm_host("a-b[3,5]") == "a-b3"
+    assert slurm.first_slurm_host("node01") == "node01"
+    assert slurm.first_slurm_host("gpu[07-09,12],cpu01") == "gpu07"
+    assert slurm.first_slurm_host("a-b[3,5]") == "a-b3"
 
 
 # ------------------------------------------------------------------------------- two workers
