@@ -57,6 +57,12 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "detrain.cli", "train", *args]
 
 
+def _torchrun(args: dict) -> list[str]:
+    """``detrain train`` as 2 ranks of torchrun on one node."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(_free_port()), "-m", "detrain.cli", "train", *_kv(args)]
+
+
 def _run(cmd: list[str], env: dict[str, str], timeout: float = LIMIT_S, **kw) -> subprocess.CompletedProcess:
     try:
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO, **kw)
@@ -190,9 +196,7 @@ def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path)
 
 def test_under_torchrun_each_rank_joins_instead_of_spawning(data: Path, tmp_path: Path) -> None:
     args = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "project": str(tmp_path / "runs")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "detrain.cli", "train", *_kv(args)]
-    proc = _run(cmd, _env())
+    proc = _run(_torchrun(args), _env())
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "2 worker(s) on cpu" in out
@@ -207,9 +211,7 @@ def test_fewer_workers_than_planned_keep_their_batch_and_accumulate(data: Path, 
     16-image epoch is 4 steps and 2 updates, as it would be with all 4 ranks."""
     args = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nbs": 8, "nnodes": "1:2",
             "project": str(tmp_path / "runs")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "detrain.cli", "train", *_kv(args)]
-    proc = _run(cmd, _env())
+    proc = _run(_torchrun(args), _env())
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "accumulate to 8 images; 2 worker(s) on cpu" in out
