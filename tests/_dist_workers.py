@@ -137,6 +137,26 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
     return everyone
 
 
+def slow_prepare(args: dict[str, Any]) -> int:
+    """``load_split`` under a 2 s training timeout while rank ``slow_rank`` (the first process of its node) takes
+    4 s to prepare the dataset, as a download or a large label check would; returns the number of records."""
+    from unittest import mock
+
+    from detrain.config import make_cfg
+    from detrain.engine import data as engine_data
+
+    dist.setup(timeout_s=2.0)
+    cfg = make_cfg({"data": args["data"], "dist_timeout": 2, "prepare_timeout": args["prepare_timeout"]})
+    real = engine_data.load_dataset_yaml
+
+    def slow(*a: Any, **k: Any) -> Any:
+        time.sleep(4.0)
+        return real(*a, **k)
+
+    with mock.patch.object(engine_data, "load_dataset_yaml", slow if dist.rank() == args["slow_rank"] else real):
+        return len(engine_data.load_split(args["data"], "train", cfg, verbose=False).records)
+
+
 def _maps(pid: int, stem: str) -> bool:
     """Whether process ``pid`` has the cache file mapped."""
     with open(f"/proc/{pid}/maps") as f:
@@ -147,7 +167,8 @@ def _main(argv: list[str]) -> int:
     """Entry points for the tests that need a process of their own.
 
     * ``torchrun OUT``: run under ``python -m torch.distributed.run``; launch() must join that world;
-    * ``node NODE_RANK PORT OUT NNODES``: one of two "nodes" on 127.0.0.1 (one CPU worker each);
+    * ``node NODE_RANK PORT OUT NNODES [ENTRY ARGS_JSON]``: one of two "nodes" on 127.0.0.1 (one CPU worker
+      each) running ``report`` or the worker ``ENTRY`` of this module;
     * ``sleep PIDFILE``: two CPU workers that sleep until Ctrl-C.
     """
     import json
@@ -163,7 +184,8 @@ def _main(argv: list[str]) -> int:
         Path(f"{argv[1]}.{result['rank']}").write_text(json.dumps(result))
     elif mode == "node":
         node_rank, port, out, nnodes = int(argv[1]), int(argv[2]), argv[3], argv[4]
-        result = launch(mod.report, {}, parse_device("cpu"), nnodes=nnodes, node_rank=node_rank, master_port=port)
+        entry, entry_args = (getattr(mod, argv[5]), json.loads(argv[6])) if len(argv) > 5 else (mod.report, {})
+        result = launch(entry, entry_args, parse_device("cpu"), nnodes=nnodes, node_rank=node_rank, master_port=port)
         Path(f"{out}.{node_rank}").write_text(json.dumps(result))
     elif mode == "sleep":
         try:

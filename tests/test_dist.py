@@ -179,3 +179,4 @@ def test_collective_failures_read_as_one_line(error: str, expected: str) -> None
     cause = dist._cause(RuntimeError(error), 20.0)
     assert cause.startswith(expected) and dist.PEER_LOST_MARK in cause and "\n" not in cause
     assert dist._cause(ValueError("bad\nvalue")) == "ValueError: bad"
+

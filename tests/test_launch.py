@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import _dist_workers as workers
+from detrain.data.synthetic import generate_shapes
 from detrain.errors import DistributedError
 from detrain.launch import DevicePlan, check_batch, in_launcher_env, launch, parse_device, parse_nnodes
 
@@ -233,6 +234,34 @@ def test_elastic_nodes_form_one_world(tmp_path: Path) -> None:
     assert sum(r is None for r in results) == 1
     rank0 = next(r for r in results if r is not None)
     assert (rank0["rank"], rank0["world"], rank0["sum"]) == (0, 2, 2.0)
+
+
+
+def test_dataset_preparation_waits_for_prepare_timeout_not_the_training_timeout(tmp_path: Path) -> None:
+    """Two nodes: rank 0's node has its dataset ready while rank 1's first process still prepares it (4 s, twice
+    the 2 s training timeout). The wait is bounded by prepare_timeout; when that is too short, the error names
+    what was waited for."""
+    data = str(generate_shapes(tmp_path / "shapes", n_train=4, n_val=2, imgsz=64) / "data.yaml")
+    logs, codes, results = _two_slow_nodes(tmp_path / "ok", {"data": data, "prepare_timeout": 60, "slow_rank": 1})
+    assert codes == [0, 0], "\n".join(log[-2000:] for log in logs)
+    assert results[0] == 4
+    logs, codes, _ = _two_slow_nodes(tmp_path / "short", {"data": data, "prepare_timeout": 1, "slow_rank": 1})
+    assert codes[0] != 0
+    assert "barrier 'dataset" in logs[0] and "prepared by the first process of this node'" in logs[0], logs[0][-2000:]
+
+
+def _two_slow_nodes(out: Path, args: dict) -> tuple[list[str], list[int], list]:
+    """``slow_prepare`` on two single-worker "nodes" on 127.0.0.1: their output, exit codes and results."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen([sys.executable, SCRIPT, "node", str(node), str(port), str(out), "2", "slow_prepare",
+                          json.dumps(args)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+        for node in (0, 1)
+    ]
+    logs = [p.communicate(timeout=120)[0] for p in procs]
+    results = [json.loads(Path(f"{out}.{n}").read_text()) if Path(f"{out}.{n}").exists() else None for n in (0, 1)]
+    return logs, [p.returncode for p in procs], results
 
 
 def test_missing_node_ends_the_rendezvous() -> None:

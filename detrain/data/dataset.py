@@ -104,7 +104,8 @@ class DetectionDataset(Dataset):
     defaults). ``close_mosaic_epoch``: from this epoch on (``set_epoch``) mosaic and mixup are off.
     ``cache``: None (decode the files, at reduced JPEG scale where a sample shows an image small enough), 'disk'
     (decoded originals as ``.npy`` beside the images: the same samples) or 'ram' (load-size images, once per node
-    in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly).
+    in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly);
+    ``cache_timeout_s``: how long the other local ranks wait for local rank 0 to fill the RAM cache.
 
     >>> ds = DetectionDataset(records, imgsz=640, augment=False, hyp={}, rect=True, batch_size=8)  # doctest: +SKIP
     >>> sample = ds[0]; sample["img"].shape, sample["ratio_pad"]  # doctest: +SKIP
@@ -125,6 +126,7 @@ class DetectionDataset(Dataset):
         pad: float = 0.5,
         *,
         close_mosaic_epoch: int | None = None,
+        cache_timeout_s: float | None = None,
     ):
         if not records:
             raise DatasetError("the dataset has no images")
@@ -154,7 +156,8 @@ class DetectionDataset(Dataset):
         self._ram: RamCache | None = None
         if self.cache == "ram":
             key = cache_key(self.im_files, self.shapes_hw, self.imgsz, run_tag())
-            self._ram = RamCache.build(key, self.load_sizes_hw, self._load_for_cache)
+            wait = {"timeout_s": cache_timeout_s} if cache_timeout_s else {}
+            self._ram = RamCache.build(key, self.load_sizes_hw, self._load_for_cache, **wait)
         elif self.cache == "disk":
             check_disk_cache_fits(self.im_files, self.shapes_hw)
 

@@ -20,6 +20,7 @@ from detrain.data.loader import build_dataloader
 from detrain.engine.ground_truth import explicit_json, json_labels, json_split_gt
 from detrain.errors import DatasetError
 
+PREPARE_TIMEOUT_S = 3600.0  # without a config: as cfg/default.yaml's prepare_timeout
 HYP_KEYS = ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear", "perspective", "flipud",
             "fliplr", "mosaic", "mixup")
 
@@ -46,8 +47,10 @@ class SplitData:
 def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = True) -> SplitData:
     """Resolve ``data`` and verify the labels of ``split`` (train, val or test)."""
     first = dist.local_rank() == 0
+    # a download or the labels of a large dataset can take far longer than a training step may
+    wait_s = cfg.prepare_timeout if cfg is not None else PREPARE_TIMEOUT_S
     if not first:
-        dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node")
+        dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
     try:
         info = load_dataset_yaml(data)
         files = getattr(info, split)
@@ -56,7 +59,7 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
         records, report = load_labels(list(files), info.nc, cache=True, progress=verbose and dist.is_main())
     finally:
         if first:
-            dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node")
+            dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
     ground_truth, summary = None, report.summary() if hasattr(report, "summary") else str(report)
     json_file = explicit_json(info, split)
     if json_file is not None:  # the split is a COCO json: its annotations are the labels
@@ -87,7 +90,8 @@ def build_train_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, w
     """Augmented training batches; each rank gets its slice of every global batch."""
     dataset = DetectionDataset(data.records, imgsz=cfg.imgsz, augment=True, hyp=hyp_of(cfg), rect=cfg.rect,
                                batch_size=local_batch, stride=32, seed=cfg.seed, cache=cfg.cache or None,
-                               close_mosaic_epoch=cfg.epochs - cfg.close_mosaic if cfg.close_mosaic else None)
+                               close_mosaic_epoch=cfg.epochs - cfg.close_mosaic if cfg.close_mosaic else None,
+                               cache_timeout_s=cfg.prepare_timeout)
     return build_dataloader(dataset, batch_size=local_batch, shuffle=not cfg.rect, workers=cfg.workers, rank=rank,
                             world_size=world, seed=cfg.seed)
 

@@ -47,7 +47,8 @@ class Trainer:
             self.resume_ckpt = load_checkpoint(path)
             # a resumed run keeps its own arguments; only the devices and the process layout may change
             keep = {k: getattr(cfg, k) for k in ("device", "workers", "nnodes", "node_rank", "master_addr",
-                                                   "master_port", "max_restarts", "dist_timeout", "rdzv_backend")}
+                                                   "master_port", "max_restarts", "dist_timeout", "prepare_timeout",
+                                                   "rdzv_backend")}
             cfg = make_cfg({**self.resume_ckpt["train_args"], **keep, "resume": str(path)})
             save_dir = save_dir or path.parent.parent
         self.cfg = cfg
@@ -101,6 +102,9 @@ class Trainer:
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
         self.val_loader = build_val_loader(self.val_data, cfg, cfg.batch, self.rank, self.world)
+        # cache=ram is filled per node: the first step's collectives must not start the short training timeout
+        # on a node that is still filling
+        dist.barrier("training data ready on every node", cfg.prepare_timeout)
         self.nb = len(self.train_loader)
         self.accumulate_target = self.plan.accumulate
         weight_decay = cfg.weight_decay * self.plan.update_images / cfg.nbs  # as planned, whatever the world now
