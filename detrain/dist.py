@@ -24,6 +24,7 @@ A phase that is known to take long (rank 0 downloading a dataset) passes ``timeo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -68,6 +69,8 @@ class DistInfo:
 
 
 _info: DistInfo | None = None
+_barriers: Any = None  # a store client for barrier(): every rank's wait is bounded, also on gloo
+_barrier_seq = 0
 
 
 # ----------------------------------------------------------------------------------------- setup
@@ -125,6 +128,7 @@ def setup(
         msg = f"rank {rank_} of {world} could not join the process group at {where}: {_cause(e)}"
         raise DistributedError(msg) from e
     _info = DistInfo(rank_, local, world, local_world, device, backend, timeout, restarts)
+    _open_barrier_store(restarts, startup)
     # Every rank has reached this point before training begins: a slow start is not a hang.
     barrier("setup", timeout_s=startup_timeout_s)
     _set_group_timeout(timeout)
@@ -137,10 +141,10 @@ def cleanup() -> None:
     Example:
         >>> cleanup()
     """
-    global _info
+    global _info, _barriers, _barrier_seq
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
-    _info = None
+    _info, _barriers, _barrier_seq = None, None, 0
 
 
 def info() -> DistInfo | None:
@@ -303,7 +307,9 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
     """Wait until every rank reaches the barrier called ``name``.
 
     ``timeout_s`` overrides the training timeout for this one wait (e.g. while rank 0 downloads a
-    dataset). On gloo it is a monitored barrier, so rank 0's error names the ranks that never came.
+    dataset). On gloo every rank marks its arrival in the rendezvous store and waits for the others' marks, so
+    every rank's wait is bounded (gloo's monitored barrier bounds only rank 0's) and the error names the ranks
+    that never came. On nccl it is torch's barrier under the timeout (the watchdog bounds every rank).
 
     Example:
         >>> barrier("dataset ready")   # no-op in a single process
@@ -312,7 +318,9 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
         return
     timeout = _info.timeout_s if timeout_s is None and _info is not None else (timeout_s or DEFAULT_TIMEOUT_S)
     with _named(f"barrier '{name}'", timeout):
-        if tdist.get_backend() == "gloo":
+        if tdist.get_backend() == "gloo" and _barriers is not None:
+            _store_barrier(timeout)
+        elif tdist.get_backend() == "gloo":
             tdist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         else:
             with _group_timeout(timeout):
@@ -345,6 +353,8 @@ def _cause(e: BaseException, timeout_s: float | None = None) -> str:
     low = text.lower()
     bound = f" within {timeout_s:g}s" if timeout_s is not None else ""
     missing = re.search(r"ranks? ([\d, ]+) failed to pass monitoredbarrier", low)
+    if isinstance(e, _Absent):
+        return f"rank(s) {e} did not arrive{bound} {PEER_LOST_MARK}"
     if missing:
         return f"rank(s) {missing.group(1).strip()} did not arrive{bound} {PEER_LOST_MARK}"
     silent = re.search(r"waiting for send/recv from rank (\d+)", low)  # monitored barrier, seen from rank > 0
@@ -371,6 +381,46 @@ def _store_args(rank_: int, world: int, restarts: int, timeout: timedelta) -> di
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout
     )
     return {"store": tdist.PrefixStore(f"detrain/attempt_{restarts}", client), "rank": rank_, "world_size": world}
+
+
+def _open_barrier_store(restarts: int, timeout: timedelta) -> None:
+    """A client of the rendezvous store (the elastic agent's, or rank 0's under env://) for :func:`barrier`,
+    with keys of its own per restart attempt. Without one, barriers fall back to gloo's monitored barrier."""
+    global _barriers, _barrier_seq
+    try:
+        client = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                timeout=timeout)
+        _barriers, _barrier_seq = tdist.PrefixStore(f"detrain/barriers/attempt_{restarts}", client), 0
+    except Exception:  # e.g. a store that is not a TCPStore: torch's own barrier still works
+        _barriers = None
+
+
+class _Absent(Exception):
+    """Ranks that did not come to a barrier in time."""
+
+    def __init__(self, ranks: list[int]):
+        super().__init__(", ".join(map(str, ranks)))
+
+
+def _store_barrier(timeout_s: float) -> None:
+    """Mark this rank's arrival at the next barrier and wait, at most ``timeout_s``, for every rank's mark."""
+    global _barrier_seq
+    _barrier_seq += 1  # every rank passes the same barriers in the same order
+    keys = [f"{_barrier_seq}/{r}" for r in range(world_size())]
+    _barriers.set(keys[rank()], "1")
+    try:
+        _barriers.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as e:
+        try:
+            missing = [r for r, key in enumerate(keys) if not _barriers.check([key])]
+        except Exception:  # the store itself is gone (its host died)
+            raise e from None
+        if not missing:
+            raise
+        raise _Absent(missing) from None
+    if _barrier_seq > 1:  # everyone has left the previous barrier: its mark is no longer needed
+        with contextlib.suppress(Exception):
+            _barriers.delete_key(f"{_barrier_seq - 1}/{rank()}")
 
 
 def _set_group_timeout(timeout_s: float) -> None:

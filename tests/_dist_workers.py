@@ -92,6 +92,15 @@ def hang(args: dict[str, Any]) -> None:
     dist.all_reduce_sum(torch.ones(1))
 
 
+def late_to_barrier(args: dict[str, Any]) -> None:
+    """Rank ``late`` reaches the 'end of epoch' barrier 5 s after the others, with a 1 s training timeout."""
+    dist.setup(timeout_s=1.0)
+    dist.barrier("start")
+    if dist.rank() == args["late"]:
+        time.sleep(5.0)
+    dist.barrier("end of epoch")
+
+
 def sleep_forever(args: dict[str, Any]) -> None:
     """Every rank writes its pid and sleeps: used to test Ctrl-C."""
     dist.setup(timeout_s=30.0)

@@ -154,6 +154,15 @@ def test_elastic_traceback_shows_for_a_crash_and_not_for_detrain_errors() -> Non
     assert not any("no data here" in line for line in lines)
 
 
+@pytest.mark.parametrize("late", [0, 1])
+def test_every_rank_waits_at_a_barrier_only_as_long_as_the_timeout(late: int) -> None:
+    """Also rank 0: gloo's monitored barrier would let the other ranks wait for it without end."""
+    other = 1 - late
+    with pytest.raises(DistributedError, match=rf"barrier 'end of epoch' failed on rank {other} of 2: "
+                                               rf"rank\(s\) {late} did not arrive within 1s"):
+        launch(workers.late_to_barrier, {"late": late}, parse_device("cpu,cpu"))
+
+
 def test_hang_times_out_and_nothing_is_left(tmp_path: Path) -> None:
     pidfile = str(tmp_path / "pid")
     with pytest.raises(DistributedError) as err:
