@@ -18,8 +18,10 @@ every later operation on the group, DDP's gradient all-reduces included. For glo
 collective raises in Python, which this module turns into a one-line ``DistributedError`` naming
 the operation, the rank and the cause. For NCCL the watchdog aborts the process instead (CUDA work
 is asynchronous, so raising is not safe); the launcher then reports the rank and the signal.
-A phase that is known to take long (rank 0 downloading a dataset) passes ``timeout_s`` to
-``barrier`` for that one wait.
+A phase that is known to take long (the first process of a node downloading a dataset, checking its labels
+or filling ``cache=ram``) passes ``timeout_s`` (the config's ``prepare_timeout``) to ``barrier`` for that one
+wait. On gloo, barriers go through the rendezvous store (each rank marks its arrival, then waits for every
+mark), so every rank's wait is bounded and the error names the ranks that never came.
 """
 
 from __future__ import annotations
