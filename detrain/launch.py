@@ -37,6 +37,7 @@ T = TypeVar("T")
 
 _HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 _CONSEQUENCE_GRACE_S = 3.0
+_ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
 def check_batch(batch: int, world: int) -> int:
@@ -234,16 +235,21 @@ class _HeldRecords(logging.Handler):
 def _held_elastic_logs() -> Iterator[_HeldRecords]:
     """Hold back what the elastic agent logs until the outcome is known, then let it through, except where the
     failure is one of detrain's own errors: the agent logs each failed worker's full traceback, and above a
-    one-line "dataset yaml not found" that is only noise. A crash or a restart still shows everything."""
-    log = logging.getLogger("torch.distributed.elastic")
-    held, propagate = _HeldRecords(), log.propagate
-    log.addHandler(held)
-    log.propagate = False
+    one-line "dataset yaml not found" that is only noise. A crash or a restart still shows everything.
+
+    Held: the agent's own loggers and torch.multiprocessing's, whose process context the agent uses to stop
+    the other workers ("Terminating process ... via signal SIGTERM")."""
+    logs = [logging.getLogger(name) for name in _ELASTIC_LOGGERS]
+    held, propagate = _HeldRecords(), [log.propagate for log in logs]
+    for log in logs:
+        log.addHandler(held)
+        log.propagate = False
     try:
         yield held
     finally:
-        log.removeHandler(held)
-        log.propagate = propagate
+        for log, was in zip(logs, propagate):
+            log.removeHandler(held)
+            log.propagate = was
         for kept in held.records:
             logging.getLogger(kept.name).handle(kept)
 
