@@ -46,6 +46,18 @@ class CocoGroundTruth:
     ids: np.ndarray  # (m,) int64 annotation ids (-1 where the file has none)
 
 
+def coco_rounded(boxes_xyxy: Any, scores: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Corner boxes and scores as a COCO results file holds them: ``[x, y, w, h]`` rounded to 3 decimals,
+    scores to 5 (float64).
+
+    >>> coco_rounded(np.array([[1.00004, 2, 11, 22]]), np.array([0.9123456]))
+    (array([[ 1.,  2., 10., 20.]]), array([0.91235]))
+    """
+    boxes = _np(boxes_xyxy).reshape(-1, 4).astype(np.float64)
+    ltwh = np.round(np.concatenate((boxes[:, :2], boxes[:, 2:] - boxes[:, :2]), 1), 3)
+    return ltwh, np.round(_np(scores).reshape(-1).astype(np.float64), 5)
+
+
 def predictions_to_coco(image_id: int, boxes_xyxy: Any, scores: Any, classes: Any,
                         category_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Rows of a COCO results file for one image; boxes rounded to 3 decimals, scores to 5.
@@ -56,9 +68,7 @@ def predictions_to_coco(image_id: int, boxes_xyxy: Any, scores: Any, classes: An
     >>> predictions_to_coco(42, np.array([[10., 20, 30, 60]]), np.array([0.912345678]), np.array([0]))
     [{'image_id': 42, 'category_id': 1, 'bbox': [10.0, 20.0, 20.0, 40.0], 'score': 0.91235}]
     """
-    boxes = _np(boxes_xyxy).reshape(-1, 4).astype(np.float64)
-    ltwh = np.round(np.concatenate((boxes[:, :2], boxes[:, 2:] - boxes[:, :2]), 1), 3)
-    rounded_scores = np.round(_np(scores).reshape(-1).astype(np.float64), 5)
+    ltwh, rounded_scores = coco_rounded(boxes_xyxy, scores)
     cls = _np(classes).reshape(-1).astype(np.int64)
     cat = [int(category_ids[c]) for c in cls] if category_ids is not None else (cls + 1).tolist()
     return [{"image_id": int(image_id), "category_id": c, "bbox": b, "score": s}

@@ -124,8 +124,8 @@ CHOICES: dict[str, tuple[Any, ...]] = {
 RANGES: dict[str, tuple[float | None, float | None]] = {
     "imgsz": (32, 8192), "epochs": (1, None), "batch": (1, None), "patience": (0, None),
     "fraction": (0.0, 1.0), "workers": (0, 64), "node_rank": (0, None), "master_port": (0, 65535),
-    "max_restarts": (0, None), "dist_timeout": (1, None), "prepare_timeout": (1, None), "lr0": (0.0, None), "lrf": (0.0, 1.0),
-    "momentum": (0.0, 1.0), "weight_decay": (0.0, None), "warmup_epochs": (0.0, None),
+    "max_restarts": (0, None), "dist_timeout": (1, None), "prepare_timeout": (1, None), "lr0": (0.0, None),
+    "lrf": (0.0, 1.0), "momentum": (0.0, 1.0), "weight_decay": (0.0, None), "warmup_epochs": (0.0, None),
     "warmup_momentum": (0.0, 1.0), "warmup_bias_lr": (0.0, None), "nbs": (1, None), "clip_grad": (0.0, None),
     "close_mosaic": (0, None), "box": (0.0, None), "cls": (0.0, None), "dfl": (0.0, None),
     "hsv_h": (0.0, 1.0), "hsv_s": (0.0, 1.0), "hsv_v": (0.0, 1.0), "degrees": (0.0, 180.0),

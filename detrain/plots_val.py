@@ -18,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from detrain.metrics import ConfusionMatrix, DetMetrics
+from detrain.palette import class_color
 
 Names = Sequence[str] | Mapping[int, str]
 _LABELLED_CLASSES = 20  # beyond this many curves a legend hides the plot
@@ -170,7 +171,7 @@ def plot_images(imgs: np.ndarray, boxes: Sequence[tuple[np.ndarray, np.ndarray, 
         xyxy, cls, scores = boxes[i] if i < len(boxes) else (np.zeros((0, 4)), np.zeros(0, np.int64), None)
         for j, (box, c) in enumerate(zip(np.asarray(xyxy, np.float64).reshape(-1, 4) * scale,
                                          np.asarray(cls).reshape(-1).astype(int))):
-            color = _color(c)
+            color = class_color(c)
             p1, p2 = (int(box[0]), int(box[1])), (int(box[2]), int(box[3]))
             cv2.rectangle(tile, p1, p2, color, thickness, cv2.LINE_AA)
             label = _name(names, c) + (f" {float(scores[j]):.2f}" if scores is not None else "")
@@ -189,13 +190,6 @@ def plot_images(imgs: np.ndarray, boxes: Sequence[tuple[np.ndarray, np.ndarray, 
     if not cv2.imwrite(str(path), canvas, [cv2.IMWRITE_JPEG_QUALITY, 90]):
         raise OSError(f"cannot write {path}")
     return path
-
-
-def _color(k: int) -> tuple[int, int, int]:
-    """A distinct, stable BGR colour per class (golden-ratio hues)."""
-    hue = int((k * 0.618033988749895 % 1.0) * 179)
-    bgr = cv2.cvtColor(np.array([[[hue, 200, 230]]], np.uint8), cv2.COLOR_HSV2BGR)[0, 0]
-    return int(bgr[0]), int(bgr[1]), int(bgr[2])
 
 
 def _figure() -> tuple[Figure, object]:

@@ -285,7 +285,8 @@ def main() -> None:
         for ranks in (1, 2):
             r = rows[(impl, ranks)]
             shared = f"{r['cache'] / 1e9:.2f}" if impl == "detrain" else "-"
-            print(f"| {impl} | {ranks} | {r['processes']} | {r['total'] / 1e9:.2f} | {shared} | {r['total'] / one:.2f}x |")
+            print(f"| {impl} | {ranks} | {r['processes']} | {r['total'] / 1e9:.2f} | {shared} "
+                  f"| {r['total'] / one:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,20 @@ def _label_offset(image_bytes: int) -> int:
     return (image_bytes + 7) // 8 * 8
 
 
+def _label_views(storage: torch.UntypedStorage, offset: int, m: int) -> tuple[torch.Tensor, ...]:
+    """``batch_idx`` (M,), ``cls`` (M, 1) and ``bboxes`` (M, 4) float32 views of a block's label part."""
+    labels = torch.empty(0, dtype=torch.float32).set_(storage, offset // 4, (6 * m,))
+    return labels[:m], labels[m: 2 * m].view(m, 1), labels[2 * m:].view(m, 4)
+
+
+def _starts(counts: Sequence[int]) -> list[int]:
+    """The first label row of each image, and the total at the end."""
+    starts = [0]
+    for c in counts:
+        starts.append(starts[-1] + int(c))
+    return starts
+
+
 @dataclass
 class BatchBlock:
     """Views of one batch's block: ``img`` (n, 3, h, w) uint8, ``batch_idx`` (M,), ``cls`` (M, 1),
@@ -80,11 +94,8 @@ class BatchBlock:
         raw = new_bytes(offset + 24 * m)
         pixels = raw[: n * 3 * h * w]
         img = pixels.view(n, h, w, 3).permute(0, 3, 1, 2) if channels_last else pixels.view(n, 3, h, w)
-        labels = torch.empty(0, dtype=torch.float32).set_(raw.untyped_storage(), offset // 4, (6 * m,))
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + int(c))
-        block = cls(img, labels[:m], labels[m: 2 * m].view(m, 1), labels[2 * m:].view(m, 4), starts)
+        block = cls(img, *_label_views(raw.untyped_storage(), offset, m), _starts(counts))
+        starts = block.starts
         for i in range(n):
             block.batch_idx[starts[i]: starts[i + 1]] = i
         return block
@@ -115,14 +126,9 @@ def whole_block(imgs: Sequence[torch.Tensor], cls: Sequence[torch.Tensor]) -> Ba
             if c.untyped_storage().data_ptr() != ptr or c.storage_offset() != row:
                 return None
         row += len(c)
-    labels = torch.empty(0, dtype=torch.float32).set_(storage, offset // 4, (6 * m,))
-    starts = [0]
-    for c in cls:
-        starts.append(starts[-1] + len(c))
     c, h, w = first.shape
     if first.is_contiguous():
         img = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, c, h, w))
     else:  # channels-last images
         img = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, c)).permute(0, 3, 1, 2)
-    return BatchBlock(img, labels[:m],
-                      labels[m: 2 * m].view(m, 1), labels[2 * m:].view(m, 4), starts)
+    return BatchBlock(img, *_label_views(storage, offset, m), _starts([len(t) for t in cls]))

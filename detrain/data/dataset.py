@@ -26,12 +26,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from detrain.data.augment import letterbox, merged_hyp
+from detrain.data.augment import apply_hsv, letterbox, merged_hyp
 from detrain.data.batch_memory import BatchBlock, whole_block
 from detrain.data.image_io import (check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side)
 from detrain.data.instances import Labels
 from detrain.data.ram_cache import RamCache, cache_key, run_tag
-from detrain.data.augment import apply_hsv
 from detrain.data.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
 from detrain.errors import ConfigError, DatasetError
 
@@ -280,9 +279,9 @@ class DetectionDataset(Dataset):
             if channels_last:
                 apply_hsv(r.img, r.hsv, to_rgb=True, dst=img.permute(1, 2, 0).numpy())
             else:
-                rgb = r.img if r.hsv is None else apply_hsv(r.img, r.hsv)  # still BGR
+                bgr = r.img if r.hsv is None else apply_hsv(r.img, r.hsv)
                 planes = img.numpy()
-                cv2.split(rgb, [planes[2], planes[1], planes[0]])
+                cv2.split(bgr, [planes[2], planes[1], planes[0]])
             cls.view(-1).numpy()[:] = r.labels.cls
             bboxes.numpy()[:] = r.labels.to_xywhn(w, h)
             out.append({"img": img, "cls": cls, "bboxes": bboxes, "im_file": self.im_files[r.index],

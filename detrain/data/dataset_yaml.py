@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
+from detrain.assets import asset_dir
 from detrain.data import synthetic
 from detrain.data.download import download_dataset, file_lock, is_url
 from detrain.data.labels import img2label_path
-from detrain.assets import asset_dir
 from detrain.errors import DatasetError
 
 __all__ = [

@@ -17,7 +17,7 @@ import cv2
 import numpy as np
 
 from detrain.data.affine import flip_matrix, is_perspective, random_affine_matrix
-from detrain.data.augment import MIXUP_BETA, apply_hsv, hsv_gains
+from detrain.data.augment import MIXUP_BETA, hsv_gains
 from detrain.data.compose import Tile, render
 from detrain.data.image_io import reduce_factor
 from detrain.data.instances import Labels
@@ -158,13 +158,3 @@ def render_geometry(
         img = cv2.addWeighted(images[0], plan.mix_ratio, images[1], 1.0 - plan.mix_ratio, 0.0)
     return img, Labels.concat(labels)
 
-
-def render_sample(
-    plan: SamplePlan,
-    pixels: Callable[[int, int], np.ndarray],
-    labels_at_load_size: Callable[[int], Labels],
-) -> tuple[np.ndarray, Labels]:
-    """The whole planned sample: (out_h, out_w, 3) uint8 **RGB** after HSV, and its labels.
-    (The dataset applies the colour step itself, straight into the batch's memory.)"""
-    img, labels = render_geometry(plan, pixels, labels_at_load_size)
-    return apply_hsv(img, plan.hsv, to_rgb=True), labels

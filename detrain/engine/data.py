@@ -60,12 +60,12 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
     finally:
         if first:
             dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
-    ground_truth, summary = None, report.summary() if hasattr(report, "summary") else str(report)
+    ground_truth, summary = None, report.summary()
     json_file = explicit_json(info, split)
     if json_file is not None:  # the split is a COCO json: its annotations are the labels
         ground_truth = json_split_gt(json_file, records, info.names)
         records, summary = json_labels(records, ground_truth, json_file)
-        if getattr(report, "corrupt", 0):
+        if report.corrupt:
             summary += f"; {report.corrupt} corrupt images left out"
     if verbose and dist.is_main():
         from detrain.log import console

@@ -33,9 +33,9 @@ def run_val(cfg: Cfg, save_dir: str | Path | None = None) -> dict[str, Any]:
         from detrain.engine.score_file import score_predictions_file
 
         return score_predictions_file(cfg, data, save_dir)
-    if not is_weights(cfg.model) and dist.is_main():
-        console.print(f"note: {cfg.model} is an architecture, not weights: validating random weights")
     weights = is_weights(cfg.model)
+    if not weights and dist.is_main():
+        console.print(f"note: {cfg.model} is an architecture, not weights: validating random weights")
     model, _ = build_model(cfg.model, nc=None if weights else data.nc, names=None if weights else data.names,
                            verbose=dist.is_main())
     if model.nc != data.nc:

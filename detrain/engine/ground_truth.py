@@ -49,6 +49,15 @@ COCO80_NAMES: tuple[str, ...] = (
 )
 
 
+def ltwh2xyxy(ltwh: np.ndarray) -> np.ndarray:
+    """COCO ``[x_min, y_min, w, h]`` boxes (n, 4) -> corner boxes.
+
+    >>> ltwh2xyxy(np.array([[1.0, 2, 3, 4]])).tolist()
+    [[1.0, 2.0, 4.0, 6.0]]
+    """
+    return np.concatenate((ltwh[:, :2], ltwh[:, :2] + ltwh[:, 2:]), 1)
+
+
 @dataclass
 class ImageGT:
     """One image's ground truth in the pixels of the file on disk (what COCO evaluation compares against)."""
@@ -62,7 +71,7 @@ class ImageGT:
 
     def boxes_xyxy(self) -> np.ndarray:
         """(m, 4) corner boxes."""
-        return np.concatenate((self.boxes_ltwh[:, :2], self.boxes_ltwh[:, :2] + self.boxes_ltwh[:, 2:]), 1)
+        return ltwh2xyxy(self.boxes_ltwh)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from detrain.engine.build import build_model, increment_run_dir, select_device
 from detrain.engine.validator import predict_batch
 from detrain.errors import ConfigError
 from detrain.log import console
+from detrain.palette import class_color
 
 IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
 PREDICT_CONF = 0.25
@@ -43,19 +44,12 @@ def list_sources(source: str) -> list[Path]:
     return files
 
 
-def color_of(cls: int) -> tuple[int, int, int]:
-    """A stable, distinct BGR colour per class."""
-    hue = (cls * 47) % 180
-    bgr = cv2.cvtColor(np.uint8([[[hue, 200, 230]]]), cv2.COLOR_HSV2BGR)[0, 0]
-    return int(bgr[0]), int(bgr[1]), int(bgr[2])
-
-
 def draw(img_bgr: np.ndarray, det: np.ndarray, names: dict[int, str], line_width: int = 0) -> np.ndarray:
     """Boxes with '<name> <score>' labels drawn on a copy of the image."""
     out = img_bgr.copy()
     lw = line_width or max(round(sum(out.shape[:2]) / 2 * 0.003), 2)
     for x1, y1, x2, y2, score, cls in det.tolist():
-        color = color_of(int(cls))
+        color = class_color(int(cls))
         p1, p2 = (int(x1), int(y1)), (int(x2), int(y2))
         cv2.rectangle(out, p1, p2, color, lw, cv2.LINE_AA)
         label = f"{names.get(int(cls), str(int(cls)))} {score:.2f}"

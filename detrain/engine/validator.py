@@ -23,8 +23,9 @@ from torch import nn
 
 from detrain import dist
 from detrain.boxes import scale_boxes_to_original, xywh2xyxy
+from detrain.coco_json import coco_rounded
 from detrain.config import Cfg
-from detrain.engine.ground_truth import ImageGT, SplitGT, image_ids, split_ground_truth
+from detrain.engine.ground_truth import ImageGT, SplitGT, image_ids, ltwh2xyxy, split_ground_truth
 from detrain.errors import DatasetError
 from detrain.log import atomic_write_text, console
 from detrain.metrics import ConfusionMatrix, ImageStats, coco_summary, match_image_coco
@@ -54,7 +55,7 @@ def predict_batch(model: nn.Module, imgs_uint8: torch.Tensor, device: torch.devi
 
 def coco_detections(det: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(n, 6) corner detections in original pixels -> (ltwh rounded to 3 decimals, scores rounded to 5, classes),
-    the values ``predictions.json`` holds (the same arithmetic as :func:`detrain.coco_json.predictions_to_coco`).
+    the values ``predictions.json`` holds (:func:`detrain.coco_json.coco_rounded`).
 
     >>> ltwh, s, c = coco_detections(np.array([[1.00004, 2, 11, 22, 0.9123456, 3]], np.float32))
     >>> ltwh.tolist(), s.tolist(), c.tolist()
@@ -63,8 +64,7 @@ def coco_detections(det: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if hasattr(det, "detach"):
         det = det.detach().cpu().numpy()
     d = np.asarray(det).reshape(-1, 6).astype(np.float64)
-    ltwh = np.round(np.concatenate((d[:, :2], d[:, 2:4] - d[:, :2]), 1), 3)
-    return ltwh, np.round(d[:, 4], 5), d[:, 5].astype(np.int64)
+    return (*coco_rounded(d[:, :4], d[:, 4]), d[:, 5].astype(np.int64))
 
 
 @dataclass
@@ -84,7 +84,7 @@ class Scorer:
         """Score one image's detections (COCO boxes in original pixels) against its ground truth."""
         self.stats.append(match_image_coco(ltwh, scores, cls, g.boxes_ltwh, g.cls, g.area, g.crowd,
                                            image_id=g.image_id, gt_ids=g.ann_ids))
-        xyxy = np.concatenate((ltwh[:, :2], ltwh[:, :2] + ltwh[:, 2:]), 1)
+        xyxy = ltwh2xyxy(ltwh)
         regular = ~g.crowd
         self.confusion.update(np.concatenate((xyxy, scores[:, None], cls[:, None]), 1), g.boxes_xyxy()[regular],
                               g.cls[regular])
