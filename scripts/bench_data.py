@@ -54,6 +54,15 @@ def train_images(data: str) -> tuple[list[str], dict[int, str]]:
     return list(info.train), dict(info.names)
 
 
+def ultralytics_importable() -> bool:
+    """Whether Ultralytics can be compared against here (e.g. with ``PYTHONPATH=/opt/ulib``)."""
+    try:
+        import ultralytics  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def records_for(files: list[str], nc: int) -> list[Any]:
     """Verified label records."""
     from detrain.data.labels import load_labels
@@ -184,11 +193,7 @@ def main() -> None:
         return
 
     images, _ = train_images(args.data)
-    try:
-        import ultralytics  # noqa: F401
-        names = ["detrain", "ultralytics"]
-    except ImportError:
-        names = ["detrain"]
+    names = ["detrain", "ultralytics"] if ultralytics_importable() else ["detrain"]
     best: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
         folder = Path(tmp)

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_data import mirror, train_images  # noqa: E402
+from bench_data import mirror, train_images, ultralytics_importable  # noqa: E402
 
 CACHE_PREFIX = "/dev/shm/detrain-ram-"
 KB = 1024
@@ -253,11 +253,7 @@ def main() -> None:
         return
 
     images, names = train_images(ns.data)
-    impls = list(ns.impls)
-    try:
-        import ultralytics  # noqa: F401
-    except ImportError:
-        impls = [i for i in impls if i != "ultralytics"]
+    impls = [i for i in ns.impls if i != "ultralytics" or ultralytics_importable()]
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="bench_ram_cache_") as tmp:
         folder = Path(tmp)

@@ -147,19 +147,28 @@ def reference_assign(scores, pd_boxes, anchors, labels, gts, mask_gt, topk, alph
     return fg, gt_idx, target
 
 
-def test_matches_slow_reference_on_random_boxes() -> None:
-    gen = torch.Generator().manual_seed(3)
+def _random_problem(gen: torch.Generator, b: int, m: int, nc: int, gt_size: tuple[float, float]
+                    ) -> tuple[torch.Tensor, ...]:
+    """Anchors of a 64 px image at stride 8, ``m`` random boxes per image with sides in ``gt_size`` (min,
+    span), their labels, and predicted boxes jittered around every anchor so that many IoUs are non-zero."""
     anchors = grid_anchors(8)
-    b, n, m, nc = 2, anchors.shape[0], 3, 4
+    n = anchors.shape[0]
     centres = torch.rand(b, m, 2, generator=gen) * 48 + 8
-    sizes = torch.rand(b, m, 2, generator=gen) * 24 + 16
+    sizes = torch.rand(b, m, 2, generator=gen) * gt_size[1] + gt_size[0]
     gts = torch.cat((centres - sizes / 2, centres + sizes / 2), -1)
     labels = torch.randint(0, nc, (b, m, 1), generator=gen).float()
-    mask_gt = torch.tensor([[True, True, True], [True, True, False]]).unsqueeze(-1)
-    # predictions: boxes jittered around random anchors' neighbourhoods so that many IoUs are non-zero
     pd_centres = anchors.expand(b, n, 2) + torch.randn(b, n, 2, generator=gen) * 4
     pd_sizes = torch.rand(b, n, 2, generator=gen) * 24 + 12
     pd_boxes = torch.cat((pd_centres - pd_sizes / 2, pd_centres + pd_sizes / 2), -1)
+    return anchors, gts, labels, pd_boxes
+
+
+def test_matches_slow_reference_on_random_boxes() -> None:
+    gen = torch.Generator().manual_seed(3)
+    b, m, nc = 2, 3, 4
+    anchors, gts, labels, pd_boxes = _random_problem(gen, b, m, nc, gt_size=(16, 24))
+    n = anchors.shape[0]
+    mask_gt = torch.tensor([[True, True, True], [True, True, False]]).unsqueeze(-1)
     scores = torch.rand(b, n, nc, generator=gen) * 0.9 + 0.05
 
     out = TaskAlignedAssigner(topk=5, num_classes=nc)(scores, pd_boxes, anchors, labels, gts, mask_gt)
@@ -174,16 +183,10 @@ def test_matches_slow_reference_on_random_boxes() -> None:
 def test_sparse_assignment_from_logits_and_a_box_function_matches_dense() -> None:
     """``assign_sparse`` reads logits and boxes only at candidate pairs; the targets are the dense ones."""
     gen = torch.Generator().manual_seed(7)
-    anchors = grid_anchors(8)
-    b, n, m, nc = 3, anchors.shape[0], 4, 5
-    centres = torch.rand(b, m, 2, generator=gen) * 48 + 8
-    sizes = torch.rand(b, m, 2, generator=gen) * 30 + 10
-    gts = torch.cat((centres - sizes / 2, centres + sizes / 2), -1)
-    labels = torch.randint(0, nc, (b, m, 1), generator=gen).float()
+    b, m, nc = 3, 4, 5
+    anchors, gts, labels, pd_boxes = _random_problem(gen, b, m, nc, gt_size=(10, 30))
+    n = anchors.shape[0]
     mask_gt = torch.tensor([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool).unsqueeze(-1)
-    pd_centres = anchors.expand(b, n, 2) + torch.randn(b, n, 2, generator=gen) * 4
-    pd_sizes = torch.rand(b, n, 2, generator=gen) * 24 + 12
-    pd_boxes = torch.cat((pd_centres - pd_sizes / 2, pd_centres + pd_sizes / 2), -1)
     logits = torch.randn(b, n, nc, generator=gen) * 2
     asked = []
 
