@@ -26,7 +26,6 @@ mark), so every rank's wait is bounded and the error names the ranks that never 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import re
@@ -42,6 +41,7 @@ import torch.distributed as tdist
 from detrain.env import env_int
 from detrain.errors import DistributedError
 from detrain.slurm import map_slurm_env
+from detrain.store_barrier import Absent, StoreBarrier
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
@@ -71,8 +71,7 @@ class DistInfo:
 
 
 _info: DistInfo | None = None
-_barriers: Any = None  # a store client for barrier(): every rank's wait is bounded, also on gloo
-_barrier_seq = 0
+_barriers: StoreBarrier | None = None  # barrier() on gloo: every rank's wait is bounded
 
 
 # ----------------------------------------------------------------------------------------- setup
@@ -96,7 +95,7 @@ def setup(
         (1, False)
         >>> cleanup()
     """
-    global _info
+    global _info, _barriers
     if _info is not None and (not _info.distributed or tdist.is_initialized()):
         return _info
     map_slurm_env()
@@ -130,7 +129,7 @@ def setup(
         msg = f"rank {rank_} of {world} could not join the process group at {where}: {_cause(e)}"
         raise DistributedError(msg) from e
     _info = DistInfo(rank_, local, world, local_world, device, backend, timeout, restarts)
-    _open_barrier_store(restarts, startup)
+    _barriers = StoreBarrier.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), restarts, startup)
     # Every rank has reached this point before training begins: a slow start is not a hang.
     barrier("setup", timeout_s=startup_timeout_s)
     _set_group_timeout(timeout)
@@ -143,10 +142,10 @@ def cleanup() -> None:
     Example:
         >>> cleanup()
     """
-    global _info, _barriers, _barrier_seq
+    global _info, _barriers
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
-    _info, _barriers, _barrier_seq = None, None, 0
+    _info, _barriers = None, None
 
 
 def info() -> DistInfo | None:
@@ -321,7 +320,7 @@ def barrier(name: str, timeout_s: float | None = None) -> None:
     timeout = _info.timeout_s if timeout_s is None and _info is not None else (timeout_s or DEFAULT_TIMEOUT_S)
     with _named(f"barrier '{name}'", timeout):
         if tdist.get_backend() == "gloo" and _barriers is not None:
-            _store_barrier(timeout)
+            _barriers.wait(rank(), world_size(), timeout)
         elif tdist.get_backend() == "gloo":
             tdist.monitored_barrier(timeout=timedelta(seconds=timeout), wait_all_ranks=True)
         else:
@@ -355,7 +354,7 @@ def _cause(e: BaseException, timeout_s: float | None = None) -> str:
     low = text.lower()
     bound = f" within {timeout_s:g}s" if timeout_s is not None else ""
     missing = re.search(r"ranks? ([\d, ]+) failed to pass monitoredbarrier", low)
-    if isinstance(e, _Absent):
+    if isinstance(e, Absent):
         return f"rank(s) {e} did not arrive{bound} {PEER_LOST_MARK}"
     if missing:
         return f"rank(s) {missing.group(1).strip()} did not arrive{bound} {PEER_LOST_MARK}"
@@ -383,46 +382,6 @@ def _store_args(rank_: int, world: int, restarts: int, timeout: timedelta) -> di
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout
     )
     return {"store": tdist.PrefixStore(f"detrain/attempt_{restarts}", client), "rank": rank_, "world_size": world}
-
-
-def _open_barrier_store(restarts: int, timeout: timedelta) -> None:
-    """A client of the rendezvous store (the elastic agent's, or rank 0's under env://) for :func:`barrier`,
-    with keys of its own per restart attempt. Without one, barriers fall back to gloo's monitored barrier."""
-    global _barriers, _barrier_seq
-    try:
-        client = tdist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                                timeout=timeout)
-        _barriers, _barrier_seq = tdist.PrefixStore(f"detrain/barriers/attempt_{restarts}", client), 0
-    except Exception:  # e.g. a store that is not a TCPStore: torch's own barrier still works
-        _barriers = None
-
-
-class _Absent(Exception):
-    """Ranks that did not come to a barrier in time."""
-
-    def __init__(self, ranks: list[int]):
-        super().__init__(", ".join(map(str, ranks)))
-
-
-def _store_barrier(timeout_s: float) -> None:
-    """Mark this rank's arrival at the next barrier and wait, at most ``timeout_s``, for every rank's mark."""
-    global _barrier_seq
-    _barrier_seq += 1  # every rank passes the same barriers in the same order
-    keys = [f"{_barrier_seq}/{r}" for r in range(world_size())]
-    _barriers.set(keys[rank()], "1")
-    try:
-        _barriers.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as e:
-        try:
-            missing = [r for r, key in enumerate(keys) if not _barriers.check([key])]
-        except Exception:  # the store itself is gone (its host died)
-            raise e from None
-        if not missing:
-            raise
-        raise _Absent(missing) from None
-    if _barrier_seq > 1:  # everyone has left the previous barrier: its mark is no longer needed
-        with contextlib.suppress(Exception):
-            _barriers.delete_key(f"{_barrier_seq - 1}/{rank()}")
 
 
 def _set_group_timeout(timeout_s: float) -> None:
