@@ -209,18 +209,26 @@ def test_joins_a_torchrun_world_instead_of_spawning(tmp_path: Path) -> None:
         assert r["pid"] == r["launcher_pid"]
 
 
-def _two_nodes(tmp_path: Path, nnodes: str) -> list:
-    port, out = _free_port(), str(tmp_path / "node")
+def _run_two_nodes(out: Path, nnodes: str, *entry: str) -> tuple[list[str], list[int], list]:
+    """Two single-worker "nodes" on 127.0.0.1 running ``report`` (or ``entry``: a worker name and its json
+    arguments): their output, exit codes and results (None where a node wrote none)."""
+    port = _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, SCRIPT, "node", str(node), str(port), out, nnodes],
+            [sys.executable, SCRIPT, "node", str(node), str(port), str(out), nnodes, *entry],
             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for node in (0, 1)
     ]
     logs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-2000:] for log in logs)
-    return [json.loads(Path(f"{out}.{node}").read_text()) for node in (0, 1)]
+    results = [json.loads(Path(f"{out}.{n}").read_text()) if Path(f"{out}.{n}").exists() else None for n in (0, 1)]
+    return logs, [p.returncode for p in procs], results
+
+
+def _two_nodes(tmp_path: Path, nnodes: str) -> list:
+    logs, codes, results = _run_two_nodes(tmp_path / "node", nnodes)
+    assert codes == [0, 0], "\n".join(log[-2000:] for log in logs)
+    return results
 
 
 def test_two_nodes_form_one_world(tmp_path: Path) -> None:
@@ -251,17 +259,7 @@ def test_dataset_preparation_waits_for_prepare_timeout_not_the_training_timeout(
 
 
 def _two_slow_nodes(out: Path, args: dict) -> tuple[list[str], list[int], list]:
-    """``slow_prepare`` on two single-worker "nodes" on 127.0.0.1: their output, exit codes and results."""
-    port = _free_port()
-    procs = [
-        subprocess.Popen([sys.executable, SCRIPT, "node", str(node), str(port), str(out), "2", "slow_prepare",
-                          json.dumps(args)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
-        for node in (0, 1)
-    ]
-    logs = [p.communicate(timeout=120)[0] for p in procs]
-    results = [json.loads(Path(f"{out}.{n}").read_text()) if Path(f"{out}.{n}").exists() else None for n in (0, 1)]
-    return logs, [p.returncode for p in procs], results
+    return _run_two_nodes(out, "2", "slow_prepare", json.dumps(args))
 
 
 def test_missing_node_ends_the_rendezvous() -> None:
