@@ -95,7 +95,10 @@ def detrain_loader(files: list[str], names: dict[int, str], imgsz: int, batch: i
     return lambda workers: build_dataloader(dataset, batch, shuffle=True, workers=workers)
 
 
-def ultralytics_loader(folder: Path, names: dict[int, str], imgsz: int, batch: int) -> Callable[[int], Any] | None:
+def ultralytics_loader(folder: Path, names: dict[int, str], imgsz: int, batch: int, cache: str | bool = False,
+                       rank: int = -1) -> Callable[[int], Any] | None:
+    """``build(workers)`` for Ultralytics' training loader on folder/images/train (per-rank ``batch``; ``rank``
+    -1 outside DDP), or None where Ultralytics is not importable."""
     try:
         from ultralytics.cfg import get_cfg
         from ultralytics.data.build import build_dataloader, build_yolo_dataset
@@ -105,9 +108,9 @@ def ultralytics_loader(folder: Path, names: dict[int, str], imgsz: int, batch: i
             "names": names, "nc": len(names), "channels": 3}
 
     def build(workers: int) -> Any:
-        cfg = get_cfg(overrides={"imgsz": imgsz, "batch": batch, "workers": workers, "mosaic": 1.0})
+        cfg = get_cfg(overrides={"imgsz": imgsz, "batch": batch, "workers": workers, "cache": cache, "mosaic": 1.0})
         dataset = build_yolo_dataset(cfg, data["train"], batch, data, mode="train", stride=32)
-        return build_dataloader(dataset, batch, workers, shuffle=True, rank=-1)
+        return build_dataloader(dataset, batch, workers, shuffle=True, rank=rank)
 
     return build
 

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_data import mirror, train_images, ultralytics_importable  # noqa: E402
+from bench_data import mirror, train_images, ultralytics_importable, ultralytics_loader  # noqa: E402
 
 CACHE_PREFIX = "/dev/shm/detrain-ram-"
 KB = 1024
@@ -190,22 +190,15 @@ def _detrain_loader(args: dict[str, Any], local_batch: int, rank: int, world: in
 def _ultralytics_loader(args: dict[str, Any], local_batch: int, rank: int, world: int) -> Any:
     import multiprocessing
 
-    from ultralytics.cfg import get_cfg
-    from ultralytics.data.build import build_dataloader, build_yolo_dataset
-
     # Ultralytics starts its ranks with torchrun, whose ranks fork their loader workers; ours are spawned by the
     # elastic agent and would spawn them (a fresh torch import per worker) unless told otherwise.
     multiprocessing.set_start_method("fork", force=True)
-
-    folder = Path(args["folder"])
     names = {int(k): v for k, v in args["names"].items()}
-    data = {"path": str(folder), "train": str(folder / "images" / "train"), "val": str(folder / "images" / "train"),
-            "names": names, "nc": len(names), "channels": 3}
-    cfg = get_cfg(overrides={"imgsz": args["imgsz"], "batch": local_batch, "workers": args["workers"],
-                             "cache": "ram", "mosaic": 1.0})
     # Each rank builds and caches its own dataset, as Ultralytics' DDP trainer does.
-    dataset = build_yolo_dataset(cfg, data["train"], local_batch, data, mode="train", stride=32)
-    return build_dataloader(dataset, local_batch, args["workers"], shuffle=True, rank=rank if world > 1 else -1)
+    build = ultralytics_loader(Path(args["folder"]), names, args["imgsz"], local_batch, cache="ram",
+                               rank=rank if world > 1 else -1)
+    assert build is not None, "ultralytics is not importable"
+    return build(args["workers"])
 
 
 # ---------------------------------------------------------------- one run, in its own process
