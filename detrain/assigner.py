@@ -1,11 +1,19 @@
 """Task-aligned assignment of anchors to ground-truth boxes (TOOD, as used by YOLOv8).
 
 Each ground-truth box picks the ``topk`` anchors whose centre lies inside it and whose prediction is best
-aligned with it, where alignment = ``score[gt class] ** alpha * IoU(pred, gt) ** beta``. The soft target
-of a positive anchor is its alignment, rescaled per box so that the best-aligned anchor of a box gets that
-box's best IoU. Candidates are found on (V, N) tensors for the V real (unpadded) boxes; predictions are
-read only at candidate (box, anchor) pairs, and everything after the per-box top-k works on the at most
-V * topk positive pairs. There is no Python loop over images, boxes or anchors.
+aligned with it, where alignment = ``score[gt class] ** alpha * overlap(pred, gt) ** beta`` and the overlap
+is the Complete IoU clamped at 0 (the quantity the box loss optimises, so the assigner ranks predictions by
+what the loss rewards). A box side shorter than ``min_side`` (the middle stride, 16 px for YOLOv8) is
+widened to it about the box centre when candidates are found, so that a small object still has anchor
+centres inside it on the finer levels; the targets keep the real box. An anchor claimed by several boxes
+goes to the box its prediction overlaps most among all boxes it lies inside. The soft target of a positive
+anchor is its alignment, rescaled per box so that the best-aligned anchor of a box gets that box's best
+overlap. These are the rules of Ultralytics' current assigner (``tests/test_parity_loss.py`` checks the
+loss and its gradients against it when it is importable).
+
+Candidates are found on (V, N) tensors for the V real (unpadded) boxes; predictions are read only at
+candidate (box, anchor) pairs, and everything after the per-box top-k works on the at most V * topk positive
+pairs. There is no Python loop over images, boxes or anchors.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from detrain.boxes import bbox_iou_ciou
 
 
 class Assignment(NamedTuple):
@@ -52,13 +62,27 @@ BoxesAt = Callable[[Tensor, Tensor], Tensor]
 """``boxes(img, anchor) -> (K, 4)`` predicted xyxy boxes in pixels at K (image, anchor) index pairs."""
 
 
-def _iou_xyxy(box1: Tensor, box2: Tensor, eps: float = 1e-9) -> Tensor:
-    """Element-wise plain IoU of (K, 4) xyxy boxes, (K,). ``_iou_xyxy(b, b)`` is 1 for non-empty ``b``."""
-    inter_wh = (torch.minimum(box1[:, 2:], box2[:, 2:]) - torch.maximum(box1[:, :2], box2[:, :2])).clamp(0)
-    inter = inter_wh[:, 0] * inter_wh[:, 1]
-    area1 = (box1[:, 2:] - box1[:, :2]).clamp(0).prod(-1)
-    area2 = (box2[:, 2:] - box2[:, :2]).clamp(0).prod(-1)
-    return inter / (area1 + area2 - inter + eps)
+def pair_overlap(gt_xyxy: Tensor, pd_xyxy: Tensor) -> Tensor:
+    """Element-wise CIoU of (K, 4) xyxy boxes clamped at 0, (K,): the assigner's overlap measure.
+
+    >>> pair_overlap(torch.tensor([[0., 0, 4, 4], [0, 0, 4, 4]]), torch.tensor([[0., 0, 4, 4], [8, 8, 9, 9]])).tolist()
+    [1.0, 0.0]
+    """
+    return bbox_iou_ciou(gt_xyxy, pd_xyxy)[1].squeeze(-1).clamp_(0)
+
+
+def widen_small_boxes(boxes_xyxy: Tensor, min_side: float) -> Tensor:
+    """(..., 4) xyxy boxes with every side shorter than ``min_side`` widened to it about the box centre.
+
+    >>> widen_small_boxes(torch.tensor([[10., 10, 14, 40]]), 16.0).tolist()
+    [[4.0, 10.0, 20.0, 40.0]]
+    """
+    if min_side <= 0:
+        return boxes_xyxy
+    centre = (boxes_xyxy[..., :2] + boxes_xyxy[..., 2:]) / 2
+    size = boxes_xyxy[..., 2:] - boxes_xyxy[..., :2]
+    half = torch.where(size < min_side, size.new_tensor(min_side), size) / 2
+    return torch.cat((centre - half, centre + half), -1)
 
 
 def anchors_inside_boxes(anchor_points: Tensor, gt_bboxes_xyxy: Tensor, eps: float = 1e-9) -> Tensor:
@@ -80,6 +104,9 @@ def anchors_inside_boxes(anchor_points: Tensor, gt_bboxes_xyxy: Tensor, eps: flo
 class TaskAlignedAssigner:
     """Assign anchors to ground-truth boxes by task alignment; call it under any grad mode, it uses none.
 
+    ``min_side``: sides shorter than this are widened to it when candidates are found (0 = off); the loss
+    passes its middle stride, as Ultralytics does.
+
     >>> assigner = TaskAlignedAssigner(topk=2, num_classes=1)
     >>> anchors = torch.tensor([[4., 4], [12, 4], [20, 4]])
     >>> scores = torch.tensor([[[0.9], [0.5], [0.1]]])
@@ -91,9 +118,11 @@ class TaskAlignedAssigner:
     """
 
     def __init__(
-        self, topk: int = 10, num_classes: int = 80, alpha: float = 0.5, beta: float = 6.0, eps: float = 1e-9
+        self, topk: int = 10, num_classes: int = 80, alpha: float = 0.5, beta: float = 6.0, eps: float = 1e-9,
+        min_side: float = 0.0,
     ) -> None:
         self.topk = topk
+        self.min_side = float(min_side)
         self.num_classes = num_classes
         self.alpha = alpha
         self.beta = beta
@@ -144,16 +173,16 @@ class TaskAlignedAssigner:
         # work on the real boxes only (V of the B * M padded slots), so padding to the fullest image is free
         v_img, v_box = mask_gt.reshape(b, m).bool().nonzero(as_tuple=True)
         v_boxes = gt_bboxes_xyxy[v_img, v_box]  # (V, 4)
-        candidates = anchors_inside_boxes(anchor_points, v_boxes[None], self.eps)[0]  # (V, N)
-        row, anchor = candidates.nonzero(as_tuple=True)
+        candidates = anchors_inside_boxes(anchor_points, widen_small_boxes(v_boxes, self.min_side)[None], self.eps)[0]
+        row, anchor = candidates.nonzero(as_tuple=True)  # (V, N) -> candidate pairs
         if row.numel() == 0:
             return self._background(b, n, gt_bboxes_xyxy.dtype, pd_scores.dtype, device)
         v_labels = gt_labels.reshape(b, m)[v_img, v_box].long()  # (V,)
         img = v_img[row]
 
-        # IoU and alignment at the candidate pairs only, scattered into (V, N) for the per-box top-k
+        # overlap and alignment at the candidate pairs only, scattered into (V, N) for the per-box top-k
         pd_boxes = pd_bboxes_xyxy(img, anchor) if callable(pd_bboxes_xyxy) else pd_bboxes_xyxy[img, anchor]
-        iou = _iou_xyxy(v_boxes[row], pd_boxes).clamp_(0)
+        iou = pair_overlap(v_boxes[row], pd_boxes.to(v_boxes.dtype))
         score = pd_scores[img, anchor, v_labels[row]]
         if logits:
             score = score.sigmoid()
@@ -166,24 +195,28 @@ class TaskAlignedAssigner:
 
         # top-k by alignment per box; picks outside the candidates (ties at zero) are dropped
         k = min(self.topk, n)
-        topk_metric, topk_idx = align_metric.topk(k, dim=-1)  # (V, k)
+        topk_idx = align_metric.topk(k, dim=-1).indices  # (V, k)
         p_row, p_slot = candidates.gather(-1, topk_idx).nonzero(as_tuple=True)
         p_anchor = topk_idx[p_row, p_slot]
-        p_metric = topk_metric[p_row, p_slot]
-        p_iou = overlaps[p_row, p_anchor]
-        p_img, p_box = v_img[p_row], v_box[p_row]
 
-        # an anchor claimed by several boxes goes to the one its prediction overlaps most (the lowest box
-        # index among equals): per-anchor maxima by scatter over the positive pairs
-        flat = p_img * n + p_anchor
-        best_iou = p_iou.new_full((b * n,), -1.0).scatter_reduce_(0, flat, p_iou, "amax")
-        wins = p_iou == best_iou[flat]
-        winner = flat.new_full((b * n,), m).scatter_reduce_(0, flat[wins], p_box[wins], "amin")
-        keep = p_box == winner[flat]
-        a_row, a_img, a_anchor = p_row[keep], p_img[keep], p_anchor[keep]
-        a_metric, a_iou = p_metric[keep], p_iou[keep]
+        # an anchor claimed by several boxes goes to the box its prediction overlaps most among *all* the boxes
+        # it is a candidate of (the lowest box index among equals), even one whose top-k did not pick it
+        flat = v_img[p_row] * n + p_anchor
+        claims = torch.bincount(flat, minlength=b * n)
+        single = claims[flat] == 1
+        a_row, a_anchor = p_row[single], p_anchor[single]
+        contested = (claims > 1).nonzero(as_tuple=True)[0]
+        if contested.numel():
+            flat_c = img * n + anchor  # every candidate pair
+            best = iou.new_full((b * n,), -1.0).scatter_reduce_(0, flat_c, iou, "amax")
+            top = (iou == best[flat_c]) & (claims[flat_c] > 1)
+            winner = row.new_full((b * n,), v).scatter_reduce_(0, flat_c[top], row[top], "amin")
+            a_row = torch.cat((a_row, winner[contested]))
+            a_anchor = torch.cat((a_anchor, contested % n))
+        a_img = v_img[a_row]
+        a_metric, a_iou = align_metric[a_row, a_anchor], overlaps[a_row, a_anchor]
 
-        # normalise per box: its best-aligned anchor gets the box's best IoU
+        # normalise per box: its best-aligned anchor gets the box's best overlap
         max_metric = a_metric.new_zeros(v).scatter_reduce_(0, a_row, a_metric, "amax")
         max_iou = a_iou.new_zeros(v).scatter_reduce_(0, a_row, a_iou, "amax")
         norm_align = a_metric * max_iou[a_row] / (max_metric[a_row] + self.eps)

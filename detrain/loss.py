@@ -189,7 +189,9 @@ class DetectionLoss:
         self.gains = (box, cls, dfl)
         self.normalizer_reduce = normalizer_reduce
         self.world_size = world_size
-        self.assigner = TaskAlignedAssigner(topk=10, num_classes=nc, alpha=0.5, beta=6.0)
+        # boxes smaller than the middle stride are widened to it when candidate anchors are found (as Ultralytics)
+        min_side = self.strides[1] if len(self.strides) > 1 else self.strides[0]
+        self.assigner = TaskAlignedAssigner(topk=10, num_classes=nc, alpha=0.5, beta=6.0, min_side=min_side)
         self._anchor_cache: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
     def __call__(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from detrain.assigner import TaskAlignedAssigner, anchors_inside_boxes
@@ -20,6 +22,18 @@ def iou(a: torch.Tensor, b: torch.Tensor) -> float:
     inter = iw * ih
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
     return float(inter / (union + 1e-9))
+
+
+def ciou(gt: torch.Tensor, pd: torch.Tensor) -> float:
+    """Complete IoU clamped at 0, written out from its definition (IoU - centre distance term - aspect term)."""
+    plain = iou(gt, pd)
+    gw, gh, pw, ph = (float(v) for v in (gt[2] - gt[0], gt[3] - gt[1], pd[2] - pd[0], pd[3] - pd[1]))
+    cw = float(max(gt[2], pd[2]) - min(gt[0], pd[0]))
+    ch = float(max(gt[3], pd[3]) - min(gt[1], pd[1]))
+    rho2 = (float(pd[0] + pd[2] - gt[0] - gt[2]) ** 2 + float(pd[1] + pd[3] - gt[1] - gt[3]) ** 2) / 4
+    v = 4 / math.pi**2 * (math.atan(pw / ph) - math.atan(gw / gh)) ** 2
+    alpha = v / (v - plain + 1)
+    return max(plain - rho2 / (cw**2 + ch**2) - v * alpha, 0.0)
 
 
 def test_one_box_picks_topk_candidates_by_score() -> None:
@@ -106,22 +120,29 @@ def test_image_without_boxes_beside_one_with_boxes() -> None:
     assert not out.fg_mask[1].any()
 
 
-def reference_assign(scores, pd_boxes, anchors, labels, gts, mask_gt, topk, alpha, beta):
-    """Slow, loop-based restatement of the rule, for comparison. Returns (fg (B, N), gt_idx, target scores)."""
+def reference_assign(scores, pd_boxes, anchors, labels, gts, mask_gt, topk, alpha, beta, min_side=0.0):
+    """Slow, loop-based restatement of the rule, for comparison. Returns (fg (B, N), gt_idx, target scores).
+
+    Overlap: CIoU clamped at 0; candidates: anchor centres inside the box with sides widened to ``min_side``;
+    positives: each box's ``topk`` candidates by alignment (those with alignment > 0); an anchor several boxes
+    pick goes to the box of highest overlap among all boxes it is a candidate of (lowest index on ties)."""
     b, n, nc = scores.shape
     m = gts.shape[1]
     metric = torch.zeros(b, m, n)
     ious = torch.zeros(b, m, n)
     pos = torch.zeros(b, m, n, dtype=torch.bool)
+    cand = torch.zeros(b, m, n, dtype=torch.bool)
     for i in range(b):
         for j in range(m):
             if not mask_gt[i, j]:
                 continue
             x1, y1, x2, y2 = gts[i, j].tolist()
+            cx, cy, hw, hh = (x1 + x2) / 2, (y1 + y2) / 2, max(x2 - x1, min_side) / 2, max(y2 - y1, min_side) / 2
             for a in range(n):
                 ax, ay = anchors[a].tolist()
-                if x1 < ax < x2 and y1 < ay < y2:
-                    ious[i, j, a] = iou(pd_boxes[i, a], gts[i, j])
+                if cx - hw < ax < cx + hw and cy - hh < ay < cy + hh:
+                    cand[i, j, a] = True
+                    ious[i, j, a] = ciou(gts[i, j], pd_boxes[i, a])
                     metric[i, j, a] = scores[i, a, int(labels[i, j])] ** alpha * ious[i, j, a] ** beta
             order = sorted(range(n), key=lambda a: -float(metric[i, j, a]))[:topk]
             for a in order:
@@ -133,9 +154,11 @@ def reference_assign(scores, pd_boxes, anchors, labels, gts, mask_gt, topk, alph
     for i in range(b):
         for a in range(n):
             owners = [j for j in range(m) if pos[i, j, a]]
+            if len(owners) > 1:  # contested: every box the anchor lies in competes, not only the claimants
+                owners = [j for j in range(m) if cand[i, j, a]]
             if owners:
                 fg[i, a] = True
-                gt_idx[i, a] = max(owners, key=lambda j: float(ious[i, j, a]))
+                gt_idx[i, a] = max(owners, key=lambda j: (float(ious[i, j, a]), -j))
         for j in range(m):
             mine = [a for a in range(n) if fg[i, a] and gt_idx[i, a] == j]
             if not mine:
@@ -143,7 +166,7 @@ def reference_assign(scores, pd_boxes, anchors, labels, gts, mask_gt, topk, alph
             max_metric = max(float(metric[i, j, a]) for a in mine)
             max_iou = max(float(ious[i, j, a]) for a in mine)
             for a in mine:
-                target[i, a, int(labels[i, j])] = float(metric[i, j, a]) / max_metric * max_iou
+                target[i, a, int(labels[i, j])] = float(metric[i, j, a]) * max_iou / (max_metric + 1e-9)
     return fg, gt_idx, target
 
 
@@ -204,3 +227,23 @@ def test_sparse_assignment_from_logits_and_a_box_function_matches_dense() -> Non
         assert torch.equal(getattr(sparse, name), getattr(dense, name)), name
     torch.testing.assert_close(sparse.score, dense.scores.sum(-1))
     assert torch.all((dense.scores > 0).sum(-1) <= 1)
+
+
+def test_small_boxes_get_candidates_from_the_widened_box() -> None:
+    """Boxes smaller than ``min_side`` find candidates inside the box widened to it; targets keep the real box."""
+    gen = torch.Generator().manual_seed(11)
+    b, m, nc = 2, 4, 3
+    anchors, gts, labels, pd_boxes = _random_problem(gen, b, m, nc, gt_size=(3, 6))
+    n = anchors.shape[0]
+    mask_gt = torch.ones(b, m, 1, dtype=torch.bool)
+    scores = torch.rand(b, n, nc, generator=gen) * 0.9 + 0.05
+
+    plain = TaskAlignedAssigner(topk=5, num_classes=nc)(scores, pd_boxes, anchors, labels, gts, mask_gt)
+    out = TaskAlignedAssigner(topk=5, num_classes=nc, min_side=16.0)(scores, pd_boxes, anchors, labels, gts, mask_gt)
+    fg, gt_idx, target = reference_assign(scores, pd_boxes, anchors, labels, gts, mask_gt, 5, 0.5, 6.0, min_side=16.0)
+
+    assert int(out.fg_mask.sum()) > 2 * int(plain.fg_mask.sum())  # 3-9 px boxes hold at most one 8 px anchor
+    assert torch.equal(out.fg_mask, fg)
+    assert torch.equal(out.gt_idx[fg], gt_idx[fg])
+    torch.testing.assert_close(out.scores, target, rtol=1e-4, atol=1e-6)
+    assert torch.equal(out.bboxes_xyxy[fg], gts[torch.nonzero(fg)[:, 0], out.gt_idx[fg]])

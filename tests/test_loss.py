@@ -211,7 +211,7 @@ def dense_reference_loss(maps: list[torch.Tensor], batch_idx, cls, bboxes_xywhn,
                       anchors, xywh=False)
     size = maps[0].shape[2] * strides[0]
     gt_cls, gt_boxes, mask = pad_targets(batch_idx, cls.to(pred), xywh2xyxy(bboxes_xywhn.to(pred) * size), b)
-    target = TaskAlignedAssigner(10, NC)(logits.detach().sigmoid(), boxes.detach() * stride, anchors * stride,
+    target = TaskAlignedAssigner(10, NC, min_side=strides[1])(logits.detach().sigmoid(), boxes.detach() * stride, anchors * stride,
                                          gt_cls, gt_boxes, mask)
     norm = target.scores.sum().clamp(min=1)
     loss_cls = nn.functional.binary_cross_entropy_with_logits(logits, target.scores, reduction="sum")
