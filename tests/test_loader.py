@@ -72,13 +72,55 @@ def test_every_rank_gets_the_same_number_of_batches() -> None:
         assert len(set(counts)) == 1 and all(s == sizes[0] for s in sizes)
 
 
-def test_pools_are_groups_of_the_epoch_order() -> None:
-    sampler = GlobalBatchSampler(40, 16, seed=1, pool_size=8)
-    order = sampler.order().tolist()
+def test_pools_are_slot_groups_of_the_lane_reaching_into_earlier_epochs() -> None:
+    """Pool of slot s in batch b: slot group s // 8 of batches b, b-2, b-4 (lanes 2, window 3), newest first; a
+    lane that runs out goes on at the previous epoch's last batch of the same parity."""
+    sampler = GlobalBatchSampler(80, 16, seed=1, pool_size=8, pool_window=3, pool_lanes=2)  # 5 batches
+    orders = {e: sampler.order(e).tolist() for e in (2, 3)}
+
+    def group(epoch: int, batch: int, slot: int) -> list[int]:
+        start = batch * 16 + slot // 8 * 8
+        return orders[epoch][start: start + 8]
+
+    sampler.set_epoch(3)
+    lanes = {0: [(3, 0), (2, 4), (2, 2)], 1: [(3, 1), (2, 3), (2, 1)], 4: [(3, 4), (3, 2), (3, 0)]}
     for b, batch in enumerate(sampler):
-        for j, pick in enumerate(batch):
-            p = b * 16 + j
-            assert list(pick.pool) == order[p // 8 * 8: p // 8 * 8 + 8] and pick.index in pick.pool
+        for s, pick in enumerate(batch):
+            assert pick.index == orders[3][b * 16 + s] and pick.index in pick.pool
+            if b in lanes:
+                assert list(pick.pool) == [i for e, j in lanes[b] for i in group(e, j, s)]
+
+
+@pytest.mark.parametrize("n", [64, 50])
+def test_pools_do_not_depend_on_the_split_over_ranks(n: int) -> None:
+    for epoch in (0, 4):
+        one = _at_epoch(GlobalBatchSampler(n, 16, seed=3), epoch)
+        two = [_at_epoch(GlobalBatchSampler(n, 8, r, 2, seed=3), epoch) for r in (0, 1)]
+        for a, b0, b1 in zip(one, *two):
+            if len(a) == 16:
+                assert [p.pool for p in a] == [p.pool for p in b0 + b1]
+                assert epoch == 0 or len(set(a[0].pool)) > 16  # past the first epoch the pools span batches
+
+
+def test_partners_come_from_earlier_batches_without_decoding_them_again(records: list[Rec]) -> None:
+    """A whole epoch on one process: mosaics mix images of several batches, yet each image is decoded about once
+    (the decode cache keeps the lane's images), and a cold cache gives the very same pixels as a warm one."""
+    ds = DetectionDataset(records * 4, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=6)  # 80 images
+    sampler = GlobalBatchSampler(len(ds), 4, seed=6, pool_window=4, pool_lanes=2)
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        warm = [ds.__getitems__(b) for b in batches]
+    plans = [ds._plan(p, 1, 0, True, None) for b in batches for p in b]
+    partners = [{t.index for t in plan.layers[0].tiles[1:]} - {p.index for p in b}
+                for plan, b in zip(plans, [b for b in batches for _ in b])]
+    assert sum(len(x) for x in partners) > len(plans)  # most partners come from other batches
+    assert ds._decode_cache.misses <= 1.2 * 2 * len(ds)  # about one decode per image and epoch
+    cold = DetectionDataset(records * 4, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=6)
+    cold.set_epoch(1)
+    for b in (batches[5], batches[-1]):
+        assert all(torch.equal(x["img"], y["img"]) for x, y in zip(cold.__getitems__(b), warm[batches.index(b)]))
 
 
 def test_val_shards_are_disjoint_complete_and_keep_the_batches() -> None:

@@ -3,8 +3,9 @@
 Training (``augment=True``): mosaic, random affine, mixup, flips and HSV (``train_sample.py``), drawn from
 ``np.random.default_rng([seed, epoch, index])``, so what a run sees does not depend on how many dataloader
 workers, processes or ranks produce it. Mosaic partners come from that same generator: from the index's *pool*
-when the sampler gives one (``Pick``: the images of the same sampler group, so one decode serves several mosaics
-of a batch, see ``loader.py``), else from the whole dataset.
+when the sampler gives one (``Pick``: its slot group in the recent batches of its sampler lane, see ``loader.py``),
+else from the whole dataset. A per-process decode cache (``decode_cache.py``) keeps the lane's recent decodes, so
+partners cost no second decode.
 
 Validation (``augment=False``): YOLOv8's preprocessing exactly (``load_image``, i.e. ``image_io.resize_long_side``,
 then ``letterbox`` with ``scaleup=False``; with ``rect=True`` images sorted by aspect ratio and letterboxed to their
@@ -18,6 +19,7 @@ and a count (``skipped_images``), never a crash mid-epoch.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -28,6 +30,7 @@ from torch.utils.data import Dataset, default_collate
 
 from detrain.data.augment import apply_hsv, letterbox, merged_hyp
 from detrain.data.batch_memory import BatchBlock, whole_block
+from detrain.data.decode_cache import LANES, DecodeCache
 from detrain.data.image_io import (check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side)
 from detrain.data.instances import Labels
 from detrain.data.ram_cache import RamCache, cache_key, run_tag
@@ -39,7 +42,7 @@ _EPOCH, _CLOSED, _SKIPPED = 0, 1, 2  # slots of the shared state tensor
 
 
 class Pick(NamedTuple):
-    """A sampler's key for the dataset: ``index`` and its mosaic ``pool`` (the indices of its sampler group)."""
+    """A sampler's key for the dataset: ``index`` and its mosaic ``pool`` (the indices partners are drawn from)."""
 
     index: int
     pool: tuple[int, ...]
@@ -152,6 +155,7 @@ class DetectionDataset(Dataset):
         # epoch, mosaic closed by close_mosaic(), images replaced: shared with (persistent) dataloader workers.
         self._state = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._warned: set[str] = set()
+        self._decode_cache = DecodeCache()  # per process: each loader worker fills its own
         self._ram: RamCache | None = None
         if self.cache == "ram":
             key = cache_key(self.im_files, self.shapes_hw, self.imgsz, run_tag())
@@ -207,14 +211,15 @@ class DetectionDataset(Dataset):
             return self._finish([self._val_sample(p.index, out_hw) for p in picks])
         epoch, mosaic_on = self.epoch, self.mosaic_active
         plans = [self._plan(p, epoch, 0, mosaic_on, out_hw) for p in picks]
-        decoded: dict[tuple[int, int], np.ndarray | None] = {}
+        decoded: dict[tuple[int, int], np.ndarray | None] = {}  # this batch's pixels, whatever the cache evicts
+        self._decode_cache.set_budget(self._decode_budget(picks))
         samples = []
         for pick, plan in zip(picks, plans):
             for attempt in range(1, MAX_SUBSTITUTIONS + 1):
                 needed = [(t.index, t.reduce) for layer in plan.layers for t in layer.tiles]
                 for k in needed:
                     if k not in decoded:
-                        decoded[k] = self._pixels(*k)
+                        decoded[k] = self._decode_cache.get(k, self._decode) if self._ram is None else self._pixels(*k)
                 bad = [i for i, r in needed if decoded[(i, r)] is None]
                 if not bad:
                     break
@@ -304,6 +309,20 @@ class DetectionDataset(Dataset):
         img = resize_long_side(img, self.imgsz)
         # The file disagrees with its verified shape (e.g. EXIF rotation read differently): fit the promised slot.
         return img if img.shape[:2] == (h, w) else cv2.resize(img, (w, h), interpolation=cv2.INTER_LINEAR)
+
+    def _decode_budget(self, picks: Sequence[Pick]) -> int:
+        """Bytes this process may keep decoded: the batch's pools at load size, half as much again for decodes at
+        other reductions, for each sampler lane this process serves (the DataLoader deals batch b to worker
+        b mod workers, so each of w workers serves ``LANES / w`` lanes; the main process all of them)."""
+        pooled = len(set().union(*(p.pool for p in picks)))
+        if not pooled:
+            return 0
+        info = torch.utils.data.get_worker_info()
+        lanes = math.ceil(LANES / info.num_workers) if info is not None else LANES
+        return int(1.5 * max(pooled, len(picks)) * lanes * self.imgsz * self.imgsz * 3)
+
+    def _decode(self, key: tuple[int, int]) -> np.ndarray | None:
+        return self._pixels(*key)
 
     def _pixels(self, index: int, reduce: int) -> np.ndarray | None:
         """Decoded pixels for training at any resolution (the warp scales them to the load size)."""

@@ -7,10 +7,15 @@ and 2 ranks x 8 see exactly the same images at every step, and together with the
 global batch is padded by wrapping around the permutation (its first images again) up to a multiple of
 ``world_size`` (nothing is padded on one rank); with ``drop_last`` the incomplete global batch is dropped instead.
 
-Each key carries its *pool*: the images of its group of ``pool_size`` consecutive positions in the epoch's order.
-The dataset draws mosaic partners from it, so the images a batch needs are mostly its own and each is decoded
-once per batch. Groups are fixed by the permutation, not by the batch size or the number of ranks, so the
-result does not change with them (it is cheapest when the per-rank batch is a multiple of ``pool_size``).
+Each key carries its *pool*, the images its mosaic partners are drawn from. A pool mixes like Ultralytics'
+buffer of recently loaded images, yet costs no extra decode: it holds the key's slot group (``pool_size``
+consecutive slots of the global batch) in this batch and in the ``pool_window - 1`` batches before it on the
+same *lane* (every ``pool_lanes``-th batch, reaching back into earlier epochs). The DataLoader hands batch b of
+every epoch to worker b mod workers, so when the worker count divides ``pool_lanes`` a lane's batches all go to
+one worker, whose decoded images (``DetectionDataset``'s per-process decode cache) serve the later batches of
+the lane. Partners therefore spread each image over ``pool_window`` batches (with ``pool_window=1`` a batch's
+mosaics use only its own images, as before), and the pools do not depend on the batch split over ranks or
+on the worker count: those change only how often the decode cache hits.
 
 Evaluation, :class:`ShardSampler`: the single-process batches (so rectangular batch shapes are unchanged) split
 into contiguous, disjoint runs, one per rank, without padded duplicates; ranks may get different counts.
@@ -33,8 +38,11 @@ import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
 from detrain.data.dataset import Pick
+from detrain.data.decode_cache import LANES
 
-POOL_SIZE = 8
+POOL_SIZE = 8  # slots per pool group: a group lies within one rank's slice when the per-rank batch is a multiple
+POOL_WINDOW = 4  # batches of a lane in one pool (4 x 8 = 32 partner candidates per image)
+POOL_LANES = LANES  # lane stride in batches: worker counts 1, 2, 4 and 8 keep a lane on one worker
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 
 
@@ -48,21 +56,34 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
     """
 
     def __init__(self, n: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False, pool_size: int = POOL_SIZE):
-        if n <= 0 or batch_size <= 0 or not 0 <= rank < world_size:
-            raise ValueError(f"bad sampler arguments: n={n}, batch_size={batch_size}, rank={rank}/{world_size}")
+                 shuffle: bool = True, drop_last: bool = False, pool_size: int = POOL_SIZE,
+                 pool_window: int = POOL_WINDOW, pool_lanes: int = POOL_LANES):
+        if n <= 0 or batch_size <= 0 or not 0 <= rank < world_size or min(pool_size, pool_window, pool_lanes) < 1:
+            raise ValueError(f"bad sampler arguments: n={n}, batch_size={batch_size}, rank={rank}/{world_size}, "
+                             f"pool {pool_size} x {pool_window} on {pool_lanes} lanes")
         self.n, self.batch_size, self.rank, self.world_size = n, batch_size, rank, world_size
         self.seed, self.shuffle, self.drop_last, self.pool_size = int(seed) % 2**32, shuffle, drop_last, pool_size
+        self.pool_window, self.pool_lanes = pool_window, pool_lanes
         self.epoch = 0
+        self._orders: dict[int, np.ndarray] = {}
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation for the next iteration."""
         self.epoch = int(epoch)
 
-    def order(self) -> np.ndarray:
-        """This epoch's sequence of indices (all ranks), padded or cut as described in the module docstring."""
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """Epoch ``epoch``'s (default: this epoch's) sequence of indices (all ranks), padded or cut as described in
+        the module docstring."""
+        epoch = self.epoch if epoch is None else epoch
+        if epoch not in self._orders:
+            if len(self._orders) > self.pool_window + 1:  # pools reach back at most pool_window epochs
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = self._make_order(epoch)
+        return self._orders[epoch]
+
+    def _make_order(self, epoch: int) -> np.ndarray:
         n, g, w = self.n, self.batch_size * self.world_size, self.world_size
-        perm = np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle else np.arange(n)
+        perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
         if self.drop_last and n >= g:
             return perm[: n // g * g]
         full = (n // g) * g
@@ -73,14 +94,43 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
     def __iter__(self) -> Iterator[list[Pick]]:
         order = self.order()
         g = self.batch_size * self.world_size
-        for start in range(0, len(order), g):
+        for b, start in enumerate(range(0, len(order), g)):
             chunk = len(order[start: start + g]) // self.world_size  # the per-rank size (smaller for the last)
-            lo = start + self.rank * chunk
-            yield [Pick(int(order[p]), self._pool(order, p)) for p in range(lo, lo + chunk)]
+            slots = range(self.rank * chunk, (self.rank + 1) * chunk)
+            pools = {s // self.pool_size: self.pool(self.epoch, b, s) for s in slots}
+            yield [Pick(int(order[start + s]), pools[s // self.pool_size]) for s in slots]
 
-    def _pool(self, order: np.ndarray, position: int) -> tuple[int, ...]:
-        first = position // self.pool_size * self.pool_size
-        return tuple(int(i) for i in order[first: first + self.pool_size])
+    def pool(self, epoch: int, batch: int, slot: int) -> tuple[int, ...]:
+        """The mosaic pool of ``slot`` of global batch ``batch`` of ``epoch``: its slot group in the lane's batches.
+
+        >>> sampler = GlobalBatchSampler(64, 16, seed=0, pool_size=4, pool_window=2, pool_lanes=2)
+        >>> here, before = sampler.order(1)[16 * 2:][:4], sampler.order(1)[:4]
+        >>> sampler.pool(1, 2, 1) == tuple(int(i) for i in (*here, *before))
+        True
+        """
+        group = slot // self.pool_size * self.pool_size
+        out: list[int] = []
+        for e, j in self._lane(epoch, batch):
+            order = self.order(e)
+            start = j * self.batch_size * self.world_size
+            end = min(start + self.batch_size * self.world_size, len(order))
+            out.extend(int(i) for i in order[min(start + group, end): min(start + group + self.pool_size, end)])
+        return tuple(out)
+
+    def _lane(self, epoch: int, batch: int) -> list[tuple[int, int]]:
+        """(epoch, batch) of ``batch`` and the ``pool_window - 1`` batches before it on its lane, newest first;
+        a lane goes on into the previous epoch at its last batch of the same residue (epoch 0 starts it)."""
+        nb, lanes = len(self), self.pool_lanes
+        out, e, j = [], epoch, batch
+        while len(out) < self.pool_window:
+            if j < 0:
+                e -= 1
+                if e < 0:
+                    break
+                j = batch + (nb - 1 - batch) // lanes * lanes
+            out.append((e, j))
+            j -= lanes
+        return out
 
     def __len__(self) -> int:
         g = self.batch_size * self.world_size
