@@ -51,6 +51,33 @@ def test_warmup_ramps_lr_momentum_and_accumulation():
     assert opt.param_groups[0]["lr"] == 0
 
 
+def test_warmup_leaves_adam_betas_alone():
+    for name in ("AdamW", "Adam"):
+        cfg = make_cfg({"optimizer": name})
+        opt, _, _ = optim.build_optimizer(_net(), cfg, nc=2, total_iterations=10, weight_decay=0.0)
+        for ni in (0, 50, 100):
+            optim.apply_warmup(opt, cfg, ni, 100, 1.0, 0.01, cfg.momentum, 4)
+            assert all(g["betas"] == (cfg.momentum, 0.999) for g in opt.param_groups)
+        assert all(abs(g["lr"] - 0.01) < 1e-12 for g in opt.param_groups)  # the lr is still warmed
+
+
+def test_no_warmup_touches_nothing():
+    cfg = make_cfg({"optimizer": "SGD", "warmup_epochs": 0})
+    opt, _, _ = optim.build_optimizer(_net(), cfg, nc=2, total_iterations=10, weight_decay=0.0)
+    assert optim.warmup_iterations(cfg, 50) == 0
+    assert optim.apply_warmup(opt, cfg, 0, 0, 1.0, 0.01, 0.937, 4) == 4
+    assert all(g["lr"] == 0.01 and g["momentum"] == 0.937 for g in opt.param_groups)
+
+
+def test_warmup_length_has_no_floor_and_spares_the_last_epoch():
+    def n(warmup_epochs, epochs, nb):
+        return optim.warmup_iterations(make_cfg({"warmup_epochs": warmup_epochs, "epochs": epochs}), nb)
+
+    assert n(3.0, 100, 500) == 1500 and n(3.0, 100, 4) == 12  # no 100-iteration minimum
+    assert n(3.0, 3, 10) == 20 and n(3.0, 1, 10) == 0  # at most epochs - 1
+    assert n(0.5, 10, 5) == 2 and n(0.0, 10, 5) == 0  # round() of a fraction; off
+
+
 def test_ema_follows_the_model():
     net = _net()
     ema = ModelEMA(net, decay=0.5, tau=1.0)
@@ -62,6 +89,16 @@ def test_ema_follows_the_model():
     for a, b in zip(ema.ema.parameters(), net.parameters()):
         assert torch.allclose(a, b, atol=1e-3)
     assert not any(p.requires_grad for p in ema.ema.parameters())
+
+
+def test_ema_leaves_integer_buffers_as_copied():
+    net = _net()
+    ema = ModelEMA(net)
+    net.train()
+    net(torch.rand(2, 3, 8, 8))  # BatchNorm counts a batch and moves its running statistics
+    ema.update(net)
+    assert int(net[1].num_batches_tracked) == 1 and int(ema.ema[1].num_batches_tracked) == 0
+    assert not torch.equal(ema.ema[1].running_mean, torch.zeros(4))  # float buffers are averaged
 
 
 def test_fused_update_kernel_on_cpu_and_kept_when_loading_a_state():

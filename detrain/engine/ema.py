@@ -34,11 +34,12 @@ class ModelEMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
+        """One step of the average over every floating-point tensor of the state (weights and BatchNorm's running
+        statistics). Integer buffers (BatchNorm's ``num_batches_tracked``) keep the value they were copied with:
+        an averaged count means nothing, and the EMA model only ever runs in eval mode, where it is unused."""
         self.updates += 1
         d = self.current_decay()
         model_state = unwrap(model).state_dict()
         for name, value in self.ema.state_dict().items():
             if value.dtype.is_floating_point:
                 value.mul_(d).add_(model_state[name].detach(), alpha=1 - d)
-            else:  # BatchNorm's num_batches_tracked
-                value.copy_(model_state[name])

@@ -100,8 +100,17 @@ def lr_lambda(cfg: Cfg) -> Callable[[float], float]:
 
 
 def warmup_iterations(cfg: Cfg, batches_per_epoch: int) -> int:
-    """At least 100 warmup iterations, unless warmup is off."""
-    return max(round(cfg.warmup_epochs * batches_per_epoch), 100) if cfg.warmup_epochs > 0 else 0
+    """``warmup_epochs`` worth of iterations, leaving at least the last epoch out of warmup; 0 when off.
+
+    No minimum: on a small set (a few batches per epoch) a floor of 100 iterations would keep a short run
+    in warmup from start to end, its lr never reaching lr0.
+
+    >>> from detrain.config import make_cfg
+    >>> [warmup_iterations(make_cfg({"epochs": e, "warmup_epochs": 3.0}), 10) for e in (100, 3, 1)]
+    [30, 20, 0]
+    """
+    epochs = min(cfg.warmup_epochs, max(cfg.epochs - 1, 0))
+    return round(epochs * batches_per_epoch) if epochs > 0 else 0
 
 
 def apply_warmup(optimizer: torch.optim.Optimizer, cfg: Cfg, ni: int, n_warmup: int, epoch_factor: float,
@@ -111,7 +120,12 @@ def apply_warmup(optimizer: torch.optim.Optimizer, cfg: Cfg, ni: int, n_warmup: 
     Bias lr falls from ``warmup_bias_lr`` while the other groups rise from 0, both to ``lr0 * epoch_factor``.
     With ``optimizer=auto`` the bias warmup starts at 0 too: auto picks small adaptive-rate settings for
     short runs (fine-tuning), where a bias step of 0.1 would wreck pretrained weights in the first iteration.
+    SGD's momentum rises from ``warmup_momentum`` to ``momentum``; Adam's and AdamW's betas are left as built,
+    as in Ultralytics' recipe (their bias correction already tempers the first steps).
+    With warmup off (``n_warmup`` 0) nothing is touched and the accumulation is ``accumulate_target``.
     """
+    if n_warmup <= 0:
+        return max(1, round(accumulate_target))
     xi = [0, n_warmup]
     accumulate = max(1, int(np.interp(ni, xi, [1, accumulate_target]).round()))
     for j, group in enumerate(optimizer.param_groups):
@@ -119,6 +133,4 @@ def apply_warmup(optimizer: torch.optim.Optimizer, cfg: Cfg, ni: int, n_warmup: 
         group["lr"] = float(np.interp(ni, xi, [start, lr0 * epoch_factor]))
         if "momentum" in group:
             group["momentum"] = float(np.interp(ni, xi, [cfg.warmup_momentum, momentum]))
-        elif "betas" in group:
-            group["betas"] = (float(np.interp(ni, xi, [cfg.warmup_momentum, momentum])), group["betas"][1])
     return accumulate

@@ -106,7 +106,8 @@ class Trainer:
         # on a node that is still filling
         dist.barrier("training data ready on every node", cfg.prepare_timeout)
         self.nb = len(self.train_loader)
-        self.accumulate_target = self.plan.accumulate
+        # a run shorter than one planned update still steps (weight decay keeps the planned scaling)
+        self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.epochs)
         weight_decay = cfg.weight_decay * self.plan.update_images / cfg.nbs  # as planned, whatever the world now
         total_iters = math.ceil(len(self.data.records) / max(cfg.batch, cfg.nbs)) * cfg.epochs
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
@@ -170,7 +171,7 @@ class Trainer:
             start = self._validate(-1)
             if self.main:
                 console.print(f"starting weights: mAP50 {start['map50']:.4f}  mAP50-95 {start['map']:.4f}")
-        last_opt_step = -1
+        last_opt_step = self.start_epoch * self.nb - 1  # every epoch ends on a step, so a resume starts clean
         for epoch in range(self.start_epoch, cfg.epochs):
             _test_kill_hook(epoch, self.rank)
             t0 = time.perf_counter()
@@ -191,8 +192,11 @@ class Trainer:
                 if ni <= n_warmup:
                     accumulate = optim.apply_warmup(self.optimizer, cfg, ni, n_warmup, self.lf(epoch), self.lr0,
                                                     self.momentum, self.accumulate_target)
-                items, imgsz = self._step(batch, ni, last_opt_step, accumulate)
-                if ni - last_opt_step >= accumulate:
+                # the last batch of an epoch steps too: no batch's gradient is dropped by the zero_grad above,
+                # and no gradient waits in a checkpoint (resume is exact)
+                will_step = ni - last_opt_step >= accumulate or i == self.nb - 1
+                items, imgsz = self._step(batch, will_step)
+                if will_step:
                     self._optimizer_step()
                     last_opt_step = ni
                 items = dist.reduce_mean(items.detach())
@@ -251,12 +255,11 @@ class Trainer:
         result["save_dir"] = str(self.save_dir)
         return dist.broadcast_object(result)
 
-    def _step(self, batch: dict[str, Any], ni: int, last_opt_step: int, accumulate: int) -> tuple[torch.Tensor, int]:
+    def _step(self, batch: dict[str, Any], will_step: bool) -> tuple[torch.Tensor, int]:
         imgs = batch["img"].to(self.device, non_blocking=True)
         imgs = imgs.contiguous(memory_format=torch.channels_last).float().div_(255)
         if self.cfg.multi_scale:
             imgs = self._multi_scale(imgs)
-        will_step = ni - last_opt_step >= accumulate
         sync_ctx = self.model.no_sync() if (self.world > 1 and not will_step) else contextlib.nullcontext()
         with sync_ctx:
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
