@@ -36,7 +36,8 @@ class DetMetrics:
 
     The 12 ``map*``/``ar*`` values equal pycocotools' ``stats`` (-1 where no class has ground truth in that
     area range). ``precision``/``recall`` are the means over classes of P and R at the confidence where the
-    smoothed mean F1 peaks (``conf``), as YOLO tools report. ``fitness = 0.1 * map50 + 0.9 * map``.
+    smoothed mean F1 peaks (``conf``), as YOLO tools report. ``fitness`` is mAP50-95 (0 where undefined): the
+    figure a run reports, so ``best.pt`` is the checkpoint that reports best (as Ultralytics 8.4 picks it).
 
     >>> m = coco_summary([], nc=2)
     >>> m.map, m.as_dict()["fitness"]
@@ -118,7 +119,7 @@ def coco_summary(stats: Sequence[ImageStats], nc: int) -> DetMetrics:
     mean_p = float(p_curve[:, best].mean()) if len(classes) else 0.0
     mean_r = float(r_curve[:, best].mean()) if len(classes) else 0.0
     # -1 ("no ground truth") must not look better than 0 when picking the best checkpoint.
-    fitness = 0.1 * max(values["map50"], 0.0) + 0.9 * max(values["map"], 0.0)
+    fitness = max(values["map"], 0.0)
     return DetMetrics(
         **values, precision=mean_p, recall=mean_r, fitness=fitness, conf=float(CONF_GRID[best]),
         per_class=per_class, curve_classes=classes,
