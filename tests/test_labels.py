@@ -85,7 +85,13 @@ def test_good_missing_empty_and_summary(tmp_path):
         ("0 nan 0.5 0.2 0.2\n", "non-finite"),
         ("0 0.5 inf 0.2 0.2\n", "non-finite"),
         ("0 1.2 0.5 0.2 0.2\n", "coordinate 1.2 outside [0, 1]"),
-        ("0 0.5 0.5 -0.1 0.2\n", "coordinate -0.1 outside [0, 1]"),
+        ("0 1.02 0.5 0.1 0.1\n", "coordinate 1.02 outside [0, 1]"),  # the centre just beyond the 1 % tolerance
+        ("0 0.5 -0.011 0.1 0.1\n", "coordinate -0.011 outside [0, 1]"),
+        ("0 0.5 0.5 1.05 0.2\n", "coordinate 1.05 outside [0, 1]"),  # wider than the image
+        ("0 320 240 50 60\n", "coordinate 320 outside [0, 1]"),  # pixels, not normalised
+        ("0 0.5 0.5 -0.1 0.2\n", "negative width -0.1"),
+        ("0 0.5 0.5 0.2 -0.001\n", "negative height -0.001"),
+        ("0 0.1 0.1 2.5 0.1 2.5 0.5\n", "polygon extent 1.3 outside [0, 1]"),
         ("0 0.5 abc 0.2 0.2\n", "'abc' is not a number"),
     ],
 )
@@ -114,10 +120,61 @@ def test_small_tolerance_is_clipped_duplicates_and_zero_size_removed(tmp_path):
     label = _label(img, "0 0.5 0.5 0.2 0.2\n0 0.5 0.5 0.2 0.2\n1 1.0005 0.5 0.2 0.2\n1 0.3 0.3 0 0.1\n")
     (record,), report = load_labels([img], nc=2, cache=False, progress=False)
     assert record.cls.tolist() == [0, 1]
-    assert record.bboxes_xywhn.max() <= 1.0
+    np.testing.assert_allclose(record.bboxes_xywhn[1], [0.95025, 0.5, 0.0995, 0.2], atol=1e-6)  # x 0.9005-1
     assert f"{label}: 1 duplicate row(s) removed" in report.messages
     assert f"{label}: 1 zero-size box(es) removed" in report.messages
-    assert report.found == 1 and report.corrupt == 0
+    assert f"{label}: 1 box(es) reaching outside the image clipped to it" in report.messages
+    assert report.found == 1 and report.corrupt == 0 and report.clipped == 1
+
+
+def test_boxes_slightly_outside_are_clipped_and_the_image_kept(tmp_path):
+    """What Ultralytics accepts (centre within 1 % of the image, size at most 1.01) is kept, clipped to the image."""
+    img = _image(tmp_path / "images" / "train" / "a.jpg")
+    other = _image(tmp_path / "images" / "train" / "b.jpg", seed=1)
+    _label(img, "0 0.005 0.5 0.02 0.2\n"  # left edge at -0.005
+                "1 0.5 1.008 0.2 0.04\n"  # centre below the image, within the tolerance
+                "2 0.5 0.5 1.01 1.0\n"  # a hair wider than the image
+                "2 -0.009 0.3 0.01 0.1\n"  # entirely outside: nothing left after clipping
+                "0 0.5 0.5 0.2 0.2\n")
+    _label(other, "0 0.5 0.5 1.0000005 0.2\n")  # rounding of the label text: clipped, not counted
+    records, report = load_labels([img, other], nc=3, progress=False)
+    assert report.found == 2 and report.corrupt == 0 and report.clipped == 3
+    assert "2 with labels, 0 missing, 0 empty, 0 corrupt, 3 boxes clipped to the image (cache:" in report.summary()
+    boxes = records[0].bboxes_xywhn.astype(np.float64)
+    assert records[0].cls.tolist() == [0, 1, 2, 0]
+    np.testing.assert_allclose(boxes[:3], [[0.0075, 0.5, 0.015, 0.2], [0.5, 0.994, 0.2, 0.012], [0.5, 0.5, 1, 1]],
+                               atol=1e-6)
+    corners = np.concatenate([boxes[:, :2] - boxes[:, 2:] / 2, boxes[:, :2] + boxes[:, 2:] / 2], 1)
+    assert corners.min() >= 0 and corners.max() <= 1 + 1e-6
+    np.testing.assert_allclose(records[1].bboxes_xywhn, [[0.5, 0.5, 1.0, 0.2]], atol=1e-6)
+    _, cached = load_labels([img, other], nc=3, progress=False)
+    assert cached.from_cache and cached.clipped == 3 and cached.summary() == report.summary()
+
+
+def test_polygon_slightly_outside_is_clipped(tmp_path):
+    img = _image(tmp_path / "images" / "a.png")
+    _label(img, "1 -0.005 0.2 0.5 0.2 0.3 0.6\n")
+    (record,), report = load_labels([img], nc=2, cache=False, progress=False)
+    np.testing.assert_allclose(record.bboxes_xywhn[0], [0.25, 0.4, 0.5, 0.4], atol=1e-6)
+    assert report.clipped == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["0 1.005 0.5 0.3 0.2", "0 -0.01 0.5 0.05 0.2", "0 0.5 0.5 1.01 1.01", "0 0.5 0.5 0 0.2", "0 0.999 0.001 0.9 0.9",
+     "0 1.011 0.5 0.1 0.1", "0 0.5 -0.02 0.1 0.1", "0 0.5 0.5 1.02 0.1", "0 0.5 0.5 -0.001 0.1",
+     "0 0.1 0.1 1.2 0.1 1.2 0.5", "0 -0.05 0.1 1.0 0.1 1.0 0.5"],
+)
+def test_accepts_whatever_ultralytics_accepts(tmp_path, monkeypatch, text):
+    """The same verdict as Ultralytics' verify_image_label (when it is importable, e.g. PYTHONPATH=/opt/ulib)."""
+    monkeypatch.setenv("YOLO_CONFIG_DIR", str(tmp_path / "yolo"))
+    monkeypatch.setenv("YOLO_OFFLINE", "1")
+    utils = pytest.importorskip("ultralytics.data.utils")
+    img = _image(tmp_path / "images" / "a.jpg", 64, 64)
+    label = _label(img, text + "\n")
+    theirs = utils.verify_image_label((img, str(label), "", False, 1, 0, 0, False))
+    _, report = load_labels([img], nc=1, cache=False, progress=False)
+    assert (report.corrupt == 1) == (theirs[0] is None), (text, report.messages, theirs[-1])
 
 
 def test_polygon_rows_become_their_extent(tmp_path):
@@ -203,6 +260,18 @@ def test_cache_is_reused_then_invalidated_by_changes(tmp_path):
 
     _, other_nc = load_labels([*imgs, extra], nc=3, progress=False)
     assert not other_nc.from_cache
+
+
+def test_cache_of_an_older_version_is_rebuilt(tmp_path, monkeypatch):
+    from detrain.data import label_cache
+
+    img = _image(tmp_path / "images" / "a.png")
+    _label(img, "0 0.5 0.5 0.2 0.2\n")
+    monkeypatch.setattr(label_cache, "CACHE_VERSION", label_cache.CACHE_VERSION - 1)
+    _, old = load_labels([img], nc=1, progress=False)
+    monkeypatch.undo()
+    _, now = load_labels([img], nc=1, progress=False)
+    assert old.cache_path == now.cache_path and not now.from_cache
 
 
 def test_cache_messages_survive_and_unreadable_cache_is_rebuilt(tmp_path):

@@ -3,7 +3,8 @@
 A tile sits on a virtual canvas (the 2x mosaic canvas, or just the image itself) at ``origin_xy`` with size
 ``size_wh``; what lies outside the canvas is cut, as YOLO's mosaic cuts it. The canvas is never allocated: each
 tile is warped straight into the output with ``m @ placement @ resize`` (see ``affine.warp_into``), whatever the
-resolution of its pixels (decoded at reduced scale, or from a cache at load size).
+resolution of its pixels (decoded at reduced scale, or from a cache at load size). The pixels span the whole tile,
+except a reduced JPEG decode that overhangs its file (``image_io.pixel_extent``): it is placed by its true scale.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ from typing import Sequence
 import numpy as np
 
 from detrain.data.affine import FILL, box_candidates, clip_boxes, scaling, transform_boxes, translation, warp_into
+from detrain.data.image_io import pixel_extent
 from detrain.data.instances import Labels
 
 
 @dataclass
 class Tile:
     """One source image on the canvas: ``pixels`` (H, W, 3) uint8 at any resolution, shown at ``size_wh``
-    with its top-left corner at ``origin_xy``; ``labels`` in pixels of the ``size_wh`` image."""
+    with its top-left corner at ``origin_xy``; ``labels`` in pixels of the ``size_wh`` image. The pixels cover
+    the image exactly, or the fractions of it that ``image_io.pixel_extent(pixels)`` gives."""
 
     pixels: np.ndarray
     size_wh: tuple[int, int]
@@ -55,15 +58,19 @@ def render(
         if vx1 >= vx2 or vy1 >= vy2:
             continue
         ph, pw = tile.pixels.shape[:2]
-        sx, sy = tw / pw, th / ph
-        # The visible part in the tile's own pixels (whole pixels, so at most one extra pixel at a cut edge).
-        rect = (max(math.floor((vx1 - ox) / sx), 0), max(math.floor((vy1 - oy) / sy), 0),
-                min(math.ceil((vx2 - ox) / sx), pw), min(math.ceil((vy2 - oy) / sy), ph))
-        wanted = m @ translation(ox, oy) @ scaling(sx, sy)  # tile pixels -> output
+        ex0, ey0, ex1, ey1 = pixel_extent(tile.pixels)
+        # Tile pixels -> canvas: pixel (0, 0)'s corner lands at (px, py), each pixel is sx x sy canvas pixels.
+        sx, sy = tw * (ex1 - ex0) / pw, th * (ey1 - ey0) / ph
+        px, py = ox + tw * ex0, oy + th * ey0
+        # The visible part in the tile's own pixels (whole pixels, so at most one extra pixel at a cut edge: also
+        # the part of a reduced decode's last pixel that lies beyond its file).
+        rect = (max(math.floor((vx1 - px) / sx), 0), max(math.floor((vy1 - py) / sy), 0),
+                min(math.ceil((vx2 - px) / sx), pw), min(math.ceil((vy2 - py) / sy), ph))
+        wanted = m @ translation(px, py) @ scaling(sx, sy)  # tile pixels -> output
         applied = warp_into(out, tile.pixels, wanted, rect)
         if len(tile.labels):
             # canvas -> output as the pixels actually moved (the fast path may round the shift)
-            m_tile = m if applied is wanted else applied @ scaling(1 / sx, 1 / sy) @ translation(-ox, -oy)
+            m_tile = m if applied is wanted else applied @ scaling(1 / sx, 1 / sy) @ translation(-px, -py)
             before = clip_boxes(tile.labels.boxes_xyxy + np.float32((ox, oy, ox, oy)), vx1, vy1, vx2, vy2)
             after = clip_boxes(transform_boxes(before, m_tile), 0, 0, out_w, out_h)
             keep = box_candidates(before, after, scale)

@@ -4,6 +4,11 @@
 ``cv2.imread``; if ``r = imgsz / max(h0, w0) != 1``, ``cv2.resize`` to
 ``(min(ceil(w0 * r), imgsz), min(ceil(h0 * r), imgsz))`` with ``INTER_LINEAR`` (8.4 uses linear both ways;
 older releases used INTER_AREA to shrink for validation).
+
+A JPEG decoded at 1/f (``read_image(path, f)``, libjpeg's DCT scaling) has ceil(W / f) x ceil(H / f) pixels, pixel
+i standing for file pixels [i f, (i + 1) f): when f does not divide a side, the array reaches past the file's edge
+by up to f - 1 pixels, so it must be placed by its true scale, not stretched onto the file's size. Such a decode
+comes back as a :class:`ReducedImage` that says which part of the file it spans (:func:`pixel_extent`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import struct
 import tempfile
 import warnings
 from pathlib import Path
@@ -23,6 +29,38 @@ from detrain.errors import DatasetError
 _REDUCED_FLAGS = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
                   8: cv2.IMREAD_REDUCED_COLOR_8}
 RESIZE_INTERPOLATION = cv2.INTER_LINEAR
+FULL_EXTENT = (0.0, 0.0, 1.0, 1.0)
+# EXIF orientation -> whether the displayed x and y axes run backwards through the stored pixel rows/columns
+# (5 to 8 also swap the axes). OpenCV applies the orientation after decoding, so the short last block of a side
+# lands first on a reversed axis.
+_REVERSED_XY = {1: (False, False), 2: (True, False), 3: (True, True), 4: (False, True),
+                5: (False, False), 6: (True, False), 7: (True, True), 8: (False, True)}
+# JPEG start-of-frame markers (they carry the size); C4, C8 and CC share the range but are not frames.
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+class ReducedImage(np.ndarray):
+    """A JPEG decoded at reduced scale whose pixels do not tile the file exactly (see the module docstring).
+
+    ``extent`` = (x0, y0, x1, y1): the rectangle the whole array spans, in fractions of the (EXIF-rotated) file's
+    width and height, e.g. (0, 0, 1.00997, 1.02463) for a 301 x 203 file decoded at 1/8 as 38 x 26 pixels. Arrays
+    derived from one (views, copies) are plain images again: their extent is the whole file.
+    """
+
+    extent: tuple[float, float, float, float] = FULL_EXTENT
+
+    def __array_finalize__(self, obj: object) -> None:
+        self.extent = FULL_EXTENT
+
+
+def pixel_extent(pixels: np.ndarray) -> tuple[float, float, float, float]:
+    """The part of its file that ``pixels`` spans, as fractions (x0, y0, x1, y1): (0, 0, 1, 1) for any image
+    but a :class:`ReducedImage`, whose extent is its own.
+
+    >>> pixel_extent(np.zeros((4, 4, 3), np.uint8))
+    (0.0, 0.0, 1.0, 1.0)
+    """
+    return pixels.extent if type(pixels) is ReducedImage else FULL_EXTENT
 
 
 def load_size(shape_hw: tuple[int, int], imgsz: int) -> tuple[int, int]:
@@ -68,6 +106,10 @@ def read_image(path: str, reduce: int = 1) -> np.ndarray | None:
     Bytes are read with numpy and decoded with ``cv2.imdecode``, as YOLOv8 does: the same pixels (EXIF
     orientation applied), non-ASCII paths work, and it is a little faster than ``cv2.imread``.
     ``read_image("missing.jpg")`` -> None.
+
+    Only JPEGs are decoded at reduced scale: for other formats OpenCV decodes everything and then shrinks to
+    floor(W / f) with a bilinear resize, a second resampling that saves nothing. A reduced JPEG decode whose
+    pixels overhang the file is a :class:`ReducedImage` (see the module docstring).
     """
     try:
         data = np.fromfile(path, np.uint8)
@@ -75,13 +117,103 @@ def read_image(path: str, reduce: int = 1) -> np.ndarray | None:
         return None
     if not data.size:
         return None
+    if reduce > 1 and not is_jpeg(data):
+        reduce = 1
     try:
         img = cv2.imdecode(data, _REDUCED_FLAGS[reduce])
     except cv2.error:
         return None
     if img is not None and (img.ndim != 3 or img.shape[2] != 3):  # IMREAD_COLOR gives 3 channels; be sure
         img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR) if img.ndim == 2 else img[..., :3]
+    if img is not None and reduce > 1:
+        img = _placed(img, data, reduce)
     return img
+
+
+def is_jpeg(data: np.ndarray) -> bool:
+    """Whether the bytes start with a JPEG's start-of-image marker."""
+    return data.size >= 2 and data[0] == 0xFF and data[1] == 0xD8
+
+
+def _placed(img: np.ndarray, data: np.ndarray, f: int) -> np.ndarray:
+    """``img`` (a 1/``f`` decode of the JPEG ``data``) as a :class:`ReducedImage` when a side is not a multiple of
+    ``f``; as it is when it tiles the file exactly, or when its header cannot be read (then it is stretched)."""
+    header = jpeg_header(data)
+    if header is None:
+        return img
+    width, height, orientation = header
+    if orientation >= 5:  # OpenCV swaps the axes
+        width, height = height, width
+    h, w = img.shape[:2]
+    if (w, h) != (-(-width // f), -(-height // f)):  # not libjpeg's scaled size: leave it to be stretched
+        return img
+    if w * f == width and h * f == height:
+        return img
+    rev_x, rev_y = _REVERSED_XY[orientation]
+    (x0, x1), (y0, y1) = _span(w * f, width, rev_x), _span(h * f, height, rev_y)
+    out = img.view(ReducedImage)
+    out.extent = (x0, y0, x1, y1)
+    return out
+
+
+def _span(covered: int, size: int, reversed_axis: bool) -> tuple[float, float]:
+    """Where ``covered`` file pixels' worth of decoded pixels lie along a side of ``size``, as fractions: from the
+    start, or (reversed axis) ending at the far edge."""
+    over = (covered - size) / size
+    return (-over, 1.0) if reversed_axis else (0.0, 1.0 + over)
+
+
+def jpeg_header(data: np.ndarray) -> tuple[int, int, int] | None:
+    """(width, height, EXIF orientation 1-8) as stored in a JPEG's header, before any rotation; None when no frame
+    header comes before the image data. A missing or unreadable orientation counts as 1 (as OpenCV reads it).
+
+    >>> ok, enc = cv2.imencode(".jpg", np.zeros((5, 7, 3), np.uint8))
+    >>> jpeg_header(enc.ravel())
+    (7, 5, 1)
+    """
+    n, pos, orientation = int(data.size), 2, 1
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            return None
+        marker = int(data[pos + 1])
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            pos += 2
+            continue
+        length = (int(data[pos + 2]) << 8) | int(data[pos + 3])
+        if marker in _SOF_MARKERS and pos + 9 <= n:
+            height = (int(data[pos + 5]) << 8) | int(data[pos + 6])
+            width = (int(data[pos + 7]) << 8) | int(data[pos + 8])
+            return width, height, orientation
+        if marker in (0xDA, 0xD9):  # image data or its end before any frame header
+            return None
+        if marker == 0xE1 and orientation == 1:
+            orientation = _exif_orientation(data[pos + 4: pos + 2 + length].tobytes())
+        pos += 2 + length
+    return None
+
+
+def _exif_orientation(segment: bytes) -> int:
+    """The Orientation tag (0x0112) of IFD0 in an APP1 segment's payload; 1 if absent or invalid."""
+    if not segment.startswith(b"Exif\x00\x00"):
+        return 1
+    tiff = segment[6:]
+    order = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    if order is None:
+        return 1
+    try:
+        (ifd,) = struct.unpack_from(order + "I", tiff, 4)
+        (count,) = struct.unpack_from(order + "H", tiff, ifd)
+        for k in range(count):
+            tag, kind = struct.unpack_from(order + "HH", tiff, ifd + 2 + 12 * k)
+            if tag == 0x0112 and kind == 3:  # SHORT
+                (value,) = struct.unpack_from(order + "H", tiff, ifd + 2 + 12 * k + 8)
+                return value if 1 <= value <= 8 else 1
+    except struct.error:
+        return 1
+    return 1
 
 
 def npy_path(im_file: str) -> Path:

@@ -23,7 +23,9 @@ import numpy as np
 from detrain.data.label_record import LabelRecord, LabelReport
 from detrain.errors import DatasetError
 
-CACHE_VERSION = 1
+# Part of every cache's hash: raise it whenever the checks change what a label file yields (2: boxes reaching
+# outside the image are clipped, with a 1 % tolerance, and counted).
+CACHE_VERSION = 2
 
 
 def default_cache_path(label_files: list[str]) -> Path:
@@ -96,7 +98,7 @@ def write_cache(path: Path, digest: str, records: list[LabelRecord], report: Lab
         "version": CACHE_VERSION,
         "hash": digest,
         "im_files": [r.im_file for r in records],
-        "counts": {k: getattr(report, k) for k in ("total", "found", "missing", "empty", "corrupt")},
+        "counts": {k: getattr(report, k) for k in ("total", "found", "missing", "empty", "corrupt", "clipped")},
         "messages": report.messages,
     }
     n = np.array([len(r.cls) for r in records], np.int64)

@@ -16,12 +16,16 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import cv2
 import numpy as np
 
-# Label coordinates this far outside [0, 1] are rounding noise and get clipped; beyond it the file is bad.
-COORD_TOLERANCE = 1e-3
+# A box's centre may lie this far outside [0, 1], and its width and height exceed 1 by as much (Ultralytics'
+# tolerance, 1 %): its corners are clipped to the image. Beyond it the file is unusable.
+COORD_TOLERANCE = 0.01
+# Corners outside the image by at most this are rounding of the label text (6 decimals), clipped but not counted.
+CLIP_NOISE = 1e-5
 
 FOUND, MISSING, EMPTY, CORRUPT = "found", "missing", "empty", "corrupt"
 
@@ -35,6 +39,18 @@ class FileCheck:
     cls: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     bboxes: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.float32))
     messages: list[str] = field(default_factory=list)
+    clipped: int = 0  # boxes that reached outside the image, clipped to it
+
+
+class ParsedLabels(NamedTuple):
+    """A label file's boxes (cls (n,) int64, bboxes (n, 4) float32 normalised xywh), or the reason the file is
+    unusable; warnings; how many boxes were clipped to the image."""
+
+    cls: np.ndarray
+    bboxes: np.ndarray
+    problem: str | None
+    notes: list[str]
+    clipped: int = 0
 
 
 def verify_files(img_files: list[str], label_files: list[str], nc: int, workers: int,
@@ -70,11 +86,11 @@ def verify_one(im_file: str, label_file: str, nc: int) -> FileCheck:
         reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e))
         problem = f"{label_file}: unreadable label file ({reason}); image skipped"
         return FileCheck(CORRUPT, messages=[*messages, problem])
-    cls, boxes, label_problem, notes = parse_labels(text, nc)
-    messages += [f"{label_file}: {n}" for n in notes]
-    if label_problem is not None:
-        return FileCheck(CORRUPT, messages=[*messages, f"{label_file}: {label_problem}; image skipped"])
-    return FileCheck(FOUND if len(cls) else EMPTY, shape, cls, boxes, messages)
+    parsed = parse_labels(text, nc)
+    messages += [f"{label_file}: {n}" for n in parsed.notes]
+    if parsed.problem is not None:
+        return FileCheck(CORRUPT, messages=[*messages, f"{label_file}: {parsed.problem}; image skipped"])
+    return FileCheck(FOUND if len(parsed.cls) else EMPTY, shape, parsed.cls, parsed.bboxes, messages, parsed.clipped)
 
 
 def _check_image(im_file: str) -> tuple[tuple[int, int], list[str], str | None]:
@@ -114,10 +130,18 @@ def _check_jpeg(data: np.ndarray) -> tuple[tuple[int, int], list[str], str | Non
     return shape, ["JPEG has no end-of-image marker but decodes fully; kept"], None
 
 
-def parse_labels(text: str, nc: int) -> tuple[np.ndarray, np.ndarray, str | None, list[str]]:
-    """(cls, boxes, reason the file is unusable or None, warnings) of a YOLO label file's text: rows of
-    ``class x y w h`` or polygons (their extent), coordinates clipped to [0, 1] within COORD_TOLERANCE,
-    zero-size boxes and duplicate rows removed with a warning."""
+def parse_labels(text: str, nc: int) -> ParsedLabels:
+    """The boxes of a YOLO label file's text: rows of ``class x y w h`` or polygons (their extent).
+
+    A box whose centre lies within the image and whose size is at most the image's, each within COORD_TOLERANCE
+    (1 %, Ultralytics' rule), is kept with its corners clipped to the image (counted in ``clipped`` when a corner
+    moved by more than rounding noise); anything else (a negative size, NaN, coordinates in pixels) makes the file
+    unusable. Zero-size boxes (also after clipping) and duplicate rows are removed with a warning.
+
+    >>> parsed = parse_labels("0 0.995 0.5 0.02 0.2", nc=1)  # reaches 0.005 past the right edge
+    >>> parsed.bboxes.astype(float).round(4).tolist(), parsed.clipped
+    ([[0.9925, 0.5, 0.015, 0.2]], 1)
+    """
     rows: list[list[float]] = []
     notes: list[str] = []
     for lineno, line in enumerate(text.splitlines(), 1):
@@ -128,50 +152,64 @@ def parse_labels(text: str, nc: int) -> tuple[np.ndarray, np.ndarray, str | None
             values = [float(v) for v in fields]
         except ValueError:
             bad = next(v for v in fields if not _is_float(v))
-            return _none(), _none4(), f"line {lineno}: {bad!r} is not a number", notes
+            return _unusable(f"line {lineno}: {bad!r} is not a number", notes)
         if not all(math.isfinite(v) for v in values):
-            return _none(), _none4(), f"line {lineno}: non-finite value (nan or inf)", notes
+            return _unusable(f"line {lineno}: non-finite value (nan or inf)", notes)
         if len(values) == 5:
-            box = values[1:]
+            box, what = values[1:], "box"
         elif len(values) >= 7 and len(values) % 2 == 1:  # a polygon, as in segment labels: use its extent
             xs, ys = values[1::2], values[2::2]
             box = [(min(xs) + max(xs)) / 2, (min(ys) + max(ys)) / 2, max(xs) - min(xs), max(ys) - min(ys)]
-            if any(not -COORD_TOLERANCE <= v <= 1 + COORD_TOLERANCE for v in values[1:]):
-                return _none(), _none4(), f"line {lineno}: polygon coordinate outside [0, 1]", notes
+            what = "polygon"
         else:
-            return (
-                _none(),
-                _none4(),
-                f"line {lineno}: {len(values)} columns; expected 5 (class x_center y_center width height) "
-                "or a polygon (class x1 y1 x2 y2 x3 y3 ...)",
-                notes,
-            )
+            return _unusable(f"line {lineno}: {len(values)} columns; expected 5 (class x_center y_center width "
+                             "height) or a polygon (class x1 y1 x2 y2 x3 y3 ...)", notes)
         c = values[0]
         if c != int(c) or not 0 <= c < nc:
-            reason = f"line {lineno}: class id {c:g} out of range for nc={nc} (valid 0-{nc - 1})"
-            return _none(), _none4(), reason, notes
-        bad = next((v for v in box if not -COORD_TOLERANCE <= v <= 1 + COORD_TOLERANCE), None)
-        if bad is not None:
-            return (
-                _none(),
-                _none4(),
-                f"line {lineno}: coordinate {bad:g} outside [0, 1] "
-                "(boxes are normalised x_center y_center width height)",
-                notes,
-            )
+            return _unusable(f"line {lineno}: class id {c:g} out of range for nc={nc} (valid 0-{nc - 1})", notes)
+        problem = _box_problem(box, what)
+        if problem is not None:
+            return _unusable(f"line {lineno}: {problem}", notes)
         rows.append([c, *box])
     if not rows:
-        return _none(), _none4(), None, notes
-    arr = np.clip(np.array(rows, np.float64), 0.0, [np.inf, 1.0, 1.0, 1.0, 1.0])
+        return ParsedLabels(_none(), _none4(), None, notes)
+    arr = np.array(rows, np.float64)
+    corners = np.concatenate([arr[:, 1:3] - arr[:, 3:5] / 2, arr[:, 1:3] + arr[:, 3:5] / 2], 1)
+    inside = corners.clip(0.0, 1.0)
+    clipped_rows = np.abs(inside - corners).max(1) > CLIP_NOISE
+    arr[:, 1:3], arr[:, 3:5] = (inside[:, :2] + inside[:, 2:]) / 2, inside[:, 2:] - inside[:, :2]
     keep = (arr[:, 3] > 0) & (arr[:, 4] > 0)
     if not keep.all():
         notes.append(f"{int((~keep).sum())} zero-size box(es) removed")
-        arr = arr[keep]
+        arr, clipped_rows = arr[keep], clipped_rows[keep]
     _, first = np.unique(arr, axis=0, return_index=True)
     if len(first) < len(arr):
         notes.append(f"{len(arr) - len(first)} duplicate row(s) removed")
-        arr = arr[np.sort(first)]
-    return arr[:, 0].astype(np.int64), arr[:, 1:].astype(np.float32), None, notes
+        first = np.sort(first)
+        arr, clipped_rows = arr[first], clipped_rows[first]
+    clipped = int(clipped_rows.sum())
+    if clipped:
+        notes.append(f"{clipped} box(es) reaching outside the image clipped to it")
+    return ParsedLabels(arr[:, 0].astype(np.int64), arr[:, 1:].astype(np.float32), None, notes, clipped)
+
+
+def _box_problem(box: list[float], what: str) -> str | None:
+    """Why the normalised (x_center, y_center, width, height) of a row is unusable, or None."""
+    x, y, w, h = box
+    if w < 0 or h < 0:
+        return f"negative {'width' if w < 0 else 'height'} {min(w, h):g}"
+    bad = next((v for v in (x, y) if not -COORD_TOLERANCE <= v <= 1 + COORD_TOLERANCE), None)
+    if bad is None:
+        bad = next((v for v in (w, h) if v > 1 + COORD_TOLERANCE), None)
+    if bad is None:
+        return None
+    if what == "polygon":
+        return f"polygon extent {bad:g} outside [0, 1] (polygon coordinates are normalised x y pairs)"
+    return f"coordinate {bad:g} outside [0, 1] (boxes are normalised x_center y_center width height)"
+
+
+def _unusable(reason: str, notes: list[str]) -> ParsedLabels:
+    return ParsedLabels(_none(), _none4(), reason, notes)
 
 
 def _is_float(v: str) -> bool:

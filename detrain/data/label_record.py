@@ -29,7 +29,8 @@ class LabelRecord:
 class LabelReport:
     """What verification found: counts per kind, one message per problem, and where the cache lives.
 
-    `found + missing + empty + corrupt == total`; corrupt images are the ones left out of the records.
+    `found + missing + empty + corrupt == total`; corrupt images are the ones left out of the records. `clipped`
+    counts the boxes (of kept images) that reached outside their image and were clipped to it.
 
     Example:
         >>> LabelReport(total=2, found=1, missing=1).summary("val")
@@ -41,20 +42,25 @@ class LabelReport:
     missing: int = 0
     empty: int = 0
     corrupt: int = 0
+    clipped: int = 0
     messages: list[str] = field(default_factory=list)
     cache_path: Path | None = None
     from_cache: bool = False
 
     def summary(self, prefix: str = "") -> str:
-        """One line for the log, e.g. `train: 128 images, 126 with labels, 2 missing, 0 empty, 0 corrupt (cache: ...)`.
+        """One line for the log, e.g. `train: 128 images, 126 with labels, 2 missing, 0 empty, 0 corrupt (cache: ...)`,
+        with the number of boxes clipped to their image when there are any.
 
         Example:
             >>> LabelReport(total=1, found=1).summary()
             '1 images, 1 with labels, 0 missing, 0 empty, 0 corrupt (no cache)'
+            >>> LabelReport(total=1, found=1, clipped=3).summary()
+            '1 images, 1 with labels, 0 missing, 0 empty, 0 corrupt, 3 boxes clipped to the image (no cache)'
         """
         where = f"cache: {self.cache_path}" if self.cache_path is not None else "no cache"
         head = f"{prefix}: " if prefix else ""
+        clipped = f", {self.clipped} boxes clipped to the image" if self.clipped else ""
         return (
             f"{head}{self.total} images, {self.found} with labels, {self.missing} missing, {self.empty} empty, "
-            f"{self.corrupt} corrupt ({where})"
+            f"{self.corrupt} corrupt{clipped} ({where})"
         )

@@ -108,6 +108,7 @@ def _assemble(
     records: list[LabelRecord] = []
     for im_file, r in zip(img_files, results):
         setattr(report, r.status, getattr(report, r.status) + 1)
+        report.clipped += r.clipped
         report.messages.extend(r.messages)
         if r.status != CORRUPT:
             records.append(LabelRecord(im_file, r.shape_hw, r.cls, r.bboxes))
