@@ -63,7 +63,7 @@ def _steps(local: int, world: int, epoch: int, n: int) -> list[list[tuple[int, t
     """(image index, mosaic pool) of every step of an epoch, ranks in order."""
     per_rank = []
     for rank in range(world):
-        sampler = GlobalBatchSampler(n, local, rank=rank, world_size=world, seed=0, shuffle=True)
+        sampler = GlobalBatchSampler(n, local, rank=rank, world_size=world, seed=0, shuffle=True, planned_world=4)
         sampler.set_epoch(epoch)
         per_rank.append([[(p.index, p.pool) for p in step] for step in sampler])
     return [sum((per_rank[r][s] for r in range(world)), []) for s in range(len(per_rank[0]))]

@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-30 s on an idle 2-core machine)
 
 # augmentation off, one optimizer step per batch, no warmup: 1 and 2 workers must take the same steps
-EXACT = dict(imgsz=64, batch=8, nbs=8, workers=0, warmup_epochs=0, close_mosaic=0, optimizer="SGD", seed=0,
+EXACT = dict(imgsz=64, batch=16, nbs=16, workers=0, warmup_epochs=0, close_mosaic=0, optimizer="SGD", seed=0,
              deterministic=True, mosaic=0.0, fliplr=0.0, hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, translate=0.0, scale=0.0,
              val=False, plots=False, verbose=False, sync_bn=True, exist_ok=True)
 
@@ -105,7 +105,7 @@ def two_workers(data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[s
     """``run_task("train")`` on device=cpu,cpu with the config's launch defaults (master_port=0,
     rdzv_backend=static): once a hang in the rendezvous, so it runs in a child with a time limit."""
     project = tmp_path_factory.mktemp("two_workers")
-    args = {**EXACT, "data": str(data), "epochs": 1, "device": "cpu,cpu", "project": str(project), "name": "run"}
+    args = {**EXACT, "data": str(data), "epochs": 2, "device": "cpu,cpu", "project": str(project), "name": "run"}
     proc = _run([sys.executable, "-c", _RUN_TASK, json.dumps(args)], _env())
     return proc, project / "run"
 
@@ -114,18 +114,19 @@ def test_defaults_launch_two_workers_and_finish(two_workers) -> None:
     proc, run = two_workers
     _ok(proc)
     assert f"RESULT {json.dumps(str(run))}" in proc.stdout
-    assert [r["epoch"] for r in _rows(run)] == ["1"]
+    assert [r["epoch"] for r in _rows(run)] == ["1", "2"]
 
 
 def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data: Path, tmp_path: Path) -> None:
     proc, dist_run = two_workers
     _ok(proc)
-    args = {**EXACT, "data": str(data), "epochs": 1, "device": "cpu", "project": str(tmp_path), "name": "run"}
+    args = {**EXACT, "data": str(data), "epochs": 2, "device": "cpu", "project": str(tmp_path), "name": "run"}
     _ok(_run(_cli(*_kv(args)), _env()))
     one_run = tmp_path / "run"
-    # 16 images / batch 8 = 2 optimizer steps. The tolerances are the float-noise floor: one process with 2
-    # threads instead of 1 differs from it by as much (~4e-6 in weights, ~3e-5 relative in the mean loss; the
-    # second step's loss is that sensitive because tiny changes flip near-tied anchor assignments).
+    # 16 images / batch 16: one optimizer step per epoch, 2 epochs. The first epoch's losses come from the same
+    # weights on both sides, so they agree to float noise; the second epoch's come after one step whose gradient was
+    # summed in another order, and near-tied anchor assignments amplify that: one process with 2 threads instead of
+    # 1 already differs there by up to 1.5e-4 (relative). Weights after both steps: ~4e-6 between thread counts.
     one, two = _weights(one_run), _weights(dist_run)
     for key in ("model", "ema"):
         assert one[key].keys() == two[key].keys()
@@ -136,10 +137,10 @@ def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data
             else:
                 assert torch.equal(a, b), (key, name)
     rows_one, rows_two = _rows(one_run), _rows(dist_run)
-    assert len(rows_one) == len(rows_two) == 1
-    for r1, r2 in zip(rows_one, rows_two):
+    assert len(rows_one) == len(rows_two) == 2
+    for r1, r2, rel in zip(rows_one, rows_two, (2e-5, 5e-4)):
         for col in ("train/box_loss", "train/cls_loss", "train/dfl_loss"):
-            assert float(r2[col]) == pytest.approx(float(r1[col]), rel=1e-4), (r1["epoch"], col)
+            assert float(r2[col]) == pytest.approx(float(r1[col]), rel=rel), (r1["epoch"], col)
 
 
 # ------------------------------------------------------------------ multi-node, torchrun, faults

@@ -17,6 +17,10 @@ the lane. Partners therefore spread each image over ``pool_window`` batches (wit
 mosaics use only its own images, as before), and the pools do not depend on the batch split over ranks or
 on the worker count: those change only how often the decode cache hits.
 
+Pools are cut from the batches of the *planned* world (``planned_world``, default ``world_size``): under elastic
+membership a smaller world takes several steps for one planned batch (``engine/batch_plan.py``), and its pools are
+still those of the planned batches, so the pixels of an update do not depend on how many nodes are there.
+
 Evaluation, :class:`ShardSampler`: the single-process batches (so rectangular batch shapes are unchanged) split
 into contiguous, disjoint runs, one per rank, without padded duplicates; ranks may get different counts.
 """
@@ -57,11 +61,14 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
 
     def __init__(self, n: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, pool_size: int = POOL_SIZE,
-                 pool_window: int = POOL_WINDOW, pool_lanes: int = POOL_LANES):
-        if n <= 0 or batch_size <= 0 or not 0 <= rank < world_size or min(pool_size, pool_window, pool_lanes) < 1:
-            raise ValueError(f"bad sampler arguments: n={n}, batch_size={batch_size}, rank={rank}/{world_size}, "
-                             f"pool {pool_size} x {pool_window} on {pool_lanes} lanes")
+                 pool_window: int = POOL_WINDOW, pool_lanes: int = POOL_LANES, planned_world: int | None = None):
+        planned_world = world_size if planned_world is None else planned_world
+        if (n <= 0 or batch_size <= 0 or not 0 <= rank < world_size or min(pool_size, pool_window, pool_lanes) < 1
+                or planned_world < world_size):
+            raise ValueError(f"bad sampler arguments: n={n}, batch_size={batch_size}, rank={rank}/{world_size} "
+                             f"(planned {planned_world}), pool {pool_size} x {pool_window} on {pool_lanes} lanes")
         self.n, self.batch_size, self.rank, self.world_size = n, batch_size, rank, world_size
+        self.pool_batch = batch_size * planned_world  # images of a planned global batch: what pools are cut from
         self.seed, self.shuffle, self.drop_last, self.pool_size = int(seed) % 2**32, shuffle, drop_last, pool_size
         self.pool_window, self.pool_lanes = pool_window, pool_lanes
         self.epoch = 0
@@ -94,14 +101,22 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
     def __iter__(self) -> Iterator[list[Pick]]:
         order = self.order()
         g = self.batch_size * self.world_size
-        for b, start in enumerate(range(0, len(order), g)):
+        pools: dict[tuple[int, int], tuple[int, ...]] = {}
+        for start in range(0, len(order), g):
             chunk = len(order[start: start + g]) // self.world_size  # the per-rank size (smaller for the last)
-            slots = range(self.rank * chunk, (self.rank + 1) * chunk)
-            pools = {s // self.pool_size: self.pool(self.epoch, b, s) for s in slots}
-            yield [Pick(int(order[start + s]), pools[s // self.pool_size]) for s in slots]
+            positions = range(start + self.rank * chunk, start + (self.rank + 1) * chunk)
+            picks = []
+            for p in positions:
+                b, slot = divmod(p, self.pool_batch)  # the planned batch and slot of this position
+                key = (b, slot // self.pool_size)
+                if key not in pools:
+                    pools[key] = self.pool(self.epoch, b, slot)
+                picks.append(Pick(int(order[p]), pools[key]))
+            yield picks
 
     def pool(self, epoch: int, batch: int, slot: int) -> tuple[int, ...]:
-        """The mosaic pool of ``slot`` of global batch ``batch`` of ``epoch``: its slot group in the lane's batches.
+        """The mosaic pool of ``slot`` of planned global batch ``batch`` of ``epoch``: its slot group in the lane's
+        planned batches.
 
         >>> sampler = GlobalBatchSampler(64, 16, seed=0, pool_size=4, pool_window=2, pool_lanes=2)
         >>> here, before = sampler.order(1)[16 * 2:][:4], sampler.order(1)[:4]
@@ -112,15 +127,15 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
         out: list[int] = []
         for e, j in self._lane(epoch, batch):
             order = self.order(e)
-            start = j * self.batch_size * self.world_size
-            end = min(start + self.batch_size * self.world_size, len(order))
+            start = j * self.pool_batch
+            end = min(start + self.pool_batch, len(order))
             out.extend(int(i) for i in order[min(start + group, end): min(start + group + self.pool_size, end)])
         return tuple(out)
 
     def _lane(self, epoch: int, batch: int) -> list[tuple[int, int]]:
         """(epoch, batch) of ``batch`` and the ``pool_window - 1`` batches before it on its lane, newest first;
         a lane goes on into the previous epoch at its last batch of the same residue (epoch 0 starts it)."""
-        nb, lanes = len(self), self.pool_lanes
+        nb, lanes = math.ceil(len(self.order(epoch)) / self.pool_batch), self.pool_lanes
         out, e, j = [], epoch, batch
         while len(out) < self.pool_window:
             if j < 0:
@@ -199,8 +214,10 @@ def worker_start_method() -> str | None:
 
 
 def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: int, rank: int = 0,
-                     world_size: int = 1, seed: int = 0, drop_last: bool = False) -> DataLoader:
-    """A DataLoader over ``dataset`` for rank ``rank`` of ``world_size``; ``batch_size`` is per rank.
+                     world_size: int = 1, seed: int = 0, drop_last: bool = False,
+                     planned_world: int | None = None) -> DataLoader:
+    """A DataLoader over ``dataset`` for rank ``rank`` of ``world_size``; ``batch_size`` is per rank;
+    ``planned_world``: the world the batch was planned for (elastic membership, see :class:`GlobalBatchSampler`).
 
     Training (``shuffle`` or an augmenting dataset) uses :class:`GlobalBatchSampler`, evaluation
     :class:`ShardSampler`. Batches are collated by ``dataset.collate`` when it has one; memory is pinned when CUDA
@@ -212,7 +229,8 @@ def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: in
     >>> loader = build_dataloader(dataset, 8, shuffle=True, workers=2, rank=0, world_size=2)  # doctest: +SKIP
     """
     if shuffle or getattr(dataset, "augment", False):
-        sampler: Sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world_size, seed, shuffle, drop_last)
+        sampler: Sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world_size, seed, shuffle, drop_last,
+                                              planned_world=planned_world)
     else:
         sampler = ShardSampler(len(dataset), batch_size, rank, world_size)
     workers = max(0, min(int(workers), os.cpu_count() or 1))

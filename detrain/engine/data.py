@@ -86,14 +86,16 @@ def hyp_of(cfg: Cfg) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in HYP_KEYS}
 
 
-def build_train_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int) -> DataLoader:
-    """Augmented training batches; each rank gets its slice of every global batch."""
+def build_train_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int,
+                       planned_world: int | None = None) -> DataLoader:
+    """Augmented training batches; each rank gets its slice of every global batch (mosaic pools as planned for
+    ``planned_world`` ranks)."""
     dataset = DetectionDataset(data.records, imgsz=cfg.imgsz, augment=True, hyp=hyp_of(cfg), rect=cfg.rect,
                                batch_size=local_batch, stride=32, seed=cfg.seed, cache=cfg.cache or None,
                                close_mosaic_epoch=cfg.epochs - cfg.close_mosaic if cfg.close_mosaic else None,
                                cache_timeout_s=cfg.prepare_timeout)
     return build_dataloader(dataset, batch_size=local_batch, shuffle=not cfg.rect, workers=cfg.workers, rank=rank,
-                            world_size=world, seed=cfg.seed)
+                            world_size=world, seed=cfg.seed, planned_world=planned_world)
 
 
 def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int) -> DataLoader:

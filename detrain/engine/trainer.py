@@ -98,7 +98,8 @@ class Trainer:
                 # (seed + rank) init, so ranks > 0 would validate a slightly different model
                 self.ema.ema.load_state_dict(unwrap(self.model).state_dict())
         self.local_batch = self.plan.local_batch
-        self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world)
+        self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world,
+                                               self.plan.planned_world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
         self.val_loader = build_val_loader(self.val_data, cfg, cfg.batch, self.rank, self.world)
