@@ -1,6 +1,6 @@
 """Learning benchmark: does detrain learn as well as Ultralytics in the same number of epochs?
 
-Both tools train YOLOv8n from scratch on the very same files with the same settings (epochs, imgsz, batch,
+Both tools train YOLOv8n from scratch (or from ``--weights``) on the very same files with the same settings (epochs, imgsz, batch,
 workers, seed; everything else at each tool's default; CPU), each run in its own ``python`` process, one after
 the other, for every seed of ``--seeds``. The table gives, per selected epoch, the mean over seeds of the
 mAP50-95 each tool's own validator wrote to its ``results.csv``, then every run's ``best.pt`` scored by
@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,7 +223,9 @@ def finished(run_dir: Path, epochs: int) -> bool:
 
 def run_name(impl: str, args: argparse.Namespace, seed: int) -> str:
     """The run folder's name: the settings a reused run must share."""
-    return f"{impl}_e{args.epochs}_i{args.imgsz}_b{args.batch}_w{args.workers}_t{args.threads}_s{seed}"
+    start = f"_from-{args.weights.stem}" if args.weights else ""
+    extra = "".join(f"_{kv.replace('=', '-')}" for kv in args.detrain_args) if impl == "detrain" else ""
+    return f"{impl}{start}_e{args.epochs}_i{args.imgsz}_b{args.batch}_w{args.workers}_t{args.threads}{extra}_s{seed}"
 
 
 def child_env(work: Path, threads: int) -> dict[str, str]:
@@ -241,11 +244,12 @@ def train_command(impl: str, data: Path, args: argparse.Namespace, seed: int, pr
     """The command line that trains one run."""
     name = run_name(impl, args, seed)
     if impl == "detrain":
-        return [sys.executable, "-m", "detrain.cli", "train", f"data={data}", "model=n.yaml",
+        model = str(args.weights.absolute()) if args.weights else "n.yaml"
+        return [sys.executable, "-m", "detrain.cli", "train", f"data={data}", f"model={model}",
                 f"epochs={args.epochs}", f"imgsz={args.imgsz}", f"batch={args.batch}", f"seed={seed}",
                 f"workers={args.workers}", "device=cpu", f"project={project}", f"name={name}", "exist_ok=True",
-                "plots=False"]
-    kw = {"model": "yolov8n.yaml", "data": str(data), "epochs": args.epochs, "imgsz": args.imgsz,
+                "plots=False", *args.detrain_args]
+    kw = {"model": str(args.weights.absolute()) if args.weights else "yolov8n.yaml", "data": str(data), "epochs": args.epochs, "imgsz": args.imgsz,
           "batch": args.batch, "seed": seed, "workers": args.workers, "device": "cpu", "project": str(project),
           "name": name, "exist_ok": True, "plots": False, "amp": False, "threads": args.threads}
     return [sys.executable, "-c", ULTRALYTICS_CHILD, json.dumps(kw)]
@@ -426,6 +430,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for both tools (0: each tool's default: detrain all cpus, Ultralytics "
                         "min(8, cpus - 1))")
+    p.add_argument("--weights", type=Path,
+                   help="start both tools from this YOLOv8 checkpoint (e.g. ../shared/weights/yolov8n.pt: "
+                        "fine-tuning) instead of training YOLOv8n from scratch")
+    p.add_argument("--detrain-args", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra detrain train arguments (ablations; they name the run folder)")
     p.add_argument("--n-train", type=int, help=f"shapes: train images, default {DEFAULTS['n_train']}")
     p.add_argument("--n-val", type=int, help=f"shapes: val images, default {DEFAULTS['n_val']}")
     p.add_argument("--gen-imgsz", type=int, help=f"shapes: generated image size, default {DEFAULTS['gen_imgsz']}")
@@ -438,6 +447,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="also write the table as markdown here")
     p.add_argument("--json", type=Path, help="raw numbers (default: --out with .json, else in the work folder)")
     p.add_argument("--timeout", type=float, default=24 * 3600, help="seconds one child may run")
+    p.add_argument("--parallel", type=int, default=1,
+                   help="train up to this many runs of the same tool at once (give each core one: with --threads 1 "
+                        "on 2 cores, --parallel 2); the tools never overlap, so each side's wall times are taken "
+                        "under the same conditions")
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -449,6 +462,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--impls: unknown {sorted(unknown)}; valid: {', '.join(IMPLS)}")
     if not args.seed_list:
         p.error("--seeds: give at least one seed")
+    if args.parallel < 1:
+        p.error("--parallel: at least 1")
     return args
 
 
@@ -484,7 +499,8 @@ def header_lines(args: argparse.Namespace, data: Dataset, info: dict[str, Any], 
     used = [f"{LABELS[i]} torch threads {rs[0].threads}, loader workers {rs[0].workers}" for i, rs in runs.items()
             if rs and rs[0].threads is not None]
     return [
-        f"## Learning: detrain vs Ultralytics, YOLOv8n from scratch ({args.dataset})", "",
+        f"## Learning: detrain vs Ultralytics, YOLOv8n "
+        f"{f'fine-tuned from {args.weights.name}' if args.weights else 'from scratch'} ({args.dataset})", "",
         f"`{command}`", "",
         f"- machine: {info['cpus']} CPUs ({info['cpu']}), python {info['python']}, torch {info['torch']}, "
         f"detrain {info['detrain']}, ultralytics {info['ultralytics'] or 'not importable'}; {info['date']}; "
@@ -492,6 +508,8 @@ def header_lines(args: argparse.Namespace, data: Dataset, info: dict[str, Any], 
         f"- data: {data.note}",
         f"- settings: epochs {args.epochs}, imgsz {args.imgsz}, batch {args.batch}, workers {args.workers}, seeds "
         f"{', '.join(map(str, args.seed_list))}, device cpu, every other setting at each tool's default"
+        + (f"; detrain also {' '.join(args.detrain_args)}" if args.detrain_args else "")
+        + (f"; {args.parallel} runs of the same tool at a time" if args.parallel > 1 else "")
         + (f"; as run: {'; '.join(used)}" if used else ""),
     ]
 
@@ -519,9 +537,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     command = command_line(argv)
     load0 = os.getloadavg()[0]
     runs: dict[str, list[Run]] = {i: [] for i in impls}
-    for seed in args.seed_list:  # one run at a time: each tool gets the whole machine
+    if args.parallel == 1:
+        for seed in args.seed_list:  # one run at a time: each tool gets the whole machine
+            for impl in impls:
+                runs[impl].append(train_run(impl, data, args, seed, work))
+    else:  # the seeds of one tool side by side, the tools one after the other
         for impl in impls:
-            runs[impl].append(train_run(impl, data, args, seed, work))
+            with ThreadPoolExecutor(args.parallel) as pool:
+                runs[impl] = list(pool.map(lambda seed: train_run(impl, data, args, seed, work), args.seed_list))
     for impl in impls:
         for run in runs[impl]:
             score_run(run, data, args, work)

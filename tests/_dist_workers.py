@@ -207,3 +207,16 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+def pending_grads(args: dict[str, Any]) -> dict[str, Any]:
+    """Each rank's own gradients (rank r: r + 1 everywhere, no gradient for one parameter on rank 1) are replaced
+    by their mean over the ranks; rank 0 returns what it then holds."""
+    from detrain.engine import accumulation
+
+    dist.setup(timeout_s=30.0)
+    net = torch.nn.Linear(3, 2)
+    net.weight.grad = torch.full_like(net.weight, float(dist.rank() + 1))
+    net.bias.grad = None if dist.rank() == 1 else torch.full_like(net.bias, 4.0)
+    accumulation.average_over_ranks(net)
+    return {k: v.tolist() for k, v in accumulation.saved(net).items()}

@@ -142,12 +142,14 @@ def test_warmup_iterations_match(ul, warmup_epochs, epochs, nb):
 
 # 4 training images. sgd-cosine: batch 1, 4 iterations an epoch, 4 of warmup, accumulation ramping 1 -> 4;
 # auto-adamw: a short run, so AdamW at the fitted lr, weight decay scaled by batch*accumulate/nbs = 4/3;
-# no-warmup: warmup_epochs 0. accumulate-cap: nbs/batch = 32 steps exceed the run's 4 iterations.
+# no-warmup: warmup_epochs 0. accumulate-cap: nbs/batch = 32 steps exceed the run's 4 iterations. across-epochs:
+# updates of 3 batches in epochs of 4, so gradients wait across every epoch's end.
 CASES = {
     "sgd-cosine": dict(optimizer="SGD", batch=1, nbs=4, epochs=3, warmup_epochs=1.0, cos_lr=True),
     "auto-adamw": dict(optimizer="auto", batch=2, nbs=3, epochs=4, warmup_epochs=2.0),
     "no-warmup": dict(optimizer="SGD", batch=2, nbs=4, epochs=2, warmup_epochs=0.0),
     "accumulate-cap": dict(optimizer="SGD", batch=2, nbs=64, epochs=2, warmup_epochs=0.0),
+    "across-epochs": dict(optimizer="SGD", batch=1, nbs=3, epochs=3, warmup_epochs=0.0),  # 4 batches, updates of 3
 }
 COMMON = dict(imgsz=64, workers=0, device="cpu", plots=False, val=False, save=False, amp=False, close_mosaic=0,
               deterministic=False, seed=0, verbose=False, exist_ok=True)
@@ -223,14 +225,13 @@ def test_recipe_per_iteration_matches(ul, coco8_yaml, tmp_path, monkeypatch, glo
     u = _record_ultralytics(coco8_yaml, tmp_path, case)
     d = _record_detrain(coco8_yaml, tmp_path, case, monkeypatch)
     assert len(d) == len(u) > 0
-    # when to step: both step once `accumulate` batches have gathered since the last step; detrain also steps at
-    # the last batch of every epoch (Ultralytics carries those gradients into the next epoch's first step)
-    nb, last = d[0]["nb"], {"detrain": -1, "ultralytics": -1}
-    for ni, (a, b) in enumerate(zip(d, u)):
-        for name, rec, flush in (("detrain", a, ni % nb == nb - 1), ("ultralytics", b, False)):
-            due = ni - last[name] >= rec["accumulate"] or flush
-            assert rec["step"] == due, (name, ni, rec)
-            last[name] = ni if due else last[name]
+    # when to step: both step once `accumulate` batches have gathered since the last step, counted over the run
+    # (gradients wait across an epoch's end), so at the same iterations
+    assert [a["step"] for a in d] == [b["step"] for b in u]
+    last = -1
+    for ni, a in enumerate(d):
+        assert a["step"] == (ni - last >= a["accumulate"]), (ni, a)
+        last = ni if a["step"] else last
     for ni, (a, b) in enumerate(zip(d, u)):
         where = f"iteration {ni}: detrain {a}\nultralytics {b}"
         assert a["optimizer"] == b["optimizer"], where

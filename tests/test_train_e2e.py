@@ -61,11 +61,18 @@ def _tiny_args(data: Path, project: Path, epochs: int) -> dict:
                 optimizer="SGD")
 
 
-def test_resume_continues_exactly(tmp_path):
+# Updates are counted over the run (2 batches an epoch here): of 2 batches they end with each epoch; of 3 (nbs 24),
+# or of 2 behind a warmup's single-batch first update, batch 3's gradients wait in epoch 2's checkpoint.
+@pytest.mark.parametrize("nbs, warmup, last_update", [(16, 0, 3), (24, 0, 2), (16, 1, 2)])
+def test_resume_continues_exactly(tmp_path, nbs, warmup, last_update):
     import shutil
 
     data = _fit_yaml(tmp_path, n=16, imgsz=64)
-    straight = Path(Model("n.yaml").train(**_tiny_args(data, tmp_path / "a", epochs=3), save_period=1)["save_dir"])
+    args = {**_tiny_args(data, tmp_path / "a", epochs=3), "nbs": nbs, "warmup_epochs": warmup}
+    straight = Path(Model("n.yaml").train(**args, save_period=1)["save_dir"])
+    saved = torch.load(straight / "weights" / "epoch2.pt", weights_only=True)
+    assert saved["last_update"] == last_update
+    assert (saved["pending_grads"] is not None) == (last_update < 3)
     # a run that died after epoch 2: its folder holds that epoch's checkpoint as last.pt and two rows
     died = tmp_path / "b" / "run"
     (died / "weights").mkdir(parents=True)

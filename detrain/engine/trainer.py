@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch import nn
 from detrain import dist
 from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
-from detrain.engine import optim
+from detrain.engine import accumulation, optim
 from detrain.engine.batch_plan import batch_plan, planned_world_size
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
@@ -126,6 +127,8 @@ class Trainer:
             nc=self.nc, strides=bare.stride, reg_max=bare.reg_max, box=cfg.box, cls=cfg.cls, dfl=cfg.dfl,
             normalizer_reduce=dist.all_reduce_sum if self.world > 1 else None, world_size=self.world)
         self.start_epoch, self.best_fitness = 0, None
+        self.last_update = -1  # global batch index of the last optimizer update
+        self.carried_grads: dict[str, torch.Tensor] | None = None  # a resumed run's waiting gradients
         if self.resume_ckpt is not None:
             self._restore(self.resume_ckpt)
         if self.main:
@@ -144,6 +147,12 @@ class Trainer:
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.start_epoch = int(ckpt["epoch"]) + 1
+        self.last_update = self.start_epoch * self.nb - 1
+        if ckpt.get("batches_per_epoch") == self.nb and ckpt.get("accumulate") == self.accumulate_target:
+            # gradients still waiting for an update (accumulation.py); a different batch plan (another world
+            # size) starts its cadence afresh at this epoch instead
+            self.last_update = int(ckpt.get("last_update", self.last_update))
+            self.carried_grads = ckpt.get("pending_grads") or None
         self.best_fitness = ckpt.get("best_fitness")
         self.epochs_without_improvement = int(ckpt.get("epochs_without_improvement", 0))
         rng = ckpt.get("rng_per_rank", {}).get(str(self.rank)) or ckpt.get("rng")
@@ -172,7 +181,7 @@ class Trainer:
             start = self._validate(-1)
             if self.main:
                 console.print(f"starting weights: mAP50 {start['map50']:.4f}  mAP50-95 {start['map']:.4f}")
-        last_opt_step = self.start_epoch * self.nb - 1  # every epoch ends on a step, so a resume starts clean
+        self.optimizer.zero_grad(set_to_none=True)
         for epoch in range(self.start_epoch, cfg.epochs):
             _test_kill_hook(epoch, self.rank)
             t0 = time.perf_counter()
@@ -184,7 +193,6 @@ class Trainer:
             progress = EpochProgress(epoch, cfg.epochs, self.nb, LOSS_NAMES) if self.main else None
             mean_items = torch.zeros(3, device=self.device)
             step_times: list[float] = []
-            self.optimizer.zero_grad(set_to_none=True)
             n_images = 0
             for i, batch in enumerate(self.train_loader):
                 ts = time.perf_counter()
@@ -193,13 +201,15 @@ class Trainer:
                 if ni <= n_warmup:
                     accumulate = optim.apply_warmup(self.optimizer, cfg, ni, n_warmup, self.lf(epoch), self.lr0,
                                                     self.momentum, self.accumulate_target)
-                # the last batch of an epoch steps too: no batch's gradient is dropped by the zero_grad above,
-                # and no gradient waits in a checkpoint (resume is exact)
-                will_step = ni - last_opt_step >= accumulate or i == self.nb - 1
+                # updates are counted over the run, so gradients may wait across an epoch's end (accumulation.py)
+                will_step = ni - self.last_update >= accumulate
                 items, imgsz = self._step(batch, will_step)
+                if self.carried_grads is not None:  # a resumed run's waiting gradients join the first batch's
+                    accumulation.add_saved(unwrap(self.model), self.carried_grads)
+                    self.carried_grads = None
                 if will_step:
                     self._optimizer_step()
-                    last_opt_step = ni
+                    self.last_update = ni
                 items = dist.reduce_mean(items.detach())
                 mean_items = (mean_items * i + items) / (i + 1)
                 n_images += int(batch["img"].shape[0])
@@ -211,7 +221,11 @@ class Trainer:
             if progress is not None:
                 progress.close()
             lrs = [g["lr"] for g in self.optimizer.param_groups]
-            self.scheduler.step()
+            with warnings.catch_warnings():  # an epoch shorter than one update has not stepped the optimizer yet;
+                warnings.simplefilter("ignore", UserWarning)  # LambdaLR computes from the epoch, so nothing is lost
+                self.scheduler.step()
+            if accumulation.pending_batches(self.nb * (epoch + 1) - 1, self.last_update):
+                accumulation.average_over_ranks(unwrap(self.model))  # collective: one all-reduce of the gradients
             epoch_time = time.perf_counter() - t0
             speed = self._speed(n_images, epoch_time, step_times)
             final = epoch + 1 == cfg.epochs
@@ -325,12 +339,18 @@ class Trainer:
             "epoch": epoch,
             "best_fitness": self.best_fitness,
             "epochs_without_improvement": self.epochs_without_improvement,
+            "last_update": self.last_update,
+            "batches_per_epoch": self.nb,
+            "accumulate": self.accumulate_target,
+            "pending_grads": (accumulation.saved(bare) if accumulation.pending_batches(
+                self.nb * (epoch + 1) - 1, self.last_update) else None),
             "train_args": self.cfg.to_dict(),
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "rng": rng_state(),
         }
         save_checkpoint(state, self.wdir / "last.pt")
-        light = {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "scaler", "rng")}
+        light = {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "scaler", "rng",
+                                                             "pending_grads")}
         if improved:
             save_checkpoint(light, self.wdir / "best.pt")
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:

@@ -1,0 +1,84 @@
+"""Gradients that wait across an epoch boundary, and how they survive a checkpoint.
+
+An optimizer update gathers ``accumulate`` batches, counted over the whole run and not per epoch (as
+Ultralytics counts them): when an epoch's batch count is not a multiple of ``accumulate``, the batches after its
+last update wait, as gradients, for the first batches of the next epoch. On a small dataset that matters: 6
+batches per epoch and ``accumulate`` 4 make 45 updates in 30 epochs counted this way, but 60 (a third of them
+built from only 2 batches) if every epoch ended with an update of whatever had gathered.
+
+So that ``resume`` still continues exactly, the waiting gradients go into ``last.pt``. Under DDP they are local
+to each rank until the update's all-reduce (the batches before it run under ``no_sync``), so at the end of an
+epoch they are first averaged over the ranks (:func:`average_over_ranks`): every rank then holds the same
+partial sum, and the update's all-reduce later averages ``partial + local`` to the same result. A resumed run
+adds them to its first batch's gradients (:func:`add_saved`), wherever DDP keeps its gradient buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from detrain import dist
+
+
+def pending_batches(last_batch: int, last_update: int) -> int:
+    """Batches whose gradients have gathered since the last update (global batch indices).
+
+    >>> pending_batches(last_batch=11, last_update=7)  # batches 8 to 11 wait
+    4
+    """
+    return max(last_batch - last_update, 0)
+
+
+def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def average_over_ranks(model: nn.Module) -> None:
+    """Replace every rank's waiting gradients with their mean over the ranks, in place (one all-reduce of all
+    of them, flattened). A parameter without a gradient counts as zeros. No-op in a single process."""
+    if not dist.is_distributed():
+        return
+    params = [p for _, p in _trainable(model)]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    mean = dist.reduce_mean(torch.cat([g.reshape(-1) for g in grads]))
+    offset = 0
+    for p, g in zip(params, grads):
+        part = mean[offset: offset + g.numel()].view_as(g)
+        offset += g.numel()
+        if p.grad is None:
+            p.grad = part.clone()
+        else:
+            p.grad.copy_(part)
+
+
+def saved(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The waiting gradients by parameter name, on the CPU (for ``last.pt``).
+
+    >>> net = nn.Linear(2, 1); net(torch.ones(1, 2)).sum().backward(); sorted(saved(net))
+    ['bias', 'weight']
+    """
+    return {name: p.grad.detach().to("cpu", copy=True) for name, p in _trainable(model) if p.grad is not None}
+
+
+def add_saved(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
+    """Add gradients saved by :func:`saved` to the model's current ones (call after a backward pass, before the
+    update: a sum does not care when its terms arrive). Names must match the model's trainable parameters.
+
+    >>> net = nn.Linear(2, 1); net(torch.ones(1, 2)).sum().backward(); kept = saved(net)
+    >>> add_saved(net, kept); net.bias.grad
+    tensor([2.])
+    """
+    params = dict(_trainable(model))
+    missing = sorted(set(grads) - set(params))
+    if missing:
+        raise KeyError(f"saved gradients for parameters the model does not train: {missing[:3]}")
+    with torch.no_grad():
+        for name, g in grads.items():
+            p = params[name]
+            if p.grad is None:
+                p.grad = g.to(p.device, p.dtype).clone()
+            else:
+                p.grad.add_(g.to(p.grad.device, p.grad.dtype))
