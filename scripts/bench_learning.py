@@ -316,19 +316,26 @@ def train_run(impl: str, data: Dataset, args: argparse.Namespace, seed: int, wor
 
 
 def score_run(run: Run, data: Dataset, args: argparse.Namespace, work: Path) -> None:
-    """Score the run's best.pt with ``detrain val`` (the same flags for both tools) into ``run.final``."""
-    best = Path(run.dir) / "weights" / "best.pt"
-    val_dir = work / data.tag / "val" / Path(run.dir).name
-    metrics_file = val_dir / "metrics.json"
-    fresh = metrics_file.is_file() and metrics_file.stat().st_mtime >= best.stat().st_mtime
-    if not (args.reuse and fresh):
-        cmd = [sys.executable, "-m", "detrain.cli", "val", f"model={best}", f"data={data.yaml}",
-               f"imgsz={args.imgsz}", f"batch={args.batch}", f"workers={args.workers}", "device=cpu",
-               *(f"{k}={v}" for k, v in VAL_FLAGS.items()), "plots=False", "verbose=False",
-               f"project={val_dir.parent}", f"name={val_dir.name}", "exist_ok=True"]
-        run_logged(cmd, val_dir.parent / f"{val_dir.name}.log", child_env(work, args.threads), REPO, args.timeout)
-    metrics = json.loads(metrics_file.read_text())
-    run.final = {"map": float(metrics["map"]), "map50": float(metrics["map50"])}
+    """Score the run's best.pt and last.pt (the last epoch's EMA weights) with ``detrain val``, the same flags for
+    both tools, into ``run.final`` (map, map50 of best.pt; last_map of last.pt)."""
+    run.final = {}
+    for which in ("best", "last"):
+        weights = Path(run.dir) / "weights" / f"{which}.pt"
+        val_dir = work / data.tag / "val" / (Path(run.dir).name + ("" if which == "best" else "_last"))
+        metrics_file = val_dir / "metrics.json"
+        fresh = metrics_file.is_file() and metrics_file.stat().st_mtime >= weights.stat().st_mtime
+        if not (args.reuse and fresh):
+            cmd = [sys.executable, "-m", "detrain.cli", "val", f"model={weights}", f"data={data.yaml}",
+                   f"imgsz={args.imgsz}", f"batch={args.batch}", f"workers={args.workers}", "device=cpu",
+                   *(f"{k}={v}" for k, v in VAL_FLAGS.items()), "plots=False", "verbose=False",
+                   f"project={val_dir.parent}", f"name={val_dir.name}", "exist_ok=True"]
+            run_logged(cmd, val_dir.parent / f"{val_dir.name}.log", child_env(work, args.threads), REPO,
+                       args.timeout)
+        metrics = json.loads(metrics_file.read_text())
+        if which == "best":
+            run.final.update(map=float(metrics["map"]), map50=float(metrics["map50"]))
+        else:
+            run.final["last_map"] = float(metrics["map"])
 
 
 # ---------------------------------------------------------------- tables
@@ -359,8 +366,8 @@ def summarize(runs: dict[str, list[Run]], epochs: list[int]) -> dict[str, Any]:
     """Means over seeds per tool: per selected epoch, of the final best.pt scores and of the wall time, plus
     the detrain / Ultralytics ratios where both sides ran."""
     per_epoch = {impl: {e: mean_or_none([r.per_epoch.get(e) for r in rs]) for e in epochs} for impl, rs in runs.items()}
-    final = {impl: {k: mean_or_none([r.final[k] if r.final else None for r in rs]) for k in ("map", "map50")}
-             for impl, rs in runs.items()}
+    final = {impl: {k: mean_or_none([r.final.get(k) if r.final else None for r in rs])
+                    for k in ("map", "map50", "last_map")} for impl, rs in runs.items()}
     wall = {impl: mean_or_none([r.wall_s for r in rs]) for impl, rs in runs.items()}
     both = "detrain" in runs and "ultralytics" in runs
     ratios: dict[str, Any] = {}
@@ -369,6 +376,7 @@ def summarize(runs: dict[str, list[Run]], epochs: list[int]) -> dict[str, Any]:
             "per_epoch": {e: ratio(per_epoch["detrain"][e], per_epoch["ultralytics"][e]) for e in epochs},
             "final_map": ratio(final["detrain"]["map"], final["ultralytics"]["map"]),
             "final_map50": ratio(final["detrain"]["map50"], final["ultralytics"]["map50"]),
+            "final_last_map": ratio(final["detrain"]["last_map"], final["ultralytics"]["last_map"]),
             "wall_s": ratio(wall["detrain"], wall["ultralytics"]),
         }
     return {"epochs": epochs, "per_epoch": per_epoch, "final": final, "wall_s": wall, "ratio": ratios}
@@ -383,7 +391,7 @@ def _x(value: float | None) -> str:
 
 
 def _seeds(runs: list[Run], key: str) -> str:
-    values = [r.final[key] if r.final else None for r in runs]
+    values = [r.final.get(key) if r.final else None for r in runs]
     return ", ".join(_num(v, 3) for v in values) if len(values) > 1 else ""
 
 
@@ -398,7 +406,8 @@ def render_markdown(runs: dict[str, list[Run]], summary: dict[str, Any], header:
         cells = [_num(summary["per_epoch"][i][e]) for i in impls]
         cells += [_x(summary["ratio"]["per_epoch"][e])] if both else []
         lines.append(f"| {e} | " + " | ".join(cells) + " |")
-    for key, label in (("map", "best.pt mAP50-95, detrain validator"), ("map50", "best.pt mAP50, detrain validator")):
+    for key, label in (("map", "best.pt mAP50-95, detrain validator"), ("map50", "best.pt mAP50, detrain validator"),
+                       ("last_map", "last.pt mAP50-95, detrain validator")):
         cells = []
         for i in impls:
             seeds = _seeds(runs[i], key)

@@ -68,7 +68,7 @@ def test_results_csv_of_both_tools(tmp_path):
 
 def _run(impl: str, seed: int, maps: list[float], final: float, wall: float):
     return bl.Run(impl, seed, f"/runs/{impl}{seed}", {e + 1: m for e, m in enumerate(maps)},
-                  {"map": final, "map50": 2 * final}, wall, 1, 0)
+                  {"map": final, "map50": 2 * final, "last_map": final / 2}, wall, 1, 0)
 
 
 def test_table_means_over_seeds_and_ratios():
@@ -89,6 +89,7 @@ def test_table_means_over_seeds_and_ratios():
     assert "| 10 | 0.4000 | 0.2000 | 2.00x |" in text
     assert "**0.5000** (0.400, 0.600)" in text and "**2.00x**" in text
     assert "| wall s per run | 110.0 | 220.0 | 0.50x |" in text
+    assert s["ratio"]["final_last_map"] == pytest.approx(2.0) and "| last.pt mAP50-95, detrain validator |" in text
 
 
 def test_a_missing_side_or_a_zero_gives_no_ratio():
@@ -106,11 +107,13 @@ def test_detrain_side_end_to_end_on_a_tiny_shapes_set(tmp_path):
                       "--seeds", "0", "--threads", "1", "--work", str(tmp_path / "work"), "--out", str(out)])
     saved = json.loads(out.with_suffix(".json").read_text())
     (run,) = saved["runs"]["detrain"]
-    assert set(run["final"]) == {"map", "map50"} and 0.0 <= run["final"]["map"] <= 1.0
+    assert set(run["final"]) == {"map", "map50", "last_map"} and 0.0 <= run["final"]["map"] <= 1.0
+    assert 0.0 <= run["final"]["last_map"] <= 1.0
     assert run["per_epoch"].keys() == {"1"} and run["wall_s"] > 0 and not run["reused"]
     assert report["summary"]["final"]["detrain"]["map"] == run["final"]["map"]
     text = out.read_text()
     assert "best.pt mAP50-95, detrain validator" in text and "--impls detrain" in text
+    assert "last.pt mAP50-95, detrain validator" in text
     # a second call with --reuse keeps the finished run and its score
     again = bl.main(["--dataset", "shapes", "--impls", "detrain", "--n-train", "8", "--n-val", "4",
                      "--gen-imgsz", "64", "--epochs", "1", "--imgsz", "64", "--batch", "4", "--workers", "0",
