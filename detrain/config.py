@@ -64,7 +64,7 @@ class Cfg:
     warmup_momentum: float
     warmup_bias_lr: float
     cos_lr: bool
-    nbs: int
+    nbs: Union[int, str]
     clip_grad: float
     amp: bool
     seed: int
@@ -224,6 +224,10 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
 def _check(key: str, value: Any) -> Any:
     if key == "cache" and value is True:  # cache=true means the RAM cache, as users know it
         value = "ram"
+    if key == "nbs" and isinstance(value, str):
+        if value.strip().lower() != "auto":
+            raise _fail(key, value, "auto or an integer of at least 1")
+        return "auto"
     if key in CHOICES:
         options = CHOICES[key]
         match = next((o for o in options if o == value or (isinstance(o, str) and isinstance(value, str)

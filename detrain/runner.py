@@ -27,7 +27,7 @@ def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
     if task == "train" and not cfg.resume and not launch.in_launcher_env():
         # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting
         planned = plan.nprocs * launch.parse_nnodes(cfg.nnodes)[1]
-        batch_plan(cfg.batch, cfg.nbs, planned, planned)
+        batch_plan(cfg.batch, cfg.batch, planned, planned)
     if spawning and cfg.node_rank == 0 and not (task == "train" and cfg.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder
         args["save_dir"] = str(increment_run_dir(cfg.project, cfg.name, task, cfg.exist_ok))

@@ -32,6 +32,26 @@ def test_auto_picks_adamw_for_short_runs_and_sgd_for_long_ones():
     assert (short, long) == ("AdamW", "SGD") and lr == round(0.01 / 84, 6)
 
 
+def test_short_runs_from_scratch_update_every_batch_and_the_rest_gather_64_images():
+    auto = make_cfg({"batch": 16})
+    assert optim.images_per_update(auto, "AdamW", from_weights=False) == 16  # optimizer=auto, short, from scratch
+    assert optim.images_per_update(auto, "AdamW", from_weights=True) == 64  # fine-tuning keeps the nominal 64
+    assert optim.images_per_update(auto, "SGD", from_weights=False) == 64  # a long run (auto picked SGD)
+    assert optim.images_per_update(make_cfg({"optimizer": "AdamW"}), "AdamW", False) == 64  # chosen by the user
+    assert optim.images_per_update(make_cfg({"nbs": 32}), "AdamW", False) == 32  # a number is kept
+    # weight decay is given per 64 images with nbs=auto, per nbs images otherwise
+    assert optim.weight_decay_batch(auto) == 64 and optim.weight_decay_batch(make_cfg({"nbs": 24})) == 24
+
+
+def test_updates_counted_for_the_auto_choice_as_ultralytics_counts_them():
+    # ceil(n / max(batch, nbs)) * epochs, with 64 for nbs=auto: the same choice whatever nbs=auto resolves to
+    assert optim.planned_updates(make_cfg({"epochs": 30}), 400) == 7 * 30
+    assert optim.planned_updates(make_cfg({"epochs": 2, "batch": 128}), 400) == 4 * 2
+    assert optim.auto_choice(make_cfg(), nc=80, updates=10_000)[0] == "AdamW"
+    assert optim.auto_choice(make_cfg(), nc=80, updates=10_001) == ("SGD", 0.01, 0.937)
+    assert optim.auto_choice(make_cfg({"optimizer": "SGD", "lr0": 0.02}), nc=80, updates=5) == ("SGD", 0.02, 0.937)
+
+
 def test_lr_schedules_end_at_lrf():
     for cos in (False, True):
         f = optim.lr_lambda(make_cfg({"epochs": 10, "lrf": 0.01, "cos_lr": cos}))

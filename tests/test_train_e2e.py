@@ -98,3 +98,18 @@ def test_cli_train_with_a_bad_dataset_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "nope.yaml" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_nbs_auto_updates_every_batch_from_scratch_and_gathers_64_images_when_fine_tuning(tmp_path):
+    """optimizer=auto, nbs=auto (the defaults): a short run from a yaml updates after every batch; the same run
+    from weights gathers 64 images (8 batches of 8) per update, as YOLO's nominal batch."""
+    data = _fit_yaml(tmp_path, n=16, imgsz=64)
+    common = dict(data=str(data), epochs=4, imgsz=64, batch=8, device="cpu", workers=0, close_mosaic=0, val=False,
+                  plots=False, verbose=False, exist_ok=True)
+    scratch = Path(Model("n.yaml").train(**common, project=str(tmp_path / "a"), name="run")["save_dir"])
+    first = torch.load(scratch / "weights" / "last.pt", weights_only=True)
+    assert first["accumulate"] == 1 and first["last_update"] == 7  # 2 batches x 4 epochs, each one an update
+    tuned = Path(Model(str(scratch / "weights" / "last.pt")).train(**common, project=str(tmp_path / "b"),
+                                                                  name="run")["save_dir"])
+    second = torch.load(tuned / "weights" / "last.pt", weights_only=True)
+    assert second["accumulate"] == 8 and second["train_args"]["nbs"] == "auto"

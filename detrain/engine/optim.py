@@ -12,12 +12,66 @@ from torch import nn
 from detrain.config import Cfg
 
 
+NOMINAL_BATCH = 64  # images per update that lr0 and weight_decay are given for (nbs=auto)
+AUTO_LONG_RUN = 10_000  # optimizer=auto: above this many updates SGD, else AdamW
+
+
+def planned_updates(cfg: Cfg, n_images: int) -> int:
+    """Updates of the run as ``optimizer=auto`` counts them (Ultralytics' rule): one per ``nbs`` images (64 with
+    ``nbs=auto``, never fewer images than a batch) for ``epochs`` epochs.
+
+    >>> from detrain.config import make_cfg
+    >>> planned_updates(make_cfg({"epochs": 30}), 400)
+    210
+    """
+    return math.ceil(n_images / max(cfg.batch, weight_decay_batch(cfg))) * cfg.epochs
+
+
+def auto_choice(cfg: Cfg, nc: int, updates: int) -> tuple[str, float, float]:
+    """(optimizer, lr0, momentum) the run trains with: as given, or for ``optimizer=auto`` AdamW at a
+    class-count-fit rate for short runs (``updates`` up to 10,000), where SGD has no time to settle, and SGD at
+    ``lr0`` for long ones.
+
+    >>> from detrain.config import make_cfg
+    >>> auto_choice(make_cfg(), nc=8, updates=210)
+    ('AdamW', 0.000833, 0.9)
+    """
+    if cfg.optimizer != "auto":
+        return cfg.optimizer, cfg.lr0, cfg.momentum
+    if updates > AUTO_LONG_RUN:
+        return "SGD", cfg.lr0, cfg.momentum
+    return "AdamW", round(0.002 * 5 / (4 + nc), 6), 0.9
+
+
+def weight_decay_batch(cfg: Cfg) -> int:
+    """The batch ``weight_decay`` is given for: ``nbs``, or 64 with ``nbs=auto``."""
+    return NOMINAL_BATCH if cfg.nbs == "auto" else int(cfg.nbs)
+
+
+def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
+    """How many images an optimizer update gathers (gradients accumulate over the batches up to it).
+
+    A number in ``nbs`` is kept. ``nbs=auto`` is 64 (YOLO's nominal batch), except for short runs from scratch
+    that ``optimizer=auto`` trains with AdamW: there every batch updates. AdamW normalises the gradient's scale,
+    so gathering 64 images only divides the number of updates, and a short run is short of updates (30 epochs
+    of 400 images at batch 16: about 190 updates instead of 750; measured in docs/learning.md). Fine-tuning from weights keeps 64:
+    there more updates on a small set wear away what the weights knew.
+
+    >>> from detrain.config import make_cfg
+    >>> images_per_update(make_cfg(), "AdamW", from_weights=False), images_per_update(make_cfg(), "AdamW", True)
+    (16, 64)
+    """
+    if cfg.nbs != "auto":
+        return int(cfg.nbs)
+    if cfg.optimizer == "auto" and optimizer in ("AdamW", "Adam") and not from_weights:
+        return cfg.batch
+    return NOMINAL_BATCH
+
+
 def build_optimizer(model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, weight_decay: float
                     ) -> tuple[torch.optim.Optimizer, str, float]:
-    """Three parameter groups: weights with decay, BatchNorm weights and biases without.
-
-    ``optimizer=auto`` picks AdamW with a small, class-count-dependent rate for short runs (under 10,000
-    iterations), where SGD has no time to settle, and SGD at ``lr0`` for long ones.
+    """Three parameter groups: weights with decay, BatchNorm weights and biases without; the optimizer, lr0
+    and momentum of :func:`auto_choice` for ``total_iterations`` planned updates.
     Returns (optimizer, name, lr0 actually used).
     """
     decay, no_decay_bn, biases = [], [], []
@@ -32,12 +86,7 @@ def build_optimizer(model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, 
                 no_decay_bn.append(p)
             else:
                 decay.append(p)
-    name, lr, momentum = cfg.optimizer, cfg.lr0, cfg.momentum
-    if name == "auto":
-        if total_iterations > 10_000:
-            name = "SGD"
-        else:
-            name, lr, momentum = "AdamW", round(0.002 * 5 / (4 + nc), 6), 0.9
+    name, lr, momentum = auto_choice(cfg, nc, total_iterations)
     groups = [
         {"params": biases, "weight_decay": 0.0},
         {"params": decay, "weight_decay": weight_decay},

@@ -55,8 +55,10 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world = dist.rank(), dist.world_size()
         self.main = dist.is_main()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
-        self.plan = batch_plan(cfg.batch, cfg.nbs, self.world, planned_world_size(cfg.nnodes, self.world, local_world))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        # the batch must split over the planned world whatever the accumulation: checked before anything loads
+        self.planned_world = planned_world_size(cfg.nnodes, self.world, self.local_world)
+        batch_plan(cfg.batch, cfg.batch, self.world, self.planned_world)
         self.device = select_device(cfg.device, dist.local_rank())
         if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(cpu_threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", self.world))))
@@ -74,6 +76,11 @@ class Trainer:
         self.val_data = load_split(cfg.data, "val", cfg)
         self.nc, self.names = self.data.nc, self.data.names
         model, ckpt = build_model(cfg.model, nc=self.nc, names=self.names, verbose=self.main)
+        # the recipe: optimizer=auto's choice, and from it how many images an update gathers (nbs=auto)
+        total_iters = optim.planned_updates(cfg, len(self.data.records))
+        opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
+        self.plan = batch_plan(cfg.batch, optim.images_per_update(cfg, opt_name, is_weights(cfg.model)), self.world,
+                               self.planned_world)
         if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
             model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
         self.model = model.to(self.device)
@@ -110,8 +117,8 @@ class Trainer:
         self.nb = len(self.train_loader)
         # a run shorter than one planned update still steps (weight decay keeps the planned scaling)
         self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.epochs)
-        weight_decay = cfg.weight_decay * self.plan.update_images / cfg.nbs  # as planned, whatever the world now
-        total_iters = math.ceil(len(self.data.records) / max(cfg.batch, cfg.nbs)) * cfg.epochs
+        # as planned, whatever the world now; per image as given for nbs images
+        weight_decay = cfg.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
             unwrap(self.model), cfg, self.nc, total_iters, weight_decay)
         first = self.optimizer.param_groups[0]
