@@ -36,7 +36,9 @@ def int_(n: int) -> bytes:
     if -(2**31) <= n < 2**31:
         return pickle.BININT + struct.pack("<i", n)
     raw = pickle.encode_long(n)
-    return pickle.LONG1 + bytes([len(raw)]) + raw
+    if len(raw) < 256:
+        return pickle.LONG1 + bytes([len(raw)]) + raw
+    return pickle.LONG4 + struct.pack("<i", len(raw)) + raw
 
 
 def bool_(b: bool) -> bytes:

@@ -174,7 +174,7 @@ def test_plain_numpy_numbers_and_arrays_still_load(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "module, name",
-    [(os.system.__module__, "system"), ("subprocess", "Popen"), ("builtins", "eval"), ("functools", "partial"),
+    [("os", "system"), (os.system.__module__, "system"), ("subprocess", "Popen"), ("builtins", "eval"), ("functools", "partial"),
      ("builtins", "getattr"), ("torch", "load"), ("numpy", "load"), ("torch.serialization", "load")],
 )
 def test_a_global_that_runs_code_is_refused(tmp_path: Path, module: str, name: str) -> None:
@@ -262,6 +262,36 @@ def test_a_huge_declared_storage_is_refused_before_any_allocation(tmp_path: Path
 def test_storages_must_match_their_records(tmp_path: Path, tensors: dict, records: dict, reason: str) -> None:
     path = write_torch_zip(tmp_path / "st.pt", checkpoint(ultralytics_model(_parameters=dict_(tensors))), records)
     _refused(path, reason)
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        # an int too long for str() (Python refuses past 4300 digits) where a storage size belongs
+        (reduce_(global_("torch._utils", "_rebuild_tensor_v2"),
+                 tuple_(str_("storage"), global_("torch", "HalfStorage"), str_("0"), str_("cpu"), int_(-(10**5000)))
+                 + pickle.BINPERSID, int_(0), tuple_(int_(4)), tuple_(int_(1)), bool_(False), none()),
+         r"storage data/0 declares an int of 16610 bits elements$"),
+        # a megabyte of text, newlines included, where numpy writes a small number
+        (np_dtype("f8", tuple_(str_("x\n" * limits.MiB), str_("<"), none(), none(), none(), int_(-1), int_(-1),
+                               int_(0))), r"a numpy dtype state of version 'x\\nx\\n.*'\.\.\. \(3 or 4"),
+        (np_array(np_dtype("f4", np_dtype_state()), (10**5000,), bytes(4)), "numpy array size an int of"),
+    ],
+    ids=["huge-int-numel", "megabyte-version", "huge-int-shape"],
+)
+def test_refusals_quote_the_file_briefly(tmp_path: Path, payload: bytes, reason: str) -> None:
+    path = _model_file(tmp_path, "quote.pt", train_args=list_(payload))
+    message = _refused(path, reason)
+    assert len(message) < 300 + len(str(path))
+
+
+def test_a_record_name_full_of_newlines_is_quoted_on_one_line(tmp_path: Path) -> None:
+    path = _model_file(tmp_path, "names.pt")
+    with pytest.warns(UserWarning, match="Duplicate name"), zipfile.ZipFile(path, "a") as zf:
+        zf.writestr("names/x\n" * 1000, b"")
+        zf.writestr("names/x\n" * 1000, b"")
+    message = _refused(path, r"zip record 'names/x\\n.*'\.\.\. appears twice")
+    assert len(message) < 300 + len(str(path))
 
 
 def _patch_sizes(path: Path, name: str, *, file_size: int) -> None:

@@ -10,6 +10,8 @@ so of work. They are module attributes, read at each load, so a caller (or a tes
 
 from __future__ import annotations
 
+from typing import Any
+
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -43,3 +45,22 @@ def size_text(nbytes: int) -> str:
             return f"{int(value)} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{nbytes} bytes"  # unreachable; keeps type checkers calm
+
+
+def shown(value: Any, width: int = 40) -> str:
+    """A value from a file as a short one-line text for a refusal: numbers and text clipped, else its type.
+
+    Never the value's own ``repr``: a file's value may be a 30 MB string, an int too long for ``str()`` or a
+    list nested a million deep.
+
+    Example:
+        >>> shown(7), shown("x" * 50, 6), shown(10**5000), shown([[]])
+        ('7', "'xxxxxx'...", 'an int of 16610 bits', 'a list')
+    """
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int):
+        return str(value) if abs(value) < 10**18 else f"an int of {value.bit_length()} bits"
+    if isinstance(value, (str, bytes)):
+        return repr(value[:width]) + ("..." if len(value) > width else "")
+    return f"a {type(value).__name__}"

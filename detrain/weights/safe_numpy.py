@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from detrain.weights import limits
-from detrain.weights.limits import Refused
+from detrain.weights.limits import Refused, shown
 
 __all__ = [
     "NUMERIC_DTYPES",
@@ -70,15 +70,16 @@ class PendingDtype:
         metadata = state[8] if len(state) == 9 else None
         # Types before values: a numpy array here would turn == into an elementwise (ambiguous) comparison.
         if not (_is_int(version) and (version, len(state)) in ((3, 8), (4, 9)) and metadata is None):
-            raise Refused(f"a numpy dtype state of version {version!r} (3 or 4 without metadata)")
+            raise Refused(f"a numpy dtype state of version {shown(version)} (3 or 4 without metadata)")
         if subarray is not None or names is not None or fields is not None:
             raise Refused("a numpy dtype with fields or a subarray (plain number types only)")
         if not (_is_int(flags) and flags == 0 and _is_int(elsize) and elsize == -1 and _is_int(alignment)
                 and alignment == -1):
-            raise Refused(f"a numpy dtype state that sets flags/size/alignment ({flags!r}, {elsize!r}, {alignment!r})")
+            given = ", ".join(shown(v) for v in (flags, elsize, alignment))
+            raise Refused(f"a numpy dtype state that sets flags/size/alignment ({given})")
         one_byte = self.dtype.itemsize == 1
         if not isinstance(byteorder, str) or byteorder not in (("|",) if one_byte else ("<", ">", "=")):
-            raise Refused(f"numpy dtype byte order {str(byteorder)[:8]!r} for {self.dtype.str[1:]}")
+            raise Refused(f"numpy dtype byte order {shown(byteorder, 8)} for {self.dtype.str[1:]}")
         return self.dtype if one_byte else self.dtype.newbyteorder(byteorder)
 
 
@@ -103,7 +104,7 @@ class PendingArray:
         numel = 1
         for s in shape:
             if not _is_int(s) or s < 0 or s > limits.MAX_MADE_BYTES:
-                raise Refused(f"a numpy array size {s!r}")
+                raise Refused(f"a numpy array size {shown(s)}")
             numel *= s
             if numel > limits.MAX_MADE_BYTES:
                 raise Refused("a numpy array larger than the reader's copy allowance")
@@ -121,16 +122,15 @@ def resolve_dtype(value: Any) -> np.dtype:
     if isinstance(value, PendingDtype):
         value = value.dtype
     if not isinstance(value, np.dtype) or value.newbyteorder("=") not in NUMERIC_DTYPES.values():
-        shown = value.str if isinstance(value, np.dtype) else type(value).__name__
-        raise Refused(f"a numpy value whose dtype is {shown!r}, not a plain number type")
+        what = repr(value.str) if isinstance(value, np.dtype) else shown(value)
+        raise Refused(f"a numpy value whose dtype is {what}, not a plain number type")
     return value
 
 
 def numpy_dtype(spec: Any, align: Any = False, copy: Any = True) -> PendingDtype:
     """``numpy.dtype(spec, align, copy)`` for a plain number type named in NUMERIC_DTYPES."""
     if not isinstance(spec, str) or spec not in NUMERIC_DTYPES:
-        shown = spec[:32] if isinstance(spec, str) else type(spec).__name__
-        raise Refused(f"numpy dtype {shown!r} is not a plain number type (one of {', '.join(NUMERIC_DTYPES)})")
+        raise Refused(f"numpy dtype {shown(spec, 32)} is not a plain number type (one of {', '.join(NUMERIC_DTYPES)})")
     if not (type(align) in (bool, int) and align in (0, 1) and type(copy) in (bool, int) and copy in (0, 1)):
         # numpy writes bools (0/1 in old files)
         raise Refused("numpy dtype flags that are not booleans")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from detrain.weights import limits
-from detrain.weights.limits import Refused, size_text
+from detrain.weights.limits import Refused, shown, size_text
 from detrain.weights.torch_zip import TorchZip
 
 __all__ = ["DTYPES", "STORAGE_TYPES", "Storage", "StorageReader", "StorageType", "TORCH_GLOBALS"]
@@ -107,7 +107,7 @@ class StorageReader:
         if key is None or not (0 < len(key) <= 32 and key.isascii() and key.isalnum()):
             raise Refused("a storage key that is not a short alphanumeric name")
         if not _is_int(numel) or not 0 <= numel < _MAX_INDEX:
-            raise Refused(f"storage data/{key} declares {str(numel)[:24]} elements")
+            raise Refused(f"storage data/{key} declares {shown(numel)} elements")
         dtype = storage_type.dtype
         cached = self._cache.get(key)
         if cached is not None:

@@ -23,12 +23,17 @@ from pathlib import Path
 
 from detrain.errors import CheckpointError
 from detrain.weights import limits
-from detrain.weights.limits import Refused, size_text
+from detrain.weights.limits import Refused, shown, size_text
 
 __all__ = ["TorchZip"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length
 _LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+def _quoted(name: str) -> str:
+    """A record name for a refusal: quoted and clipped (a zip may name a record with 64 KB of anything)."""
+    return shown(name, 80)
 
 
 class TorchZip:
@@ -80,25 +85,25 @@ class TorchZip:
         for info in infos:
             name = info.filename
             if name in records:
-                raise Refused(f"zip record {name!r} appears twice (readers would disagree on which counts)")
+                raise Refused(f"zip record {_quoted(name)} appears twice (readers would disagree on which counts)")
             records[name] = info
             if info.flag_bits & 0x1:
-                raise Refused(f"zip record {name!r} is encrypted")
+                raise Refused(f"zip record {_quoted(name)} is encrypted")
             if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
                 raise Refused(
-                    f"zip record {name!r} uses compression method {info.compress_type} (only stored or deflated)"
+                    f"zip record {_quoted(name)} uses compression method {info.compress_type} (only stored or deflated)"
                 )
             size, packed = info.file_size, info.compress_size
             if info.compress_type == zipfile.ZIP_STORED and size != packed:
-                raise Refused(f"stored zip record {name!r} claims {size} bytes but holds {packed}")
+                raise Refused(f"stored zip record {_quoted(name)} claims {size} bytes but holds {packed}")
             if size > packed * limits.DEFLATE_MAX_RATIO + 64:
                 raise Refused(
-                    f"zip record {name!r} claims to inflate {size_text(packed)} to {size_text(size)}, "
+                    f"zip record {_quoted(name)} claims to inflate {size_text(packed)} to {size_text(size)}, "
                     "more than deflate can"
                 )
             if size > limits.MAX_RECORD_BYTES:
                 raise Refused(
-                    f"zip record {name!r} is {size_text(size)}, more than the "
+                    f"zip record {_quoted(name)} is {size_text(size)}, more than the "
                     f"{size_text(limits.MAX_RECORD_BYTES)} allowed for one record"
                 )
             total += size
@@ -118,19 +123,19 @@ class TorchZip:
         for info in sorted(infos, key=lambda i: i.header_offset):
             start = info.header_offset
             if start < 0:
-                raise Refused(f"zip record {info.filename!r} starts before the beginning of the file")
+                raise Refused(f"zip record {_quoted(info.filename)} starts before the beginning of the file")
             if start < end_of_previous:
-                raise Refused(f"zip records {previous!r} and {info.filename!r} overlap")
+                raise Refused(f"zip records {_quoted(previous)} and {_quoted(info.filename)} overlap")
             fp.seek(start)
             header = fp.read(_LOCAL_HEADER.size)
             if len(header) < _LOCAL_HEADER.size:
-                raise Refused(f"zip record {info.filename!r} starts past the end of the file")
+                raise Refused(f"zip record {_quoted(info.filename)} starts past the end of the file")
             signature, name_len, extra_len = _LOCAL_HEADER.unpack(header)
             if signature != _LOCAL_SIGNATURE:
-                raise Refused(f"zip record {info.filename!r} has no local header where the directory points")
+                raise Refused(f"zip record {_quoted(info.filename)} has no local header where the directory points")
             end = start + _LOCAL_HEADER.size + name_len + extra_len + info.compress_size
             if end > archive_size:
-                raise Refused(f"zip record {info.filename!r} runs past the end of the file")
+                raise Refused(f"zip record {_quoted(info.filename)} runs past the end of the file")
             end_of_previous, previous = end, info.filename
 
     def _find_prefix(self) -> str:
@@ -139,7 +144,8 @@ class TorchZip:
         if not found:
             raise CheckpointError(f"cannot load weights file {self.path}: not a torch checkpoint (no data.pkl inside)")
         if len(found) > 1:
-            raise Refused(f"it holds {len(found)} data.pkl records ({', '.join(sorted(found)[:3])})")
+            some = ", ".join(_quoted(n) for n in sorted(found)[:3])
+            raise Refused(f"it holds {len(found)} data.pkl records ({some})")
         info = self._records[found[0]]
         if info.file_size > limits.MAX_PICKLE_BYTES:
             raise Refused(
@@ -169,9 +175,10 @@ class TorchZip:
         except (MemoryError, RecursionError):
             raise
         except Exception as e:  # BadZipFile (CRC, local header), zlib.error: a broken record
-            raise Refused(f"zip record {info.filename!r} is damaged ({type(e).__name__}: {e})") from None
+            why = f"{type(e).__name__}: {str(e)[:200]}"
+            raise Refused(f"zip record {_quoted(info.filename)} is damaged ({why})") from None
         if len(raw) != nbytes:
-            raise Refused(f"zip record {info.filename!r} holds {len(raw)} bytes, not the {nbytes} it claims")
+            raise Refused(f"zip record {_quoted(info.filename)} holds {len(raw)} bytes, not the {nbytes} it claims")
         return raw
 
     # ----------------------------------------------------------------------------------------------
