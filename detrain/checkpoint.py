@@ -68,6 +68,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
         if _is_detrain(ckpt):
+            _check_detrain(ckpt, path)
             return ckpt
     elif ul.is_ultralytics_record(vetted):  # pickled Ultralytics classes, as inert records
         return from_ultralytics(ul.ultralytics_info(vetted, path))
@@ -79,6 +80,26 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
 def _is_detrain(ckpt: Any) -> bool:
     return isinstance(ckpt, dict) and isinstance(ckpt.get("format"), str) and ckpt["format"] == FORMAT
+
+
+def _check_weights(entry: Any, where: str, path: Path) -> None:
+    state = entry.get("state_dict") if isinstance(entry, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path} says it is a detrain checkpoint but its {where} has no state_dict of tensors")
+
+
+def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
+    """The entries every user of a checkpoint reads (the model's weights and description) have their types."""
+    _check_weights(ckpt.get("model"), "'model'", path)
+    meta = ckpt["model"]
+    nc, imgsz, yaml = meta.get("nc"), meta.get("imgsz"), meta.get("yaml")
+    if not (isinstance(meta.get("scale"), str) and type(nc) is int and nc > 0 and isinstance(meta.get("names"), dict)
+            and (imgsz is None or type(imgsz) is int) and (yaml is None or isinstance(yaml, (str, dict)))):
+        raise CheckpointError(f"{path} says it is a detrain checkpoint but its model description (scale, nc, names, "
+                              "imgsz, yaml) has the wrong types")
+    if ckpt.get("ema") is not None:
+        _check_weights(ckpt["ema"], "'ema'", path)
 
 
 def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:

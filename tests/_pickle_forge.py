@@ -22,7 +22,7 @@ def proto(n: int = 2) -> bytes:
 
 
 def global_(module: str, name: str) -> bytes:
-    return pickle.GLOBAL + f"{module}\n{name}\n".encode()
+    return pickle.GLOBAL + f"{module}\n{name}\n".encode("utf-8", "surrogatepass")
 
 
 def str_(s: str) -> bytes:

@@ -211,7 +211,7 @@ def test_opcodes_no_checkpoint_uses_are_refused(tmp_path: Path, op: bytes, name:
         (dict_({}) + int_(1) + pickle.APPEND, "applies APPEND to a dict"),
         (reduce_(global_("builtins", "object")), "it calls a type object"),
         (global_("torch", "float16") + pickle.EMPTY_TUPLE + pickle.REDUCE, "it calls a dtype object"),
-        (global_("builtins", "set") + pickle.EMPTY_TUPLE + pickle.NEWOBJ, "creates a function object, not a data"),
+        (global_("builtins", "set") + pickle.EMPTY_TUPLE + pickle.NEWOBJ, "creates an object of type function, which is not a data record"),
         (global_("torch", "Size") + str_("a.b") + pickle.TUPLE1 + pickle.REDUCE, "torch.Size"),
         (storage_tensor("0", 4, (4,)) + dict_({}) + pickle.BUILD, "sets the state of a Tensor"),
         (global_("os ", "system"), "malformed global name"),
@@ -522,6 +522,24 @@ def test_a_full_detrain_checkpoint_still_loads_exactly_as_torch_gives_it(tmp_pat
                                                  want["model"]["state_dict"].values()))
     assert torch.equal(got["rng"]["torch"], want["rng"]["torch"]) and got["rng"]["python"] == want["rng"]["python"]
     assert got["scheduler"] == want["scheduler"] and got["train_args"] == want["train_args"]
+
+
+@pytest.mark.parametrize(
+    "model, ema, reason",
+    [
+        ({"state_dict": {"w": "text"}}, None, r"its 'model' has no state_dict of tensors$"),
+        ({"state_dict": {"w": torch.zeros(2)}, "scale": "n", "nc": "80", "names": {}}, None,
+         r"its model description \(scale, nc, names, imgsz, yaml\) has the wrong types$"),
+        ({"state_dict": {"w": torch.zeros(2)}, "scale": "n", "nc": 1, "names": {0: "a"}}, {"updates": 3},
+         r"its 'ema' has no state_dict of tensors$"),
+    ],
+    ids=["weights-text", "nc-text", "ema-without-weights"],
+)
+def test_a_detrain_file_with_the_wrong_entries_is_refused(tmp_path: Path, model: dict, ema: dict | None,
+                                                           reason: str) -> None:
+    """Users index ckpt["model"]["state_dict"] and friends at once: a file that only claims the format stops here."""
+    path = save_checkpoint({"model": model, "ema": ema}, tmp_path / "claims.pt")
+    _refused(path, r"says it is a detrain checkpoint but " + reason)
 
 
 @pytest.mark.skipif(not YOLOV8N.is_file(), reason="shared/weights/yolov8n.pt is not present")

@@ -262,7 +262,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
         cls = self.stack.pop()
         if not (isinstance(cls, type) and issubclass(cls, InertObject)) or not isinstance(args, tuple):
             what = cls.__name__ if isinstance(cls, type) else type(cls).__name__
-            raise Refused(f"it creates a {what} object, not a data record")
+            raise Refused(f"it creates an object of type {what}, which is not a data record")
         self._charge_args(args, "objects")
         self.append(cls.__new__(cls, *args))
 
