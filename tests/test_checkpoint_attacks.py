@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import pickle
+import resource
 import struct
 import subprocess
 import sys
@@ -74,10 +75,15 @@ for p in sys.argv[1:]:
 """
 
 
+def _cpu_limit() -> None:
+    # A regression to a hang dies of SIGXCPU (-24) instead of stalling the suite; loads take well under a second.
+    resource.setrlimit(resource.RLIMIT_CPU, (60, 61))
+
+
 def _load_in_child(*paths: Path) -> list[str]:
     """Load each file in a fresh interpreter; the child must exit 0 (a SIGSEGV is -11). One outcome line each."""
     run = subprocess.run([sys.executable, "-c", _CHILD, *map(str, paths)], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+                         text=True, timeout=600, preexec_fn=_cpu_limit)
     assert run.returncode == 0, f"child died with {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
     return [line for line in run.stdout.splitlines() if line.startswith(("LOADED", "REFUSED"))]
 
@@ -174,7 +180,8 @@ def test_plain_numpy_numbers_and_arrays_still_load(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "module, name",
-    [("os", "system"), (os.system.__module__, "system"), ("subprocess", "Popen"), ("builtins", "eval"), ("functools", "partial"),
+    [("os", "system"), (os.system.__module__, "system"), ("subprocess", "Popen"), ("builtins", "eval"),
+     ("functools", "partial"),
      ("builtins", "getattr"), ("torch", "load"), ("numpy", "load"), ("torch.serialization", "load")],
 )
 def test_a_global_that_runs_code_is_refused(tmp_path: Path, module: str, name: str) -> None:
@@ -211,7 +218,8 @@ def test_opcodes_no_checkpoint_uses_are_refused(tmp_path: Path, op: bytes, name:
         (dict_({}) + int_(1) + pickle.APPEND, "applies APPEND to a dict"),
         (reduce_(global_("builtins", "object")), "it calls a type object"),
         (global_("torch", "float16") + pickle.EMPTY_TUPLE + pickle.REDUCE, "it calls a dtype object"),
-        (global_("builtins", "set") + pickle.EMPTY_TUPLE + pickle.NEWOBJ, "creates an object of type function, which is not a data record"),
+        (global_("builtins", "set") + pickle.EMPTY_TUPLE + pickle.NEWOBJ,
+         "creates an object of type function, which is not a data record"),
         (global_("torch", "Size") + str_("a.b") + pickle.TUPLE1 + pickle.REDUCE, "torch.Size"),
         (storage_tensor("0", 4, (4,)) + dict_({}) + pickle.BUILD, "sets the state of a Tensor"),
         (global_("os ", "system"), "malformed global name"),
@@ -407,6 +415,92 @@ def test_copy_amplification_is_refused(tmp_path: Path) -> None:
              + pickle.POP) * 300
     path = _model_file(tmp_path, "amp.pt", train_args=text + encode + pickle.POP + calls + none())
     _refused(path, r"its calls would copy more than 256\.0 MiB$")
+
+
+# --------------------------------------------------------------------------------------------------
+# Hashing: keys that cost without bound or collide
+# --------------------------------------------------------------------------------------------------
+
+
+def _put(i: int) -> bytes:
+    return pickle.LONG_BINPUT + struct.pack("<I", i)
+
+
+def _get(i: int) -> bytes:
+    return pickle.LONG_BINGET + struct.pack("<I", i)
+
+
+def _shared_tuple_key() -> bytes:
+    """T0 = (None, None), Tk = (Tk-1, Tk-1): 45 levels in 1.5 KB, and hashing T45 visits 2**45 elements."""
+    body = none() + none() + pickle.TUPLE2 + _put(0)
+    for k in range(1, 46):
+        body += pickle.POP + _get(k - 1) + _get(k - 1) + pickle.TUPLE2 + _put(k)
+    return body + pickle.POP + dict_({}) + _get(45) + none() + pickle.SETITEM
+
+
+def _colliding_int_keys() -> bytes:
+    """60,000 ints that are all equal modulo 2**61 - 1, so all hash alike: 1.8e9 comparisons to fill the dict."""
+    modulus = (1 << 61) - 1
+    return dict_({}) + pickle.MARK + b"".join(int_(k * modulus) + none() for k in range(1, 60_001)) + pickle.SETITEMS
+
+
+def _big_int_key_again_and_again() -> bytes:
+    """A 4 MB int used as a key 200,000 times: an int's hash is not cached, each SETITEM reads every digit."""
+    return (int_(1 << (8 * 4_000_000)) + _put(0) + pickle.POP + dict_({})
+            + (_get(0) + none() + pickle.SETITEM) * 200_000)
+
+
+def test_keys_that_are_costly_to_hash_are_refused(tmp_path: Path) -> None:
+    """Each of these files kept load_checkpoint busy for hours (found by reading the reader after the fuzzer
+    came up clean: random mutations do not build them)."""
+    payloads = {
+        "shared": (_shared_tuple_key(), "a dict key or set item of type tuple (text, numbers and records only)"),
+        "collide": (_colliding_int_keys(), "a dict key or set item that is an integer of 61 bits"),
+        "bigint": (_big_int_key_again_and_again(), "a dict key or set item that is an integer of 32000001 bits"),
+    }
+    files = [_model_file(tmp_path, f"{name}.pt", train_args=payload) for name, (payload, _) in payloads.items()]
+    assert files[0].stat().st_size < 2048
+    lines = _load_in_child(*files)
+    assert len(lines) == 3
+    for line, (_, reason) in zip(lines, payloads.values()):
+        assert line.startswith("REFUSED refusing to load") and line.endswith(reason), line
+
+
+@pytest.mark.parametrize(
+    "payload, reason",
+    [
+        (pickle.EMPTY_SET + pickle.MARK + tuple_(int_(1)) + pickle.ADDITEMS, "set item of type tuple"),
+        (pickle.MARK + reduce_(global_("builtins", "complex"), int_(1), int_(2)) + pickle.FROZENSET,
+         "set item of type complex"),
+        (pickle.MARK + reduce_(global_("torch", "Size"), tuple_(int_(1))) + int_(0) + pickle.DICT,
+         "key or set item of type Size"),
+        (reduce_(global_("builtins", "set"), list_(int_(2**70))), "integer of 71 bits"),
+        (reduce_(global_("collections", "OrderedDict"), list_(list_(tuple_(), none()))),
+         "key or set item of type tuple"),
+        (reduce_(global_("collections", "OrderedDict"), list_(str_("ab"), str_("cd"))),
+         r"other than \(key, value\) pairs$"),
+    ],
+    ids=["additems-tuple", "frozenset-complex", "dict-size", "set-of-big-int", "ordered-dict-tuple",
+         "ordered-dict-str"],
+)
+def test_every_way_to_hash_checks_its_keys(tmp_path: Path, payload: bytes, reason: str) -> None:
+    path = _model_file(tmp_path, "keys.pt", train_args=list_(payload))
+    _refused(path, reason)
+
+
+def test_plain_keys_still_load(tmp_path: Path) -> None:
+    import numpy as np
+
+    values = {"names": {0: "a", 2**61 - 2: "b", -5: "c"}, "f": {0.5: 1, float("nan"): 2}, "s": {"x", b"y", None, True},
+              "fs": frozenset({1, 2}), "np": {np.int64(3): 1, np.float32(0.25): 2, np.bool_(True): 3}}
+    params, records = _one_weight()
+    data = checkpoint(ultralytics_model(_parameters=params), train_args=pickle.dumps(values, protocol=2)[2:-1])
+    path = write_torch_zip(tmp_path / "keys_ok.pt", data, records)
+    from detrain.weights.ultralytics import read_torch_zip
+
+    got = read_torch_zip(path)["train_args"]
+    assert got["names"] == values["names"] and got["s"] == values["s"] and got["fs"] == values["fs"]
+    assert got["f"][0.5] == 1 and len(got["f"]) == 2 and got["np"] == values["np"]
 
 
 # --------------------------------------------------------------------------------------------------

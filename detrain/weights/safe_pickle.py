@@ -14,7 +14,8 @@ checkpoint needs:
   plus the caller's ``inert_modules`` such as ``ultralytics``) become :class:`InertObject` records (see
   :mod:`detrain.weights.inert`) that keep their arguments and state and never call anything;
 - BUILD (``__setstate__``) only on those records and on our pending numpy records, never on a numpy or torch
-  object; SETITEM/APPEND/ADDITEMS only on real dicts, lists and sets;
+  object; SETITEM/APPEND/ADDITEMS only on real dicts, lists and sets, and only keys whose hash is cheap and
+  cannot be made to collide (:mod:`.hash_keys`);
 - bounded work: opcodes, memo entries, distinct globals, bytes copied by reconstructors and nesting depth
   are capped (:mod:`.limits`), so no file can make the reader loop, recurse or allocate on its word.
 
@@ -42,6 +43,7 @@ import numpy as np
 
 from detrain.errors import CheckpointError
 from detrain.weights import limits, safe_numpy
+from detrain.weights.hash_keys import check_key, check_keys
 from detrain.weights.inert import InertObject, inert_class, is_inert_namespace
 from detrain.weights.limits import Refused, size_text
 from detrain.weights.nesting import check_nesting
@@ -59,13 +61,22 @@ __all__ = ["InertObject", "read_torch_zip"]
 def _ordered_dict(*args: Any) -> OrderedDict:
     if len(args) > 1 or (args and not isinstance(args[0], (list, tuple, dict))):
         raise Refused("an OrderedDict made from something other than one list of pairs")
+    if args and not isinstance(args[0], dict):  # a dict's keys were checked as it was filled
+        for pair in args[0]:
+            if type(pair) not in (list, tuple) or len(pair) != 2:
+                raise Refused("an OrderedDict made from something other than (key, value) pairs")
+            check_key(pair[0])
     return OrderedDict(*args)
 
 
 def _container(kind: type) -> Callable[..., Any]:
+    hashed = kind in (set, frozenset)
+
     def build(*args: Any) -> Any:
         if len(args) > 1 or (args and not isinstance(args[0], (list, tuple, set, frozenset))):
             raise Refused(f"a {kind.__name__} made from something other than one list")
+        if hashed and args and type(args[0]) in (list, tuple):  # a set's items were checked as it was filled
+            check_keys(args[0])
         return kind(*args)
 
     return build
@@ -277,7 +288,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
         if isinstance(inst, InertObject):
             InertObject.__setstate__(inst, state)
             return
-        if type(inst) is OrderedDict and type(state) is dict and set(state) == {"_metadata"}:
+        if type(inst) is OrderedDict and type(state) is dict and len(state) == 1 and "_metadata" in state:
             if not isinstance(state["_metadata"], dict):
                 raise Refused("a state dict whose _metadata is not a dict")
             inst._metadata = state["_metadata"]  # type: ignore[attr-defined]  # what module.state_dict() carries
@@ -351,6 +362,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
 
     def load_frozenset(self) -> None:
         items = self.pop_mark()
+        check_keys(items)
         self.append(self._note_depth(frozenset(items)))
 
     def _target(self, kinds: tuple[type, ...], op: str) -> Any:
@@ -367,26 +379,40 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
         items = self.pop_mark()
         self._target((list,), "APPENDS").extend(items)
 
+    # Every key and set item is checked before it is hashed: see detrain.weights.hash_keys.
+
     def load_setitem(self) -> None:
         value = self.stack.pop()
         key = self.stack.pop()
-        self._target((dict, OrderedDict), "SETITEM")[key] = value
+        target = self._target((dict, OrderedDict), "SETITEM")
+        check_key(key)
+        target[key] = value
 
     def load_setitems(self) -> None:
         items = self.pop_mark()
         target = self._target((dict, OrderedDict), "SETITEMS")
         if len(items) % 2:
             raise Refused("SETITEMS with a key but no value")
+        check_keys(items[::2])
         for i in range(0, len(items), 2):
             target[items[i]] = items[i + 1]
 
+    def load_dict(self) -> None:
+        items = self.pop_mark()
+        if len(items) % 2:
+            raise Refused("DICT with a key but no value")
+        check_keys(items[::2])
+        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+
     def load_additems(self) -> None:
         items = self.pop_mark()
-        self._target((set,), "ADDITEMS").update(items)
+        target = self._target((set,), "ADDITEMS")
+        check_keys(items)
+        target.update(items)
 
 
 for _name in ("reduce", "newobj", "build", "put", "binput", "long_binput", "memoize", "tuple", "tuple1", "tuple2",
-              "tuple3", "frozenset", "append", "appends", "setitem", "setitems", "additems"):
+              "tuple3", "frozenset", "append", "appends", "setitem", "setitems", "dict", "additems"):
     _code = getattr(pickle, _name.upper())[0]
     _RestrictedUnpickler.dispatch[_code] = getattr(_RestrictedUnpickler, f"load_{_name}")
 
