@@ -1,7 +1,8 @@
 """Pickle-level mutations of a checkpoint's data.pkl, opcode by opcode: dropped, duplicated, swapped; globals
-renamed; storage dtypes, sizes and keys, tensor shapes and any integer or string changed; numpy values and
-tensors forged in place of a value; bytes flipped. Each takes a seeded ``random.Random`` and the parsed
-pickle and returns new data.pkl bytes (still a pickle program, not necessarily a valid one).
+renamed; storage dtypes, sizes and keys, tensor shapes and any integer or string changed; numpy values,
+tensors, BUILDs and keys that are costly to hash forged in place of a value; bytes flipped. Each takes a
+seeded ``random.Random`` and the parsed pickle and returns new data.pkl bytes (still a pickle program, not
+necessarily a valid one).
 
 The hostile values are written with ``tests/_pickle_forge.py``, the assembler the named attack tests use.
 
@@ -12,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import pickle
 import pickletools
 import random
 import sys
@@ -297,6 +299,28 @@ def inject_tensor(rng: random.Random, p: ParsedPickle) -> bytes:
     return p.replace(rng.choice(p.one_push), _tensor_value(rng, p.storages))
 
 
+def _costly_key(rng: random.Random) -> bytes:
+    """A value whose hash is costly or can be made to collide: where a dict key stood, the reader must refuse it."""
+    modulus = (1 << 61) - 1
+    chain = none() + none() + pickle.TUPLE2  # (x, x) nested: the hash visits 2**depth elements
+    for _ in range(rng.randint(1, 40)):
+        chain += pickle.DUP + pickle.TUPLE2
+    return rng.choice([
+        chain,
+        tuple_(*(int_(rng.randrange(100)) for _ in range(rng.randint(0, 4)))),
+        int_(modulus * rng.randint(1, 9) + rng.randint(0, 9)),
+        int_(1 << rng.randint(61, 100_000)),
+        reduce_(global_("builtins", "complex"), int_(rng.randint(-9, 9)), int_(rng.randint(-9, 9))),
+        reduce_(global_("torch", "Size"), tuple_(int_(1), int_(2))),
+        pickle.MARK + int_(1) + int_(modulus + 1) + pickle.FROZENSET,
+    ])
+
+
+def inject_costly_key(rng: random.Random, p: ParsedPickle) -> bytes:
+    """A tuple, big int, complex or torch.Size in place of a value, often a dict key (most strings are keys)."""
+    return p.replace(rng.choice(p.strings if rng.random() < 0.7 else p.one_push), _costly_key(rng))
+
+
 def inject_build(rng: random.Random, p: ParsedPickle) -> bytes:
     """A value followed by BUILD of some state: setting the state of whatever the stack holds there."""
     i = rng.choice(p.one_push)
@@ -325,5 +349,6 @@ MUTATIONS: dict[str, Callable[[random.Random, ParsedPickle], bytes]] = {
     "numpy_inject": inject_numpy,
     "tensor_inject": inject_tensor,
     "build_inject": inject_build,
+    "hash_key_inject": inject_costly_key,
     "pickle_byte_flip": flip_pickle_bytes,
 }

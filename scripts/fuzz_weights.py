@@ -10,7 +10,8 @@ them) and calls ``detrain.checkpoint.load_checkpoint`` on the result in a forked
 
 - pickle level (``_fuzz_pickle``, data.pkl re-zipped with a correct CRC so the mutation reaches the
   unpickler): opcodes dropped, duplicated, swapped; globals renamed; storage dtypes, sizes and keys, tensor
-  shapes, any integer or string changed; numpy values, tensors and BUILDs forged in; bytes flipped;
+  shapes, any integer or string changed; numpy values, tensors, BUILDs and keys that are costly to hash
+  forged in; bytes flipped;
 - zip level (``_fuzz_zip``): the file or one record truncated, a record dropped or duplicated, records
   recompressed (must still load), a header field set to a lie, bytes flipped anywhere.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -139,6 +141,7 @@ class Tally:
     failures: list[tuple[Case, Outcome]]
     max_cpu: tuple[float, int] = (0.0, -1)
     max_growth: tuple[float, int] = (0.0, -1)
+    stopped: bool = False  # set by SIGTERM / Ctrl-C: the cases so far are still reported
 
     def add(self, case: Case, outcome: Outcome) -> None:
         self.counts[case.label][outcome.kind] += 1
@@ -159,14 +162,16 @@ def new_tally() -> Tally:
 
 
 def run_cases(bases: list[Base], seed: int, indices: range, folder: Path, *, cpu_s: float, mem_mb: int,
-              wall_s: float, save_failures: Path | None = None, progress: int = 0) -> Tally:
-    """Make, write and load each case in a forked child; count how each ended."""
+              wall_s: float, save_failures: Path | None = None, progress: int = 0, tally: Tally | None = None) -> Tally:
+    """Make, write and load each case in a forked child; count how each ended (into ``tally`` when given)."""
     from detrain.errors import CheckpointError
     import detrain.weights.ultralytics  # noqa: F401  imported here once, so no child imports it again
 
-    tally = new_tally()
+    tally = new_tally() if tally is None else tally
     start = time.monotonic()
     for n, index in enumerate(indices, 1):
+        if tally.stopped:
+            break
         case = make_case(bases, seed, index)
         path = folder / f"{case.base}.pt"  # torch names the archive's folder after the file; keep it plausible
         path.write_bytes(case.data)
@@ -233,13 +238,22 @@ def main(argv: list[str] | None = None) -> int:
             print(load_target(path)())
             return 0
         t0 = time.monotonic()
+        tally = new_tally()
+
+        def stop(signum: int, frame: object) -> None:
+            tally.stopped = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
         tally = run_cases(bases, args.seed, range(args.first, args.first + args.cases), folder, cpu_s=args.cpu_s,
                           mem_mb=args.mem_mb, wall_s=args.wall_s, save_failures=args.save_failures,
-                          progress=args.progress)
+                          progress=args.progress, tally=tally)
         wall = time.monotonic() - t0
     total = sum(tally.total().values())
+    if tally.stopped:
+        print(f"stopped after {total} of {args.cases} cases")
     print(table(tally))
-    print(f"\n{total} cases (seed {args.seed}, indices {args.first}..{args.first + args.cases - 1}, bases: "
+    print(f"\n{total} cases (seed {args.seed}, indices {args.first}..{args.first + total - 1}, bases: "
           f"{', '.join(b.name for b in bases)}) in {wall:.0f} s wall, {total / wall:.1f} cases/s; limits per case: "
           f"{args.cpu_s:g} s CPU, {args.wall_s:g} s wall, {args.mem_mb} MiB")
     print(f"most CPU in one case: {tally.max_cpu[0]:.2f} s (case {tally.max_cpu[1]}); largest peak RSS growth: "
