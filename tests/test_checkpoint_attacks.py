@@ -337,6 +337,17 @@ def test_an_honest_zip_bomb_is_refused_by_the_caps(tmp_path: Path, monkeypatch) 
     _refused(path, r"zip record 'zeros/data/1' is 64\.0 MiB, more than the 16\.0 MiB allowed for one record")
 
 
+def test_a_zip_bomb_under_every_record_cap_is_refused_by_its_inflation(tmp_path: Path, monkeypatch) -> None:
+    """16 MiB of zeros in a file of 40 KB: each record within its cap, but 400x the file's size."""
+    monkeypatch.setattr(limits, "INFLATION_SLACK", 1 * limits.MiB)
+    path = _model_file(tmp_path, "inflate.pt")
+    with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("inflate/data/1", bytes(16 * limits.MiB))
+    assert path.stat().st_size < 64 * 1024
+    _refused(path, r"its zip records inflate to 16\.0 MiB from a file of .* KiB, more than 32x its size plus "
+                   r"1\.0 MiB \(a zip bomb\?\)$")
+
+
 def test_a_data_pkl_bomb_is_refused(tmp_path: Path) -> None:
     body = proto() + list_(*[none()] * 16) + pickle.STOP
     pkl = body[:-1] + pickle.POP + pickle.NONE * (40 * limits.MiB) + pickle.STOP  # 40 MiB of NONE, deflated
@@ -565,6 +576,19 @@ def test_shared_module_records_cannot_explode_the_walk(tmp_path: Path) -> None:
     model = ultralytics_model(_parameters=params, _modules=dict_({"0": body}))
     path = write_torch_zip(tmp_path / "shared.pt", checkpoint(model), records)
     _refused(path, r"module tree has more than 100000 module places")
+
+
+def test_one_record_listed_under_many_names_cannot_explode_the_walk(tmp_path: Path) -> None:
+    """A record with 2,000 weights appears as 1,000 children: 2 million entries to read from a 60 KB file."""
+    params, records = _one_weight()
+    tensor = storage_tensor("0", 4, (4,)) + _put(0) + pickle.POP
+    wide = inert("torch.nn.modules.conv", "Conv2d", {"_parameters": dict_({f"w{i}": _get(0) for i in range(2_000)})})
+    children = dict_({str(i): _get(1) for i in range(1_000)})
+    model = ultralytics_model(_parameters=params, _modules=children)
+    path = write_torch_zip(tmp_path / "wide.pt", proto() + tensor + wide + _put(1) + pickle.POP
+                           + dict_({"model": model}) + pickle.STOP, records)
+    assert path.stat().st_size < 100 * 1024
+    _refused(path, r"module tree has more than 1000000 named entries \(shared records\?\)$")
 
 
 def test_ultralytics_info_keeps_good_metadata() -> None:

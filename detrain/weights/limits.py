@@ -21,6 +21,10 @@ MAX_PICKLE_BYTES = 32 * MiB  # data.pkl; the pickle only describes tensors, thei
 MAX_RECORD_BYTES = 1 * GiB  # one record (one storage); YOLOv8x's largest is 4.7 MB
 MAX_TOTAL_BYTES = 4 * GiB  # all records together, and all storages a pickle declares together
 DEFLATE_MAX_RATIO = 1032  # deflate cannot expand more than this; a record claiming more is a lie
+# All records together may inflate to this many times the file's size, plus the slack: an honest deflated
+# checkpoint inflates about 1.1x (torch stores records uncompressed: 1x), a zip bomb of zeros about 1000x.
+MAX_INFLATION = 32
+INFLATION_SLACK = 64 * MiB
 
 # The pickle program
 MAX_PICKLE_OPS = 2_000_000  # opcodes executed

@@ -250,7 +250,8 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
 
     def _charge_args(self, args: Any, what: str) -> None:
         """A call copies its argument tuple, and our reconstructors copy what they are given: pay up front."""
-        cost = 8 * len(args)
+        self.spend(64 * len(args), what)  # first: the loop below is then bounded by the allowance too
+        cost = 0
         for a in args:
             if isinstance(a, (str, bytes)):
                 cost += len(a)

@@ -9,7 +9,9 @@ directory is checked first, against the file itself:
 - a stored record is as long as it says; a deflated one claims no more than deflate can produce;
 - every record's data lies inside the file and no two records overlap (one compressed stream cannot be
   counted twice, as "overlapping" zip bombs do);
-- data.pkl, each record and all records together stay under :mod:`detrain.weights.limits`' caps.
+- data.pkl, each record and all records together stay under :mod:`detrain.weights.limits`' caps, and all
+  records together inflate to at most ``MAX_INFLATION`` times the file's size (plus some slack), so a small
+  file cannot make the reader allocate gigabytes of zeros.
 
 Storages are then read only at the size the pickle declares, which must equal the record's (see
 :meth:`TorchZip.read_storage`), and a record that inflates to something else fails its length or CRC check.
@@ -111,6 +113,11 @@ class TorchZip:
             raise Refused(
                 f"its zip records add up to {size_text(total)}, more than the {size_text(limits.MAX_TOTAL_BYTES)} "
                 "allowed"
+            )
+        if total > archive_size * limits.MAX_INFLATION + limits.INFLATION_SLACK:
+            raise Refused(
+                f"its zip records inflate to {size_text(total)} from a file of {size_text(archive_size)}, more than "
+                f"{limits.MAX_INFLATION}x its size plus {size_text(limits.INFLATION_SLACK)} (a zip bomb?)"
             )
         self._check_layout(infos, archive_size)
         return records

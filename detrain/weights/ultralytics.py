@@ -91,8 +91,10 @@ def is_ultralytics_record(ckpt: Any) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 # A module tree whose records share children is walked once per place they appear, as torch's own
-# state_dict() does; a file could share its way to 2**64 places in 64 levels, so visits are counted.
+# state_dict() does; a file could share its way to 2**64 places in 64 levels, or list one record with
+# 100,000 weights under 100,000 names, so places and the entries read at them are counted.
 _MAX_MODULE_VISITS = 100_000  # YOLOv8n: 225 module records
+_MAX_ENTRIES = 1_000_000  # parameters, buffers and children read over the walk; YOLOv8n: about 1,000
 _MAX_DEPTH = 64
 _MAX_CLASSES = 100_000
 _MAX_NAME_CHARS = 1_000
@@ -112,17 +114,20 @@ def state_dict_of(module: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         'model.0.conv.weight'
     """
     out: dict[str, torch.Tensor] = {}
-    _walk(module, prefix, out, depth=0, visits=[0])
+    _walk(module, prefix, out, depth=0, visits=[0, 0])
     return out
 
 
-def _named_entries(attrs: dict[Any, Any], group: str, where: str) -> dict[str, Any]:
-    """``attrs[group]`` as a dict with text keys (None or absent: empty)."""
+def _named_entries(attrs: dict[Any, Any], group: str, where: str, visits: list[int]) -> dict[str, Any]:
+    """``attrs[group]`` as a dict with text keys (None or absent: empty), counted against _MAX_ENTRIES."""
     entries = attrs.get(group)
     if entries is None:
         return {}
     if not isinstance(entries, dict):
         raise CheckpointError(f"{group} of '{where}' is a {type(entries).__name__}, not a dict")
+    visits[1] += len(entries)  # a record shared by many places is read once per place
+    if visits[1] > _MAX_ENTRIES:
+        raise CheckpointError(f"module tree has more than {_MAX_ENTRIES} named entries (shared records?)")
     for name in entries:
         if not isinstance(name, str) or len(name) > _MAX_NAME_CHARS:
             raise CheckpointError(f"{group} of '{where}' has an entry named by a {type(name).__name__}")
@@ -130,6 +135,7 @@ def _named_entries(attrs: dict[Any, Any], group: str, where: str) -> dict[str, A
 
 
 def _walk(module: Any, prefix: str, out: dict[str, torch.Tensor], depth: int, visits: list[int]) -> None:
+    """``visits``: [module places walked, named entries read], both capped."""
     if depth > _MAX_DEPTH:
         raise CheckpointError(f"module tree nested deeper than {_MAX_DEPTH} levels")
     visits[0] += 1
@@ -145,13 +151,13 @@ def _walk(module: Any, prefix: str, out: dict[str, torch.Tensor], depth: int, vi
     if not isinstance(non_persistent, (set, frozenset)):
         raise CheckpointError(f"_non_persistent_buffers_set of '{where}' is a {type(non_persistent).__name__}")
     for group in ("_parameters", "_buffers"):
-        for name, value in _named_entries(attrs, group, where).items():
+        for name, value in _named_entries(attrs, group, where, visits).items():
             if value is None or (group == "_buffers" and name in non_persistent):
                 continue
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"'{prefix}{name}' is a {type(value).__name__}, not a tensor")
             out[prefix + name] = value
-    for name, child in _named_entries(attrs, "_modules", where).items():
+    for name, child in _named_entries(attrs, "_modules", where, visits).items():
         if child is not None:
             _walk(child, f"{prefix}{name}.", out, depth + 1, visits)
 
