@@ -14,7 +14,6 @@ import struct
 import subprocess
 import sys
 import zipfile
-import zlib
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ import torch
 
 from _pickle_forge import (
     bool_,
-    build,
     bytes_,
     checkpoint,
     dict_,
