@@ -47,25 +47,59 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a detrain checkpoint, or convert an Ultralytics YOLOv8 one, without running anything in it."""
+    """Load a detrain checkpoint, or convert an Ultralytics YOLOv8 one, without running anything in it.
+
+    Every file is first read by the restricted reader (:mod:`detrain.weights.safe_pickle`), which checks
+    the zip, the pickle and every size it declares and refuses anything a checkpoint does not need, so no
+    file reaches torch's own loader unvetted. An Ultralytics file is converted from what that reader built;
+    a detrain file is then loaded by ``torch.load(weights_only=True)``, exactly as it always was.
+    """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"weights file not found: {path}")
     from detrain.weights import ultralytics as ul
 
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch says why (unsafe global, truncated zip, not a torch file) on its last line
-        if ul.is_ultralytics_checkpoint(path):  # pickled Ultralytics classes: the restricted reader takes it
-            return from_ultralytics(ul.load_ultralytics_checkpoint(path))
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path} is not a detrain checkpoint (nor a YOLOv8 one); make one with 'detrain train' or "
-            "'detrain convert'"
-        )
-    return ckpt
+    vetted = ul.read_torch_zip(path)  # CheckpointError for anything refused; nothing in the file runs
+    if _is_detrain(vetted):
+        del vetted  # torch.load builds the real thing; the two need not live side by side
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch says why (unsafe global, truncated zip) on its last line
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
+        if _is_detrain(ckpt):
+            _check_detrain(ckpt, path)
+            return ckpt
+    elif ul.is_ultralytics_record(vetted):  # pickled Ultralytics classes, as inert records
+        return from_ultralytics(ul.ultralytics_info(vetted, path))
+    raise CheckpointError(
+        f"{path} is not a detrain checkpoint (nor a YOLOv8 one); make one with 'detrain train' or "
+        "'detrain convert'"
+    )
+
+
+def _is_detrain(ckpt: Any) -> bool:
+    return isinstance(ckpt, dict) and isinstance(ckpt.get("format"), str) and ckpt["format"] == FORMAT
+
+
+def _check_weights(entry: Any, where: str, path: Path) -> None:
+    state = entry.get("state_dict") if isinstance(entry, dict) else None
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                              for k, v in state.items()):
+        raise CheckpointError(f"{path} says it is a detrain checkpoint but its {where} has no state_dict of tensors")
+
+
+def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
+    """The entries every user of a checkpoint reads (the model's weights and description) have their types."""
+    _check_weights(ckpt.get("model"), "'model'", path)
+    meta = ckpt["model"]
+    nc, imgsz, yaml = meta.get("nc"), meta.get("imgsz"), meta.get("yaml")
+    if not (isinstance(meta.get("scale"), str) and type(nc) is int and nc > 0 and isinstance(meta.get("names"), dict)
+            and (imgsz is None or type(imgsz) is int) and (yaml is None or isinstance(yaml, (str, dict)))):
+        raise CheckpointError(f"{path} says it is a detrain checkpoint but its model description (scale, nc, names, "
+                              "imgsz, yaml) has the wrong types")
+    if ckpt.get("ema") is not None:
+        _check_weights(ckpt["ema"], "'ema'", path)
 
 
 def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:

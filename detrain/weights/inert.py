@@ -62,15 +62,21 @@ class InertObject:
 
 
 _INERT_CLASSES: dict[tuple[str, str], type[InertObject]] = {}
+# Classes are kept for reuse across loads up to this many names; past it (files naming thousands of made-up
+# classes) each load makes its own, freed with it, so a long-lived process does not grow with every file.
+_MAX_CACHED_CLASSES = 4096
 
 
 def inert_class(module: str, qualname: str) -> type[InertObject]:
     """The record class for ``module.qualname`` (one per name, so ``type(obj).__name__`` reads as the original)."""
     key = (module, qualname)
-    if key not in _INERT_CLASSES:
+    cls = _INERT_CLASSES.get(key)
+    if cls is None:
         name = qualname.rsplit(".", 1)[-1] or "Inert"
-        _INERT_CLASSES[key] = type(name, (InertObject,), {"inert_module": module, "inert_qualname": qualname})
-    return _INERT_CLASSES[key]
+        cls = type(name, (InertObject,), {"inert_module": module, "inert_qualname": qualname})
+        if len(_INERT_CLASSES) < _MAX_CACHED_CLASSES:
+            _INERT_CLASSES[key] = cls
+    return cls
 
 
 # Namespaces whose classes we only ever need as data. Nothing is imported from them: every name in them

@@ -32,10 +32,12 @@ __all__ = [
     "InertObject",
     "ULTRALYTICS_MODULES",
     "is_ultralytics_checkpoint",
+    "is_ultralytics_record",
     "load_ultralytics_checkpoint",
     "read_torch_zip",
     "to_detrain_model",
     "state_dict_of",
+    "ultralytics_info",
 ]
 
 # Ultralytics' own classes are only data to us: they become inert records.
@@ -59,6 +61,9 @@ _PEEK_BYTES = 4 << 20
 def is_ultralytics_checkpoint(path: str | Path) -> bool:
     """Whether ``path`` is a torch zip whose pickle names Ultralytics classes; reads bytes, unpickles nothing.
 
+    A hint only (any damaged or foreign file answers False); :func:`is_ultralytics_record` decides on what the
+    restricted reader actually built.
+
     Example:
         >>> is_ultralytics_checkpoint("yolov8n.pt")                 # doctest: +SKIP
         True
@@ -70,19 +75,38 @@ def is_ultralytics_checkpoint(path: str | Path) -> bool:
                 return False
             with zf.open(pkl[0]) as f:  # the model's class names come early; no need to read it all
                 return b"ultralytics" in f.read(_PEEK_BYTES)
-    except (OSError, zipfile.BadZipFile):
+    except (MemoryError, RecursionError):
+        raise
+    except Exception:  # BadZipFile, OSError, zlib.error, NotImplementedError ...: not one we can peek into
         return False
+
+
+def is_ultralytics_record(ckpt: Any) -> bool:
+    """Whether what :func:`read_torch_zip` returned is shaped like an Ultralytics checkpoint (a model record)."""
+    return isinstance(ckpt, dict) and any(isinstance(ckpt.get(k), InertObject) for k in ("model", "ema"))
 
 
 # --------------------------------------------------------------------------------------------------
 # From the pickled module tree to a state dict and metadata
 # --------------------------------------------------------------------------------------------------
 
+# A module tree whose records share children is walked once per place they appear, as torch's own
+# state_dict() does; a file could share its way to 2**64 places in 64 levels, or list one record with
+# 100,000 weights under 100,000 names, so places and the entries read at them are counted.
+_MAX_MODULE_VISITS = 100_000  # YOLOv8n: 225 module records
+_MAX_ENTRIES = 1_000_000  # parameters, buffers and children read over the walk; YOLOv8n: about 1,000
+_MAX_DEPTH = 64
+_MAX_CLASSES = 100_000
+_MAX_NAME_CHARS = 1_000
+_MAX_STRIDES = 16
+_MAX_IMGSZ = 1 << 16
+
 
 def state_dict_of(module: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     """The ``nn.Module.state_dict()`` an inert module record would have: same names, same order.
 
     Walks ``_parameters``, then persistent ``_buffers``, then ``_modules`` recursively, as torch does.
+    Raises CheckpointError for anything that is not a module tree of named tensors.
 
     Example:
         >>> sd = state_dict_of(read_torch_zip("yolov8n.pt")["model"])   # doctest: +SKIP
@@ -90,27 +114,52 @@ def state_dict_of(module: Any, prefix: str = "") -> dict[str, torch.Tensor]:
         'model.0.conv.weight'
     """
     out: dict[str, torch.Tensor] = {}
-    _walk(module, prefix, out, depth=0)
+    _walk(module, prefix, out, depth=0, visits=[0, 0])
     return out
 
 
-def _walk(module: Any, prefix: str, out: dict[str, torch.Tensor], depth: int) -> None:
-    if depth > 64:
-        raise CheckpointError("module tree nested deeper than 64 levels")
+def _named_entries(attrs: dict[Any, Any], group: str, where: str, visits: list[int]) -> dict[str, Any]:
+    """``attrs[group]`` as a dict with text keys (None or absent: empty), counted against _MAX_ENTRIES."""
+    entries = attrs.get(group)
+    if entries is None:
+        return {}
+    if not isinstance(entries, dict):
+        raise CheckpointError(f"{group} of '{where}' is a {type(entries).__name__}, not a dict")
+    visits[1] += len(entries)  # a record shared by many places is read once per place
+    if visits[1] > _MAX_ENTRIES:
+        raise CheckpointError(f"module tree has more than {_MAX_ENTRIES} named entries (shared records?)")
+    for name in entries:
+        if not isinstance(name, str) or len(name) > _MAX_NAME_CHARS:
+            raise CheckpointError(f"{group} of '{where}' has an entry named by a {type(name).__name__}")
+    return entries
+
+
+def _walk(module: Any, prefix: str, out: dict[str, torch.Tensor], depth: int, visits: list[int]) -> None:
+    """``visits``: [module places walked, named entries read], both capped."""
+    if depth > _MAX_DEPTH:
+        raise CheckpointError(f"module tree nested deeper than {_MAX_DEPTH} levels")
+    visits[0] += 1
+    if visits[0] > _MAX_MODULE_VISITS:
+        raise CheckpointError(f"module tree has more than {_MAX_MODULE_VISITS} module places (shared records?)")
+    where = prefix or "<root>"
     if not isinstance(module, InertObject):
-        raise CheckpointError(f"expected a pickled module at '{prefix or '<root>'}', found {type(module).__name__}")
+        raise CheckpointError(f"expected a pickled module at '{where}', found {type(module).__name__}")
     attrs = module.attrs()
-    non_persistent = attrs.get("_non_persistent_buffers_set") or set()
+    non_persistent = attrs.get("_non_persistent_buffers_set")
+    if non_persistent is None:
+        non_persistent = set()
+    if not isinstance(non_persistent, (set, frozenset)):
+        raise CheckpointError(f"_non_persistent_buffers_set of '{where}' is a {type(non_persistent).__name__}")
     for group in ("_parameters", "_buffers"):
-        for name, value in (attrs.get(group) or {}).items():
+        for name, value in _named_entries(attrs, group, where, visits).items():
             if value is None or (group == "_buffers" and name in non_persistent):
                 continue
             if not isinstance(value, torch.Tensor):
                 raise CheckpointError(f"'{prefix}{name}' is a {type(value).__name__}, not a tensor")
             out[prefix + name] = value
-    for name, child in (attrs.get("_modules") or {}).items():
+    for name, child in _named_entries(attrs, "_modules", where, visits).items():
         if child is not None:
-            _walk(child, f"{prefix}{name}.", out, depth + 1)
+            _walk(child, f"{prefix}{name}.", out, depth + 1, visits)
 
 
 _SCALE_BY_STEM_WIDTH = {16: "n", 32: "s", 48: "m", 64: "l", 80: "x"}
@@ -119,6 +168,56 @@ _SCALE_BY_STEM_WIDTH = {16: "n", 32: "s", 48: "m", 64: "l", 80: "x"}
 def _plain(value: Any) -> Any:
     """Inert records of plain containers (SimpleNamespace, Namespace) -> their attribute dict."""
     return value.attrs() if isinstance(value, InertObject) else value
+
+
+def _small_int(value: Any, low: int, high: int) -> int | None:
+    """``value`` if it is a true int (or a one-element integer tensor) within [low, high], else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+        return value
+    return None
+
+
+def _class_names(raw: Any, path: Path) -> dict[int, str]:
+    """Ultralytics ``names``: a dict {index: name} (or a list of names) -> dict[int, str]; else refused."""
+    raw = _plain(raw)
+    if raw is None:
+        return {}
+    if isinstance(raw, (list, tuple)):
+        raw = dict(enumerate(raw))
+    if not isinstance(raw, dict) or len(raw) > _MAX_CLASSES:
+        raise CheckpointError(f"{path}: its class names are a {type(raw).__name__}, not a dict of index -> name")
+    names: dict[int, str] = {}
+    for k, v in raw.items():
+        digits = isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 6
+        index = int(k) if digits else _small_int(k, 0, _MAX_CLASSES)
+        if index is None or not isinstance(v, str) or len(v) > _MAX_NAME_CHARS:
+            raise CheckpointError(f"{path}: its class names hold a {type(k).__name__} -> {type(v).__name__} entry, "
+                                  "not an index -> name")
+        names[index] = v
+    return names
+
+
+def _strides(raw: Any, path: Path) -> list[float]:
+    if raw is None:
+        return []
+    if isinstance(raw, torch.Tensor) and raw.ndim == 1 and raw.numel() <= _MAX_STRIDES:
+        return [float(s) for s in raw.tolist()]
+    if isinstance(raw, (list, tuple)) and len(raw) <= _MAX_STRIDES and all(
+        type(s) in (int, float) for s in raw
+    ):
+        return [float(s) for s in raw]
+    raise CheckpointError(f"{path}: its model stride is a {type(raw).__name__}, not a short list of numbers")
+
+
+def _image_size(train_args: Any) -> int | None:
+    """The training image size: an int, or the larger side of an [h, w] pair; None when absent or odd."""
+    value = train_args.get("imgsz") if isinstance(train_args, dict) else None
+    if isinstance(value, (list, tuple)) and 1 <= len(value) <= 2:
+        sides = [_small_int(v, 1, _MAX_IMGSZ) for v in value]
+        return None if None in sides else max(s for s in sides if s is not None)
+    return _small_int(value, 1, _MAX_IMGSZ)
 
 
 def load_ultralytics_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -135,35 +234,43 @@ def load_ultralytics_checkpoint(path: str | Path) -> dict[str, Any]:
         (80, 80, 'n')
     """
     path = Path(path)
-    ckpt = read_torch_zip(path)
+    return ultralytics_info(read_torch_zip(path), path)
+
+
+def ultralytics_info(ckpt: Any, path: Path) -> dict[str, Any]:
+    """:func:`load_ultralytics_checkpoint` on what :func:`read_torch_zip` already returned for ``path``.
+
+    Every field is type-checked before use: the records came from a file, and a number that turns out to
+    be an array or a name that turns out to be a nested list must end in a CheckpointError, not deep
+    inside a comparison or a repr.
+    """
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not an Ultralytics checkpoint dict")
     model = ckpt.get("ema") if ckpt.get("ema") is not None else ckpt.get("model")
     if not isinstance(model, InertObject):
         raise CheckpointError(f"{path} has no 'model' or 'ema' entry: not an Ultralytics checkpoint")
     attrs = model.attrs()
-    state_dict = state_dict_of(model)
+    try:
+        state_dict = state_dict_of(model)
+    except CheckpointError as e:
+        raise CheckpointError(f"{path}: {e}") from None
     if not state_dict:
         raise CheckpointError(f"{path} holds a model without any weights")
 
     yaml_cfg = attrs.get("yaml") if isinstance(attrs.get("yaml"), dict) else {}
-    raw_names = _plain(attrs.get("names"))
-    if isinstance(raw_names, (list, tuple)):
-        raw_names = dict(enumerate(raw_names))
-    names = {int(k): str(v) for k, v in raw_names.items()} if isinstance(raw_names, dict) else {}
-    nc = yaml_cfg.get("nc") or attrs.get("nc") or len(names)
+    names = _class_names(attrs.get("names"), path)
+    nc = _small_int(yaml_cfg.get("nc"), 1, _MAX_CLASSES) or _small_int(attrs.get("nc"), 1, _MAX_CLASSES) or len(names)
     if not names and nc:
-        names = {i: f"class{i}" for i in range(int(nc))}
-    if len(names) != int(nc):
+        names = {i: f"class{i}" for i in range(nc)}
+    if len(names) != nc:
         raise CheckpointError(f"{path} names {len(names)} classes but its model has nc={nc}")
-    stride = attrs.get("stride")
-    stride_list = [float(s) for s in stride.tolist()] if isinstance(stride, torch.Tensor) else list(stride or [])
-
-    train_args = _plain(ckpt.get("train_args"))
-    imgsz = train_args.get("imgsz") if isinstance(train_args, dict) else None
+    if set(names) != set(range(nc)):
+        raise CheckpointError(f"{path} numbers its {nc} class names other than 0..{nc - 1}")
+    stride_list = _strides(attrs.get("stride"), path)
+    imgsz = _image_size(_plain(ckpt.get("train_args")))
 
     scale = yaml_cfg.get("scale")
-    if scale not in _SCALE_BY_STEM_WIDTH.values():
+    if not isinstance(scale, str) or scale not in _SCALE_BY_STEM_WIDTH.values():
         stem = state_dict.get("model.0.conv.weight")
         scale = _SCALE_BY_STEM_WIDTH.get(int(stem.shape[0])) if stem is not None and stem.ndim == 4 else None
     if scale is None:
@@ -171,7 +278,7 @@ def load_ultralytics_checkpoint(path: str | Path) -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "state_dict": state_dict,
-        "nc": int(nc),
+        "nc": nc,
         "names": names,
         "stride": stride_list,
         "imgsz": imgsz,

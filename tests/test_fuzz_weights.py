@@ -1,0 +1,128 @@
+"""scripts/fuzz_weights.py: a few hundred seeded cases must each load or be refused, and the harness must
+really see a crash, a hang and a runaway allocation (else a clean table would prove nothing)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import _fuzz_pickle as fp  # noqa: E402
+import _fuzz_zip as fz  # noqa: E402
+import fuzz_weights as fw  # noqa: E402
+from _fuzz_sandbox import run_isolated  # noqa: E402
+
+YOLOV8N = REPO.parent / "shared" / "weights" / "yolov8n.pt"
+needs_weights = pytest.mark.skipif(not YOLOV8N.is_file(), reason="shared/weights/yolov8n.pt is not present")
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> list[fw.Base]:
+    folder = tmp_path_factory.mktemp("fuzz_bases")
+    return [fw.Base.read("yolov8n", YOLOV8N), fw.Base.read("detrain", fw.make_detrain_base(YOLOV8N, folder))]
+
+
+# --------------------------------------------------------------------------------------------------
+# The harness sees every bad end
+# --------------------------------------------------------------------------------------------------
+
+
+def _segfault() -> str:
+    ctypes.string_at(0)
+    return "unreachable"
+
+
+def _spin() -> str:
+    while True:
+        pass
+
+
+def _allocate_2gb() -> str:
+    return str(len(bytearray(2 << 30)))
+
+
+def _raise_key_error() -> str:
+    raise KeyError("model")
+
+
+def _sleep() -> str:
+    os.read(os.pipe()[0], 1)  # blocks forever without using CPU
+    return "unreachable"
+
+
+@pytest.mark.parametrize(
+    "target, kind, detail",
+    [
+        (lambda: "fine", "ok", "fine"),
+        (lambda: int("x"), "refused", "ValueError: invalid literal"),
+        (_raise_key_error, "error", "KeyError: 'model'"),
+        (_segfault, "crash", "killed by SIGSEGV"),
+        (lambda: os.abort(), "crash", "killed by SIGABRT"),
+        (_allocate_2gb, "memory", "MemoryError"),
+        (_spin, "hang", "used more than 1 s of CPU time"),
+        (_sleep, "hang", "still running after 2 s of wall-clock time"),
+    ],
+    ids=["ok", "refused", "error", "segfault", "abort", "memory", "cpu-hang", "blocked"],
+)
+def test_the_sandbox_tells_every_end_apart(target, kind: str, detail: str) -> None:
+    outcome = run_isolated(target, (ValueError,), cpu_s=1, mem_bytes=256 << 20, wall_s=2)
+    assert outcome.kind == kind and detail in outcome.detail, outcome
+    assert outcome.acceptable == (kind in ("ok", "refused"))
+
+
+def test_the_sandbox_measures_what_a_child_allocates() -> None:
+    def touch_64mb() -> str:
+        return str(sum(bytearray(64 << 20)))
+
+    outcome = run_isolated(touch_64mb, (), cpu_s=5, mem_bytes=256 << 20, wall_s=60)
+    assert outcome.kind == "ok" and outcome.detail == "0"
+    assert outcome.peak_growth_mb >= 60 and outcome.cpu_s > 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Cases
+# --------------------------------------------------------------------------------------------------
+
+
+@needs_weights
+def test_cases_are_deterministic_and_every_mutation_changes_the_file(bases: list[fw.Base]) -> None:
+    assert fw.make_case(bases, 3, 17) == fw.make_case(bases, 3, 17)
+    assert fw.make_case(bases, 3, 17).data != fw.make_case(bases, 4, 17).data
+    yolo = bases[0]
+    original = fz.write_zip(yolo.records)
+    for name, mutate in fp.MUTATIONS.items():
+        changed = [fz.write_zip(yolo.with_pickle(mutate(random.Random(i), yolo.pickle))) != original for i in range(5)]
+        assert any(changed), name
+    for name, mutate in fz.MUTATIONS.items():
+        changed = [mutate(random.Random(i), yolo.records) != original for i in range(5)]
+        assert any(changed), name
+
+
+@needs_weights
+def test_the_parsed_pickle_finds_every_storage(bases: list[fw.Base]) -> None:
+    """yolov8n.pt has 359 storages: each one's type, key and size must be found, or the aimed mutations miss."""
+    pkl = bases[0].pickle
+    assert len(pkl.storage_keys) == len(pkl.storage_sizes) == len(pkl.storage_types) == len(pkl.storages) == 359
+    assert {kind for kind, _ in pkl.storages.values()} == {"HalfStorage", "FloatStorage", "LongStorage"}
+    record_sizes = {name.rsplit("/", 1)[-1]: len(data) for name, data in bases[0].records if "/data/" in name}
+    itemsize = {"HalfStorage": 2, "FloatStorage": 4, "LongStorage": 8}
+    assert all(record_sizes[k] == numel * itemsize[kind] for k, (kind, numel) in pkl.storages.items())
+
+
+@needs_weights
+def test_a_few_hundred_cases_each_load_or_are_refused(bases: list[fw.Base], tmp_path: Path) -> None:
+    tally = fw.run_cases(bases, seed=2026, indices=range(300), folder=tmp_path, cpu_s=5, mem_mb=1024, wall_s=120)
+    total = tally.total()
+    assert sum(total.values()) == 300
+    assert not tally.failures, [(c.index, c.mutations, o.kind, o.detail) for c, o in tally.failures[:5]]
+    assert total["ok"] > 0 and total["refused"] > 0
+    assert tally.counts["recompress"]["ok"] == sum(tally.counts["recompress"].values()) > 0  # still valid files
+    assert set(tally.counts) >= {*fp.MUTATIONS, *fz.MUTATIONS}  # every mutation ran
+    assert "| **total**        |   300 |" in fw.table(tally)
