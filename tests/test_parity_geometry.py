@@ -14,7 +14,6 @@ are coco8's (``../shared/data/coco8``), and the tests skip without them.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
@@ -25,6 +24,7 @@ import cv2
 import numpy as np
 import pytest
 
+from _ultralytics import offline_ultralytics
 from detrain.data.affine import random_affine_matrix
 from detrain.data.compose import Tile, render
 from detrain.data.image_io import read_image, resize_long_side
@@ -37,11 +37,7 @@ CASES = 24  # samples per setting (fixed seeds)
 
 @pytest.fixture(scope="module")
 def ul(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in (("YOLO_OFFLINE", "1"), ("YOLO_CONFIG_DIR", None)):
-            if key not in os.environ:
-                mp.setenv(key, value or str(tmp_path_factory.mktemp("yolo_config")))
-        pytest.importorskip("ultralytics")
+    with offline_ultralytics(tmp_path_factory):
         from ultralytics.data.augment import Mosaic, RandomPerspective
         from ultralytics.data.dataset import YOLODataset
 

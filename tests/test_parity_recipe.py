@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from _ultralytics import offline_ultralytics
 from detrain.config import make_cfg
 from detrain.engine import optim
 from detrain.engine.build import build_model
@@ -44,11 +45,7 @@ TOL = 1e-9
 def ul(tmp_path_factory):
     """Ultralytics' modules, imported only when a test here runs (not at collection), offline and with its
     settings file in a temporary folder unless the caller chose one."""
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in (("YOLO_OFFLINE", "1"), ("YOLO_CONFIG_DIR", None)):
-            if key not in os.environ:
-                mp.setenv(key, value or str(tmp_path_factory.mktemp("yolo_config")))
-        pytest.importorskip("ultralytics")
+    with offline_ultralytics(tmp_path_factory):
         from ultralytics.engine.trainer import BaseTrainer
         from ultralytics.nn.tasks import DetectionModel
         from ultralytics.utils.torch_utils import ModelEMA as UltralyticsEMA
