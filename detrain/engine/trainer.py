@@ -55,13 +55,13 @@ class Trainer:
         self.cfg = cfg
         self.rank, self.world = dist.rank(), dist.world_size()
         self.main = dist.is_main()
-        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
-        self.planned_world = planned_world_size(cfg.nnodes, self.world, self.local_world)
+        self.planned_world = planned_world_size(cfg.nnodes, self.world, local_world)
         batch_plan(cfg.batch, cfg.batch, self.world, self.planned_world)
         self.device = select_device(cfg.device, dist.local_rank())
         if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-            torch.set_num_threads(cpu_threads_per_worker(int(os.environ.get("LOCAL_WORLD_SIZE", self.world))))
+            torch.set_num_threads(cpu_threads_per_worker(local_world))
         # rank 0 decides (other nodes may not know the folder the launching node picked)
         save_dir = dist.broadcast_object(
             str(save_dir or increment_run_dir(cfg.project, cfg.name, "train", cfg.exist_ok)) if self.main else None)
@@ -231,7 +231,7 @@ class Trainer:
             with warnings.catch_warnings():  # an epoch shorter than one update has not stepped the optimizer yet;
                 warnings.simplefilter("ignore", UserWarning)  # LambdaLR computes from the epoch, so nothing is lost
                 self.scheduler.step()
-            if accumulation.pending_batches(self.nb * (epoch + 1) - 1, self.last_update):
+            if self._gradients_wait(epoch):
                 accumulation.average_over_ranks(unwrap(self.model))  # collective: one all-reduce of the gradients
             epoch_time = time.perf_counter() - t0
             speed = self._speed(n_images, epoch_time, step_times)
@@ -332,6 +332,10 @@ class Trainer:
         return validate(ema, self.val_loader, self.val_data, self.cfg, self.device, save_dir=None, plots=False,
                         verbose=False)
 
+    def _gradients_wait(self, epoch: int) -> bool:
+        """Whether batches of ``epoch`` (at its end) hold gradients for an update still to come."""
+        return accumulation.pending_batches(self.nb * (epoch + 1) - 1, self.last_update) > 0
+
     def _save(self, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
         if not self.cfg.save:
             return
@@ -349,8 +353,7 @@ class Trainer:
             "last_update": self.last_update,
             "batches_per_epoch": self.nb,
             "accumulate": self.accumulate_target,
-            "pending_grads": (accumulation.saved(bare) if accumulation.pending_batches(
-                self.nb * (epoch + 1) - 1, self.last_update) else None),
+            "pending_grads": accumulation.saved(bare) if self._gradients_wait(epoch) else None,
             "train_args": self.cfg.to_dict(),
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "rng": rng_state(),
