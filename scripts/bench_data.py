@@ -7,6 +7,10 @@ partner from a decoded-image buffer of the same file, and Ultralytics' label cac
 folder, not beside the real labels. Both loaders run alternately, ``--rounds`` times; the table shows the best
 round of each (the machine may be shared: the best round is the least disturbed one).
 
+What is timed is the steady state of a long run: ``--warmup`` batches are drawn first, enough for each loader
+to fill what it keeps between batches (Ultralytics' mosaic buffer: 8 batches; detrain's decode cache: a pool
+window of 4 batches on each of 8 sampler lanes, 32 batches on one worker), once per worker and run.
+
     python scripts/bench_data.py                       # ../shared/data/coco8.yaml, workers 1 and 2
     PYTHONPATH=/opt/ulib python scripts/bench_data.py --workers 1 2 4 --batches 60
 """
@@ -78,7 +82,7 @@ def endless(loader: Any) -> Iterator[Any]:
 
 def images_per_second(loader: Any, warmup: int, batches: int) -> float:
     it = endless(loader)
-    for _ in range(warmup):  # worker start-up and the first prefetches
+    for _ in range(warmup):  # worker start-up, the first prefetches, the buffers filling
         next(it)
     t0, n = time.perf_counter(), 0
     for _ in range(batches):
@@ -183,9 +187,9 @@ def main() -> None:
     p.add_argument("--imgsz", type=int, default=640)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeat", type=int, default=200, help="how many times each train image is listed")
+    p.add_argument("--repeat", type=int, default=400, help="how many times each train image is listed")
     p.add_argument("--batches", type=int, default=40, help="timed batches per run")
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=40, help="batches drawn before timing (buffers filling)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--child", choices=["detrain", "ultralytics"], help=argparse.SUPPRESS)
     p.add_argument("--child-workers", type=int, help=argparse.SUPPRESS)
@@ -210,7 +214,7 @@ def main() -> None:
         load1 = os.getloadavg()[0]
 
     print(f"\n{n} images ({len(images)} files x {args.repeat}), imgsz {args.imgsz}, batch {args.batch}, mosaic 1.0, "
-          f"best of {args.rounds} rounds of {args.batches} batches; {os.cpu_count()} CPUs, "
+          f"best of {args.rounds} rounds of {args.batches} batches after {args.warmup}; {os.cpu_count()} CPUs, "
           f"load average {load0:.1f} -> {load1:.1f}")
     print("| workers | detrain img/s | ultralytics img/s | ratio |")
     print("|---|---|---|---|")

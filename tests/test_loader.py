@@ -102,6 +102,36 @@ def test_pools_do_not_depend_on_the_split_over_ranks(n: int) -> None:
                 assert epoch == 0 or len(set(a[0].pool)) > 16  # past the first epoch the pools span batches
 
 
+def test_decode_cache_holds_only_what_a_pool_can_still_draw(records: list[Rec]) -> None:
+    """After every batch the cache holds only images that some lane's latest pool still holds (a lane's pools
+    slide forward, so anything else is never drawn again), and letting the rest go costs no extra decode: each
+    image is decoded at most once per epoch. (An LRU as large as this tiny dataset keeps it all: no decode after
+    the first epoch, which a real dataset never fits.)"""
+    def run(retire: bool) -> tuple[int, int]:
+        ds = DetectionDataset(records * 4, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=3)  # 80 images
+        sampler = GlobalBatchSampler(len(ds), 4, seed=3, pool_window=3, pool_lanes=2, pool_size=2)
+        latest: dict[int, set[int]] = {}
+        peak = 0
+        for epoch in (0, 1, 2):
+            ds.set_epoch(epoch)
+            sampler.set_epoch(epoch)
+            for picks in sampler:
+                if not retire:
+                    picks = [p._replace(lane=-1) for p in picks]
+                ds.__getitems__(picks)
+                latest.update({p.lane: set(p.pool) for p in picks})
+                held = {k[0] for k in ds._decode_cache.keys()}
+                if retire:
+                    assert held <= set().union(*latest.values())
+                peak = max(peak, len(held))
+        return ds._decode_cache.misses, peak
+
+    (misses, peak), (lru_misses, lru_peak) = run(True), run(False)
+    assert lru_misses == 80 and lru_peak == 80
+    assert misses <= 3 * 80  # nothing let go is needed again within an epoch
+    assert peak <= 2 * 2 * 3 * 2  # lanes x groups x window x group size
+
+
 def test_partners_come_from_earlier_batches_without_decoding_them_again(records: list[Rec]) -> None:
     """A whole epoch on one process: mosaics mix images of several batches, yet each image is decoded about once
     (the decode cache keeps the lane's images), and a cold cache gives the very same pixels as a warm one."""

@@ -11,13 +11,21 @@ dataset renders a whole batch into ONE segment laid out as
 hands each sample views of its parts, and ``collate`` recognises a complete block and returns views of it: no
 stacking, no concatenation, one segment per batch. Pages are faulted in with one ``madvise`` call where Linux
 offers it (MADV_POPULATE_WRITE, 5.14+), which is much cheaper than faulting them one by one.
+
+A fresh segment still costs its pages (the kernel zeroes and maps each one: about a quarter of a worker's time
+at 640 on a small VM), so a training worker *recycles* its segments (``recycle=True``): a recycled block ends in
+a trailer (magic, state, bytes in use), and the worker takes a block again only after the process that
+consumed the batch has marked it free with :func:`release` (the trainer, once the step is done with the batch;
+the pinning thread, once it has copied the batch to pinned memory: :class:`Batch`). A batch that is never
+released is never overwritten: the worker then makes new segments, as without recycling.
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
@@ -37,18 +45,97 @@ def _populate(t: torch.Tensor) -> None:
                       _MADV_POPULATE_WRITE)
 
 
-def new_bytes(nbytes: int) -> torch.Tensor:
+_MAGIC = 0x6B6C6264  # "dblk": a recycled block's trailer
+_FREE, _IN_USE = 0, 1
+_TRAILER = 16  # int32 magic, int32 state, int64 bytes in use
+_POOL_BLOCKS = 8  # recycled segments a worker keeps (its batches in flight: prefetch, pinning, the step)
+_ROUND = 1 << 20  # capacity granularity: label counts vary from batch to batch
+_pool: list[torch.Tensor] = []  # this worker's recycled segments (whole, trailer included)
+
+
+def _shared_bytes(nbytes: int) -> torch.Tensor | None:
+    """A fresh, pre-faulted shared-memory segment of ``nbytes``, or None where this torch cannot make one."""
+    try:
+        proto = torch.empty(0, dtype=torch.uint8)
+        storage = proto._typed_storage()._new_shared(max(nbytes, 1), device=proto.device)
+    except (AttributeError, RuntimeError):  # a torch without this private helper: plain memory
+        return None
+    t = proto.new(storage)[:nbytes]
+    _populate(t)
+    return t
+
+
+def _trailer(whole: torch.Tensor) -> torch.Tensor:
+    """The int32 [magic, state, used lo, used hi] view of a recycled segment's last 16 bytes."""
+    return whole[-_TRAILER:].view(torch.int32)
+
+
+def _recycled(nbytes: int) -> torch.Tensor | None:
+    """``nbytes`` of a free recycled segment of this worker (a new one while the pool has room), marked in use."""
+    fit = [b for b in _pool if nbytes + _TRAILER <= b.numel() <= 2 * (nbytes + _TRAILER) + _ROUND]
+    whole = next((b for b in fit if int(_trailer(b)[1]) == _FREE), None)
+    if whole is None:
+        if len(_pool) >= _POOL_BLOCKS:
+            return None
+        whole = _shared_bytes(-(-(nbytes + _TRAILER) // _ROUND) * _ROUND)
+        if whole is None:
+            return None
+        _pool.append(whole)
+    trailer = _trailer(whole)
+    trailer[0], trailer[1] = _MAGIC, _IN_USE
+    trailer[2:].view(torch.int64)[0] = nbytes
+    return whole[:nbytes]
+
+
+def release(t: torch.Tensor) -> None:
+    """Mark the recycled segment under ``t`` free for its worker to fill again (nothing for any other tensor).
+    Call only when nothing will read the batch's tensors any more."""
+    storage = t.untyped_storage()
+    if storage.nbytes() < _TRAILER or storage.device.type != "cpu":
+        return
+    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+    trailer = _trailer(whole)
+    if int(trailer[0]) == _MAGIC:
+        trailer[1] = _FREE
+
+
+def release_batch(batch: Mapping[str, Any]) -> None:
+    """:func:`release` the block of a collated batch (its ``img``): the trainer calls this once a step is done."""
+    img = batch.get("img")
+    if isinstance(img, torch.Tensor):
+        release(img)
+
+
+class Batch(dict):
+    """A collated batch: a plain dict to its users. Pinning it (the DataLoader's pinning thread, with CUDA)
+    copies its tensors to pinned memory and then releases the worker's segment at once."""
+
+    def pin_memory(self, device: Any = None) -> Batch:
+        pinned = Batch({k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in self.items()})
+        release_batch(self)  # the copies are done (pin_memory copies synchronously)
+        return pinned
+
+
+def block_bytes(t: torch.Tensor) -> int:
+    """The bytes of a block that ``t``'s storage holds: all of it, or a recycled segment's bytes in use."""
+    storage = t.untyped_storage()
+    n = storage.nbytes()
+    if n >= _TRAILER:
+        trailer = _trailer(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,)))
+        if int(trailer[0]) == _MAGIC:
+            return int(trailer[2:].view(torch.int64)[0])
+    return n
+
+
+def new_bytes(nbytes: int, recycle: bool = False) -> torch.Tensor:
     """An uninitialised uint8 tensor of ``nbytes``: in shared memory inside a dataloader worker (as
-    ``default_collate`` allocates there), plain memory elsewhere."""
+    ``default_collate`` allocates there; from a recycled segment with ``recycle``), plain memory elsewhere."""
     if get_worker_info() is not None:
-        try:
-            proto = torch.empty(0, dtype=torch.uint8)
-            storage = proto._typed_storage()._new_shared(max(nbytes, 1), device=proto.device)
-            t = proto.new(storage)[:nbytes]
-            _populate(t)
+        t = _recycled(nbytes) if recycle else None
+        if t is None:
+            t = _shared_bytes(nbytes)
+        if t is not None:
             return t
-        except (AttributeError, RuntimeError):  # a torch without this private helper: plain memory
-            pass
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
@@ -82,8 +169,10 @@ class BatchBlock:
     starts: list[int]
 
     @classmethod
-    def allocate(cls, n: int, h: int, w: int, counts: Sequence[int], channels_last: bool = False) -> BatchBlock:
-        """A block for ``n`` images of h x w with ``counts[i]`` labels each (``batch_idx`` filled in).
+    def allocate(cls, n: int, h: int, w: int, counts: Sequence[int], channels_last: bool = False,
+                 recycle: bool = False) -> BatchBlock:
+        """A block for ``n`` images of h x w with ``counts[i]`` labels each (``batch_idx`` filled in); in a
+        recycled segment with ``recycle`` (see the module docstring: the consumer must :func:`release` it).
 
         >>> block = BatchBlock.allocate(2, 4, 4, [1, 2])
         >>> block.img.shape, block.batch_idx.tolist(), block.sample(1)[2].shape
@@ -91,7 +180,7 @@ class BatchBlock:
         """
         m = int(sum(counts))
         offset = _label_offset(n * 3 * h * w)
-        raw = new_bytes(offset + 24 * m)
+        raw = new_bytes(offset + 24 * m, recycle)
         pixels = raw[: n * 3 * h * w]
         img = pixels.view(n, h, w, 3).permute(0, 3, 1, 2) if channels_last else pixels.view(n, 3, h, w)
         block = cls(img, *_label_views(raw.untyped_storage(), offset, m), _starts(counts))
@@ -114,7 +203,7 @@ def whole_block(imgs: Sequence[torch.Tensor], cls: Sequence[torch.Tensor]) -> Ba
     n, numel = len(imgs), first.numel()
     m = sum(len(c) for c in cls)
     offset = _label_offset(n * numel)
-    if first.dtype != torch.uint8 or first.storage_offset() != 0 or storage.nbytes() != offset + 24 * m:
+    if first.dtype != torch.uint8 or first.storage_offset() != 0 or block_bytes(first) != offset + 24 * m:
         return None  # not a block of exactly this many images and labels
     if not (first.is_contiguous() or first.permute(1, 2, 0).is_contiguous()):
         return None

@@ -29,7 +29,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from detrain.data.augment import apply_hsv, letterbox, merged_hyp
-from detrain.data.batch_memory import BatchBlock, whole_block
+from detrain.data.batch_memory import Batch, BatchBlock, whole_block
 from detrain.data.decode_cache import LANES, DecodeCache
 from detrain.data.image_io import (check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side)
 from detrain.data.instances import Labels
@@ -42,10 +42,12 @@ _EPOCH, _CLOSED, _SKIPPED = 0, 1, 2  # slots of the shared state tensor
 
 
 class Pick(NamedTuple):
-    """A sampler's key for the dataset: ``index`` and its mosaic ``pool`` (the indices partners are drawn from)."""
+    """A sampler's key for the dataset: ``index``, its mosaic ``pool`` (the indices partners are drawn from) and the
+    pool's ``lane`` (pools of one lane slide over the same batches, see ``decode_cache.py``; -1: none)."""
 
     index: int
     pool: tuple[int, ...]
+    lane: int = -1
 
 
 def cache_mode(cache: str | bool | None) -> str | None:
@@ -213,13 +215,16 @@ class DetectionDataset(Dataset):
         plans = [self._plan(p, epoch, 0, mosaic_on, out_hw) for p in picks]
         decoded: dict[tuple[int, int], np.ndarray | None] = {}  # this batch's pixels, whatever the cache evicts
         self._decode_cache.set_budget(self._decode_budget(picks))
+        for lane, pool in {p.lane: p.pool for p in picks if p.lane >= 0}.items():
+            self._decode_cache.retire(lane, pool)  # what this lane's pools no longer hold is never drawn again
         samples = []
         for pick, plan in zip(picks, plans):
             for attempt in range(1, MAX_SUBSTITUTIONS + 1):
                 needed = [(t.index, t.reduce) for layer in plan.layers for t in layer.tiles]
                 for k in needed:
                     if k not in decoded:
-                        decoded[k] = self._decode_cache.get(k, self._decode) if self._ram is None else self._pixels(*k)
+                        decoded[k] = (self._decode_cache.get(k, self._decode, pick.lane) if self._ram is None
+                                      else self._pixels(*k))
                 bad = [i for i, r in needed if decoded[(i, r)] is None]
                 if not bad:
                     break
@@ -272,7 +277,7 @@ class DetectionDataset(Dataset):
         channels_last = self.augment
         if len({r.img.shape for r in rendered}) == 1:
             h, w = rendered[0].img.shape[:2]
-            block = BatchBlock.allocate(len(rendered), h, w, counts, channels_last)
+            block = BatchBlock.allocate(len(rendered), h, w, counts, channels_last, recycle=self.augment)
             views = [block.sample(i) for i in range(len(rendered))]
         else:  # images of different sizes cannot form one batch: separate tensors
             channels_last = False
@@ -363,5 +368,5 @@ class DetectionDataset(Dataset):
                       "batch_idx": torch.repeat_interleave(torch.arange(len(batch), dtype=torch.float32), counts),
                       "cls": torch.cat([b["cls"] for b in batch], 0),
                       "bboxes": torch.cat([b["bboxes"] for b in batch], 0)}
-        return {**arrays, "im_file": [b["im_file"] for b in batch], "ori_shape": [b["ori_shape"] for b in batch],
-                "ratio_pad": [b["ratio_pad"] for b in batch]}
+        return Batch(**arrays, im_file=[b["im_file"] for b in batch], ori_shape=[b["ori_shape"] for b in batch],
+                     ratio_pad=[b["ratio_pad"] for b in batch])

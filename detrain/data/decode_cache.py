@@ -4,14 +4,19 @@ Mosaic partners come from the images of the same sampler *lane* (``loader.py``):
 gives to the same worker. This cache keeps that worker's recent decodes, so a partner shown again a few batches
 later costs no second decode. It only ever returns what ``read_image(file, reduce)`` returned for the same key,
 so the samples do not depend on whether it hit: worker count and order change the speed, never the pixels.
-Its budget is set per batch from the size of the batch's pools (as many load-size images as the pools hold,
-half as many again for decodes at other reductions), close to what Ultralytics' mosaic buffer keeps.
+
+An entry lives as long as a pool may still draw on it. Pools of the same *pool lane* (a slot group of a sampler
+lane) slide over that lane's batches, each one window reaching back no further than the previous one, so when a
+batch of the lane arrives, an image of the lane that its pool no longer holds is never needed again
+(:meth:`DecodeCache.retire`). An image shared by several lanes (pools reach into the previous epoch) stays until
+every lane holding it has let it go. A byte budget, set per batch from the size of the batch's pools, bounds the
+rest (lanes that a worker serves only now and then), evicting the least recently used first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -32,30 +37,54 @@ class DecodeCache:
     >>> _ = cache.get((2, 1), load)  # over budget: the least recently used, (1, 1), goes
     >>> calls, sorted(cache.keys())
     ([(0, 1), (1, 1), (2, 1)], [(0, 1), (2, 1)])
+    >>> _ = cache.get((0, 1), load, lane=3); cache.retire(3, live=[2]); sorted(cache.keys())  # 0 left lane 3
+    [(2, 1)]
     """
 
     def __init__(self, budget_bytes: int = 0) -> None:
         self.budget_bytes = int(budget_bytes)
         self._items: OrderedDict[Key, np.ndarray] = OrderedDict()
+        self._lanes: dict[Key, set[int]] = {}  # the pool lanes that may still draw on an entry
         self._bytes = 0
         self.hits = self.misses = 0
 
     def keys(self) -> list[Key]:
         return list(self._items)
 
-    def get(self, key: Key, load: Callable[[Key], np.ndarray | None]) -> np.ndarray | None:
+    @property
+    def nbytes(self) -> int:
+        """Bytes of pixels held."""
+        return self._bytes
+
+    def get(self, key: Key, load: Callable[[Key], np.ndarray | None], lane: int = -1) -> np.ndarray | None:
+        """The pixels of ``key``, loaded on a miss; ``lane``: the pool lane asking (-1: none, kept by LRU only)."""
         item = self._items.get(key)
         if item is not None:
             self._items.move_to_end(key)
             self.hits += 1
-            return item
-        self.misses += 1
-        item = load(key)
-        if item is not None and item.nbytes <= self.budget_bytes:
+        else:
+            self.misses += 1
+            item = load(key)
+            if item is None or item.nbytes > self.budget_bytes:
+                return item
             self._items[key] = item
             self._bytes += item.nbytes
             self._evict()
+        if lane >= 0 and key in self._lanes:
+            self._lanes[key].add(lane)
+        elif lane >= 0 and key in self._items:
+            self._lanes[key] = {lane}
         return item
+
+    def retire(self, lane: int, live: Iterable[int]) -> None:
+        """Pool lane ``lane`` now draws only on the image indices ``live``: its other entries are let go, and
+        dropped when no other lane holds them."""
+        live = set(live)
+        for key in [k for k, lanes in self._lanes.items() if lane in lanes and k[0] not in live]:
+            lanes = self._lanes[key]
+            lanes.discard(lane)
+            if not lanes:
+                self._drop(key)
 
     def set_budget(self, budget_bytes: int) -> None:
         self.budget_bytes = int(budget_bytes)
@@ -63,5 +92,8 @@ class DecodeCache:
 
     def _evict(self) -> None:
         while self._bytes > self.budget_bytes and self._items:
-            _, old = self._items.popitem(last=False)
-            self._bytes -= old.nbytes
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, key: Key) -> None:
+        self._bytes -= self._items.pop(key).nbytes
+        self._lanes.pop(key, None)

@@ -102,6 +102,7 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
         order = self.order()
         g = self.batch_size * self.world_size
         pools: dict[tuple[int, int], tuple[int, ...]] = {}
+        groups = math.ceil(self.pool_batch / self.pool_size)
         for start in range(0, len(order), g):
             chunk = len(order[start: start + g]) // self.world_size  # the per-rank size (smaller for the last)
             positions = range(start + self.rank * chunk, start + (self.rank + 1) * chunk)
@@ -111,7 +112,8 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
                 key = (b, slot // self.pool_size)
                 if key not in pools:
                     pools[key] = self.pool(self.epoch, b, slot)
-                picks.append(Pick(int(order[p]), pools[key]))
+                lane = b % self.pool_lanes * groups + slot // self.pool_size  # the pool's lane: its slot group
+                picks.append(Pick(int(order[p]), pools[key], lane))
             yield picks
 
     def pool(self, epoch: int, batch: int, slot: int) -> tuple[int, ...]:

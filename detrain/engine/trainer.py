@@ -23,6 +23,7 @@ from torch import nn
 from detrain import dist
 from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
+from detrain.data.batch_memory import release_batch
 from detrain.engine import accumulation, optim
 from detrain.engine.batch_plan import batch_plan, planned_world_size
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
@@ -225,6 +226,7 @@ class Trainer:
                 step_times.append(time.perf_counter() - ts)
                 if progress is not None:
                     progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
+                release_batch(batch)  # nothing reads this batch any more: its worker may fill the memory again
             if progress is not None:
                 progress.close()
             lrs = [g["lr"] for g in self.optimizer.param_groups]

@@ -1,0 +1,91 @@
+"""Recycled batch segments (``batch_memory.py``): a training worker fills a segment again only after the
+consumer released it, so what the trainer holds never changes under it, and released memory is reused."""
+
+from __future__ import annotations
+
+import os
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from detrain.data import batch_memory
+from detrain.data.batch_memory import Batch, release_batch
+from detrain.data.dataset import DetectionDataset
+from detrain.data.labels import LabelRecord as Rec
+from detrain.data.loader import build_dataloader
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[Rec]:
+    """24 small images with one box each, in varied colours (so every batch differs)."""
+    folder = tmp_path_factory.mktemp("recycle")
+    recs = []
+    for k in range(24):
+        img = np.full((48, 64, 3), (k * 10 % 256, k * 37 % 256, 200 - k * 5), np.uint8)
+        img[8:28, 12:40] = 255
+        path = folder / f"{k:02d}.png"
+        cv2.imwrite(str(path), img)
+        recs.append(Rec(str(path), (48, 64), np.array([k % 3]), np.array([[26 / 64, 18 / 48, 28 / 64, 20 / 48]],
+                                                                          np.float32)))
+    return recs
+
+
+def _segment(t: torch.Tensor) -> int:
+    """The shared-memory object under ``t`` (its inode), whichever address this process maps it at."""
+    fd, _ = t.untyped_storage()._share_fd_cpu_()
+    return os.fstat(fd).st_ino
+
+
+def _epochs(ds: DetectionDataset, workers: int, release: bool, hold: int = 0) -> tuple[list[dict], list, set[int]]:
+    """Two epochs of batches: copies taken on arrival, the first ``hold`` batches kept unreleased, the segments."""
+    loader = build_dataloader(ds, 4, shuffle=True, workers=workers, seed=2)
+    copies, held, segments = [], [], set()
+    for epoch in (0, 1):
+        loader.batch_sampler.set_epoch(epoch)
+        ds.set_epoch(epoch)
+        for batch in loader:
+            assert isinstance(batch, Batch)
+            copies.append({k: batch[k].clone() for k in ("img", "cls", "bboxes", "batch_idx")})
+            if workers:
+                segments.add(_segment(batch["img"]))
+            if len(held) < hold:
+                held.append((batch, copies[-1]))
+            elif release:
+                release_batch(batch)
+    del loader
+    return copies, held, segments
+
+
+def test_what_the_consumer_holds_never_changes_and_released_segments_are_reused(records: list[Rec]) -> None:
+    ds = DetectionDataset(records * 2, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=2)  # 12 batches/epoch
+    reference, _, _ = _epochs(ds, 0, release=False)
+    copies, held, segments = _epochs(ds, 1, release=True, hold=3)
+    assert len(copies) == len(reference) == 24
+    for got, want in zip(copies, reference):
+        assert all(torch.equal(got[k], want[k]) for k in want)  # the same batches as in one process
+    for batch, at_arrival in held:  # 21 batches later, the unreleased ones are untouched
+        assert all(torch.equal(batch[k], at_arrival[k]) for k in at_arrival)
+    assert len(segments) <= 3 + 4  # the held ones and a few in flight, not one per batch
+    _, _, fresh = _epochs(ds, 1, release=False)
+    assert len(fresh) == 24  # never released: never refilled
+
+
+def test_pinning_copies_then_releases(records: list[Rec], monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the DataLoader's pinning thread does with CUDA: copy the batch out, then free its segment, which the
+    next batch reuses. (Run in this process as if it were a worker; the pinned copy is a plain clone here.)"""
+    monkeypatch.setattr(batch_memory, "get_worker_info", lambda: object())
+    monkeypatch.setattr(batch_memory, "_pool", [])
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
+    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={}, seed=1)
+    batch = ds.collate(ds.__getitems__(list(range(4))))
+    again = ds.collate(ds.__getitems__(list(range(4))))  # the first is not released yet: a second segment
+    assert _segment(again["img"]) != _segment(batch["img"])
+    first = _segment(batch["img"])
+    pinned = batch.pin_memory()
+    assert isinstance(pinned, Batch) and set(pinned) == set(batch)
+    assert all(torch.equal(pinned[k], again[k]) for k in ("img", "cls", "bboxes", "batch_idx"))
+    third = ds.collate(ds.__getitems__(list(range(4, 8))))
+    assert _segment(third["img"]) == first and len(batch_memory._pool) == 2  # the freed one, filled again
+    assert torch.equal(pinned["img"], again["img"])  # the copy is the pinned batch's own
