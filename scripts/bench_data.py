@@ -80,13 +80,17 @@ def endless(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def images_per_second(loader: Any, warmup: int, batches: int) -> float:
+def images_per_second(loader: Any, warmup: int, batches: int, done: Callable[[Any], None] = lambda b: None) -> float:
+    """Batches per second drawn as a training loop draws them; ``done(batch)`` is what the loop does once a step
+    has finished with a batch (detrain's trainer releases it: its worker may fill the memory again)."""
     it = endless(loader)
     for _ in range(warmup):  # worker start-up, the first prefetches, the buffers filling
-        next(it)
+        done(next(it))
     t0, n = time.perf_counter(), 0
     for _ in range(batches):
-        n += len(next(it)["img"])
+        batch = next(it)
+        n += len(batch["img"])
+        done(batch)
     return n / (time.perf_counter() - t0)
 
 
@@ -155,7 +159,10 @@ def child(args: argparse.Namespace) -> None:
             print(json.dumps({"ips": None}))
             return
     loader = build(args.child_workers)
-    ips = images_per_second(loader, args.warmup, args.batches)
+    done: Callable[[Any], None] = lambda batch: None
+    if args.child == "detrain":
+        from detrain.data.batch_memory import release_batch as done
+    ips = images_per_second(loader, args.warmup, args.batches, done)
     del loader  # stop the workers before reporting
     import gc
 
