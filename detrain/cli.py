@@ -74,7 +74,7 @@ def predict(ctx: typer.Context) -> None:
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "format", "imgsz", "opset", "dynamic")))
 def export(ctx: typer.Context) -> None:
-    """Export weights to ONNX: detrain export model=best.pt format=onnx"""
+    """Export weights to ONNX or TorchScript: detrain export model=best.pt format=torchscript"""
     from detrain.model import Model
 
     args = _args(ctx)

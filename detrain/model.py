@@ -81,13 +81,17 @@ class Model:
         return report
 
     def export(self, **kwargs: Any) -> Path:
-        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``, ``imgsz``); returns the file's path."""
-        from detrain.export import export_onnx
+        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``) or TorchScript (``format=torchscript``)
+        at ``imgsz``; returns the file's path: beside ``.pt`` weights (``best.onnx``, ``best.torchscript``),
+        else ``runs/export/exp*/model.<suffix>``."""
+        from detrain.export import SUFFIXES, export_model
 
         cfg = make_cfg({"model": self.source, **kwargs})
-        out = Path(self.source).with_suffix(".onnx") if is_weights(self.source) else \
-            increment_run_dir(cfg.project, cfg.name, "export", cfg.exist_ok) / "model.onnx"
-        return export_onnx(self.net, out, imgsz=cfg.imgsz, opset=cfg.opset, dynamic_batch=cfg.dynamic)
+        suffix = SUFFIXES[cfg.format]
+        out = Path(self.source).with_suffix(suffix) if is_weights(self.source) else \
+            increment_run_dir(cfg.project, cfg.name, "export", cfg.exist_ok) / f"model{suffix}"
+        return export_model(self.net, out, format=cfg.format, imgsz=cfg.imgsz, opset=cfg.opset,
+                            dynamic_batch=cfg.dynamic)
 
     def __repr__(self) -> str:
         return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"
