@@ -1,8 +1,9 @@
-"""The ``detrain`` command: train / val / predict / checks / convert / export, arguments as key=value.
+"""The ``detrain`` command: train / val / predict / info / export / convert / checks, arguments as key=value.
 
     detrain train data=coco8.yaml model=n.yaml epochs=3 imgsz=320 device=cpu,cpu
     detrain val model=runs/train/exp/weights/best.pt data=coco8.yaml
     detrain predict model=best.pt source=images/
+    detrain info model=yolov8n.pt imgsz=640
 
 A bad key or value prints one line and exits with code 2.
 """
@@ -73,12 +74,23 @@ def predict(ctx: typer.Context) -> None:
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "format", "imgsz", "opset", "dynamic")))
 def export(ctx: typer.Context) -> None:
-    """Export weights to ONNX: detrain export model=best.pt format=onnx"""
+    """Export weights to ONNX or TorchScript: detrain export model=best.pt format=torchscript"""
     from detrain.model import Model
 
     args = _args(ctx)
     path = Model(args.pop("model", defaults()["model"])).export(**args)
     typer.echo(f"exported {path}")
+
+
+@app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "imgsz", "verbose")))
+def info(ctx: typer.Context) -> None:
+    """Describe a model: layers, parameters, GFLOPs at imgsz, strides, classes: detrain info model=best.pt"""
+    cfg = make_cfg(_args(ctx))
+    from detrain.model import Model
+    from detrain.nn.info import print_info
+
+    model = Model(cfg.model)
+    print_info(model.info(imgsz=cfg.imgsz, verbose=False), title=cfg.model, table=cfg.verbose)
 
 
 @app.command()

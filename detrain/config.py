@@ -118,7 +118,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rdzv_backend": ("static", "c10d"),
     "split": ("val", "test", "train"),
     "cache": (False, "ram", "disk"),
-    "format": ("onnx",),
+    "format": ("onnx", "torchscript"),
 }
 # (low, high) inclusive bounds; None = unbounded on that side.
 RANGES: dict[str, tuple[float | None, float | None]] = {

@@ -10,10 +10,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from detrain.config import make_cfg
 from detrain.engine.build import build_model, increment_run_dir, is_weights
+
+if TYPE_CHECKING:
+    from detrain.nn.info import ModelInfo
 
 
 class Model:
@@ -59,14 +62,36 @@ class Model:
         cfg = make_cfg({"model": self.source, "source": str(source), **kwargs})
         return predict(cfg, model=self.net if is_weights(self.source) else None)
 
+    def info(self, imgsz: int = 640, verbose: bool = True) -> ModelInfo:
+        """Layers, parameters (as is and fused), gradients, GFLOPs at ``imgsz``, strides and classes.
+
+        With ``verbose`` the per-layer table (index, from, repeats, params, module, arguments, GFLOPs) and
+        a summary line are printed too. ``imgsz`` must be a multiple of 32, as for every command.
+
+        >>> info = Model("n.yaml").info(imgsz=640, verbose=False)
+        >>> info.params, info.fused_params, round(info.gflops, 1), info.stride, info.nc
+        (3157200, 3151904, 8.7, (8, 16, 32), 80)
+        """
+        from detrain.nn.info import model_info, print_info
+
+        cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose})
+        report = model_info(self.net, cfg.imgsz)
+        if cfg.verbose:
+            print_info(report, title=self.source)
+        return report
+
     def export(self, **kwargs: Any) -> Path:
-        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``, ``imgsz``); returns the file's path."""
-        from detrain.export import export_onnx
+        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``) or TorchScript (``format=torchscript``)
+        at ``imgsz``; returns the file's path: beside ``.pt`` weights (``best.onnx``, ``best.torchscript``),
+        else ``runs/export/exp*/model.<suffix>``."""
+        from detrain.export import SUFFIXES, export_model
 
         cfg = make_cfg({"model": self.source, **kwargs})
-        out = Path(self.source).with_suffix(".onnx") if is_weights(self.source) else \
-            increment_run_dir(cfg.project, cfg.name, "export", cfg.exist_ok) / "model.onnx"
-        return export_onnx(self.net, out, imgsz=cfg.imgsz, opset=cfg.opset, dynamic_batch=cfg.dynamic)
+        suffix = SUFFIXES[cfg.format]
+        out = Path(self.source).with_suffix(suffix) if is_weights(self.source) else \
+            increment_run_dir(cfg.project, cfg.name, "export", cfg.exist_ok) / f"model{suffix}"
+        return export_model(self.net, out, format=cfg.format, imgsz=cfg.imgsz, opset=cfg.opset,
+                            dynamic_batch=cfg.dynamic)
 
     def __repr__(self) -> str:
         return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"

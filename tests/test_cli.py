@@ -19,7 +19,7 @@ def detrain(*args: str) -> subprocess.CompletedProcess:
 
 def test_help_lists_commands_and_keys():
     out = detrain("--help").stdout
-    for command in ("train", "val", "predict", "export", "convert", "checks"):
+    for command in ("train", "val", "predict", "info", "export", "convert", "checks"):
         assert command in out
     keys = detrain("train", "--help").stdout
     assert "epochs=100" in keys and "number of epochs to train" in keys

@@ -1,16 +1,25 @@
-"""ONNX export: the exported graph gives what the torch model gives, for any batch size."""
+"""ONNX and TorchScript export: the exported graph gives what the torch model gives, for any batch size."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from detrain.errors import ConfigError
-from detrain.export import export_onnx
+from detrain.checkpoint import model_meta, save_checkpoint
+from detrain.config import CHOICES
+from detrain.errors import ConfigError, DetrainError
+from detrain.export import SUFFIXES, export_model, export_onnx, export_torchscript
 from detrain.nn.model import DetectionModel
+
+# torch announces the deprecation of torch.jit; loading a TorchScript export is still what users do with one
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")
 
 IMGSZ = 96  # small: the graph is the same at any size, and the CPU is shared
 
@@ -76,3 +85,121 @@ def test_failed_export_leaves_no_file(model: DetectionModel, tmp_path: Path, mon
     with pytest.raises(RuntimeError, match="exporter crashed"):
         export_onnx(model, tmp_path / "m.onnx", imgsz=64)
     assert list(tmp_path.iterdir()) == []
+
+
+def _reference(model: DetectionModel, x: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    try:
+        with torch.no_grad():
+            return model(x)
+    finally:
+        model.train()
+
+
+def test_torchscript_matches_torch_for_batch_1_and_3(model: DetectionModel, tmp_path: Path) -> None:
+    out = export_torchscript(model, tmp_path / "sub" / "model.torchscript", imgsz=IMGSZ)
+    assert out == tmp_path / "sub" / "model.torchscript" and out.is_file()
+    assert [p.name for p in out.parent.iterdir()] == ["model.torchscript"]  # no temporary file left
+    assert model.training and any(isinstance(x, nn.BatchNorm2d) for x in model.modules())  # untouched
+
+    extra = {"detrain.json": ""}
+    loaded = torch.jit.load(str(out), map_location="cpu", _extra_files=extra)
+    meta = json.loads(extra["detrain.json"])
+    assert meta == {"producer": "detrain", "task": "detect", "stride": 32, "imgsz": [IMGSZ, IMGSZ],
+                    "names": {"0": "a", "1": "b", "2": "c"}}
+    for batch in (1, 3):  # traced at batch 1; the batch stays free
+        x = torch.rand(batch, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(batch))
+        with torch.no_grad():
+            got = loaded(x)
+        assert got.shape == (batch, 4 + 3, (IMGSZ // 8) ** 2 + (IMGSZ // 16) ** 2 + (IMGSZ // 32) ** 2)
+        torch.testing.assert_close(got, _reference(model, x), rtol=1e-4, atol=1e-4)
+
+
+_LOAD_WITHOUT_DETRAIN = """
+import importlib.abc, sys
+class NoDetrain(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "detrain" or name.startswith("detrain."):
+            raise ImportError("detrain must not be needed to load the export")
+sys.meta_path.insert(0, NoDetrain())
+import torch
+module = torch.jit.load(sys.argv[1], map_location="cpu")
+x = torch.rand(2, 3, int(sys.argv[3]), int(sys.argv[3]), generator=torch.Generator().manual_seed(7))
+with torch.no_grad():
+    torch.save({"x": x, "y": module(x)}, sys.argv[2])
+assert not any(m == "detrain" or m.startswith("detrain.") for m in sys.modules), "detrain was imported"
+"""
+
+
+def test_torchscript_loads_without_detrain(model: DetectionModel, tmp_path: Path) -> None:
+    out = export_torchscript(model, tmp_path / "model.torchscript", imgsz=IMGSZ)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_DETRAIN, str(out), str(tmp_path / "y.pt"), str(IMGSZ)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    result = torch.load(tmp_path / "y.pt", weights_only=True)
+    torch.testing.assert_close(result["y"], _reference(model, result["x"]), rtol=1e-4, atol=1e-4)
+
+
+def test_failed_torchscript_export_leaves_no_file(model: DetectionModel, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(module: object, path: str, **kwargs: object) -> None:
+        Path(path).write_bytes(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch.jit, "save", broken)
+    with pytest.raises(OSError, match="disk full"):
+        export_torchscript(model, tmp_path / "m.torchscript", imgsz=64)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_an_unwritable_destination_is_a_one_line_error(model: DetectionModel, tmp_path: Path, fmt: str) -> None:
+    (tmp_path / "a_file").write_text("not a folder")
+    out = tmp_path / "a_file" / f"m{SUFFIXES[fmt]}"
+    with pytest.raises(DetrainError, match=f"cannot write the export {out}: ") as info:
+        export_model(model, out, format=fmt, imgsz=64)
+    assert "\n" not in str(info.value) and [p.name for p in tmp_path.iterdir()] == ["a_file"]
+
+
+def test_an_existing_file_is_replaced_whole(model: DetectionModel, tmp_path: Path) -> None:
+    target = tmp_path / "m.torchscript"
+    target.write_bytes(b"an older export")
+    export_model(model, target, format="torchscript", imgsz=64)
+    assert torch.jit.load(str(target)) is not None and [p.name for p in tmp_path.iterdir()] == ["m.torchscript"]
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert target.stat().st_mode & 0o777 == 0o666 & ~mask  # an ordinary file, not mkstemp's private 0600
+
+
+@pytest.mark.parametrize("fmt", ["tflite", "ONNX ", "../onnx", ""])
+def test_unknown_format_is_a_one_line_error_listing_the_valid_ones(model: DetectionModel, tmp_path: Path,
+                                                                    fmt: str) -> None:
+    with pytest.raises(ConfigError, match=r"expected one of onnx, torchscript$"):
+        export_model(model, tmp_path / "m.x", format=fmt, imgsz=64)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_formats_agree_with_the_cfg_choices() -> None:
+    assert tuple(SUFFIXES) == CHOICES["format"]
+
+
+def detrain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "detrain.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_exports_torchscript_beside_the_weights(model: DetectionModel, tmp_path: Path) -> None:
+    weights = save_checkpoint({"model": {**model_meta(model, 64), "state_dict": model.state_dict()}, "ema": None},
+                              tmp_path / "best.pt")
+    proc = detrain("export", f"model={weights}", "format=torchscript", "imgsz=64")
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "best.torchscript"
+    assert proc.stdout.strip() == f"exported {out}"
+    x = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        got = torch.jit.load(str(out))(x)
+    torch.testing.assert_close(got, _reference(model, x), rtol=1e-4, atol=1e-4)
+
+    bad = detrain("export", f"model={weights}", "format=tflite")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: invalid value for 'format': 'tflite'; expected one of onnx, torchscript"

@@ -10,7 +10,6 @@ import torch
 import yaml
 
 from detrain.errors import ConfigError
-from detrain.nn.info import model_info
 from detrain.nn.model import DetectionModel, load_model_yaml
 from detrain.nn.modules import C2f, Conv, Detect, Upsample, conv2d
 
@@ -251,18 +250,6 @@ def test_ultralytics_style_yaml_dict() -> None:
 def test_config_errors(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
         DetectionModel(**kwargs)
-
-
-def test_model_info() -> None:
-    model = DetectionModel(scale="n")
-    info = model_info(model, 640)
-    assert info["params"] == 3_157_200
-    assert info["gradients"] == 3_157_200 - 16  # the fixed DFL weight
-    assert round(info["gflops"], 1) == 8.7
-    assert model.training  # restored
-    fused = model_info(copy.deepcopy(model).eval().fuse(), 320)
-    assert round(fused["gflops"], 2) == round(info["gflops"] / 4, 2)
-    assert fused["layers"] < info["layers"]
 
 
 def test_conv_fuse_is_a_plain_conv() -> None:

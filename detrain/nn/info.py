@@ -1,47 +1,210 @@
-"""Model size and cost: parameter counts and GFLOPs at an image size."""
+"""Model size and cost: layers, parameter counts, GFLOPs at an image size, strides and classes.
+
+GFLOPs are counted, not estimated: one forward at the full ``imgsz`` runs under torch's
+``FlopCounterMode`` on the meta device (shapes only, no arithmetic and no memory for activations), so even
+the x scale at 1280 costs well under a second. The count follows the usual convention of 2 FLOPs per
+multiply-accumulate of convolutions and matrix products; BatchNorm, activations, pooling and the box
+decoding are elementwise and not counted, so a fused model costs the same as an unfused one.
+"""
 
 from __future__ import annotations
 
-import math
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
+from detrain.errors import ConfigError
+from detrain.nn.modules import C2f, Concat, Conv, Detect, SPPF
 
-def model_info(model: nn.Module, imgsz: int | tuple[int, int] = 640) -> dict[str, float | int]:
-    """Parameters, trainable parameters, layer count and GFLOPs of one forward at ``imgsz`` (batch 1).
+__all__ = ["LayerInfo", "ModelInfo", "layer_args", "model_info", "print_info"]
 
-    GFLOPs follow the usual 2 x multiply-accumulates convention (convolutions and matmuls). The forward
-    runs at a small size and is scaled by area, which is exact for a fully convolutional model whose input
-    is a multiple of its largest stride (``imgsz`` is rounded up to one, as the letterbox would).
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One row of the per-layer table: a layer of the model yaml as built at the model's scale."""
+
+    index: int  #: position in ``model.model`` (the ``model.<index>.`` state-dict prefix)
+    source: int | list[int]  #: the yaml's ``from``: -1 = the previous layer, else the layer(s) it reads
+    repeats: int  #: the yaml's repeats after the depth multiple (bottlenecks in a C2f, else 1)
+    params: int  #: parameters of this layer
+    module: str  #: the yaml's module name (Conv, C2f, SPPF, nn.Upsample, Concat, Detect)
+    args: list[Any]  #: the built arguments: channels in/out, kernel, stride, … (see :func:`layer_args`)
+    gflops: float  #: GFLOPs of this layer in one forward at the model's ``imgsz`` (batch 1)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What :func:`model_info` (and ``Model.info()`` / ``detrain info``) reports about a detector.
+
+    ``params`` counts every parameter as the model is now (for a trained model, with its BatchNorms);
+    ``fused_params`` counts them after ``model.fuse()`` folds each BatchNorm into its convolution (each
+    such convolution gains a bias and loses the BatchNorm's weight and bias), the figure Ultralytics
+    publishes for its models (3,151,904 for the 80-class YOLOv8n, which has 3,157,200 unfused).
+    ``gradients`` counts the parameters that train (all but the fixed DFL weights).
+    """
+
+    layers: int  #: layers of the model yaml (rows of ``table``)
+    modules: int  #: torch modules inside the model (every Conv2d, BatchNorm2d, SiLU, … counted once)
+    params: int  #: parameters
+    fused_params: int  #: parameters once BatchNorms are folded into the convolutions
+    gradients: int  #: parameters with ``requires_grad``
+    gflops: float  #: GFLOPs of one forward at ``imgsz`` (batch 1)
+    imgsz: tuple[int, int]  #: the (height, width) GFLOPs were counted at
+    stride: tuple[int, ...]  #: output stride of each detection level, e.g. (8, 16, 32)
+    nc: int  #: number of classes
+    names: dict[int, str]  #: class index -> name
+    scale: str  #: model scale (n/s/m/l/x)
+    table: tuple[LayerInfo, ...] = dataclasses.field(repr=False)  #: one row per layer
+
+    def summary(self) -> str:
+        """One line: ``23 layers (281 modules), 3,157,200 parameters (3,151,904 fused), …``."""
+        h, w = self.imgsz
+        size = f"{h}" if h == w else f"{h}x{w}"
+        return (f"scale {self.scale}: {self.layers} layers ({self.modules} modules), {self.params:,} parameters "
+                f"({self.fused_params:,} fused), {self.gradients:,} gradients, {self.gflops:.1f} GFLOPs at {size}, "
+                f"stride {'/'.join(map(str, self.stride))}, {self.nc} classes")
+
+
+def layer_args(layer: nn.Module) -> list[Any]:
+    """The arguments a yaml layer was built with, read back from the built module (so they show the
+    scaled channel counts and repeats, not the yaml's nominal ones).
+
+    Conv: [c_in, c_out, kernel, stride]; C2f: [c_in, c_out, repeats, shortcut]; SPPF: [c_in, c_out, kernel];
+    Upsample: [scale_factor, mode]; Concat: [dimension]; Detect: [nc, [c_in per level]].
+
+    >>> layer_args(Conv(3, 16, 3, 2)), layer_args(C2f(32, 32, 1, True))
+    ([3, 16, 3, 2], [32, 32, 1, True])
+    """
+    if isinstance(layer, Conv):
+        return [layer.conv.in_channels, layer.conv.out_channels, layer.conv.kernel_size[0], layer.conv.stride[0]]
+    if isinstance(layer, C2f):
+        shortcut = bool(layer.m[0].add) if len(layer.m) else False
+        return [layer.cv1.conv.in_channels, layer.cv2.conv.out_channels, len(layer.m), shortcut]
+    if isinstance(layer, SPPF):
+        return [layer.cv1.conv.in_channels, layer.cv2.conv.out_channels, layer.m.kernel_size]
+    if isinstance(layer, nn.Upsample):
+        return [layer.scale_factor, layer.mode]
+    if isinstance(layer, Concat):
+        return [layer.d]
+    if isinstance(layer, Detect):
+        return [layer.nc, [branch[0].conv.in_channels for branch in layer.cv2]]
+    return []
+
+
+def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[int, int]:
+    hw = (imgsz, imgsz) if isinstance(imgsz, int) else tuple(imgsz)
+    if len(hw) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v <= 0 or v % stride for v in hw):
+        raise ConfigError(f"imgsz must be a positive multiple of {stride} (or two of them), got {imgsz!r}")
+    return hw[0], hw[1]
+
+
+def _fused_params(model: nn.Module) -> int:
+    """Parameters after ``fuse()``: each Conv with a BatchNorm trades BN's weight and bias for a conv bias."""
+    params = sum(p.numel() for p in model.parameters())
+    for m in model.modules():
+        if isinstance(m, Conv) and isinstance(m.bn, nn.BatchNorm2d):
+            gained_bias = 0 if m.conv.bias is not None else m.conv.out_channels
+            params -= sum(p.numel() for p in m.bn.parameters()) - gained_bias
+    return params
+
+
+def _count_flops(model: nn.Module, h: int, w: int) -> tuple[float, list[float]]:
+    """(total FLOPs, FLOPs per layer of ``model.model``) of one batch-1 forward at (h, w), on the meta device.
+
+    The weights are swapped for meta tensors of the same shapes only for this call (``functional_call``),
+    so the model is neither copied nor changed. The head runs without decoding (its decoding is
+    elementwise: nothing to count) because anchors cannot be built from meta strides.
+    """
+    meta = {name: torch.empty_like(t, device="meta") for name, t in
+            [*model.named_parameters(), *model.named_buffers()]}
+    layers = list(model.model)
+    marks: list[float] = []
+    counter = FlopCounterMode(display=False)
+    hooks = [layer.register_forward_pre_hook(lambda *_: marks.append(counter.get_total_flops())) for layer in layers]
+    was_training = model.training
+    model.eval()  # BatchNorm must not try to update (meta) running statistics
+    try:
+        x = torch.empty(1, 3, h, w, device="meta")
+        with torch.no_grad(), counter:
+            functional_call(model, meta, (x,), {"decode": False})
+    finally:
+        model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    total = float(counter.get_total_flops())
+    per_layer = [b - a for a, b in zip(marks, [*marks[1:], total])]
+    return total, per_layer
+
+
+def model_info(model: nn.Module, imgsz: int | tuple[int, int] = 640) -> ModelInfo:
+    """Layers, parameters, gradients and GFLOPs of one forward at ``imgsz`` (batch 1) of a DetectionModel.
+
+    ``imgsz`` must be a multiple of the model's largest stride (an int, or (height, width)). The model is
+    left as it was (weights, device, training mode).
 
     >>> from detrain.nn.model import DetectionModel
     >>> info = model_info(DetectionModel(scale="n"), 640)
-    >>> info["params"], round(info["gflops"], 1)
-    (3157200, 8.7)
+    >>> info.layers, info.params, info.fused_params, round(info.gflops, 1), info.stride
+    (23, 3157200, 3151904, 8.7, (8, 16, 32))
     """
-    params = sum(p.numel() for p in model.parameters())
-    gradients = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    # Identity placeholders (a fused-away BatchNorm) are not layers
-    layers = sum(not isinstance(m, nn.Identity) for m in model.modules())
-    h, w = (imgsz, imgsz) if isinstance(imgsz, int) else imgsz
-    stride = int(max(getattr(model, "stride", torch.tensor([32.0])).max().item(), 32))
-    h, w = math.ceil(h / stride) * stride, math.ceil(w / stride) * stride
-    probe = 2 * stride  # smallest input that still gives every level at least a 2x2 map
-    ref = next(model.parameters())
-    memory_format = (
-        torch.channels_last
-        if ref.dim() == 4 and ref.is_contiguous(memory_format=torch.channels_last) and not ref.is_contiguous()
-        else torch.contiguous_format
+    strides = tuple(int(s) for s in model.stride.tolist())
+    h, w = _image_size(imgsz, max(strides))
+    total, per_layer = _count_flops(model, h, w)
+    table = tuple(
+        LayerInfo(
+            index=i,
+            source=layer.f,
+            repeats=len(layer.m) if isinstance(layer, C2f) else 1,
+            params=sum(p.numel() for p in layer.parameters()),
+            module=str(getattr(layer, "type", type(layer).__name__)),
+            args=layer_args(layer),
+            gflops=flops / 1e9,
+        )
+        for i, (layer, flops) in enumerate(zip(model.model, per_layer))
     )
-    x = torch.zeros(1, 3, probe, probe, device=ref.device, dtype=ref.dtype).to(memory_format=memory_format)
-    was_training = model.training
-    model.eval()  # BN running statistics must not move
-    try:
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(x)
-    finally:
-        model.train(was_training)
-    gflops = counter.get_total_flops() * (h * w) / (probe * probe) / 1e9
-    return {"params": params, "gradients": gradients, "layers": layers, "gflops": gflops}
+    return ModelInfo(
+        layers=len(model.model),
+        modules=len(list(model.modules())),
+        params=sum(p.numel() for p in model.parameters()),
+        fused_params=_fused_params(model),
+        gradients=sum(p.numel() for p in model.parameters() if p.requires_grad),
+        gflops=total / 1e9,
+        imgsz=(h, w),
+        stride=strides,
+        nc=int(model.nc),
+        names={int(k): str(v) for k, v in dict(model.names).items()},
+        scale=str(model.scale),
+        table=table,
+    )
+
+
+def print_info(info: ModelInfo, title: str = "", table: bool = True) -> None:
+    """Print the per-layer table (when ``table``), the summary line and the class names.
+
+    Class names come from weights files and are printed literally, never read as rich markup.
+    """
+    from rich.table import Table
+    from rich.text import Text
+
+    from detrain.log import console
+
+    if table:
+        grid = Table(box=None, pad_edge=False)
+        for col in ("", "from", "n", "params", "module", "arguments", "GFLOPs"):
+            grid.add_column(col, justify="left" if col in ("module", "arguments") else "right")
+        for row in info.table:
+            cells = (row.index, row.source, row.repeats, f"{row.params:,}", row.module, row.args, f"{row.gflops:.3f}")
+            grid.add_row(*(Text(str(cell)) for cell in cells))  # plain text: a "[...]" is never markup
+        console.print(grid)
+    # whole lines, never wrapped, so they grep and parse as they are
+    console.print(Text(f"{title}: {info.summary()}" if title else info.summary()), soft_wrap=True)
+    if all(name == str(i) for i, name in info.names.items()):
+        console.print(f"classes: {info.nc}, unnamed (0-{info.nc - 1})", soft_wrap=True)
+    else:
+        console.print(Text("classes: " + ", ".join(f"{i} {name}" for i, name in sorted(info.names.items()))),
+                      soft_wrap=True)
