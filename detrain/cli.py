@@ -51,7 +51,8 @@ def train(ctx: typer.Context) -> None:
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help(
     ("model", "weights_sha256", "data", "imgsz", "batch", "device", "split", "conf", "iou", "max_det", "save_json",
-     "predictions", "plots", "project", "name", "exist_ok", "workers", "verbose")))
+     "predictions", "plots", "project", "name", "exist_ok", "workers", "verbose", "download_max_gb",
+     "download_max_unpacked_gb", "download_max_files")))
 def val(ctx: typer.Context) -> None:
     """Evaluate weights (COCO-exact mAP): detrain val model=best.pt data=coco8.yaml device=cpu,cpu"""
     cfg = make_cfg(_args(ctx))

@@ -33,6 +33,9 @@ class Cfg:
     model: str
     weights_sha256: str
     data: str
+    download_max_gb: float
+    download_max_unpacked_gb: float
+    download_max_files: int
     imgsz: int
     epochs: int
     batch: int
@@ -134,6 +137,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "translate": (0.0, 1.0), "scale": (0.0, 1.0), "shear": (0.0, 180.0), "perspective": (0.0, 0.001),
     "flipud": (0.0, 1.0), "fliplr": (0.0, 1.0), "mosaic": (0.0, 1.0), "mixup": (0.0, 1.0), "conf": (0.0, 1.0),
     "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, None), "opset": (11, 23), "save_period": (-1, None),
+    "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None), "download_max_files": (1, None),
 }
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _TRUE = {"true", "yes", "1", "on"}
