@@ -51,8 +51,9 @@ def train(ctx: typer.Context) -> None:
 
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help(
-    ("model", "data", "imgsz", "batch", "device", "split", "conf", "iou", "max_det", "save_json", "predictions",
-     "plots", "project", "name", "exist_ok", "workers", "verbose")))
+    ("model", "weights_sha256", "data", "imgsz", "batch", "device", "split", "conf", "iou", "max_det", "save_json",
+     "predictions", "plots", "project", "name", "exist_ok", "workers", "verbose", "download_max_gb",
+     "download_max_unpacked_gb", "download_max_files")))
 def val(ctx: typer.Context) -> None:
     """Evaluate weights (COCO-exact mAP): detrain val model=best.pt data=coco8.yaml device=cpu,cpu"""
     cfg = make_cfg(_args(ctx))
@@ -62,8 +63,8 @@ def val(ctx: typer.Context) -> None:
 
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help(
-    ("model", "source", "imgsz", "device", "conf", "iou", "max_det", "save", "save_txt", "save_conf", "line_width",
-     "project", "name", "exist_ok")))
+    ("model", "weights_sha256", "source", "imgsz", "device", "conf", "iou", "max_det", "save", "save_txt", "save_conf",
+     "line_width", "project", "name", "exist_ok")))
 def predict(ctx: typer.Context) -> None:
     """Detect objects in images: detrain predict model=best.pt source=path/to/images"""
     cfg = make_cfg(_args(ctx))
@@ -72,13 +73,15 @@ def predict(ctx: typer.Context) -> None:
     run_predict(cfg)
 
 
-@app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "format", "imgsz", "opset", "dynamic")))
+@app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "weights_sha256", "format", "imgsz", "opset",
+                                                           "dynamic")))
 def export(ctx: typer.Context) -> None:
     """Export weights to ONNX or TorchScript: detrain export model=best.pt format=torchscript"""
     from detrain.model import Model
 
     args = _args(ctx)
-    path = Model(args.pop("model", defaults()["model"])).export(**args)
+    sha256 = make_cfg({"weights_sha256": args.pop("weights_sha256", "")}).weights_sha256
+    path = Model(args.pop("model", defaults()["model"]), weights_sha256=sha256).export(**args)
     typer.echo(f"exported {path}")
 
 

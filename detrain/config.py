@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -30,7 +31,11 @@ class Cfg:
     """Every argument of every command; see ``cfg/default.yaml`` for the comments."""
 
     model: str
+    weights_sha256: str
     data: str
+    download_max_gb: float
+    download_max_unpacked_gb: float
+    download_max_files: int
     imgsz: int
     epochs: int
     batch: int
@@ -132,7 +137,9 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "translate": (0.0, 1.0), "scale": (0.0, 1.0), "shear": (0.0, 180.0), "perspective": (0.0, 0.001),
     "flipud": (0.0, 1.0), "fliplr": (0.0, 1.0), "mosaic": (0.0, 1.0), "mixup": (0.0, 1.0), "conf": (0.0, 1.0),
     "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, None), "opset": (11, 23), "save_period": (-1, None),
+    "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None), "download_max_files": (1, None),
 }
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _TRUE = {"true", "yes", "1", "on"}
 _FALSE = {"false", "no", "0", "off", ""}
 _NONE = {"null", "none", "~"}
@@ -243,6 +250,10 @@ def _check(key: str, value: Any) -> Any:
             raise _fail(key, value, f"a value {span}")
     if key == "imgsz" and value % 32:
         raise _fail(key, value, "a multiple of 32 (the largest stride)")
+    if key == "weights_sha256":
+        value = value.strip().lower()
+        if value and not _SHA256.fullmatch(value):
+            raise _fail(key, value, "'' or a sha256: the 64 hex digits sha256sum prints")
     return value
 
 

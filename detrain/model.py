@@ -23,11 +23,13 @@ class Model:
     """A detector from an architecture yaml (``n.yaml`` … ``x.yaml``) or weights (detrain or YOLOv8 ``.pt``).
 
     ``Model("missing.pt")`` raises :class:`detrain.errors.CheckpointError` naming the file.
+    ``weights_sha256`` is the sha256 the weights must have (as the ``weights_sha256`` key): needed to
+    download a bare name detrain holds no hash for, and checked against any weights file when given.
     """
 
-    def __init__(self, model: str | Path = "n.yaml") -> None:
+    def __init__(self, model: str | Path = "n.yaml", weights_sha256: str = "") -> None:
         self.source = str(model)
-        self.net, self.ckpt = build_model(self.source, verbose=False)
+        self.net, self.ckpt = build_model(self.source, verbose=False, weights_sha256=weights_sha256)
 
     @property
     def names(self) -> dict[int, str]:

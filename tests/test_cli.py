@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ def test_help_lists_commands_and_keys():
     (("val", "imgsz=33"), "invalid value for 'imgsz': 33"),
     (("predict", "model=n.yaml", "source=/no/such/dir"), "source '/no/such/dir' has no images"),
     (("val", "model=/no/such.pt", "data=shapes.yaml"), "weights file not found: /no/such.pt"),
+    (("predict", "model=s.pt", "weights_sha256=abc"), "invalid value for 'weights_sha256': 'abc'; expected '' or a"),
     # raised in the spawned workers: still one line, without elastic's copy of the traceback above it
     (("train", "data=/no/such.yaml", "device=cpu,cpu"), "dataset yaml '/no/such.yaml' not found"),
 ])
@@ -38,6 +40,17 @@ def test_usage_errors_are_one_line_and_exit_2(args, message):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == f"error: {proc.stderr.strip()[7:]}" and message in proc.stderr
     assert "\n" not in proc.stderr.strip()
+
+
+def test_weights_sha256_is_checked_before_the_weights_are_read(tmp_path):
+    weights = tmp_path / "w.pt"
+    weights.write_bytes(b"not weights at all")
+    proc = detrain("export", f"model={weights}", "weights_sha256=" + "0" * 64)
+    assert proc.returncode == 2, proc.stderr
+    sha = hashlib.sha256(b"not weights at all").hexdigest()
+    expected = f"error: {weights} has sha256 {sha}, expected {'0' * 64} (weights_sha256): not loading it"
+    assert proc.stderr.strip() == expected
+    assert weights.read_bytes() == b"not weights at all"
 
 
 def test_checks_reports_the_environment():

@@ -5,22 +5,30 @@ from __future__ import annotations
 import functools
 import hashlib
 import http.server
+import io
 import shutil
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from detrain import net
 from detrain.errors import CheckpointError
 from detrain.weights import hub
-from detrain.weights.hub import canonical_name, resolve_weights
+from detrain.weights.hub import ReleaseFile, canonical_name, resolve_weights
 
 SHARED_PT = Path(__file__).resolve().parents[2] / "shared" / "weights" / "yolov8n.pt"
+UNRECORDED = b"bytes that are not the release's yolov8s.pt"
 
 
 class _Server:
-    """A file server on 127.0.0.1 that counts the requests it answers."""
+    """A file server on 127.0.0.1 that counts the requests it answers.
+
+    Besides plain files it serves ``/cut/<name>`` (announces the whole file, sends half, hangs up),
+    ``/more/<name>`` (no length, the file and then a megabyte more) and ``/moved/<name>`` (a 302 to the file).
+    """
 
     def __init__(self, root: Path) -> None:
         self.requests: list[str] = []
@@ -29,15 +37,40 @@ class _Server:
         class Handler(http.server.SimpleHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 log.append(self.path)
-                super().do_GET()
+                kind, _, name = self.path.lstrip("/").partition("/")
+                if kind == "moved":
+                    self.send_response(302)
+                    self.send_header("Location", f"/{name}")
+                    self.end_headers()
+                elif kind in ("cut", "more"):
+                    body = (root / name).read_bytes()
+                    self.send_response(200)
+                    if kind == "cut":
+                        self.send_header("Content-Length", str(len(body)))
+                        body = body[: len(body) // 2]
+                    else:
+                        body += b"\0" * (1 << 20)
+                    self.end_headers()
+                    self.wfile.write(body)
+                    self.close_connection = True
+                else:
+                    super().do_GET()
 
             def log_message(self, *args: object) -> None:  # keep pytest output clean
                 pass
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
+        class Quiet(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: object, client_address: object) -> None:
+                pass  # a client that refuses a download hangs up mid-body: expected here
+
+        self.httpd = Quiet(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
+
+    def use(self, monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+        """Point DETRAIN_WEIGHTS_URL at ``/<prefix>/<name>``."""
+        monkeypatch.setenv("DETRAIN_WEIGHTS_URL", f"http://127.0.0.1:{self.port}/{prefix}/{{name}}")
 
     def close(self) -> None:
         if not self.thread.is_alive():
@@ -55,10 +88,10 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_S
     if SHARED_PT.is_file():
         shutil.copyfile(SHARED_PT, root / "yolov8n.pt")
     else:
-        (root / "yolov8n.pt").write_bytes(b"not really weights" * 1000)
-        fake_sha = hashlib.sha256((root / "yolov8n.pt").read_bytes()).hexdigest()
-        monkeypatch.setitem(hub.KNOWN_SHA256, "yolov8n.pt", fake_sha)
-    (root / "yolov8s.pt").write_bytes(b"a file we hold no sha256 for")
+        fake = b"not really weights" * 1000
+        (root / "yolov8n.pt").write_bytes(fake)
+        monkeypatch.setitem(hub.RELEASE_FILES, "yolov8n.pt", ReleaseFile(_sha(fake), len(fake)))
+    (root / "yolov8s.pt").write_bytes(UNRECORDED)
     server = _Server(root)
     monkeypatch.setenv("DETRAIN_WEIGHTS_URL", f"http://127.0.0.1:{server.port}/{{name}}")
     monkeypatch.setenv("DETRAIN_WEIGHTS_DIR", str(tmp_path / "cache"))
@@ -67,6 +100,14 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_S
         yield server, (root / "yolov8n.pt").read_bytes()
     finally:
         server.close()
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _left_in(cache: Path) -> list[str]:
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
 
 
 def test_canonical_names() -> None:
@@ -109,17 +150,105 @@ def test_current_folder_is_preferred(served: tuple[_Server, bytes], tmp_path: Pa
 def test_sha_mismatch_is_refused_and_nothing_is_left(
     served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(hub.KNOWN_SHA256, "yolov8n.pt", "0" * 64)
-    with pytest.raises(CheckpointError, match="has sha256 .*expected 0000"):
+    _, payload = served
+    monkeypatch.setitem(hub.RELEASE_FILES, "yolov8n.pt", ReleaseFile("0" * 64, len(payload)))
+    with pytest.raises(CheckpointError) as err:
         resolve_weights("n.pt", progress=False)
-    cache = tmp_path / "cache"
-    assert not cache.exists() or list(cache.iterdir()) == []
+    message = str(err.value)
+    assert "\n" not in message and "yolov8n.pt" in message
+    assert f"has sha256 {_sha(payload)}, expected {'0' * 64}" in message
+    assert _left_in(tmp_path / "cache") == []
 
 
-def test_unknown_sha_warns_and_accepts(served: tuple[_Server, bytes], tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match="no sha256 recorded for yolov8s.pt"):
-        path = resolve_weights("s.pt", progress=False)
-    assert path.read_bytes() == b"a file we hold no sha256 for"
+def test_a_name_without_a_recorded_sha_is_not_downloaded(
+    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, _ = served
+    monkeypatch.delitem(hub.RELEASE_FILES, "yolov8s.pt")
+    with pytest.raises(CheckpointError, match=r"^no sha256 recorded for yolov8s\.pt: .*pass weights_sha256="):
+        resolve_weights("s.pt", progress=False)
+    assert server.requests == [] and _left_in(tmp_path / "cache") == []
+
+
+def test_a_given_sha_downloads_an_unrecorded_name(
+    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delitem(hub.RELEASE_FILES, "yolov8s.pt")
+    path = resolve_weights("s.pt", progress=False, sha256=_sha(UNRECORDED).upper())
+    assert path == tmp_path / "cache" / "yolov8s.pt" and path.read_bytes() == UNRECORDED
+    assert _left_in(tmp_path / "cache") == ["yolov8s.pt"]
+
+
+def test_a_given_sha_overrides_the_recorded_one_for_another_release(
+    served: tuple[_Server, bytes], tmp_path: Path
+) -> None:
+    # The served yolov8s.pt is not the recorded release file: refused as it is, accepted with its own hash.
+    recorded = hub.RELEASE_FILES["yolov8s.pt"].sha256
+    with pytest.raises(CheckpointError, match=rf"yolov8s\.pt .* has sha256 {_sha(UNRECORDED)}, expected {recorded}"):
+        resolve_weights("s.pt", progress=False)
+    assert _left_in(tmp_path / "cache") == []
+    assert resolve_weights("s.pt", progress=False, sha256=_sha(UNRECORDED)).read_bytes() == UNRECORDED
+
+
+def test_a_given_sha_that_does_not_match_is_refused(served: tuple[_Server, bytes], tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match=rf"has sha256 {_sha(UNRECORDED)}, expected {'a' * 64}: deleted it"):
+        resolve_weights("s.pt", progress=False, sha256="a" * 64)
+    assert _left_in(tmp_path / "cache") == []
+
+
+def test_a_given_sha_checks_a_local_file_and_never_deletes_it(tmp_path: Path) -> None:
+    mine = tmp_path / "best.pt"
+    mine.write_bytes(b"my weights")
+    assert resolve_weights(mine, sha256=_sha(b"my weights")) == mine
+    with pytest.raises(CheckpointError, match=rf"best\.pt has sha256 {_sha(b'my weights')}, expected {'b' * 64}"):
+        resolve_weights(mine, sha256="b" * 64)
+    assert mine.read_bytes() == b"my weights"
+
+
+@pytest.mark.parametrize("bad", ["abc", "g" * 64, "0" * 63])
+def test_a_malformed_sha_is_a_clear_error(tmp_path: Path, bad: str) -> None:
+    with pytest.raises(CheckpointError, match=r"weights_sha256: .* is not a sha256; give the 64 hex digits"):
+        resolve_weights(tmp_path / "x.pt", sha256=bad)
+
+
+def test_an_interrupted_download_leaves_nothing(
+    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, payload = served
+    server.use(monkeypatch, "cut")
+    with pytest.raises(CheckpointError, match=rf"broke off after {len(payload) // 2} of {len(payload)} bytes"):
+        resolve_weights("n.pt", progress=False)
+    assert _left_in(tmp_path / "cache") == []
+
+
+def test_a_body_longer_than_the_release_file_is_cut_off(
+    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, payload = served
+    server.use(monkeypatch, "more")
+    with pytest.raises(CheckpointError, match=rf"the server sent more than {len(payload)} bytes"):
+        resolve_weights("n.pt", progress=False)
+    assert _left_in(tmp_path / "cache") == []
+
+
+def test_a_redirect_within_http_is_followed(
+    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, payload = served
+    server.use(monkeypatch, "moved")
+    assert resolve_weights("n.pt", progress=False).read_bytes() == payload
+    assert server.requests == ["/moved/yolov8n.pt", "/yolov8n.pt"]
+
+
+def test_recorded_hashes_are_the_default_release_files() -> None:
+    assert "/download/v0.0.0/" in hub.DEFAULT_URL and hub.DEFAULT_URL.startswith("https://")
+    assert sorted(hub.RELEASE_FILES) == [f"yolov8{s}.pt" for s in "lmnsx"]
+    for release in hub.RELEASE_FILES.values():
+        assert len(release.sha256) == 64 and int(release.sha256, 16) >= 0 and release.size > 0
+    if not SHARED_PT.is_file():
+        pytest.skip("shared/weights/yolov8n.pt is absent")
+    n = hub.RELEASE_FILES["yolov8n.pt"]
+    assert (hub.file_sha256(SHARED_PT), SHARED_PT.stat().st_size) == (n.sha256, n.size)
 
 
 def test_missing_on_server_is_a_clear_error(
@@ -140,3 +269,41 @@ def test_server_down_is_a_clear_error(served: tuple[_Server, bytes], tmp_path: P
     assert "cannot download yolov8n.pt" in message
     assert str(tmp_path / "cache" / "yolov8n.pt") in message
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_a_download_announcing_more_than_the_release_file_is_refused(
+    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, payload = served
+    monkeypatch.setitem(hub.RELEASE_FILES, "yolov8n.pt", ReleaseFile(_sha(payload), len(payload) - 1))
+    with pytest.raises(CheckpointError, match=rf"announces {len(payload)} bytes, the file has {len(payload) - 1}"):
+        resolve_weights("n.pt", progress=False)
+    assert _left_in(tmp_path / "cache") == []
+
+
+def test_the_redirect_policy_keeps_https_on_https() -> None:
+    assert net.redirect_allowed("https://github.com/a.pt", "https://objects.githubusercontent.com/a.pt")
+    assert net.redirect_allowed("http://127.0.0.1/a.pt", "/b.pt")  # relative: same scheme
+    assert net.redirect_allowed("http://x.org/a.pt", "https://x.org/a.pt")
+    assert not net.redirect_allowed("https://github.com/a.pt", "http://mirror.example/a.pt")
+    assert not net.redirect_allowed("https://github.com/a.pt", "ftp://mirror.example/a.pt")
+    assert not net.redirect_allowed("http://x.org/a.pt", "file:///etc/passwd")
+    handler = net.SafeRedirects()
+    request = urllib.request.Request("https://github.com/a.pt")
+    with pytest.raises(net.RedirectRefused, match=r"from https://github\.com/a\.pt to http://mirror\.example/a\.pt"):
+        handler.redirect_request(request, io.BytesIO(), 302, "Found", {}, "http://mirror.example/a.pt")
+    followed = handler.redirect_request(request, io.BytesIO(), 302, "Found", {}, "https://cdn.example/a.pt")
+    assert followed.full_url == "https://cdn.example/a.pt"
+
+
+def test_an_https_to_http_redirect_stops_the_download(
+    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No TLS on a test server: judge each hop as if the first URL had been https (the real policy decides).
+    server, _ = served
+    policy = net.redirect_allowed
+    monkeypatch.setattr(net, "redirect_allowed", lambda old, new: policy(old.replace("http:", "https:", 1), new))
+    server.use(monkeypatch, "moved")
+    with pytest.raises(CheckpointError, match=r"^cannot download yolov8n\.pt .*refused the redirect from .* to http:"):
+        resolve_weights("n.pt", progress=False)
+    assert server.requests == ["/moved/yolov8n.pt"] and _left_in(tmp_path / "cache") == []

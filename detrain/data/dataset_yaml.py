@@ -2,7 +2,7 @@
 
 Schema: `path` (dataset root), `train`, `val`, optional `test` (each a folder of images, a `.txt` list of
 image paths, a COCO annotation `.json`, or a list of those), `names` (list or {id: name}), optional `nc`,
-optional `download` (URL, list of URLs, or list of {url, dir}). A yaml with `synthetic: shapes` is the
+optional `download` (a URL, {url, dir, sha256}, or a list of those). A yaml with `synthetic: shapes` is the
 built-in generated set. Label files sit where `img2label_path` says: `.../images/...` -> `.../labels/...txt`.
 
 Example:
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -26,7 +27,7 @@ import yaml
 
 from detrain.assets import asset_dir
 from detrain.data import synthetic
-from detrain.data.download import download_dataset, file_lock, is_url
+from detrain.data.download import DownloadLimits, download_dataset, file_lock, is_url
 from detrain.data.labels import img2label_path
 from detrain.errors import DatasetError
 
@@ -93,12 +94,14 @@ def bundled_dataset_names() -> list[str]:
     return sorted(p.name for p in d.glob("*.yaml")) if d.is_dir() else []
 
 
-def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download: bool = True) -> DatasetInfo:
+def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download: bool = True,
+                      limits: DownloadLimits | None = None) -> DatasetInfo:
     """Read a dataset yaml, fetch or generate the data if needed, and list every split's images.
 
     `data` is a path, or a bare name of a bundled yaml (`coco8.yaml`, `coco8`, `shapes.yaml`) when no such
     file is in the current folder. Bundled datasets live under `datasets_dir()`; the synthetic set is
-    generated once into `cache_dir` (default `datasets_dir()`).
+    generated once into `cache_dir` (default `datasets_dir()`). `limits` caps what `download:` may fetch
+    (default: :class:`DownloadLimits`'s).
 
     Example:
         >>> info = load_dataset_yaml("shapes.yaml")  # doctest: +SKIP
@@ -119,7 +122,7 @@ def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download:
     splits = {k: _split_entries(k, raw[k], yaml_file) for k in _SPLITS if raw.get(k) is not None}
     missing = [p for k in ("train", "val") for p in _missing_paths(root, splits[k])]
     if missing:
-        _fetch_or_explain(raw, yaml_file, root, missing, download)
+        _fetch_or_explain(raw, yaml_file, root, missing, download, bundled, limits)
     lists: dict[str, list[str]] = {}
     coco_json: dict[str, str] = {}
     for key, entries in splits.items():
@@ -336,37 +339,87 @@ def _images_from_coco_json(path: Path, root: Path, key: str, yaml_file: Path) ->
 # ---- getting the data -----------------------------------------------------------------------------------
 
 
-def _download_plan(value: Any, root: Path) -> list[tuple[str, Path]] | None:
-    """[(url, destination)] from `download:`, or None when it is not something detrain can fetch."""
+@dataclass(frozen=True)
+class _Fetch:
+    """One `download:` entry: the URL, the folder it fills, its sha256 if given, and the folder that one must
+    stay in once symlinks are resolved (the yaml's `path` for a `dir:` inside it)."""
+
+    url: str
+    dest: Path
+    sha256: str | None
+    inside: Path | None
+
+
+_ENTRY_KEYS = ("url", "dir", "sha256")
+
+
+def _download_plan(value: Any, root: Path, yaml_file: Path, bundled: bool) -> list[_Fetch] | None:
+    """The entries of `download:`, or None when it is not something detrain can fetch (e.g. a script).
+
+    Forms: a URL, ``{url, dir, sha256}`` (dir and sha256 optional), or a list of those. `dir` is a folder
+    inside `path`; a bundled yaml's `path` stays inside the datasets folder.
+    """
     items = value if isinstance(value, list) else [value]
-    plan: list[tuple[str, Path]] = []
-    for item in items:
+    if bundled:
+        base = os.path.normpath(datasets_dir())
+        if os.path.commonpath([os.path.normpath(root), base]) != base:
+            raise DatasetError(f"{yaml_file}: path: {root} leaves the datasets folder {base}")
+    plan: list[_Fetch] = []
+    for i, item in enumerate(items, 1):
+        where = f"{yaml_file}: download:" + (f" entry {i}:" if isinstance(value, list) else "")
         if is_url(item):
-            plan.append((item.strip(), root))
+            plan.append(_Fetch(item.strip(), root, None, None))
         elif isinstance(item, dict) and is_url(item.get("url")):
-            plan.append((item["url"].strip(), _abs(root, str(item.get("dir") or "."))))
+            unknown = [k for k in item if k not in _ENTRY_KEYS]
+            if unknown:
+                raise DatasetError(f"{where} unknown key {unknown[0]!r}; valid keys: {', '.join(_ENTRY_KEYS)}")
+            sub = _download_dir(item.get("dir"), root, where)
+            sha256 = _download_sha256(item.get("sha256"), where)
+            plan.append(_Fetch(item["url"].strip(), sub, sha256, None if sub == root else root))
         else:
             return None
     return plan or None
 
 
-def _fetch_or_explain(raw: dict, yaml_file: Path, root: Path, missing: list[Path], download: bool) -> None:
+def _download_dir(value: Any, root: Path, where: str) -> Path:
+    """`dir:` -> a folder inside `root`: relative, without '..'."""
+    if value is None or str(value).strip() in ("", "."):
+        return root
+    text = str(value).strip()
+    parts = Path(text.replace("\\", "/")).parts
+    if not isinstance(value, str) or Path(text).is_absolute() or text.startswith(("/", "\\", "~")) or ".." in parts:
+        raise DatasetError(f"{where} dir: {value!r} must be a folder inside {root} (relative, without '..')")
+    return Path(os.path.normpath(root / text))
+
+
+def _download_sha256(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    text = str(value).strip().lower()
+    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{64}", text):
+        quote = "" if isinstance(value, str) else " in quotes (YAML read this one as a number)"
+        raise DatasetError(f"{where} sha256: {value!r} is not a sha256; give the 64 hex digits sha256sum prints{quote}")
+    return text
+
+
+def _fetch_or_explain(raw: dict, yaml_file: Path, root: Path, missing: list[Path], download: bool, bundled: bool,
+                      limits: DownloadLimits | None) -> None:
     where = f"put the dataset in {root} (images under images/, labels under labels/)"
-    plan = _download_plan(raw.get("download"), root) if raw.get("download") is not None else None
     if raw.get("download") is None:
         raise DatasetError(f"{yaml_file}: {missing[0]} does not exist and the yaml has no download:; {where}")
+    plan = _download_plan(raw["download"], root, yaml_file, bundled)
     if plan is None:
         raise DatasetError(
             f"{yaml_file}: {missing[0]} does not exist and download: is not a URL, a list of URLs or of "
-            f"{{url, dir}}; {where}"
+            f"{{url, dir, sha256}}; {where}"
         )
     if not download:
         raise DatasetError(
             f"{yaml_file}: {missing[0]} does not exist and downloading is off; {where}, "
-            f"or allow download to fetch {plan[0][0]}"
+            f"or allow download to fetch {plan[0].url}"
         )
-    for url, dest in plan:
-        download_dataset(url, dest)
+    for entry in plan:
+        download_dataset(entry.url, entry.dest, sha256=entry.sha256, limits=limits, inside=entry.inside)
     still = [p for p in missing if not p.exists()]
     if still:
         raise DatasetError(f"{yaml_file}: {still[0]} still does not exist after downloading; {where}")

@@ -58,11 +58,13 @@ def is_weights(model: str) -> bool:
 
 
 def build_model(model: str, nc: int | None = None, names: dict[int, str] | None = None,
-                verbose: bool = True) -> tuple[torch.nn.Module, dict[str, Any] | None]:
+                verbose: bool = True, weights_sha256: str = "") -> tuple[torch.nn.Module, dict[str, Any] | None]:
     """A DetectionModel from an architecture yaml or weights, with its head fitted to ``nc`` classes.
 
     Returns (model, checkpoint dict or None). A yaml builds fresh weights: ``n.yaml`` (scale n of the
-    packaged YOLOv8 architecture), ``yolov8s.yaml``, or a path to a yaml of the same format.
+    packaged YOLOv8 architecture), ``yolov8s.yaml``, or a path to a yaml of the same format. Weights are
+    found or downloaded by :func:`detrain.weights.hub.resolve_weights`, checked against ``weights_sha256``
+    when it is given.
     """
     from detrain.nn.model import DetectionModel
 
@@ -70,7 +72,7 @@ def build_model(model: str, nc: int | None = None, names: dict[int, str] | None 
         from detrain.checkpoint import load_checkpoint, model_from_checkpoint
         from detrain.weights.hub import resolve_weights
 
-        ckpt = load_checkpoint(resolve_weights(str(model)))
+        ckpt = load_checkpoint(resolve_weights(str(model), sha256=weights_sha256 or None))
         net = model_from_checkpoint(ckpt)
         if nc is not None and (net.nc != nc or (names is not None and dict(net.names) != dict(names))):
             if net.nc != nc:

@@ -15,6 +15,7 @@ from detrain import dist
 from detrain.config import Cfg
 from detrain.data.dataset import DetectionDataset
 from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
+from detrain.data.download import DownloadLimits
 from detrain.data.labels import LabelRecord, load_labels
 from detrain.data.loader import build_dataloader
 from detrain.engine.ground_truth import explicit_json, json_labels, json_split_gt
@@ -52,7 +53,9 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
     if not first:
         dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
     try:
-        info = load_dataset_yaml(data)
+        limits = None if cfg is None else DownloadLimits.from_gb(
+            cfg.download_max_gb, cfg.download_max_unpacked_gb, cfg.download_max_files)
+        info = load_dataset_yaml(data, limits=limits)
         files = getattr(info, split)
         if not files:
             raise DatasetError(f"{info.yaml_file}: the dataset has no '{split}' split")

@@ -37,7 +37,7 @@ def run_val(cfg: Cfg, save_dir: str | Path | None = None) -> dict[str, Any]:
     if not weights and dist.is_main():
         console.print(f"note: {cfg.model} is an architecture, not weights: validating random weights")
     model, _ = build_model(cfg.model, nc=None if weights else data.nc, names=None if weights else data.names,
-                           verbose=dist.is_main())
+                           verbose=dist.is_main(), weights_sha256=cfg.weights_sha256)
     if model.nc != data.nc:
         raise ConfigError(f"{cfg.model} predicts {model.nc} classes but {cfg.data} has {data.nc}; "
                           "fine-tune it on the dataset first")

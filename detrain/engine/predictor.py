@@ -69,7 +69,7 @@ def predict(cfg: Cfg, model: torch.nn.Module | None = None) -> list[dict[str, An
     files = list_sources(cfg.source)
     device = select_device(cfg.device if not isinstance(cfg.device, list) else cfg.device[0])
     if model is None:
-        model, _ = build_model(cfg.model)
+        model, _ = build_model(cfg.model, weights_sha256=cfg.weights_sha256)
     model = model.to(device).eval()
     if hasattr(model, "fuse"):
         model.fuse()

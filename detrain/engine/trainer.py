@@ -76,7 +76,8 @@ class Trainer:
         self.data = load_split(cfg.data, "train", cfg)
         self.val_data = load_split(cfg.data, "val", cfg)
         self.nc, self.names = self.data.nc, self.data.names
-        model, ckpt = build_model(cfg.model, nc=self.nc, names=self.names, verbose=self.main)
+        model, ckpt = build_model(cfg.model, nc=self.nc, names=self.names, verbose=self.main,
+                                  weights_sha256=cfg.weights_sha256)
         # the recipe: optimizer=auto's choice, and from it how many images an update gathers (nbs=auto)
         total_iters = optim.planned_updates(cfg, len(self.data.records))
         opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]

@@ -1,48 +1,66 @@
-"""Bare weight names (``n.pt``, ``yolov8s.pt``) -> a local file: current folder, cache, else one download.
+"""Bare weight names (``n.pt``, ``yolov8s.pt``) -> a local file: current folder, cache, else one checked download.
 
 ``resolve_weights("yolov8n.pt")`` looks for ``./yolov8n.pt``, then ``$DETRAIN_WEIGHTS_DIR/yolov8n.pt``
 (default ``~/.cache/detrain/weights``), and only then downloads the COCO-pretrained YOLOv8 release file
 once into that cache. A download is written to a temporary file beside its final place, checked against
-the sha256 recorded in :data:`KNOWN_SHA256`, and moved into place atomically, so an interrupted or
-corrupted download never leaves a file that a later run would trust.
+the sha256 and size recorded in :data:`RELEASE_FILES`, and moved into place atomically, so an interrupted,
+oversized or altered download never leaves a file that a later run would trust.
 
-Scales whose sha256 we have not recorded yet (every scale but ``n`` today) are accepted with a warning:
-the file is still read by the restricted unpickler in :mod:`detrain.weights.safe_pickle`, so an altered
-file can give wrong weights but cannot run code.
+A name with no recorded sha256 is never downloaded unless the caller gives the hash (``weights_sha256=``
+on the command line, ``Model(..., weights_sha256=...)`` in Python). A given hash also overrides the
+recorded one, for a mirror (``DETRAIN_WEIGHTS_URL``) that serves another release, and is checked against
+any weights file it comes with, local or downloaded.
+
+The recorded hashes are those of the ``v0.0.0`` release of ultralytics/assets, the files Ultralytics itself
+mirrors on Hugging Face (``Ultralytics/YOLOv8``, whose Git LFS pointers carry the same sha256 and sizes).
+Later releases (v8.1.0 onwards) re-saved the files, so their bytes and hashes differ.
 
 Environment:
     DETRAIN_WEIGHTS_DIR   the cache folder (default ``~/.cache/detrain/weights``)
     DETRAIN_WEIGHTS_URL   the URL template, with ``{name}`` for the canonical file name (a mirror, or a
-                          local server in tests); default: the YOLOv8 release assets.
+                          local server in tests); default: :data:`DEFAULT_URL`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import os
+import re
 import tempfile
 import urllib.error
-import urllib.request
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+from detrain import net
 from detrain.errors import CheckpointError
 
-__all__ = ["DEFAULT_URL", "KNOWN_SHA256", "canonical_name", "resolve_weights", "weights_dir"]
+__all__ = ["DEFAULT_URL", "RELEASE_FILES", "ReleaseFile", "canonical_name", "file_sha256", "resolve_weights",
+           "weights_dir"]
 
-DEFAULT_URL = "https://github.com/ultralytics/assets/releases/download/v8.3.0/{name}"
+DEFAULT_URL = "https://github.com/ultralytics/assets/releases/download/v0.0.0/{name}"
 
-# sha256 of the official release files, by canonical name. None: not recorded yet -> warn and accept.
-KNOWN_SHA256: dict[str, str | None] = {
-    "yolov8n.pt": "31e20dde3def09e2cf938c7be6fe23d9150bbbe503982af13345706515f2ef95",
-    "yolov8s.pt": None,
-    "yolov8m.pt": None,
-    "yolov8l.pt": None,
-    "yolov8x.pt": None,
+
+@dataclass(frozen=True)
+class ReleaseFile:
+    """What a release file must be: its sha256 and its size in bytes (0: not known)."""
+
+    sha256: str
+    size: int
+
+
+# The files behind DEFAULT_URL, by canonical name. A name missing here is downloaded only with a given hash.
+RELEASE_FILES: dict[str, ReleaseFile] = {
+    "yolov8n.pt": ReleaseFile("31e20dde3def09e2cf938c7be6fe23d9150bbbe503982af13345706515f2ef95", 6_534_387),
+    "yolov8s.pt": ReleaseFile("268e5bb54c640c96c3510224833bc2eeacab4135c6deb41502156e39986b562d", 22_573_363),
+    "yolov8m.pt": ReleaseFile("6c25b0b63b1a433843f06d821a9ac1deb8d5805f74f0f38772c7308c5adc55a5", 52_117_635),
+    "yolov8l.pt": ReleaseFile("18218ea4798da042d9862e6029ca9531adbd40ace19b6c9a75e2e28f1adf30cc", 87_769_683),
+    "yolov8x.pt": ReleaseFile("c4d5a3f000d771762f03fc8b57ebd0aae324aeaefdd6e68492a9c4470f2d1e8b", 136_867_539),
 }
 
 _SCALES = "nsmlx"
-_CHUNK = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_MAX_UNRECORDED_BYTES = 2 << 30  # a download with a given hash but no recorded size (YOLOv8x is 137 MB)
 _TIMEOUT_S = 30.0
 
 
@@ -73,92 +91,128 @@ def weights_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "detrain" / "weights"
 
 
-def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True) -> Path:
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file, as ``sha256sum`` prints it.
+
+    Example:
+        >>> file_sha256("yolov8n.pt")                            # doctest: +SKIP
+        '31e20dde3def09e2cf938c7be6fe23d9150bbbe503982af13345706515f2ef95'
+    """
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True, sha256: str | None = None) -> Path:
     """A weights file on disk for a path or a bare YOLOv8 name, downloading the release file if needed.
 
     An existing path is returned as it is. ``n.pt s.pt m.pt l.pt x.pt`` and ``yolov8n.pt`` ...
     ``yolov8x.pt`` mean the COCO-pretrained YOLOv8 weights of that scale. Anything else that does not
-    exist raises ``CheckpointError("weights file not found: <path>")``.
+    exist raises ``CheckpointError("weights file not found: <path>")``. ``sha256`` (64 hex digits), when
+    given, is the hash the file must have, wherever it is found, and the one a download is checked against.
 
     Example:
         >>> resolve_weights("n.pt")                              # doctest: +SKIP
         PosixPath('/home/me/.cache/detrain/weights/yolov8n.pt')
     """
+    expected = _checked_sha256(sha256)
     given = Path(name_or_path).expanduser()
     if given.exists():
-        return given
+        return _verified(given, expected)
     canonical = canonical_name(str(name_or_path))
     if canonical is None:
         raise CheckpointError(f"weights file not found: {name_or_path}")
-    local = Path.cwd() / canonical
-    if local.is_file():
-        return local
-    cache = weights_dir()
-    cached = cache / canonical
-    if cached.is_file():
-        return cached
+    cached = weights_dir() / canonical
+    for found in (Path.cwd() / canonical, cached):
+        if found.is_file():
+            return _verified(found, expected)
+    release = RELEASE_FILES.get(canonical)
+    if expected is not None and (release is None or release.sha256 != expected):
+        release = ReleaseFile(expected, size=0)  # the caller's file: its size is not known
+    if release is None:
+        raise CheckpointError(
+            f"no sha256 recorded for {canonical}: not downloading it unchecked; pass weights_sha256=<its sha256> "
+            f"or put the file at {cached}"
+        )
     url = os.environ.get("DETRAIN_WEIGHTS_URL", DEFAULT_URL).format(name=canonical)
-    _download(url, cached, KNOWN_SHA256.get(canonical), progress)
+    _download(url, cached, release, progress)
     return cached
 
 
-def _download(url: str, dest: Path, sha256: str | None, progress: bool) -> None:
+def _checked_sha256(sha256: str | None) -> str | None:
+    if sha256 is None or not str(sha256).strip():
+        return None
+    value = str(sha256).strip().lower()
+    if not _SHA256.fullmatch(value):
+        raise CheckpointError(f"weights_sha256: {sha256!r} is not a sha256; give the 64 hex digits sha256sum prints")
+    return value
+
+
+def _verified(path: Path, expected: str | None) -> Path:
+    """``path`` when no hash is expected or its hash matches; never deletes a file it did not write."""
+    if expected is not None:
+        got = file_sha256(path)
+        if got != expected:
+            raise CheckpointError(f"{path} has sha256 {got}, expected {expected} (weights_sha256): not loading it")
+    return path
+
+
+def _download(url: str, dest: Path, release: ReleaseFile, progress: bool) -> None:
     """Fetch ``url`` to ``dest`` through a temporary file; on any failure nothing is left behind."""
+    by_hand = f"put the file at {dest} or in the current folder"
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise CheckpointError(f"cannot create the weights cache {dest.parent}: {e.strerror}") from None
+    limit = release.size or _MAX_UNRECORDED_BYTES
     # In the destination folder, so the final os.replace is a rename on one filesystem (atomic).
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
     tmp = Path(tmp_name)
     try:
-        digest = hashlib.sha256()
         with os.fdopen(fd, "wb") as out:
             try:
-                response = urllib.request.urlopen(url, timeout=_TIMEOUT_S)
-            except (urllib.error.URLError, OSError, ValueError) as e:
+                response = net.open_url(url, _TIMEOUT_S)
+            except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as e:
                 reason = getattr(e, "reason", None) or e
-                raise CheckpointError(
-                    f"cannot download {dest.name} from {url} ({reason}); put the file at {dest} "
-                    f"or in the current folder"
-                ) from None
+                raise CheckpointError(f"cannot download {dest.name} from {url} ({reason}); {by_hand}") from None
             with response:
-                total = int(response.headers.get("Content-Length") or 0) or None
-                try:
-                    for chunk in _chunks(response, dest.name, total, progress):
-                        digest.update(chunk)
-                        out.write(chunk)
-                except (urllib.error.URLError, OSError) as e:
+                declared = net.content_length(response)
+                if declared is not None and declared > limit:
                     raise CheckpointError(
-                        f"download of {dest.name} from {url} broke off ({e}); put the file at {dest} "
-                        f"or in the current folder"
+                        f"refusing the download of {dest.name} from {url}: the server announces {declared} bytes, "
+                        f"{'the file has' if release.size else 'the cap is'} {limit}"
+                    )
+                try:
+                    received, got = _copy(response, out, dest.name, declared, limit, progress)
+                except net.BodyTooLarge:
+                    raise CheckpointError(
+                        f"refusing the download of {dest.name} from {url}: the server sent more than {limit} bytes"
                     ) from None
-        got = digest.hexdigest()
-        if sha256 is None:
-            warnings.warn(
-                f"no sha256 recorded for {dest.name}: accepting the download from {url} (sha256 {got})",
-                stacklevel=3,
-            )
-        elif got != sha256:
+                except (urllib.error.URLError, http.client.HTTPException, OSError) as e:
+                    raise CheckpointError(f"download of {dest.name} from {url} broke off ({e}); {by_hand}") from None
+        if declared is not None and received != declared:
             raise CheckpointError(
-                f"download of {dest.name} from {url} has sha256 {got}, expected {sha256}: deleted it"
+                f"download of {dest.name} from {url} broke off after {received} of {declared} bytes; {by_hand}"
+            )
+        if got != release.sha256:
+            raise CheckpointError(
+                f"download of {dest.name} from {url} has sha256 {got}, expected {release.sha256}: deleted it"
             )
         os.replace(tmp, dest)
     finally:
         tmp.unlink(missing_ok=True)  # after a successful replace the temporary name is already gone
 
 
-def _chunks(response, label: str, total: int | None, progress: bool):  # type: ignore[no-untyped-def]
-    """The response body in chunks, with a rich progress bar when asked for."""
+def _copy(response, out, label: str, total: int | None, limit: int,  # type: ignore[no-untyped-def]
+          progress: bool) -> tuple[int, str]:
+    """The body into ``out`` (with a rich progress bar when asked for): (bytes, sha256)."""
     if not progress:
-        while chunk := response.read(_CHUNK):
-            yield chunk
-        return
+        return net.copy_body(response, out, limit)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
     columns = (TextColumn("downloading {task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     with Progress(*columns, transient=True) as bar:
         task = bar.add_task(label, total=total)
-        while chunk := response.read(_CHUNK):
-            bar.update(task, advance=len(chunk))
-            yield chunk
+        return net.copy_body(response, out, limit, lambda n: bar.update(task, advance=n))

@@ -1,0 +1,116 @@
+"""Opening a download URL and reading its body: no redirect from https down to http, and a cap on the bytes.
+
+``urllib.request.urlopen`` follows redirects on its own, from ``https://`` to plain ``http://`` too: whoever
+can answer that plain hop (a hostile network, a captive portal) then serves the bytes. :func:`open_url` is
+``urlopen`` with :class:`SafeRedirects`, which refuses such a hop and any redirect to a scheme other than
+http or https. :func:`copy_body` streams a response into a file while counting and hashing it, and stops
+at a cap whatever the server declared, so a server cannot fill the disk by lying about the length.
+
+Both weight downloads (:mod:`detrain.weights.hub`) and dataset downloads (:mod:`detrain.data.download`)
+use them; each turns the errors below into its own one-line message.
+
+Example:
+    >>> redirect_allowed("https://github.com/a.zip", "https://objects.githubusercontent.com/a.zip")
+    True
+    >>> redirect_allowed("https://github.com/a.zip", "http://mirror.example/a.zip")
+    False
+"""
+
+from __future__ import annotations
+
+import hashlib
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from typing import IO, Any
+
+__all__ = ["BodyTooLarge", "RedirectRefused", "SafeRedirects", "content_length", "copy_body", "open_url",
+           "redirect_allowed"]
+
+_CHUNK = 1 << 20
+
+
+class RedirectRefused(urllib.error.URLError):
+    """A redirect that would leave https for http, or go to a scheme other than http(s)."""
+
+
+class BodyTooLarge(Exception):
+    """The response body went past the cap given to :func:`copy_body`."""
+
+
+def redirect_allowed(old_url: str, new_url: str) -> bool:
+    """Whether a download may follow a redirect from ``old_url`` to ``new_url``.
+
+    Only http and https are followed, and a download that started on https stays on https.
+
+    Example:
+        >>> redirect_allowed("http://x.org/a", "https://y.org/a"), redirect_allowed("http://x.org/a", "file:///etc/x")
+        (True, False)
+    """
+    old = urllib.parse.urlsplit(old_url).scheme.lower()
+    new = urllib.parse.urlsplit(urllib.parse.urljoin(old_url, new_url)).scheme.lower()
+    if new not in ("http", "https"):
+        return False
+    return not (old == "https" and new != "https")
+
+
+class SafeRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib's redirect handling, refusing what :func:`redirect_allowed` refuses."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        target = urllib.parse.urljoin(req.full_url, newurl)
+        if not redirect_allowed(req.full_url, target):
+            fp.close()
+            raise RedirectRefused(f"refused the redirect from {req.full_url} to {target}: "
+                                  "an https download must not continue over plain http")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_OPENER = urllib.request.build_opener(SafeRedirects)  # replaces urllib's own redirect handler
+
+
+def open_url(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> Any:
+    """``urlopen(url)`` with :class:`SafeRedirects`; raises ``urllib.error.URLError`` (or a subclass) on failure.
+
+    Example:
+        >>> with open_url("https://example.com/a.zip", 30.0) as response:  # doctest: +SKIP
+        ...     data = response.read()
+    """
+    return _OPENER.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s)
+
+
+def content_length(response: Any) -> int | None:
+    """The Content-Length the server declared, or None when absent or not a plain number.
+
+    Example:
+        >>> class R: headers = {"Content-Length": "12"}
+        >>> content_length(R())
+        12
+    """
+    value = (response.headers.get("Content-Length") or "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def copy_body(response: Any, out: IO[bytes], limit: int,
+              on_chunk: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """Copy the body into ``out``; return (bytes copied, their sha256). Raises BodyTooLarge past ``limit`` bytes.
+
+    Never reads more than ``limit + 1`` bytes, whatever the server declared.
+
+    Example:
+        >>> import io
+        >>> copy_body(io.BytesIO(b"abc"), io.BytesIO(), limit=10)[0]
+        3
+    """
+    digest = hashlib.sha256()
+    received = 0
+    while chunk := response.read(min(_CHUNK, limit + 1 - received)):
+        received += len(chunk)
+        if received > limit:
+            raise BodyTooLarge(f"the body is larger than {limit} bytes")
+        digest.update(chunk)
+        out.write(chunk)
+        if on_chunk is not None:
+            on_chunk(len(chunk))
+    return received, digest.hexdigest()
