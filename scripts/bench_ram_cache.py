@@ -23,6 +23,7 @@ large as a real dataset's would be next to the per-process overhead of torch.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import glob
 import json
 import os
@@ -40,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_data import mirror, train_images, ultralytics_importable, ultralytics_loader  # noqa: E402
 
-CACHE_PREFIX = "/dev/shm/detrain-ram-"
+# this user's private folders, the usual one and the fallbacks (detrain/data/private_dir.py)
+CACHE_GLOBS = (f"/dev/shm/detrain-{os.geteuid()}/detrain-ram-*", f"/dev/shm/detrain-{os.geteuid()}-*/detrain-ram-*")
 KB = 1024
 
 
@@ -81,7 +83,7 @@ def pss_bytes(pid: int) -> tuple[int, int]:
                     cache += kb if in_cache else 0
                 elif "-" in line.split(" ", 1)[0] and line[0] in "0123456789abcdef":  # a mapping's header line
                     parts = line.split(None, 5)
-                    in_cache = len(parts) == 6 and parts[5].startswith(CACHE_PREFIX)
+                    in_cache = len(parts) == 6 and any(fnmatch.fnmatch(parts[5].rstrip("\n"), g) for g in CACHE_GLOBS)
     except (OSError, ValueError):
         pass  # the process ended while being read
     return total, cache
@@ -90,7 +92,7 @@ def pss_bytes(pid: int) -> tuple[int, int]:
 def cache_file_bytes() -> int:
     """Pages held in /dev/shm by detrain's RAM cache files (allocated blocks: a file still filling is sparse)."""
     total = 0
-    for path in glob.glob(f"{CACHE_PREFIX}*"):
+    for path in (p for g in CACHE_GLOBS for p in glob.glob(g)):
         try:
             total += os.stat(path).st_blocks * 512
         except OSError:

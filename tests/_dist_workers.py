@@ -136,6 +136,7 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
         "pid": os.getpid(),
         "stem": cache.stem,
         "owner_pid": cache.owner_pid,
+        "modes": (os.stat(os.path.dirname(cache.stem)).st_mode & 0o777, os.stat(cache.path).st_mode & 0o777),
         "files": sorted(glob.glob(f"{os.path.dirname(cache.stem)}/detrain-ram-*.bin")),
         "start_method": loader.multiprocessing_context.get_start_method(),
         "worker_maps_cache": [_maps(pid, cache.stem) for pid in worker_pids],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
 import warnings
 from pathlib import Path
 
@@ -245,14 +246,14 @@ def test_disk_cache_gives_the_same_samples(records: list[Rec]) -> None:
 def test_ram_cache_dataset_same_samples_and_cleanup(records: list[Rec]) -> None:
     plain = DetectionDataset(records, imgsz=96, augment=False, hyp={})
     cached = DetectionDataset(records, imgsz=96, augment=False, hyp={}, cache="ram")
-    stem = cached._ram.stem
-    assert Path(f"{stem}.bin").exists()
+    path = Path(cached._ram.path)
+    assert path.exists() and path.parent.name == f"detrain-{os.geteuid()}"  # this user's private folder
     for i in range(len(plain)):
         assert torch.equal(plain[i]["img"], cached[i]["img"])
     del cached
     import gc
     gc.collect()
-    assert not Path(f"{stem}.bin").exists() and not Path(f"{stem}.idx.npy").exists()
+    assert not path.exists() and not list(path.parent.glob(f"{path.stem}.*"))
 
 
 def _read_cache_in_child(directory: str, key: str, shapes: list, queue: mp.Queue) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def test_two_ranks_share_one_ram_cache(data: str) -> None:
-    before = set(glob.glob("/dev/shm/detrain-ram-*"))
+    before = set(glob.glob(f"/dev/shm/detrain-{os.geteuid()}*/detrain-ram-*"))
     two = launch(workers.ram_cache_batches, {"data": data, "batch": 8}, parse_device("cpu,cpu"))
     assert two is not None
     r0, r1 = two
@@ -33,7 +34,10 @@ def test_two_ranks_share_one_ram_cache(data: str) -> None:
     one = launch(workers.ram_cache_batches, {"data": data, "batch": 8}, parse_device("cpu"))
     assert one is not None
 
-    # one cache for the node: the same file in both ranks, filled by rank 0 only, no second copy
+    # one cache for the node: the same file in both ranks, filled by rank 0 only, no second copy, in this user's
+    # private folder (mode 0700), the file 0600
+    assert os.path.basename(os.path.dirname(r0["stem"])).startswith(f"detrain-{os.geteuid()}")
+    assert r0["modes"] == (0o700, 0o600)
     assert r0["stem"] == r1["stem"]
     assert r0["owner_pid"] == r0["pid"] and r1["owner_pid"] is None
     assert r0["files"] == r1["files"]
