@@ -16,18 +16,18 @@ from typing import Any
 import typer
 
 from detrain import __version__
-from detrain.config import comments, defaults, make_cfg, parse_cli_args
+from detrain.config import COMMAND_KEYS, comments, defaults, make_cfg, parse_cli_args
 from detrain.errors import DetrainError
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 
 
-def _keys_help(keys: tuple[str, ...] | None = None) -> str:
+def _keys_help(command: str) -> str:
     """The keys a command takes, with their defaults and comments from cfg/default.yaml."""
     notes = comments()
     lines = []
     for key, value in defaults().items():
-        if keys is None or key in keys:
+        if key in COMMAND_KEYS[command]:
             lines.append(f"{key}={'' if value is None else value}  {notes.get(key, '')}")
     return "\n\n".join(lines)
 
@@ -37,11 +37,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=N
                        "Arguments are key=value (or --key value); see 'detrain train --help' for every key.")
 
 
-def _args(ctx: typer.Context, **fixed: Any) -> dict[str, Any]:
-    return {**parse_cli_args(list(ctx.args)), **fixed}
+def _args(ctx: typer.Context) -> dict[str, Any]:
+    """The command's key=value arguments; keys of other commands are errors."""
+    return parse_cli_args(list(ctx.args), ctx.command.name)
 
 
-@app.command(context_settings=_EXTRA, epilog=_keys_help())
+@app.command(context_settings=_EXTRA, epilog=_keys_help("train"))
 def train(ctx: typer.Context) -> None:
     """Train a detector: detrain train data=coco8.yaml model=n.yaml epochs=3 device=0,1"""
     cfg = make_cfg(_args(ctx))
@@ -50,10 +51,7 @@ def train(ctx: typer.Context) -> None:
     run_task("train", cfg)
 
 
-@app.command(context_settings=_EXTRA, epilog=_keys_help(
-    ("model", "weights_sha256", "data", "imgsz", "batch", "device", "split", "conf", "iou", "max_det", "save_json",
-     "predictions", "plots", "project", "name", "exist_ok", "workers", "verbose", "download_max_gb",
-     "download_max_unpacked_gb", "download_max_files")))
+@app.command(context_settings=_EXTRA, epilog=_keys_help("val"))
 def val(ctx: typer.Context) -> None:
     """Evaluate weights (COCO-exact mAP): detrain val model=best.pt data=coco8.yaml device=cpu,cpu"""
     cfg = make_cfg(_args(ctx))
@@ -62,9 +60,7 @@ def val(ctx: typer.Context) -> None:
     run_task("val", cfg)
 
 
-@app.command(context_settings=_EXTRA, epilog=_keys_help(
-    ("model", "weights_sha256", "source", "imgsz", "device", "conf", "iou", "max_det", "save", "save_txt", "save_conf",
-     "line_width", "project", "name", "exist_ok")))
+@app.command(context_settings=_EXTRA, epilog=_keys_help("predict"))
 def predict(ctx: typer.Context) -> None:
     """Detect objects in images: detrain predict model=best.pt source=path/to/images"""
     cfg = make_cfg(_args(ctx))
@@ -73,8 +69,7 @@ def predict(ctx: typer.Context) -> None:
     run_predict(cfg)
 
 
-@app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "weights_sha256", "format", "imgsz", "opset",
-                                                           "dynamic")))
+@app.command(context_settings=_EXTRA, epilog=_keys_help("export"))
 def export(ctx: typer.Context) -> None:
     """Export weights to ONNX or TorchScript: detrain export model=best.pt format=torchscript"""
     from detrain.model import Model
@@ -85,14 +80,14 @@ def export(ctx: typer.Context) -> None:
     typer.echo(f"exported {path}")
 
 
-@app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "imgsz", "verbose")))
+@app.command(context_settings=_EXTRA, epilog=_keys_help("info"))
 def info(ctx: typer.Context) -> None:
     """Describe a model: layers, parameters, GFLOPs at imgsz, strides, classes: detrain info model=best.pt"""
     cfg = make_cfg(_args(ctx))
     from detrain.model import Model
     from detrain.nn.info import print_info
 
-    model = Model(cfg.model)
+    model = Model(cfg.model, weights_sha256=cfg.weights_sha256)
     print_info(model.info(imgsz=cfg.imgsz, verbose=False), title=cfg.model, table=cfg.verbose)
 
 
@@ -121,12 +116,18 @@ def version() -> None:
     typer.echo(__version__)
 
 
+def _one_line(message: str) -> str:
+    """The message with anything unprintable escaped (a newline or escape code from a file name, bytes that are
+    not UTF-8): the error stays one line and cannot forge others or fail to print."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line on stderr and exit code 2."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="detrain", standalone_mode=False)
     except DetrainError as e:
-        typer.echo(f"error: {e}", err=True)
+        typer.echo(f"error: {_one_line(str(e))}", err=True)
         sys.exit(2)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
@@ -135,11 +136,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except typer.Abort:
         sys.exit(130)
-    except Exception as e:  # the parser's own usage errors (no such command) are usage errors too
-        if type(e).__name__ in ("UsageError", "NoSuchOption", "BadParameter", "MissingParameter") and hasattr(e, "show"):
-            e.show()
-            sys.exit(2)
-        raise
+    except Exception as e:
+        # the parser's own usage errors (no such command, a missing or extra argument); matched by name, as
+        # typer may bring its own copy of click
+        if not any(c.__name__ == "UsageError" for c in type(e).__mro__):
+            raise
+        ctx = getattr(e, "ctx", None)
+        if type(e).__name__ == "NoArgsIsHelpError":  # bare `detrain`: the help, as `yolo` and click < 8.2 give it
+            typer.echo(ctx.get_help() if ctx else "run 'detrain --help'")
+            sys.exit(0)
+        message = " ".join(e.format_message().split()).rstrip(".")
+        typer.echo(f"error: {_one_line(message)}; run '{ctx.command_path if ctx else 'detrain'} --help'", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
+import unicodedata
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -21,7 +23,8 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from detrain.assets import asset_dir
-from detrain.errors import ConfigError
+from detrain.errors import ConfigError, DistributedError
+from detrain.launch_checks import parse_nnodes
 
 Device = Union[str, int, list]
 
@@ -125,21 +128,54 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "cache": (False, "ram", "disk"),
     "format": ("onnx", "torchscript"),
 }
-# (low, high) inclusive bounds; None = unbounded on that side.
+WEEK_S = 7 * 24 * 3600  # the longest timeout: a typo beyond it would overflow the timers instead of waiting
+# (low, high) inclusive bounds; None = unbounded on that side (integers stop at INT_LIMIT).
 RANGES: dict[str, tuple[float | None, float | None]] = {
     "imgsz": (32, 8192), "epochs": (1, None), "batch": (1, None), "patience": (0, None),
     "fraction": (0.0, 1.0), "workers": (0, 64), "node_rank": (0, None), "master_port": (0, 65535),
-    "max_restarts": (0, None), "dist_timeout": (1, None), "prepare_timeout": (1, None), "lr0": (0.0, None),
+    "max_restarts": (0, None), "dist_timeout": (1, WEEK_S), "prepare_timeout": (1, WEEK_S), "lr0": (0.0, None),
     "lrf": (0.0, 1.0), "momentum": (0.0, 1.0), "weight_decay": (0.0, None), "warmup_epochs": (0.0, None),
     "warmup_momentum": (0.0, 1.0), "warmup_bias_lr": (0.0, None), "nbs": (1, None), "clip_grad": (0.0, None),
     "close_mosaic": (0, None), "box": (0.0, None), "cls": (0.0, None), "dfl": (0.0, None),
     "hsv_h": (0.0, 1.0), "hsv_s": (0.0, 1.0), "hsv_v": (0.0, 1.0), "degrees": (0.0, 180.0),
     "translate": (0.0, 1.0), "scale": (0.0, 1.0), "shear": (0.0, 180.0), "perspective": (0.0, 0.001),
     "flipud": (0.0, 1.0), "fliplr": (0.0, 1.0), "mosaic": (0.0, 1.0), "mixup": (0.0, 1.0), "conf": (0.0, 1.0),
-    "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, None), "opset": (11, 23), "save_period": (-1, None),
-    "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None), "download_max_files": (1, None),
+    "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, 32767), "opset": (11, 23), "save_period": (-1, None),
+    "seed": (0, None), "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None),
+    "download_max_files": (1, None),
 }
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# Integers above this (or below its negative) are typos: they overflow numpy's seeds, timers and tensor sizes.
+INT_LIMIT = 2**31 - 1
+# Keys whose value may not be empty (an empty string would only fail later, far from the command line).
+NON_EMPTY: dict[str, str] = {
+    "model": "an architecture yaml (n.yaml ... x.yaml, a path) or weights (.pt)",
+    "data": "a dataset yaml (a path, or a bundled name such as coco8.yaml)",
+    "master_addr": "the host name or address of the node with node_rank 0",
+}
+# Bytes in one folder name on common filesystems (NAME_MAX).
+NAME_MAX = 255
+
+# The keys each command reads; the others belong to another command, and naming one is an error.
+_LAUNCH_KEYS = ("device", "workers", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
+                "max_restarts", "dist_timeout", "prepare_timeout")
+_OUTPUT_KEYS = ("project", "name", "exist_ok")
+_ONLY: dict[str, tuple[str, ...]] = {
+    "val": ("split", "predictions"),
+    "predict": ("source", "save_txt", "save_conf", "line_width"),
+    "export": ("format", "opset", "dynamic"),
+}
+COMMAND_KEYS: dict[str, tuple[str, ...]] = {
+    "val": ("model", "weights_sha256", "data", "imgsz", "batch", *_LAUNCH_KEYS, "split", "conf", "iou", "max_det",
+            "save_json", "predictions", "plots", *_OUTPUT_KEYS, "verbose", "download_max_gb",
+            "download_max_unpacked_gb", "download_max_files"),
+    "predict": ("model", "weights_sha256", "source", "imgsz", "device", "conf", "iou", "max_det", "save", "save_txt",
+                "save_conf", "line_width", *_OUTPUT_KEYS, "verbose"),
+    "export": ("model", "weights_sha256", "format", "imgsz", "opset", "dynamic", *_OUTPUT_KEYS),
+    "info": ("model", "weights_sha256", "imgsz", "verbose"),
+}
+COMMAND_KEYS["train"] = tuple(f.name for f in dataclasses.fields(Cfg)
+                              if not any(f.name in keys for keys in _ONLY.values()))
 _TRUE = {"true", "yes", "1", "on"}
 _FALSE = {"false", "no", "0", "off", ""}
 _NONE = {"null", "none", "~"}
@@ -166,12 +202,27 @@ def comments() -> dict[str, str]:
     return out
 
 
+def _shown(text: str) -> str:
+    """``text`` as it can be printed on one line: escaped when it holds anything not printable."""
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
 def _fail(key: str, value: Any, valid: str) -> ConfigError:
     return ConfigError(f"invalid value for '{key}': {value!r}; expected {valid}")
 
 
+def _check_text(key: str, value: str) -> None:
+    """No control characters (newline, NUL, escape), invisible formatting (bidi overrides, zero width) or
+    undecodable bytes: they forge log lines, hide a folder's real name or break the path functions."""
+    bad = next((c for c in value if unicodedata.category(c) in ("Cc", "Cf", "Cs")), None)
+    if bad is not None:
+        raise _fail(key, value, f"text without control or invisible characters (found U+{ord(bad):04X})")
+
+
 def _coerce(key: str, value: Any, typ: Any) -> Any:
     """Turn a CLI string or Python value into ``typ`` (bool, int, float, str or a Union of them)."""
+    if isinstance(value, str):
+        _check_text(key, value)
     if get_origin(typ) is Union:
         options = get_args(typ)
         if isinstance(value, str) and value.strip().lower() in _NONE and type(None) in options:
@@ -200,11 +251,16 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     if typ is int:
         if isinstance(value, bool):
             raise _fail(key, value, "an integer")
+        if isinstance(value, str):
+            try:  # exact, however long: float() would round 9007199254740993 to ...992
+                return int(value.strip())
+            except ValueError:
+                pass  # 1e3 and 16.0 are whole numbers too, as Ultralytics reads them
         try:
             number = float(value)
         except (TypeError, ValueError):
             raise _fail(key, value, "an integer") from None
-        if not number.is_integer():
+        if not math.isfinite(number) or not number.is_integer():
             raise _fail(key, value, "an integer")
         return int(number)
     if typ is float:
@@ -214,7 +270,7 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
             number = float(value)
         except (TypeError, ValueError):
             raise _fail(key, value, "a number") from None
-        if number != number:  # NaN
+        if not math.isfinite(number):  # nan, inf, 1e400
             raise _fail(key, value, "a finite number")
         return number
     if typ is list:
@@ -229,6 +285,7 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
 
 
 def _check(key: str, value: Any) -> Any:
+    """One value against its choices, range and form; returns it normalised (cache=true -> ram, sgd -> SGD)."""
     if key == "cache" and value is True:  # cache=true means the RAM cache, as users know it
         value = "ram"
     if key == "nbs" and isinstance(value, str):
@@ -248,23 +305,59 @@ def _check(key: str, value: Any) -> Any:
         if (low is not None and value < low) or (high is not None and value > high):
             span = f"from {low} to {high}" if high is not None else f"at least {low}"
             raise _fail(key, value, f"a value {span}")
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
+        raise _fail(key, value, f"a value of at most {INT_LIMIT}")
     if key == "imgsz" and value % 32:
         raise _fail(key, value, "a multiple of 32 (the largest stride)")
     if key == "weights_sha256":
         value = value.strip().lower()
         if value and not _SHA256.fullmatch(value):
             raise _fail(key, value, "'' or a sha256: the 64 hex digits sha256sum prints")
+    if key in NON_EMPTY and not value.strip():
+        raise _fail(key, value, NON_EMPTY[key])
+    if key == "nnodes":
+        try:
+            parse_nnodes(value)
+        except DistributedError:
+            raise _fail(key, value, "a node count like 2 or a range MIN:MAX like 1:4") from None
+    if key in ("project", "name") and value:
+        _check_folder(key, value)
     return value
 
 
-def check_keys(keys: Iterable[str]) -> None:
-    """Raise a ConfigError for the first unknown key, suggesting the closest valid one."""
+def _check_folder(key: str, value: str) -> None:
+    """``name`` is one folder inside ``project`` (no separators, no '.' or '..': the run stays where resume=true
+    and the increment look for it); every folder of either fits a filesystem's name limit."""
+    parts = value.replace("\\", "/").split("/")
+    if key == "name" and (len(parts) > 1 or value.strip() in (".", "..")):
+        raise _fail(key, value, "one folder name without '/', '\\', '.' or '..'; put parent folders in project=")
+    if any(len(part.encode()) > NAME_MAX for part in parts):
+        raise _fail(key, value, f"folder names of at most {NAME_MAX} bytes")
+
+
+def _check_together(values: Mapping[str, Any]) -> None:
+    """Values that are only wrong together."""
+    nodes = parse_nnodes(values["nnodes"])[1]
+    if values["node_rank"] >= nodes:
+        raise _fail("node_rank", values["node_rank"], f"a value from 0 to {nodes - 1} (nnodes={values['nnodes']})")
+
+
+def check_keys(keys: Iterable[str], command: str | None = None) -> None:
+    """Raise a ConfigError for the first unknown key (suggesting the closest valid one) or, with ``command``,
+    for the first key that belongs to another command."""
     valid = [f.name for f in dataclasses.fields(Cfg)]
+    hint_command = command or "train"
     for key in keys:
         if key not in valid:
-            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else "; run 'detrain train --help' for the list"
-            raise ConfigError(f"unknown argument '{key}'{hint}")
+            lower = {k.lower(): k for k in valid}
+            close = difflib.get_close_matches(key.lower(), list(lower), n=1, cutoff=0.6)
+            hint = f"; did you mean '{lower[close[0]]}'?" if close else \
+                f"; run 'detrain {hint_command} --help' for the list"
+            raise ConfigError(f"unknown argument '{_shown(key)}'{hint}")
+        if command is not None and key not in COMMAND_KEYS[command]:
+            owners = [c for c, keys_of in COMMAND_KEYS.items() if key in keys_of]
+            raise ConfigError(f"argument '{key}' is not used by 'detrain {command}' (it is for "
+                              f"{' and '.join(owners)}); run 'detrain {command} --help' for its keys")
 
 
 def make_cfg(overrides: Mapping[str, Any] | None = None) -> Cfg:
@@ -279,11 +372,16 @@ def make_cfg(overrides: Mapping[str, Any] | None = None) -> Cfg:
             raise ConfigError(f"cfg/default.yaml has no default for '{field.name}'")
         value = _coerce(field.name, merged[field.name], hints[field.name])
         values[field.name] = _check(field.name, value)
+    _check_together(values)
     return Cfg(**values)
 
 
-def parse_cli_args(args: list[str]) -> dict[str, str]:
-    """``['epochs=3', '--imgsz', '320', '--amp']`` -> ``{'epochs': '3', 'imgsz': '320', 'amp': 'true'}``."""
+def parse_cli_args(args: list[str], command: str | None = None) -> dict[str, str]:
+    """``['epochs=3', '--imgsz', '320', '--amp']`` -> ``{'epochs': '3', 'imgsz': '320', 'amp': 'true'}``.
+
+    A key given twice is an error naming it (Ultralytics keeps the last one silently; a forgotten earlier value
+    is more often a mistake than an intended override). With ``command``, keys of other commands are errors too.
+    """
     out: dict[str, str] = {}
     i = 0
     while i < len(args):
@@ -300,11 +398,14 @@ def parse_cli_args(args: list[str]) -> dict[str, str]:
         elif "=" in arg:
             key, value = arg.split("=", 1)
         else:
-            raise ConfigError(f"argument '{arg}' is not key=value; write e.g. epochs=3 or --epochs 3")
+            raise ConfigError(f"argument '{_shown(arg)}' is not key=value; write e.g. epochs=3 or --epochs 3")
         key = key.strip()
         if not key:
-            raise ConfigError(f"argument '{arg}' has no key; write e.g. epochs=3")
+            raise ConfigError(f"argument '{_shown(arg)}' has no key; write e.g. epochs=3")
+        if key in out:
+            raise ConfigError(f"argument '{_shown(key)}' is given twice ({_shown(key)}={_shown(out[key])}, then "
+                              f"{_shown(key)}={_shown(value)}); give it once")
         out[key] = value
         i += 1
-    check_keys(out)
+    check_keys(out, command)
     return out

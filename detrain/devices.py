@@ -124,18 +124,36 @@ def parse_device(device: str | int | Sequence[str | int] | None) -> DevicePlan:
 
 
 def _tokens(device: str | int | Sequence[str | int] | None) -> list[str]:
+    """The device names in ``device``: ``"0,1"``, ``"0 1"``, ``"[0, 1]"`` and ``[0, 1]`` all give ``["0", "1"]``.
+
+    An empty entry (``cpu,,``, ``,0``, ``[]`` inside a list) or an unbalanced bracket is an error: the value was
+    cut or mistyped, and guessing what was meant could start a run on the wrong devices.
+    """
     if device is None:
         return []
     if isinstance(device, bool):
         raise DistributedError(f"device={device} is not a device; use cpu, mps, 0 or 0,1")
     if isinstance(device, int):
         return [str(device)]
-    items = [device] if isinstance(device, str) else list(device)
+    shown = _show(device)
+    if isinstance(device, str):
+        text = device.strip()
+        if not text:
+            return []
+        if text[:1] in "[(" or text[-1:] in "])":
+            if (text[:1], text[-1:]) not in (("[", "]"), ("(", ")")):
+                raise DistributedError(f"device={shown} has an unbalanced bracket; write e.g. 0,1 or [0,1]")
+            text = text[1:-1]
+        items: list[str] = text.split(",")
+    else:
+        items = [part for item in device for part in str(item).split(",")]
     out: list[str] = []
     for item in items:
-        # "[0, 1]" arrives as text from the command line; "0 1" is as clear as "0,1".
-        out += [t for t in str(item).strip().strip("[]()").replace(" ", ",").split(",") if t.strip()]
-    return [t.strip() for t in out]
+        words = item.split()  # "0 1" is as clear as "0,1"
+        if not words:
+            raise DistributedError(f"device={shown} has an empty entry; list devices like 0,1 or cpu,cpu")
+        out += words
+    return out
 
 
 def _show(device: object) -> str:

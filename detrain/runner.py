@@ -13,6 +13,7 @@ from detrain import launch
 from detrain.config import Cfg
 from detrain.engine.batch_plan import batch_plan
 from detrain.engine.build import increment_run_dir
+from detrain.preflight import check_inputs
 
 
 def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
@@ -22,6 +23,7 @@ def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
 
     entry = {"train": train_worker, "val": val_worker}[task]
     plan = launch.parse_device(cfg.device)
+    check_inputs(task, cfg)  # every named file, before a process starts or a folder is made
     args: dict[str, Any] = {"cfg": cfg.to_dict()}
     spawning = not launch.in_launcher_env() and (plan.nprocs > 1 or str(cfg.nnodes) != "1")
     if task == "train" and not cfg.resume and not launch.in_launcher_env():

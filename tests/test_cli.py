@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
 YOLOV8N = SHARED / "weights" / "yolov8n.pt"
 
 
@@ -32,8 +33,10 @@ def test_help_lists_commands_and_keys():
     (("predict", "model=n.yaml", "source=/no/such/dir"), "source '/no/such/dir' has no images"),
     (("val", "model=/no/such.pt", "data=shapes.yaml"), "weights file not found: /no/such.pt"),
     (("predict", "model=s.pt", "weights_sha256=abc"), "invalid value for 'weights_sha256': 'abc'; expected '' or a"),
-    # raised in the spawned workers: still one line, without elastic's copy of the traceback above it
     (("train", "data=/no/such.yaml", "device=cpu,cpu"), "dataset yaml '/no/such.yaml' not found"),
+    # raised in the spawned workers (a yaml that exists but is no dataset): still one line, without elastic's
+    # copy of the traceback above it
+    (("train", f"data={ROOT / 'cfg' / 'default.yaml'}", "device=cpu,cpu"), "the key 'names:' is missing"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(args, message):
     proc = detrain(*args)

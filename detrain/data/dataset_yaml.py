@@ -108,7 +108,7 @@ def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download:
         >>> len(info.train), len(info.val)  # doctest: +SKIP
         (256, 64)
     """
-    yaml_file, bundled = _find_yaml(data)
+    yaml_file, bundled = find_dataset_yaml(data)
     raw = _read_yaml(yaml_file)
     if "synthetic" in raw:
         return _load_synthetic(yaml_file, raw, Path(cache_dir) if cache_dir is not None else datasets_dir())
@@ -145,9 +145,17 @@ def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download:
 # ---- the yaml itself ------------------------------------------------------------------------------------
 
 
-def _find_yaml(data: str | Path) -> tuple[Path, bool]:
-    """(absolute yaml path, whether it is one of the bundled yamls)."""
+def find_dataset_yaml(data: str | Path) -> tuple[Path, bool]:
+    """(absolute yaml path, whether it is one of the bundled yamls); reads nothing, so commands call it to fail
+    fast, before any process starts.
+
+    Example:
+        >>> find_dataset_yaml("coco8")[0].name, find_dataset_yaml("coco8")[1]
+        ('coco8.yaml', True)
+    """
     path = Path(data).expanduser()
+    if path.is_dir():
+        raise DatasetError(f"dataset yaml '{data}' is a folder; give the dataset's .yaml file (e.g. data/coco8.yaml)")
     bundled_dir = _bundled_dir()
     if path.is_file():
         # abspath, not resolve(): a symlinked yaml's relative `path` means beside the link, as the user sees it

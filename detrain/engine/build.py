@@ -85,14 +85,35 @@ def build_model(model: str, nc: int | None = None, names: dict[int, str] | None 
             else:
                 net.names = dict(names)
         return net, ckpt
-    match = _SCALED_NAME.match(Path(model).name)
-    nc = 80 if nc is None else nc
-    if match and not Path(model).is_file():
-        return DetectionModel(cfg="yolov8.yaml", scale=match.group(1), nc=nc, names=names), None
+    cfg, scale = _architecture(model)
+    return DetectionModel(cfg=cfg, scale=scale, nc=80 if nc is None else nc, names=names), None
+
+
+def check_model(model: str) -> None:
+    """Raise the error ``build_model`` would raise for a ``model`` that names nothing usable, without building,
+    reading or downloading anything: commands call it before any process starts or any folder is made."""
+    if not is_weights(model):
+        _architecture(model)
+        return
+    from detrain.errors import CheckpointError
+    from detrain.weights.hub import canonical_name
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        raise CheckpointError(f"weights '{model}' is a folder, not a .pt file (e.g. runs/train/exp/weights/best.pt)")
+    if not path.is_file() and canonical_name(str(model)) is None:  # a release name (n.pt) is downloaded later
+        raise CheckpointError(f"weights file not found: {model}")
+
+
+def _architecture(model: str) -> tuple[str, str]:
+    """(architecture yaml, scale letter) of a scale name (n.yaml, yolov8s.yaml: the packaged yaml, unless a
+    file of that name is here) or of an architecture yaml on disk; anything else is a ConfigError."""
     path = Path(model)
+    match = _SCALED_NAME.match(path.name)
+    if match and not path.is_file():
+        return "yolov8.yaml", match.group(1)
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        scale = path.stem[-1] if path.stem[-1:] in "nsmlx" else "n"
-        return DetectionModel(cfg=str(path), scale=scale, nc=nc, names=names), None
+        return str(path), path.stem[-1] if path.stem[-1:] in "nsmlx" else "n"
     raise ConfigError(
         f"model '{model}' not found; use a scale yaml (n.yaml, s.yaml, m.yaml, l.yaml, x.yaml, yolov8n.yaml), "
         "a path to an architecture yaml, or weights (.pt)"

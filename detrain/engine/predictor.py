@@ -18,11 +18,13 @@ import torch
 from detrain.boxes import scale_boxes_to_original
 from detrain.config import Cfg
 from detrain.data.augment import letterbox
+from detrain.devices import parse_device
 from detrain.engine.build import build_model, increment_run_dir, select_device
 from detrain.engine.validator import predict_batch
 from detrain.errors import ConfigError
 from detrain.log import console
 from detrain.palette import class_color
+from detrain.preflight import check_inputs
 
 IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
 PREDICT_CONF = 0.25
@@ -67,6 +69,8 @@ def draw(img_bgr: np.ndarray, det: np.ndarray, names: dict[int, str], line_width
 def predict(cfg: Cfg, model: torch.nn.Module | None = None) -> list[dict[str, Any]]:
     """Run the model on every image of ``cfg.source``; writes runs/predict/<name>/ and returns plain data."""
     files = list_sources(cfg.source)
+    parse_device(cfg.device)  # the same device rules as train and val: one clear line for a bad value
+    check_inputs("predict", cfg)
     device = select_device(cfg.device if not isinstance(cfg.device, list) else cfg.device[0])
     if model is None:
         model, _ = build_model(cfg.model, weights_sha256=cfg.weights_sha256)

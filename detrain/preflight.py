@@ -1,0 +1,51 @@
+"""The files and folders a command names, checked before any process starts, any folder is made or any data
+is generated: a missing dataset yaml or weights file is one line at once, not an error from a spawned worker.
+
+The checks only look: nothing is read, downloaded or written. What a file holds is checked by the code that
+reads it (the dataset yaml's keys, the checkpoint's contents), which runs before the run folder is made too.
+
+>>> from detrain.config import make_cfg
+>>> check_inputs("train", make_cfg({"data": "coco8.yaml"}))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from detrain.config import Cfg
+from detrain.data.dataset_yaml import find_dataset_yaml
+from detrain.engine.build import check_model
+from detrain.engine.reproduce import find_resume_checkpoint
+from detrain.errors import ConfigError
+
+
+def check_inputs(task: str, cfg: Cfg) -> None:
+    """Raise the error the ``task`` (train, val, predict) would meet later for a path in ``cfg`` that names no
+    usable file, and for a run folder that cannot be made."""
+    if task == "train" and cfg.resume:
+        find_resume_checkpoint(cfg)  # a resumed run takes its model and data from the checkpoint
+        return
+    if task in ("train", "val"):
+        find_dataset_yaml(cfg.data)
+    if task == "val" and cfg.predictions:
+        if not Path(cfg.predictions).is_file():
+            raise ConfigError(f"predictions file not found: {cfg.predictions} (a COCO results json)")
+    else:
+        check_model(cfg.model)
+    if cfg.node_rank == 0:  # only the first node writes
+        check_output_folder(cfg.project, task)
+
+
+def check_output_folder(project: str, task: str) -> None:
+    """The run folder goes into ``project`` (or ``runs/<task>``): the nearest part of it that exists must be a
+    folder, not a file.
+
+    Example:
+        >>> check_output_folder("", "train")
+    """
+    root = Path(project) if project else Path("runs") / task
+    for folder in (root, *root.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"invalid value for 'project': {project!r}; {str(folder)!r} is a file, not a folder")
+            return

@@ -1,0 +1,278 @@
+"""Bad command lines: every malformed key or value ends with exit code 2 and one line on stderr, before any
+process starts, any run folder is made or any data is generated.
+
+The rows were found by probing ``detrain`` as an attacker would: wrong types, values out of range, empty
+values, malformed device lists, repeated keys, words without '=', unknown keys and commands, keys of another
+command, paths that do not exist or are folders, nan and inf, huge integers, and control or invisible
+characters in names. They run in this process through ``detrain.cli.main`` (which turns an error into the
+line and the exit code exactly as the console script does); a few run as real ``detrain`` processes.
+
+A tripwire guards the rows run in this process: should a bad value get past the checks, launching a worker,
+building a model, exporting or converting raises at once, so a regression fails here instead of starting a
+100-epoch run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from detrain import cli
+from detrain.config import make_cfg, parse_cli_args
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# Files the rows refer to, made in the test's own folder (the working directory): an image, a text file, a
+# folder named like weights and a plain file where a project folder would go.
+IMAGE, TEXT, FOLDER_PT, PLAIN_FILE = "img.jpg", "notes.txt", "folder.pt", "afile"
+
+BAD_LINES: list[tuple[list[str], str]] = [
+    # values of the wrong type
+    (["train", "epochs=abc"], "'epochs': 'abc'; expected an integer"),
+    (["train", "imgsz=3.5"], "'imgsz': '3.5'; expected an integer"),
+    (["train", "batch=true"], "'batch': 'true'; expected an integer"),
+    (["train", "amp=maybe"], "'amp': 'maybe'; expected true or false"),
+    (["train", "lr0=fast"], "'lr0': 'fast'; expected a number"),
+    (["train", "epochs=3=4"], "'epochs': '3=4'"),
+    (["train", "--epochs"], "'epochs': 'true'"),  # a flag without its value
+    # out of range
+    (["train", "imgsz=0"], "'imgsz': 0"),
+    (["train", "imgsz=-32"], "'imgsz': -32"),
+    (["train", "imgsz=33"], "multiple of 32"),
+    (["train", "imgsz=8224"], "'imgsz': 8224"),
+    (["train", "epochs=-1"], "'epochs': -1"),
+    (["train", "batch=0"], "'batch': 0"),
+    (["train", "lr0=-1"], "'lr0': -1.0"),
+    (["train", "fraction=1.5"], "'fraction': 1.5"),
+    (["train", "iou=2"], "'iou': 2.0"),
+    (["train", "conf=-0.1"], "'conf': -0.1"),
+    (["train", "workers=-1"], "'workers': -1"),
+    (["train", "master_port=70000"], "'master_port': 70000"),
+    (["train", "mosaic=2"], "'mosaic': 2.0"),
+    (["train", "patience=-1"], "'patience': -1"),
+    (["train", "seed=-1"], "'seed': -1"),  # numpy refuses negative seeds: it failed in the workers
+    (["train", "save_period=-2"], "'save_period': -2"),
+    (["train", "dist_timeout=1e12"], "'dist_timeout'"),  # overflowed the collective's timer
+    (["train", "optimizer=lion"], "'optimizer': 'lion'"),
+    (["train", "nnodes=3:2"], "'nnodes': '3:2'"),
+    (["train", "nnodes=0"], "'nnodes': '0'"),
+    (["train", "nnodes=abc"], "'nnodes': 'abc'"),
+    (["train", "nnodes=2", "node_rank=5"], "'node_rank': 5; expected a value from 0 to 1"),
+    (["train", "nnodes=2"], "master_port"),  # several nodes need a known port
+    (["train", "nnodes=1:2", "master_port=29500"], "rdzv_backend=c10d"),
+    (["train", "batch=3", "device=cpu,cpu"], "batch=3"),
+    (["predict", f"source={IMAGE}", "line_width=40000"], "'line_width': 40000"),  # OpenCV's limit is 32767
+    (["export", "opset=5"], "'opset': 5"),
+    # nan, inf and huge numbers
+    (["train", "lr0=nan"], "'lr0': 'nan'; expected a finite number"),
+    (["train", "dist_timeout=inf"], "'dist_timeout': 'inf'"),
+    (["train", "warmup_epochs=-inf"], "'warmup_epochs': '-inf'"),
+    (["train", "imgsz=1e400"], "'imgsz': '1e400'"),
+    (["train", "epochs=99999999999999999999999999"], "'epochs': 99999999999999999999999999"),
+    (["train", "seed=4294967296"], "'seed': 4294967296"),
+    (["train", "batch=9007199254740993"], "'batch': 9007199254740993"),  # exact: not rounded through a float
+    # empty where a value is needed
+    (["train", "data="], "'data': ''"),
+    (["train", "model="], "'model': ''"),
+    (["val", "model=", "data=coco8.yaml"], "'model': ''"),
+    (["train", "master_addr="], "'master_addr': ''"),
+    (["train", "imgsz="], "'imgsz': ''"),
+    (["predict", "model=n.yaml", "source="], "source="),
+    # malformed device lists
+    (["train", "device=cpu,,"], "device=cpu,, has an empty entry"),  # started a 100-epoch run on one CPU
+    (["train", "device=,0"], "device=,0 has an empty entry"),
+    (["train", "device=cpu, ,cpu"], "has an empty entry"),
+    (["train", "device=0,0"], "device=0,0 lists cuda:0 twice"),
+    (["train", "device=0,cpu"], "device=0,cpu mixes cpu and cuda"),
+    (["train", "device=cpu,mps"], "device=cpu,mps mixes"),
+    (["train", "device=-1"], "device=-1"),
+    (["train", "device=999"], "device=999"),  # no such GPU (or no CUDA at all)
+    (["train", "device=cuda:x"], "'cuda:x' is not a device"),
+    (["train", "device=cpu:0"], "'cpu:0' is not a device"),
+    (["train", "device=[0,1"], "device=[0,1 has an unbalanced bracket"),
+    (["val", "device=cpu,,"], "device=cpu,,"),
+    (["predict", f"source={IMAGE}", "device=cpu,,"], "device=cpu,,"),  # predict had a parser of its own
+    # a key given twice: an error naming it (Ultralytics keeps the last one without a word)
+    (["train", "epochs=1", "epochs=2"], "'epochs' is given twice (epochs=1, then epochs=2)"),
+    (["train", "--epochs", "1", "epochs=2"], "'epochs' is given twice"),
+    (["train", "device=cpu", "device=0"], "'device' is given twice"),
+    (["train", "--cos-lr", "cos_lr=false"], "'cos_lr' is given twice"),
+    # not key=value
+    (["train", "epochs"], "'epochs' is not key=value"),
+    (["train", "=3"], "'=3' has no key"),
+    (["train", "-e", "3"], "'-e' is not key=value"),
+    # unknown keys, with the closest one suggested
+    (["train", "epoch=3"], "unknown argument 'epoch'; did you mean 'epochs'?"),
+    (["train", "EPOCHS=3"], "unknown argument 'EPOCHS'; did you mean 'epochs'?"),
+    (["train", "ep\noch=3"], "unknown argument 'ep\\noch'"),
+    (["export", "foo=1"], "unknown argument 'foo'; run 'detrain export --help'"),
+    # unknown commands, missing or extra words
+    (["trian"], "No such command 'trian'"),
+    (["--version"], "--version"),
+    (["version", "extra"], "(extra)"),
+    (["convert"], "Missing argument"),
+    (["convert", "a.pt", "b.pt", "c.pt"], "(c.pt)"),
+    # keys of another command
+    (["train", "format=onnx"], "'format' is not used by 'detrain train' (it is for export)"),
+    (["train", f"source={IMAGE}"], "'source' is not used by 'detrain train'"),
+    (["val", "epochs=3"], "'epochs' is not used by 'detrain val' (it is for train)"),
+    (["val", f"source={IMAGE}"], "'source' is not used by 'detrain val'"),
+    (["predict", f"source={IMAGE}", "epochs=3"], "'epochs' is not used by 'detrain predict'"),
+    (["export", "epochs=3"], "'epochs' is not used by 'detrain export'"),  # exported a model with exit 0
+    # paths that do not exist, or are folders or the wrong kind of file
+    (["train", "data=missing.yaml"], "dataset yaml 'missing.yaml' not found"),
+    (["train", "data=/"], "dataset yaml '/' is a folder"),
+    (["train", "model=/etc"], "model '/etc' not found"),
+    (["train", f"model={TEXT}"], f"model '{TEXT}' not found"),
+    (["train", "model=missing.pt"], "weights file not found: missing.pt"),
+    (["train", f"model={FOLDER_PT}"], f"weights '{FOLDER_PT}' is a folder"),
+    (["train", "resume=missing.pt"], "checkpoint not found: missing.pt"),
+    (["train", "resume=/"], "checkpoint not found: /"),
+    (["train", "resume=true"], "resume=True but no"),
+    (["val", "model=missing.pt", "data=coco8.yaml"], "weights file not found: missing.pt"),
+    (["val", f"model={FOLDER_PT}", "data=coco8.yaml"], f"weights '{FOLDER_PT}' is a folder"),
+    (["val", "predictions=missing.json", "data=coco8.yaml"], "predictions file not found: missing.json"),
+    (["predict", "source=missing.jpg"], "source 'missing.jpg' has no images"),
+    (["predict", f"source={IMAGE}", "model=/etc"], "model '/etc' not found"),
+    (["predict", f"source={IMAGE}", "model=missing.pt"], "weights file not found: missing.pt"),
+    (["export", "model=missing.pt"], "weights file not found: missing.pt"),
+    (["convert", "missing.pt", "out.pt"], "weights file not found: missing.pt"),
+    (["train", f"project={PLAIN_FILE}"], f"'{PLAIN_FILE}' is a file, not a folder"),
+    (["train", f"project={PLAIN_FILE}/sub"], f"'{PLAIN_FILE}' is a file, not a folder"),
+    (["predict", f"source={IMAGE}", f"project={PLAIN_FILE}"], f"'{PLAIN_FILE}' is a file"),
+    # run names: one folder inside project, printable, within the filesystem's limit
+    (["train", "name=../../etc"], "'name': '../../etc'; expected one folder name"),
+    (["train", "name=a/b"], "'name': 'a/b'"),
+    (["train", "name=.."], "'name': '..'"),
+    (["train", "name=a\\b"], "'name'"),
+    (["train", "name=" + "x" * 256], "at most 255 bytes"),
+    (["train", "name=a\nb"], "'name': 'a\\nb'"),  # a second, forged log line
+    (["train", "name=run\u202egnp.exe"], "U+202E"),  # a right-to-left override hides the real name
+    (["train", "project=runs\x1b[31m"], "U+001B"),  # a terminal escape sequence
+    (["train", "data=a\x00b.yaml"], "U+0000"),  # NUL broke the path functions with a traceback
+    (["train", "name=\udcff"], "U+DCFF"),  # bytes that are not UTF-8 could not even be printed
+]
+
+
+def _id(row: tuple[list[str], str]) -> str:
+    return " ".join(row[0]).encode("unicode_escape").decode()[:60]
+
+
+@pytest.fixture
+def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working directory with the few files the rows name, outside any launcher, with the tripwire."""
+    monkeypatch.chdir(tmp_path)
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var in [k for k in os.environ if k.startswith(("SLURM_", "TORCHELASTIC"))]:
+        monkeypatch.delenv(var)
+    cv2.imwrite(IMAGE, np.zeros((32, 32, 3), np.uint8))
+    Path(TEXT).write_text("not a model\n")
+    Path(FOLDER_PT).mkdir()
+    Path(PLAIN_FILE).write_text("a file where a folder would go\n")
+
+    def tripwire(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a bad command line got past the checks and started work")
+
+    import torch.distributed.launcher.api as elastic
+
+    import detrain.checkpoint
+    import detrain.engine.evaluate
+    import detrain.engine.predictor
+    import detrain.engine.trainer
+    import detrain.export
+
+    monkeypatch.setattr(elastic, "elastic_launch", tripwire)
+    monkeypatch.setattr(detrain.engine.trainer, "train_worker", tripwire)
+    monkeypatch.setattr(detrain.engine.evaluate, "val_worker", tripwire)
+    monkeypatch.setattr(detrain.engine.predictor, "build_model", tripwire)
+    monkeypatch.setattr(detrain.export, "export_onnx", tripwire)
+    monkeypatch.setattr(detrain.checkpoint, "save_checkpoint", tripwire)
+    return tmp_path
+
+
+def test_there_are_many_rows_and_no_duplicates():
+    assert len(BAD_LINES) >= 40
+    lines = [tuple(argv) for argv, _ in BAD_LINES]
+    assert len(set(lines)) == len(lines)
+
+
+@pytest.mark.parametrize(("argv", "fragment"), BAD_LINES, ids=[_id(r) for r in BAD_LINES])
+def test_a_bad_command_line_is_one_line_and_exit_2(argv, fragment, workspace, capsys):
+    before = sorted(os.listdir(workspace))
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0], lines[0]
+    assert out == ""
+    assert sorted(os.listdir(workspace)) == before  # no run folder, no download, no output file
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "device=cpu,,"],
+    ["train", "epochs=1", "epochs=2"],
+    ["trian", "epochs=3"],
+    ["val", "data=missing.yaml"],
+    ["train", "name=a\nb"],
+    ["train", b"name=\xff"],  # not UTF-8: Python reads it as U+DCFF
+], ids=["empty-device-entry", "repeated-key", "unknown-command", "missing-data", "newline-in-name",
+        "undecodable-name"])
+def test_the_detrain_command_itself_prints_one_line_and_exits_2(argv, tmp_path):
+    """End to end: the console script (or ``python -m detrain.cli`` where it is not installed)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    script = shutil.which("detrain")
+    command = [script] if script else [sys.executable, "-m", "detrain.cli"]
+    try:
+        proc = subprocess.run([*command, *argv], capture_output=True, env=env, cwd=tmp_path, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{argv} did not end within 120 s: it started work")
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 2, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert "Traceback" not in err and proc.stdout == b""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bare_detrain_prints_the_help_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 0 and "Usage: detrain" in out and "train" in out and err == ""
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["device=[0, 1]"], {"device": "[0, 1]"}),
+    (["device=0 1"], {"device": "0 1"}),
+    (["device="], {"device": ""}),  # the default: the first GPU, else the CPU
+    (["epochs=1e2", "batch=16.0"], {"epochs": 100, "batch": 16}),  # whole numbers, as Ultralytics reads them
+    (["imgsz= 320"], {"imgsz": 320}),
+    (["name=實驗-1", "project=runs/ablations/ü"], {"name": "實驗-1", "project": "runs/ablations/ü"}),
+    (["name=", "project="], {"name": "", "project": ""}),
+    (["nnodes=2", "node_rank=1", "master_port=29500"], {"node_rank": 1}),
+    (["seed=2147483647"], {"seed": 2147483647}),
+    (["--cos-lr", "--epochs", "3"], {"cos_lr": True, "epochs": 3}),
+], ids=lambda v: str(v)[:40])
+def test_the_valid_forms_beside_the_bad_ones_still_parse(argv, expected):
+    cfg = make_cfg(parse_cli_args(argv, "train"))
+    assert {key: getattr(cfg, key) for key in expected} == expected
+
+
+def test_each_command_help_lists_exactly_its_keys():
+    from typer.testing import CliRunner
+
+    runner = CliRunner()
+    val_help = runner.invoke(cli.app, ["val", "--help"]).output
+    assert "nnodes=" in val_help and "split=" in val_help and "epochs=" not in val_help
+    train_help = runner.invoke(cli.app, ["train", "--help"]).output
+    assert "epochs=" in train_help and "source=" not in train_help and "opset=" not in train_help
