@@ -2,7 +2,7 @@
 
     detrain train data=coco8.yaml model=n.yaml epochs=3 imgsz=320 device=cpu,cpu
     detrain val model=runs/train/exp/weights/best.pt data=coco8.yaml
-    detrain predict model=best.pt source=images/
+    detrain predict model=best.pt source=images/      (or a video, a glob, a .txt list, a camera 0, rtsp://...)
 
 A bad key or value prints one line and exits with code 2.
 """
@@ -61,14 +61,15 @@ def val(ctx: typer.Context) -> None:
 
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help(
-    ("model", "source", "imgsz", "device", "conf", "iou", "max_det", "save", "save_txt", "save_conf", "line_width",
-     "project", "name", "exist_ok")))
+    ("model", "source", "imgsz", "batch", "device", "half", "conf", "iou", "max_det", "classes", "agnostic_nms",
+     "save", "save_txt", "save_conf", "line_width", "project", "name", "exist_ok", "verbose")))
 def predict(ctx: typer.Context) -> None:
-    """Detect objects in images: detrain predict model=best.pt source=path/to/images"""
+    """Detect objects in images, videos, cameras and streams: detrain predict model=best.pt source=path/to/images"""
     cfg = make_cfg(_args(ctx))
-    from detrain.engine.predictor import predict as run_predict
+    from detrain.engine.predictor import stream_predict
 
-    run_predict(cfg)
+    for _ in stream_predict(cfg):  # one picture at a time: a long video or a camera never piles up in memory
+        pass
 
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "format", "imgsz", "opset", "dynamic")))

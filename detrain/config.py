@@ -97,6 +97,9 @@ class Cfg:
     save_json: bool
     predictions: str
     source: str
+    classes: Union[list, None]
+    agnostic_nms: bool
+    half: bool
     save_txt: bool
     save_conf: bool
     line_width: int
@@ -221,6 +224,28 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     raise _fail(key, value, str(typ))
 
 
+def _class_ids(key: str, value: Any) -> list[int] | None:
+    """``classes``: null / '' (every class), an id, or ids as a list or a string (``0,2``, ``[0, 2]``) -> sorted
+    unique ids."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE | {"", "[]"}):
+        return None
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.strip().strip("[]()").split(",")]
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        parts = [value]
+    ids = []
+    for part in parts:
+        try:
+            ids.append(_coerce(key, part, int))
+        except ConfigError:
+            raise _fail(key, value, "class ids, e.g. classes=0 or classes=0,2") from None
+    if any(i < 0 for i in ids):
+        raise _fail(key, value, "class ids of at least 0")
+    return sorted(set(ids)) or None
+
+
 def _check(key: str, value: Any) -> Any:
     if key == "cache" and value is True:  # cache=true means the RAM cache, as users know it
         value = "ram"
@@ -266,7 +291,10 @@ def make_cfg(overrides: Mapping[str, Any] | None = None) -> Cfg:
     for field in dataclasses.fields(Cfg):
         if field.name not in merged:
             raise ConfigError(f"cfg/default.yaml has no default for '{field.name}'")
-        value = _coerce(field.name, merged[field.name], hints[field.name])
+        if field.name == "classes":
+            value = _class_ids(field.name, merged[field.name])
+        else:
+            value = _coerce(field.name, merged[field.name], hints[field.name])
         values[field.name] = _check(field.name, value)
     return Cfg(**values)
 
