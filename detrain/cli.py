@@ -68,8 +68,12 @@ def predict(ctx: typer.Context) -> None:
     cfg = make_cfg(_args(ctx))
     from detrain.engine.predictor import stream_predict
 
-    for _ in stream_predict(cfg):  # one picture at a time: a long video or a camera never piles up in memory
-        pass
+    results = stream_predict(cfg)
+    try:
+        for _ in results:  # one picture at a time: a long video or a camera never piles up in memory
+            pass
+    finally:
+        results.close()  # on Ctrl-C too: the video written so far is finished and kept
 
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help(("model", "format", "imgsz", "opset", "dynamic")))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +117,7 @@ def infer(net: nn.Module, images: list[np.ndarray], device: torch.device, half: 
 
 
 def stream_predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None, *, prepared: bool = False,
-                   collecting: bool = False) -> Iterator[Results]:
+                   collecting: bool = False) -> Generator[Results, None, None]:
     """Results one picture at a time for ``cfg`` (``source`` overrides ``cfg.source``: a path, a list of them,
     image arrays). ``model``: a module to use instead of building ``cfg.model`` (copied first unless
     ``prepared``, see :func:`prepare_model`). Arguments are checked here; pictures are read as the caller asks
@@ -145,7 +145,7 @@ def predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None) -> lis
 
 
 def _run(cfg: Cfg, net: nn.Module, names: dict[int, str], src: Source, device: torch.device, half: bool,
-         save_dir: Path | None) -> Iterator[Results]:
+         save_dir: Path | None) -> Generator[Results, None, None]:
     conf = PREDICT_CONF if cfg.conf is None else cfg.conf
     stride = max(int(getattr(net, "stride", torch.tensor([32.0])).max()), 32)
     show: Callable[[str], None] = say if cfg.verbose else (lambda text: None)
