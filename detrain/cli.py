@@ -2,7 +2,7 @@
 
     detrain train data=coco8.yaml model=n.yaml epochs=3 imgsz=320 device=cpu,cpu
     detrain val model=runs/train/exp/weights/best.pt data=coco8.yaml
-    detrain predict model=best.pt source=images/
+    detrain predict model=best.pt source=images/      (or a video, a glob, a .txt list, a camera 0, rtsp://...)
     detrain info model=yolov8n.pt imgsz=640
 
 A bad key or value prints one line and exits with code 2.
@@ -62,11 +62,16 @@ def val(ctx: typer.Context) -> None:
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help("predict"))
 def predict(ctx: typer.Context) -> None:
-    """Detect objects in images: detrain predict model=best.pt source=path/to/images"""
+    """Detect objects in images, videos, cameras and streams: detrain predict model=best.pt source=path/to/images"""
     cfg = make_cfg(_args(ctx))
-    from detrain.engine.predictor import predict as run_predict
+    from detrain.engine.predictor import stream_predict
 
-    run_predict(cfg)
+    results = stream_predict(cfg)
+    try:
+        for _ in results:  # one picture at a time: a long video or a camera never piles up in memory
+            pass
+    finally:
+        results.close()  # on Ctrl-C too: the video written so far is finished and kept
 
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help("export"))

@@ -105,6 +105,9 @@ class Cfg:
     save_json: bool
     predictions: str
     source: str
+    classes: Union[list, None]
+    agnostic_nms: bool
+    half: bool
     save_txt: bool
     save_conf: bool
     line_width: int
@@ -162,15 +165,15 @@ _LAUNCH_KEYS = ("device", "workers", "nnodes", "node_rank", "master_addr", "mast
 _OUTPUT_KEYS = ("project", "name", "exist_ok")
 _ONLY: dict[str, tuple[str, ...]] = {
     "val": ("split", "predictions"),
-    "predict": ("source", "save_txt", "save_conf", "line_width"),
+    "predict": ("source", "save_txt", "save_conf", "line_width", "classes", "agnostic_nms", "half"),
     "export": ("format", "opset", "dynamic"),
 }
 COMMAND_KEYS: dict[str, tuple[str, ...]] = {
     "val": ("model", "weights_sha256", "data", "imgsz", "batch", *_LAUNCH_KEYS, "split", "conf", "iou", "max_det",
             "save_json", "predictions", "plots", *_OUTPUT_KEYS, "verbose", "download_max_gb",
             "download_max_unpacked_gb", "download_max_files"),
-    "predict": ("model", "weights_sha256", "source", "imgsz", "device", "conf", "iou", "max_det", "save", "save_txt",
-                "save_conf", "line_width", *_OUTPUT_KEYS, "verbose"),
+    "predict": ("model", "weights_sha256", "source", "imgsz", "batch", "device", "half", "conf", "iou", "max_det",
+                "classes", "agnostic_nms", "save", "save_txt", "save_conf", "line_width", *_OUTPUT_KEYS, "verbose"),
     "export": ("model", "weights_sha256", "format", "imgsz", "opset", "dynamic", *_OUTPUT_KEYS),
     "info": ("model", "weights_sha256", "imgsz", "verbose"),
 }
@@ -284,6 +287,28 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     raise _fail(key, value, str(typ))
 
 
+def _class_ids(key: str, value: Any) -> list[int] | None:
+    """``classes``: null / '' (every class), an id, or ids as a list or a string (``0,2``, ``[0, 2]``) -> sorted
+    unique ids."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE | {"", "[]"}):
+        return None
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.strip().strip("[]()").split(",")]
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        parts = [value]
+    ids = []
+    for part in parts:
+        try:
+            ids.append(_coerce(key, part, int))
+        except ConfigError:
+            raise _fail(key, value, "class ids, e.g. classes=0 or classes=0,2") from None
+    if any(i < 0 for i in ids):
+        raise _fail(key, value, "class ids of at least 0")
+    return sorted(set(ids)) or None
+
+
 def _check(key: str, value: Any) -> Any:
     """One value against its choices, range and form; returns it normalised (cache=true -> ram, sgd -> SGD)."""
     if key == "cache" and value is True:  # cache=true means the RAM cache, as users know it
@@ -370,7 +395,10 @@ def make_cfg(overrides: Mapping[str, Any] | None = None) -> Cfg:
     for field in dataclasses.fields(Cfg):
         if field.name not in merged:
             raise ConfigError(f"cfg/default.yaml has no default for '{field.name}'")
-        value = _coerce(field.name, merged[field.name], hints[field.name])
+        if field.name == "classes":
+            value = _class_ids(field.name, merged[field.name])
+        else:
+            value = _coerce(field.name, merged[field.name], hints[field.name])
         values[field.name] = _check(field.name, value)
     _check_together(values)
     return Cfg(**values)

@@ -24,12 +24,21 @@ console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write a text file through a temporary file and a rename, so readers never see half of it."""
+    return _atomic_write(path, text, "w")
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """:func:`atomic_write_text` for bytes (an encoded image)."""
+    return _atomic_write(path, data, "wb")
+
+
+def _atomic_write(path: str | Path, data: str | bytes, mode: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, mode) as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

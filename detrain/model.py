@@ -4,16 +4,22 @@
 >>> model = Model("n.yaml")                                   # a fresh YOLOv8n-layout model
 >>> metrics = model.train(data="shapes.yaml", epochs=3, imgsz=160, device="cpu")  # doctest: +SKIP
 >>> metrics["map50"]                                          # doctest: +SKIP
->>> Model("runs/train/exp/weights/best.pt").predict("images/")  # doctest: +SKIP
+>>> results = Model("runs/train/exp/weights/best.pt").predict("images/")  # doctest: +SKIP
+>>> results[0].boxes, results[0].conf, results[0].cls, results[0].plot()  # doctest: +SKIP
+>>> for r in Model("best.pt").predict("clip.mp4", stream=True): ...  # one frame at a time  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from detrain.config import make_cfg
 from detrain.engine.build import build_model, increment_run_dir, is_weights
+from detrain.engine.results import Results
 
 if TYPE_CHECKING:
     from detrain.nn.info import ModelInfo
@@ -30,6 +36,7 @@ class Model:
     def __init__(self, model: str | Path = "n.yaml", weights_sha256: str = "") -> None:
         self.source = str(model)
         self.net, self.ckpt = build_model(self.source, verbose=False, weights_sha256=weights_sha256)
+        self._prepared: tuple[torch.nn.Module, tuple[Any, ...], torch.nn.Module] | None = None
 
     @property
     def names(self) -> dict[int, str]:
@@ -57,12 +64,37 @@ class Model:
 
         return run_task("val", cfg)
 
-    def predict(self, source: str | Path, **kwargs: Any) -> list[dict[str, Any]]:
-        """Detections per image: ``[{"file", "boxes" (xyxy pixels), "scores", "classes", "names"}, ...]``."""
-        from detrain.engine.predictor import predict
+    def predict(self, source: Any, stream: bool = False, **kwargs: Any) -> list[Results] | Iterator[Results]:
+        """Detections per picture, as :class:`~detrain.engine.results.Results` (path, frame, orig_shape, boxes
+        xyxy in pixels, conf, cls, names; ``.plot()`` draws them), in the source's order.
 
-        cfg = make_cfg({"model": self.source, "source": str(source), **kwargs})
-        return predict(cfg, model=self.net if is_weights(self.source) else None)
+        ``source``: an image, a video, a folder, a glob, a ``.txt`` list, a camera index, a stream URL, a list of
+        paths, or BGR image arrays (one, or a list). ``stream=True`` returns a generator that reads, predicts and
+        yields one picture at a time, for videos and cameras. Takes the CLI's keys (``conf``, ``classes``,
+        ``batch``, ``device``, ``half``...); unlike the CLI it writes files only with ``save=True`` or
+        ``save_txt=True``. The weights are not changed: inference runs on a prepared copy, kept for the next call
+        while the weights stay as they are.
+        """
+        from detrain.engine.predictor import inference_device, stream_predict
+
+        kwargs.setdefault("save", False)
+        text = source if isinstance(source, (str, Path, int)) and not isinstance(source, bool) else None
+        cfg = make_cfg({"model": self.source, "source": "" if text is None else str(text), **kwargs})
+        device, half = inference_device(cfg, note=False)
+        results = stream_predict(cfg, self._inference_net(device, half), None if text is not None else source,
+                                 prepared=True, collecting=not stream)
+        return results if stream else list(results)
+
+    def _inference_net(self, device: torch.device, half: bool) -> torch.nn.Module:
+        """A fused copy of ``self.net`` on ``device`` for predict; made again when the weights change (another
+        net, new names, or any parameter or buffer written since: every tensor's version is part of the key)."""
+        from detrain.engine.predictor import prepare_model
+
+        key = (str(device), half, tuple(sorted(dict(self.net.names).items())),
+               tuple(t._version for t in self.net.state_dict(keep_vars=True).values()))
+        if self._prepared is None or self._prepared[0] is not self.net or self._prepared[1] != key:
+            self._prepared = (self.net, key, prepare_model(self.net, device, half))
+        return self._prepared[2]
 
     def info(self, imgsz: int = 640, verbose: bool = True) -> ModelInfo:
         """Layers, parameters (as is and fused), gradients, GFLOPs at ``imgsz``, strides and classes.

@@ -30,7 +30,7 @@ def test_help_lists_commands_and_keys():
 @pytest.mark.parametrize(("args", "message"), [
     (("train", "epoch=3"), "unknown argument 'epoch'; did you mean 'epochs'?"),
     (("val", "imgsz=33"), "invalid value for 'imgsz': 33"),
-    (("predict", "model=n.yaml", "source=/no/such/dir"), "source '/no/such/dir' has no images"),
+    (("predict", "model=n.yaml", "source=/no/such/dir"), "source '/no/such/dir' does not exist"),
     (("val", "model=/no/such.pt", "data=shapes.yaml"), "weights file not found: /no/such.pt"),
     (("predict", "model=s.pt", "weights_sha256=abc"), "invalid value for 'weights_sha256': 'abc'; expected '' or a"),
     (("train", "data=/no/such.yaml", "device=cpu,cpu"), "dataset yaml '/no/such.yaml' not found"),

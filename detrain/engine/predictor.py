@@ -1,118 +1,206 @@
-"""``detrain predict``: detections on images, drawn and written as YOLO-format text.
+"""``detrain predict``: detections on images, videos, cameras and streams; drawn, written as YOLO text, returned.
+
+Pictures are letterboxed as validation letterboxes them (the long side to ``imgsz``, the short one padded to
+the next multiple of the stride) and go through the model in batches of up to ``batch`` consecutive pictures
+of the same letterboxed shape: a folder of same-sized photos or a video runs ``batch`` at a time, a mix of
+shapes runs in smaller batches, and every picture is predicted exactly as it would be alone. A camera or
+stream runs one frame at a time, as frames arrive.
+
+:func:`stream_predict` yields one :class:`~detrain.engine.results.Results` per picture and holds at most one batch
+in memory (the CLI uses it); :func:`predict` returns the list. Both check their arguments before the first
+picture: a bad source, device or ``classes`` raises at once.
 
 >>> from detrain.config import make_cfg
->>> results = predict(make_cfg({"model": "best.pt", "source": "images/"}))  # doctest: +SKIP
->>> results[0]["boxes"][0]   # [x1, y1, x2, y2] in the image's pixels                      # doctest: +SKIP
+>>> for r in stream_predict(make_cfg({"model": "best.pt", "source": "clip.mp4"})):  # doctest: +SKIP
+...     print(r.frame, r.summary(), r.boxes)
 """
 
 from __future__ import annotations
 
-import glob
+import copy
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 import torch
+from torch import nn
 
 from detrain.boxes import scale_boxes_to_original
 from detrain.config import Cfg
 from detrain.data.augment import letterbox
+from detrain.data.frames import Frame, read_frames
+from detrain.data.sources import Source, parse_source, shown
 from detrain.devices import parse_device
 from detrain.engine.build import build_model, increment_run_dir, select_device
-from detrain.engine.validator import predict_batch
-from detrain.errors import ConfigError
+from detrain.engine.predict_output import PredictionWriter
+from detrain.engine.results import Results
+from detrain.errors import ConfigError, DatasetError
 from detrain.log import console
-from detrain.palette import class_color
+from detrain.ops import non_max_suppression
 from detrain.preflight import check_inputs
 
-IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp", ".pfm"}
 PREDICT_CONF = 0.25
+Batch = list[tuple[Frame, np.ndarray, float, tuple[int, int]]]  # (frame, letterboxed BGR, gain, (pad x, pad y))
 
 
-def list_sources(source: str) -> list[Path]:
-    """An image file, a folder (its images, sorted) or a glob -> image paths."""
-    if not source:
-        raise ConfigError("predict needs source=<image, folder or glob>")
-    path = Path(source)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-    elif path.is_file():
-        files = [path]
-    else:
-        files = sorted(Path(p) for p in glob.glob(source, recursive=True) if Path(p).suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise ConfigError(f"source '{source}' has no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return files
+def say(text: str) -> None:
+    """One line on the console; file names are printed as they are, never read as rich markup."""
+    console.print(text, markup=False, highlight=False)
 
 
-def draw(img_bgr: np.ndarray, det: np.ndarray, names: dict[int, str], line_width: int = 0) -> np.ndarray:
-    """Boxes with '<name> <score>' labels drawn on a copy of the image."""
-    out = img_bgr.copy()
-    lw = line_width or max(round(sum(out.shape[:2]) / 2 * 0.003), 2)
-    for x1, y1, x2, y2, score, cls in det.tolist():
-        color = class_color(int(cls))
-        p1, p2 = (int(x1), int(y1)), (int(x2), int(y2))
-        cv2.rectangle(out, p1, p2, color, lw, cv2.LINE_AA)
-        label = f"{names.get(int(cls), str(int(cls)))} {score:.2f}"
-        scale = lw / 3
-        (tw, th), _ = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, max(lw - 1, 1))
-        top = p1[1] - th - 3 >= 0
-        x0 = max(0, min(p1[0], out.shape[1] - tw))  # keep the label inside the image
-        q1, q2 = (x0, p1[1]), (x0 + tw, p1[1] - th - 3 if top else p1[1] + th + 3)
-        cv2.rectangle(out, q1, q2, color, -1, cv2.LINE_AA)
-        cv2.putText(out, label, (x0, p1[1] - 2 if top else p1[1] + th + 2), cv2.FONT_HERSHEY_SIMPLEX, scale,
-                    (255, 255, 255), max(lw - 1, 1), cv2.LINE_AA)
-    return out
+def project_dir(cfg: Cfg) -> Path:
+    """The folder predict's run folders go in (``runs/predict`` or ``project``): never read as a source."""
+    return Path(cfg.project) if cfg.project else Path("runs") / "predict"
 
 
-def predict(cfg: Cfg, model: torch.nn.Module | None = None) -> list[dict[str, Any]]:
-    """Run the model on every image of ``cfg.source``; writes runs/predict/<name>/ and returns plain data."""
-    files = list_sources(cfg.source)
+def inference_device(cfg: Cfg, note: bool = True) -> tuple[torch.device, bool]:
+    """(device, half): the first device ``device`` names; half precision only on CUDA (else a ``note``)."""
+    device = select_device(cfg.device[0] if isinstance(cfg.device, list) and cfg.device else cfg.device)
+    if cfg.half and device.type != "cuda" and note:
+        say(f"half=True runs on CUDA only; predicting in float32 on {device.type}")
+    return device, cfg.half and device.type == "cuda"
+
+
+def prepare_model(model: nn.Module, device: torch.device, half: bool, copy_first: bool = True) -> nn.Module:
+    """The model for inference: on ``device``, eval mode, BatchNorm folded, fp16 with ``half``, no gradients.
+
+    ``copy_first`` leaves ``model`` itself untouched (``Model.net`` stays trainable and where it was)."""
+    net = copy.deepcopy(model) if copy_first else model
+    net = net.to(device).eval()
+    if hasattr(net, "fuse"):
+        net.fuse()
+    if half:
+        net.half()
+    net.requires_grad_(False)
+    return net
+
+
+def check_classes(classes: list[int] | None, names: dict[int, str]) -> None:
+    """``classes`` must name classes the model has."""
+    unknown = [c for c in classes or [] if c not in names]
+    if unknown:
+        raise ConfigError(f"invalid value for 'classes': {unknown} not among the model's {len(names)} classes "
+                          f"(0 to {len(names) - 1})")
+
+
+def batches(frames: Iterable[Frame], size: int, imgsz: int, stride: int) -> Iterator[Batch]:
+    """Consecutive frames letterboxed and grouped: up to ``size`` of one shape; a live source's frames alone."""
+    pending: Batch = []
+    for frame in frames:
+        img, (gain, _), pad = letterbox(frame.image, (imgsz, imgsz), auto=True, stride=stride)
+        if pending and pending[0][1].shape != img.shape:
+            yield pending
+            pending = []
+        pending.append((frame, img, gain, pad))
+        if len(pending) >= size or frame.item.live:
+            yield pending
+            pending = []
+    if pending:
+        yield pending
+
+
+@torch.no_grad()
+def infer(net: nn.Module, images: list[np.ndarray], device: torch.device, half: bool, conf: float, iou: float,
+          max_det: int, classes: list[int] | None = None, agnostic: bool = False) -> list[torch.Tensor]:
+    """Detections (n, 6: x1 y1 x2 y2 conf cls, float32, CPU) per letterboxed BGR image of one shape, in its pixels."""
+    x = torch.from_numpy(np.stack(images)).to(device)  # (B, H, W, 3) BGR uint8
+    x = x.flip(-1).permute(0, 3, 1, 2)  # RGB, (B, 3, H, W) in channels-last memory, as validation feeds it
+    x = (x.half() if half else x.float()).div_(255)
+    preds = net(x)
+    if isinstance(preds, (tuple, list)):
+        preds = preds[0]
+    preds = preds.float()  # NMS offsets boxes by class * max_wh: past float16's range from class 9 on
+    max_wh = max(7680, 2 * max(x.shape[2:]))  # class offsets in NMS must exceed any coordinate
+    dets = non_max_suppression(preds, conf_thres=conf, iou_thres=iou, max_det=max_det, classes=classes,
+                               agnostic=agnostic, max_wh=max_wh)
+    return [d.float().cpu() for d in dets]
+
+
+def stream_predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None, *, prepared: bool = False,
+                   collecting: bool = False) -> Generator[Results, None, None]:
+    """Results one picture at a time for ``cfg`` (``source`` overrides ``cfg.source``: a path, a list of them,
+    image arrays). ``model``: a module to use instead of building ``cfg.model`` (copied first unless
+    ``prepared``, see :func:`prepare_model`). Arguments are checked here; pictures are read as the caller asks
+    for results. Outputs go to ``runs/predict/<name>/`` when ``save`` or ``save_txt``."""
+    project = project_dir(cfg)
     parse_device(cfg.device)  # the same device rules as train and val: one clear line for a bad value
-    check_inputs("predict", cfg)
-    device = select_device(cfg.device if not isinstance(cfg.device, list) else cfg.device[0])
     if model is None:
-        model, _ = build_model(cfg.model, weights_sha256=cfg.weights_sha256)
-    model = model.to(device).eval()
-    if hasattr(model, "fuse"):
-        model.fuse()
-    imgsz = cfg.imgsz
+        check_inputs("predict", cfg)
+    src = parse_source(cfg.source if source is None else source, exclude=project)
+    device, half = inference_device(cfg)
+    if model is None:
+        net = prepare_model(build_model(cfg.model, verbose=False, weights_sha256=cfg.weights_sha256)[0], device, half,
+                            copy_first=False)
+    else:
+        net = model if prepared else prepare_model(model, device, half)
+    names = {int(k): str(v) for k, v in dict(getattr(net, "names", {})).items()}
+    check_classes(cfg.classes, names)
+    if collecting and any(item.is_video for item in src.items):
+        say("note: a video's results all stay in memory until it ends; predict(..., stream=True) gives them one "
+            "frame at a time")
+    save_dir = increment_run_dir(cfg.project, cfg.name, "predict", cfg.exist_ok) if cfg.save or cfg.save_txt \
+        else None
+    return _run(cfg, net, names, src, device, half, save_dir)
+
+
+def predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None) -> list[Results]:
+    """Every picture's :class:`Results`, in source order (see :func:`stream_predict`)."""
+    return list(stream_predict(cfg, model, source, collecting=True))
+
+
+def _run(cfg: Cfg, net: nn.Module, names: dict[int, str], src: Source, device: torch.device, half: bool,
+         save_dir: Path | None) -> Generator[Results, None, None]:
     conf = PREDICT_CONF if cfg.conf is None else cfg.conf
-    save_dir = increment_run_dir(cfg.project, cfg.name, "predict", cfg.exist_ok)
-    (save_dir / "labels").mkdir(parents=True, exist_ok=True)
-    results = []
-    for path in files:
-        img0 = cv2.imread(str(path))
-        if img0 is None:
-            console.print(f"skipped {path}: not a readable image")
-            continue
-        img, ratio, pad = letterbox(img0, (imgsz, imgsz), auto=True, stride=32)
-        tensor = torch.from_numpy(np.ascontiguousarray(img[:, :, ::-1].transpose(2, 0, 1)))[None]
-        det = predict_batch(model, tensor, device, conf, cfg.iou, cfg.max_det)[0].float().cpu()
-        scale_boxes_to_original(det[:, :4], float(ratio[0]), tuple(pad), img0.shape[:2])
-        det_np = det.numpy()
-        if cfg.save:
-            cv2.imwrite(str(save_dir / path.name), draw(img0, det_np, model.names, cfg.line_width))
-        if cfg.save_txt:
-            _write_txt(save_dir / "labels" / f"{path.stem}.txt", det_np, img0.shape[:2], cfg.save_conf)
-        results.append({"file": str(path), "boxes": det_np[:, :4].tolist(), "scores": det_np[:, 4].tolist(),
-                        "classes": det_np[:, 5].astype(int).tolist(),
-                        "names": [model.names.get(int(c), str(int(c))) for c in det_np[:, 5]]})
-        if cfg.verbose:
-            counts: dict[str, int] = {}
-            for name in results[-1]["names"]:
-                counts[name] = counts.get(name, 0) + 1
-            console.print(f"{path.name}: " + (", ".join(f"{n} {k}" for k, n in counts.items()) or "no detections"))
-    console.print(f"results in {save_dir}")
-    return results
+    stride = max(int(getattr(net, "stride", torch.tensor([32.0])).max()), 32)
+    show: Callable[[str], None] = say if cfg.verbose else (lambda text: None)
+    if src.skipped:
+        first = ", ".join(src.skipped[:3]) + (", ..." if len(src.skipped) > 3 else "")
+        say(f"skipped {len(src.skipped)} file(s) that are neither images nor videos: {first}")
+    order = {item: i for i, item in enumerate(src.items, 1)}
+    writer = PredictionWriter(save_dir, cfg.save, cfg.save_txt, cfg.save_conf, cfg.line_width) if save_dir else None
+    count, seconds, keep = 0, 0.0, False
+    try:
+        for batch in batches(read_frames(src, warn=say), cfg.batch, cfg.imgsz, stride):
+            start = time.perf_counter()
+            dets = infer(net, [img for _, img, _, _ in batch], device, half, conf, cfg.iou, cfg.max_det,
+                         cfg.classes, cfg.agnostic_nms)
+            elapsed = time.perf_counter() - start
+            seconds += elapsed
+            for (frame, _, gain, pad), det in zip(batch, dets):
+                scale_boxes_to_original(det[:, :4], gain, pad, frame.image.shape[:2])
+                d = det.numpy()
+                result = Results(frame.item.name, frame.index, frame.image.shape[:2], d[:, :4].copy(),
+                                 d[:, 4].copy(), d[:, 5].astype(np.int64), dict(names), frame.image)
+                if writer is not None:
+                    writer.add(frame, result)
+                count += 1
+                show(f"{_where(frame, order[frame.item], len(src.items))}: {result.summary()}, "
+                     f"{1000 * elapsed / len(batch):.1f}ms")
+                yield result
+        if not count:
+            raise DatasetError(f"source '{shown(str(cfg.source))}': none of its {len(src.items)} image(s) or video(s) "
+                               "could be read")
+        keep = True
+    except (KeyboardInterrupt, GeneratorExit):
+        keep = True  # what was written until the user stopped is whole and worth keeping
+        raise
+    finally:
+        if writer is not None:
+            writer.close(keep)
+        if count and cfg.verbose:
+            say(f"{count} picture(s), {1000 * seconds / count:.1f}ms each (inference and NMS, batch up to "
+                f"{cfg.batch})")
+        if save_dir is not None and save_dir.exists():
+            say(f"results in {save_dir}")
 
 
-def _write_txt(path: Path, det: np.ndarray, shape_hw: tuple[int, int], with_conf: bool) -> None:
-    h, w = shape_hw
-    lines = []
-    for x1, y1, x2, y2, score, cls in det.tolist():
-        row = [int(cls), (x1 + x2) / 2 / w, (y1 + y2) / 2 / h, (x2 - x1) / w, (y2 - y1) / h]
-        text = f"{row[0]} " + " ".join(f"{v:.6f}" for v in row[1:])
-        lines.append(text + (f" {score:.5f}" if with_conf else ""))
-    path.write_text("\n".join(lines) + ("\n" if lines else ""))
+def _where(frame: Frame, index: int, total: int) -> str:
+    """``image 2/5 path``, ``video 1/1 (frame 3/120) path``, ``camera 0 (frame 3)``."""
+    if frame.index is None:
+        return f"image {index}/{total} {frame.item.name}"
+    of = f"/{frame.total}" if frame.total else ""
+    if frame.item.live:
+        return f"{frame.item.name} (frame {frame.index + 1})"
+    return f"video {index}/{total} (frame {frame.index + 1}{of}) {frame.item.name}"
