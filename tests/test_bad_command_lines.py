@@ -140,7 +140,7 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["val", "model=missing.pt", "data=coco8.yaml"], "weights file not found: missing.pt"),
     (["val", f"model={FOLDER_PT}", "data=coco8.yaml"], f"weights '{FOLDER_PT}' is a folder"),
     (["val", "predictions=missing.json", "data=coco8.yaml"], "predictions file not found: missing.json"),
-    (["predict", "source=missing.jpg"], "source 'missing.jpg' has no images"),
+    (["predict", "source=missing.jpg"], "source 'missing.jpg' does not exist"),
     (["predict", f"source={IMAGE}", "model=/etc"], "model '/etc' not found"),
     (["predict", f"source={IMAGE}", "model=missing.pt"], "weights file not found: missing.pt"),
     (["export", "model=missing.pt"], "weights file not found: missing.pt"),
