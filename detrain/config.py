@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -43,6 +44,8 @@ class Cfg:
     master_addr: str
     master_port: int
     rdzv_backend: str
+    run_id: str
+    socket_ifname: str
     max_restarts: int
     dist_timeout: float
     prepare_timeout: float
@@ -132,6 +135,12 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "translate": (0.0, 1.0), "scale": (0.0, 1.0), "shear": (0.0, 180.0), "perspective": (0.0, 0.001),
     "flipud": (0.0, 1.0), "fliplr": (0.0, 1.0), "mosaic": (0.0, 1.0), "mixup": (0.0, 1.0), "conf": (0.0, 1.0),
     "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, None), "opset": (11, 23), "save_period": (-1, None),
+}
+# run_id: a name safe in store keys and messages; socket_ifname: interface names (Linux allows at most 15 chars)
+PATTERNS: dict[str, tuple[str, str]] = {
+    "run_id": (r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", "'' or up to 64 letters, digits, '.', '_' or '-'"),
+    "socket_ifname": (r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}(,[A-Za-z0-9][A-Za-z0-9._@:-]{0,14})*",
+                      "'' or interface names like eth0 (comma-separated)"),
 }
 _TRUE = {"true", "yes", "1", "on"}
 _FALSE = {"false", "no", "0", "off", ""}
@@ -241,6 +250,8 @@ def _check(key: str, value: Any) -> Any:
         if (low is not None and value < low) or (high is not None and value > high):
             span = f"from {low} to {high}" if high is not None else f"at least {low}"
             raise _fail(key, value, f"a value {span}")
+    if key in PATTERNS and value and not re.fullmatch(PATTERNS[key][0], value):
+        raise _fail(key, value, PATTERNS[key][1])
     if key == "imgsz" and value % 32:
         raise _fail(key, value, "a multiple of 32 (the largest stride)")
     return value
