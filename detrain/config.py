@@ -51,6 +51,8 @@ class Cfg:
     master_addr: str
     master_port: int
     rdzv_backend: str
+    run_id: str
+    socket_ifname: str
     max_restarts: int
     dist_timeout: float
     prepare_timeout: float
@@ -161,7 +163,7 @@ NAME_MAX = 255
 
 # The keys each command reads; the others belong to another command, and naming one is an error.
 _LAUNCH_KEYS = ("device", "workers", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
-                "max_restarts", "dist_timeout", "prepare_timeout")
+                "max_restarts", "dist_timeout", "prepare_timeout", "run_id", "socket_ifname")
 _OUTPUT_KEYS = ("project", "name", "exist_ok")
 _ONLY: dict[str, tuple[str, ...]] = {
     "val": ("split", "predictions"),
@@ -179,6 +181,12 @@ COMMAND_KEYS: dict[str, tuple[str, ...]] = {
 }
 COMMAND_KEYS["train"] = tuple(f.name for f in dataclasses.fields(Cfg)
                               if not any(f.name in keys for keys in _ONLY.values()))
+# run_id: a name safe in store keys and messages; socket_ifname: interface names (Linux allows at most 15 chars)
+PATTERNS: dict[str, tuple[str, str]] = {
+    "run_id": (r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", "'' or up to 64 letters, digits, '.', '_' or '-'"),
+    "socket_ifname": (r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}(,[A-Za-z0-9][A-Za-z0-9._@:-]{0,14})*",
+                      "'' or interface names like eth0 (comma-separated)"),
+}
 _TRUE = {"true", "yes", "1", "on"}
 _FALSE = {"false", "no", "0", "off", ""}
 _NONE = {"null", "none", "~"}
@@ -332,6 +340,8 @@ def _check(key: str, value: Any) -> Any:
             raise _fail(key, value, f"a value {span}")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT_LIMIT:
         raise _fail(key, value, f"a value of at most {INT_LIMIT}")
+    if key in PATTERNS and value and not re.fullmatch(PATTERNS[key][0], value):
+        raise _fail(key, value, PATTERNS[key][1])
     if key == "imgsz" and value % 32:
         raise _fail(key, value, "a multiple of 32 (the largest stride)")
     if key == "weights_sha256":

@@ -38,8 +38,10 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as tdist
 
+from detrain import netif
 from detrain.env import env_int
 from detrain.errors import DistributedError
+from detrain.master_store import host_store
 from detrain.slurm import map_slurm_env
 from detrain.store_barrier import Absent, StoreBarrier
 
@@ -118,12 +120,14 @@ def setup(
     backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     startup = timedelta(seconds=startup_timeout_s)
+    whole_world_here = world == local_world
+    _keep_transport_on_master_interface(whole_world_here)
     try:
         tdist.init_process_group(
             backend=backend,
             timeout=startup,
             device_id=torch.device(device) if device.startswith("cuda") else None,
-            **_store_args(rank_, world, restarts, startup),
+            **_store_args(rank_, world, restarts, startup, whole_world_here),
         )
     except Exception as e:  # a dead master, a bad address: say which rank could not join where
         msg = f"rank {rank_} of {world} could not join the process group at {where}: {_cause(e)}"
@@ -369,19 +373,43 @@ def _cause(e: BaseException, timeout_s: float | None = None) -> str:
     return f"{type(e).__name__}: {first}"
 
 
-def _store_args(rank_: int, world: int, restarts: int, timeout: timedelta) -> dict[str, Any]:
+def _store_args(rank_: int, world: int, restarts: int, timeout: timedelta, whole_world_here: bool) -> dict[str, Any]:
     """How ``init_process_group`` finds its peers.
 
     Under torch's elastic agent the workers share the agent's TCPStore, which outlives a restart; the
     keys of the failed attempt would still be there and a new rank could read a dead peer's address
     (pytorch/pytorch#135712). A prefix per attempt keeps every attempt's keys apart.
+
+    Otherwise (srun, plain env://, detrain's c10d rounds) rank 0 hosts the store as env:// would, but listening
+    only on MASTER_ADDR (see ``netif.listen_address``), where binding that address is possible here.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {"init_method": "env://"}
-    client = tdist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout
-    )
-    return {"store": tdist.PrefixStore(f"detrain/attempt_{restarts}", client), "rank": rank_, "world_size": world}
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        client = tdist.TCPStore(addr, port, world_size=world, is_master=False, timeout=timeout)
+        return {"store": tdist.PrefixStore(f"detrain/attempt_{restarts}", client), "rank": rank_, "world_size": world}
+    if rank_ == 0:
+        try:
+            ip = netif.listen_address(addr, whole_world_here)
+        except DistributedError:  # does not resolve: the store below says so, and setup names the rank
+            ip = None
+        if ip is not None and netif.interface_of(ip) is None:  # e.g. a NAT or floating address: bind everything
+            ip = None
+        store = host_store(addr, port, bind=ip, timeout=timeout, world_size=world)
+    else:
+        store = tdist.TCPStore(addr, port, world_size=world, is_master=False, timeout=timeout)
+    # the prefix env:// gives its store, so that keys stay where torch's own tools expect them
+    return {"store": tdist.PrefixStore("default_pg", store), "rank": rank_, "world_size": world}
+
+
+def _keep_transport_on_master_interface(whole_world_here: bool) -> None:
+    """Point gloo (and NCCL on one machine) at the interface that reaches MASTER_ADDR, where the user (or
+    ``socket_ifname``) has not chosen one; gloo would otherwise listen where the host name resolves."""
+    try:
+        chosen = netif.transport_env(os.environ["MASTER_ADDR"], whole_world_here)
+    except DistributedError:  # an address that does not resolve: init_process_group says so, with the rank
+        return
+    for key, value in chosen.items():
+        os.environ.setdefault(key, value)
 
 
 def _set_group_timeout(timeout_s: float) -> None:

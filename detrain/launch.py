@@ -19,16 +19,18 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from detrain import dist
+from detrain import dist, netif, run_identity
 from detrain.devices import DeviceKind, DevicePlan, parse_device
 from detrain.errors import DistributedError
-from detrain.launch_checks import check_entry, check_port_free, parse_nnodes, rendezvous_settings, wait_reachable
+from detrain.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.launch_failures import describe_failure, explained
+from detrain.master_store import host_store
 from detrain.slurm import slurm_tasks
 
 __all__ = ["DeviceKind", "DevicePlan", "check_batch", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
@@ -81,6 +83,8 @@ def launch(
     max_restarts: int = 0,
     rdzv_backend: Literal["static", "c10d"] | None = None,
     run_id: str = "detrain",
+    run_args: dict[str, Any] | None = None,
+    socket_ifname: str = "",
     monitor_interval: float = 0.2,
     start_timeout: float = 600.0,
     connect_timeout: float = 60.0,
@@ -93,11 +97,15 @@ def launch(
       must be an importable top-level function and ``args`` picklable); rank 0's return value comes
       back to this process. On a node that does not host rank 0 (``node_rank > 0``) it returns None.
 
-    ``master_port=0`` on one node lets the rendezvous pick a free port. Several nodes need the same
-    ``master_addr``/``master_port``/``run_id`` on each and ``node_rank`` 0..N-1; ``nnodes="MIN:MAX"``
-    uses torch's c10d rendezvous (node_rank 0 hosts it) for elastic membership. Failures raise
-    ``DistributedError`` with one line naming the rank and the cause; Ctrl-C stops every worker and
-    raises ``KeyboardInterrupt``.
+    ``master_port=0`` on one node picks a free port. Several nodes need the same ``master_addr``/``master_port``
+    /``run_id`` on each and ``node_rank`` 0..N-1; ``nnodes="MIN:MAX"`` uses torch's c10d rendezvous (node_rank 0
+    hosts it) for elastic membership. A node whose ``run_id`` is not the master's ends with one line naming both
+    (``run_args``: the arguments a derived id came from, so that the line names those that differ).
+
+    The rendezvous store listens only on ``master_addr`` (loopback for the default 127.0.0.1) and gloo on the
+    interface that reaches it; ``socket_ifname`` names the interface(s) gloo and NCCL use instead (checked to
+    exist here). Failures raise ``DistributedError`` with one line naming the rank and the cause; Ctrl-C stops
+    every worker and raises ``KeyboardInterrupt``.
 
     Example:
         >>> from detrain.launch import launch, parse_device
@@ -105,21 +113,33 @@ def launch(
         1
     """
     lo, hi = parse_nnodes(nnodes)
+    transport = netif.ifname_env(netif.check_ifname(socket_ifname)) if socket_ifname else {}
     if in_launcher_env() or (plan.nprocs == 1 and hi == 1):
         try:
-            with _worker_env(plan, joined=in_launcher_env()):
+            with _worker_env(plan, joined=in_launcher_env()), _environ(transport):
                 return entry(args)
         finally:
             dist.cleanup()  # launch owns the group's lifetime, as it does in spawned workers
 
-    backend, endpoint, rdzv_configs = rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)
+    rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)  # the arguments, before listening
     check_entry(entry)
     if max_restarts < 0:
         raise DistributedError(f"max_restarts={max_restarts} must be >= 0")
-    if node_rank == 0 and master_port:
-        check_port_free(master_port)
-    elif node_rank > 0:
+    where = netif.listen_address(master_addr, whole_world_here=hi == 1)
+    if node_rank == 0:
+        # Held for the whole launch: torch's rendezvous asks for a multi-tenant server on this port and gets this
+        # one, listening only on the master's address (see detrain.master_store).
+        store = host_store(master_addr, master_port, bind=where, timeout=timedelta(seconds=start_timeout))
+        master_port, local_addr = store.port, where
+        run_identity.host(store, run_id, run_args)
+        if lo == hi:
+            run_identity.wait_for_nodes(store, run_id, run_args, hi - 1, start_timeout, f"{master_addr}:{master_port}")
+    else:
         wait_reachable(master_addr, master_port, connect_timeout)
+        run_identity.join(master_addr, master_port, run_id, node_rank, run_args, wait_go=lo == hi,
+                          connect_timeout_s=connect_timeout, start_timeout_s=start_timeout)
+        local_addr = netif.route_source(where) if where else None
+    backend, endpoint, rdzv_configs = rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -135,6 +155,7 @@ def launch(
         max_nodes=hi,
         nproc_per_node=plan.nprocs,
         run_id=run_id,
+        local_addr=local_addr,  # c10d: the workers' store listens there (MASTER_ADDR), not on the FQDN's address
         role="detrain",
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
@@ -147,7 +168,7 @@ def launch(
     threads = None if os.environ.get("OMP_NUM_THREADS") else max(1, _cores() // plan.nprocs)
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {}
+    env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
     with log_dir, _restore_signal_handlers(), _environ(env), _held_elastic_logs() as held:
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)

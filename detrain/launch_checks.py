@@ -52,8 +52,8 @@ def rendezvous_settings(
     if lo != hi and backend == "static":
         raise DistributedError(f"nnodes={lo}:{hi} is elastic and needs rdzv_backend=c10d, not static")
     if backend is None or (backend == "static" and not port and hi == 1):
-        # Static rendezvous needs a known port; with master_port=0 on one node (the config's defaults) c10d
-        # lets its store bind a free port itself (no race with another run picking the same one).
+        # Static rendezvous needs a known port; launch binds master_port=0 to a free one before it asks here
+        # again, so only a direct caller with port 0 gets c10d, whose store then binds a free port itself.
         backend = "static" if lo == hi and port else "c10d"
     endpoint = f"{addr}:{port}"
     if backend == "static":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from detrain import launch
+from detrain import launch, netif, run_identity
 from detrain.config import Cfg
 from detrain.engine.batch_plan import batch_plan
 from detrain.engine.build import increment_run_dir
@@ -22,6 +22,8 @@ def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
     from detrain.engine.trainer import train_worker
 
     entry = {"train": train_worker, "val": val_worker}[task]
+    if cfg.socket_ifname:
+        netif.check_ifname(cfg.socket_ifname)  # before anything is planned or created
     plan = launch.parse_device(cfg.device)
     check_inputs(task, cfg)  # every named file, before a process starts or a folder is made
     args: dict[str, Any] = {"cfg": cfg.to_dict()}
@@ -33,6 +35,9 @@ def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
     if spawning and cfg.node_rank == 0 and not (task == "train" and cfg.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder
         args["save_dir"] = str(increment_run_dir(cfg.project, cfg.name, task, cfg.exist_ok))
+    # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
+    run_args = None if cfg.run_id else run_identity.shared_args(task, cfg.to_dict())
     return launch.launch(entry, args, plan, nnodes=str(cfg.nnodes), node_rank=cfg.node_rank,
                          master_addr=cfg.master_addr, master_port=cfg.master_port, max_restarts=cfg.max_restarts,
-                         rdzv_backend=cfg.rdzv_backend)
+                         rdzv_backend=cfg.rdzv_backend, run_id=cfg.run_id or run_identity.derive(task, cfg.to_dict()),
+                         run_args=run_args, socket_ifname=cfg.socket_ifname)

@@ -109,6 +109,26 @@ def sleep_forever(args: dict[str, Any]) -> None:
         time.sleep(1)
 
 
+def listeners(args: dict[str, Any]) -> list[dict[str, Any]]:
+    """Join the world and pass one all-reduce (gloo's connections are up), then every rank lists the sockets its
+    process listens on, rank 0 also its launcher's (the parent, which hosts the rendezvous store), and the
+    interface variables it ran with; rank 0 gets everyone's."""
+    from _sockets import listening
+
+    dist.setup(timeout_s=30.0)
+    dist.all_reduce_sum(torch.ones(1))
+    mine: dict[str, Any] = {
+        "rank": dist.rank(),
+        "listening": listening(os.getpid()),
+        "env": {k: os.environ.get(k, "") for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR")},
+    }
+    if dist.rank() == 0:
+        mine["launcher"] = listening(os.getppid())
+    everyone = dist.all_gather_object(mine)
+    dist.barrier("listed")  # nobody leaves (closing its sockets) before every rank has looked
+    return everyone
+
+
 def device_env(args: dict[str, Any]) -> dict[str, str]:
     """The device the launcher assigned to this worker."""
     return {k: os.environ.get(k, "") for k in ("DETRAIN_DEVICE", "DETRAIN_DEVICE_KIND", "OMP_NUM_THREADS")}

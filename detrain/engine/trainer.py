@@ -50,7 +50,7 @@ class Trainer:
             # a resumed run keeps its own arguments; only the devices and the process layout may change
             keep = {k: getattr(cfg, k) for k in ("device", "workers", "nnodes", "node_rank", "master_addr",
                                                    "master_port", "max_restarts", "dist_timeout", "prepare_timeout",
-                                                   "rdzv_backend")}
+                                                   "rdzv_backend", "run_id", "socket_ifname")}
             cfg = make_cfg({**self.resume_ckpt["train_args"], **keep, "resume": str(path)})
             save_dir = save_dir or path.parent.parent
         self.cfg = cfg
