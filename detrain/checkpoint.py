@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 
 from detrain import __version__
 from detrain.errors import CheckpointError
+from detrain.tempfiles import temp_beside
 
 FORMAT = "detrain-checkpoint"
 
@@ -33,7 +33,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"format": FORMAT, "version": __version__, "date": _dt.datetime.now().isoformat(timespec="seconds"),
              **state}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)

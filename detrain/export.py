@@ -20,7 +20,6 @@ import contextlib
 import copy
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from detrain.errors import ConfigError, DetrainError
+from detrain.tempfiles import temp_beside
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -72,24 +72,16 @@ def _atomic_file(out: Path) -> Iterator[Path]:
     """
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
+        fd, tmp_name = temp_beside(out, ".part")
     except OSError as e:
         raise DetrainError(f"cannot write the export {out}: {e.strerror or e}") from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private (0600); an export is an ordinary file
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _umask() -> int:
-    """This process's umask (reading it means setting it; it is put back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _metadata(model: DetectionModel, imgsz: tuple[int, int], stride: int) -> dict[str, object]:

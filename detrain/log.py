@@ -9,7 +9,6 @@ import csv
 import io
 import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from detrain.tempfiles import temp_beside
 
 # a log file or a pipe still gets full-width lines
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
@@ -35,7 +36,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 def _atomic_write(path: str | Path, data: str | bytes, mode: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, mode) as f:
             f.write(data)

@@ -17,7 +17,6 @@ import math
 import os
 import shutil
 import struct
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import cv2
 import numpy as np
 
 from detrain.errors import DatasetError
+from detrain.tempfiles import temp_beside
 
 _REDUCED_FLAGS = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
                   8: cv2.IMREAD_REDUCED_COLOR_8}
@@ -241,7 +241,7 @@ def read_npy(im_file: str) -> np.ndarray | None:
         return None
     tmp: str | None = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".npy.tmp", dir=path.parent)
+        fd, tmp = temp_beside(path.with_name(path.stem), ".npy.tmp")
         with os.fdopen(fd, "wb") as f:
             np.save(f, img, allow_pickle=False)
         os.replace(tmp, path)

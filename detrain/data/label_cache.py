@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import stat
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from detrain.data.label_record import LabelRecord, LabelReport
 from detrain.errors import DatasetError
+from detrain.tempfiles import temp_beside
 
 # Part of every cache's hash: raise it whenever the checks change what a label file yields (2: boxes reaching
 # outside the image are clipped, with a 1 % tolerance, and counted).
@@ -110,7 +110,7 @@ def write_cache(path: Path, digest: str, records: list[LabelRecord], report: Lab
         "bboxes": np.concatenate([r.bboxes_xywhn for r in records]) if records else np.zeros((0, 4), np.float32),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as fh:
             np.savez(fh, **arrays)

@@ -14,7 +14,6 @@ share ``a.avi``; one file listed twice) keep separate files: the later one gets 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path, PurePosixPath
 
 import cv2
@@ -26,6 +25,7 @@ from detrain.data.sources import SourceItem, shown
 from detrain.engine.results import Results
 from detrain.errors import DatasetError
 from detrain.log import atomic_write_bytes
+from detrain.tempfiles import temp_beside
 
 VIDEO_SUFFIX, VIDEO_FOURCC = ".avi", "MJPG"  # Ultralytics' choice on Linux: every OpenCV build writes it
 
@@ -35,7 +35,7 @@ class VideoSink:
 
     def __init__(self, path: Path, fps: float, size_wh: tuple[int, int]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=VIDEO_SUFFIX, dir=path.parent)
+        fd, self.tmp = temp_beside(path.with_name(path.stem), VIDEO_SUFFIX)
         os.close(fd)
         self.path, self.size_wh, self.frames = path, size_wh, 0
         self.writer = cv2.VideoWriter(self.tmp, cv2.VideoWriter_fourcc(*VIDEO_FOURCC), fps, size_wh)

@@ -27,13 +27,13 @@ import hashlib
 import http.client
 import os
 import re
-import tempfile
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
 
 from detrain import net
 from detrain.errors import CheckpointError
+from detrain.tempfiles import temp_beside
 
 __all__ = ["DEFAULT_URL", "RELEASE_FILES", "ReleaseFile", "canonical_name", "file_sha256", "resolve_weights",
            "weights_dir"]
@@ -168,7 +168,7 @@ def _download(url: str, dest: Path, release: ReleaseFile, progress: bool) -> Non
         raise CheckpointError(f"cannot create the weights cache {dest.parent}: {e.strerror}") from None
     limit = release.size or _MAX_UNRECORDED_BYTES
     # In the destination folder, so the final os.replace is a rename on one filesystem (atomic).
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
+    fd, tmp_name = temp_beside(dest, ".part")
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:

@@ -1,0 +1,33 @@
+"""Atomically written files get the mode an ordinary open() gives (0666 & ~umask), not mkstemp's 0600."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from detrain.checkpoint import save_checkpoint
+from detrain.log import atomic_write_text
+from detrain.tempfiles import temp_beside, umask
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])
+def test_results_and_checkpoints_follow_the_umask(tmp_path: Path, mask: int) -> None:
+    old = os.umask(mask)
+    try:
+        assert umask() == mask
+        written = [atomic_write_text(tmp_path / "results.csv", "epoch\n1\n"),
+                   save_checkpoint({"epoch": 1}, tmp_path / "weights" / "last.pt")]
+    finally:
+        os.umask(old)
+    for path in written:
+        assert os.stat(path).st_mode & 0o777 == 0o666 & ~mask, path
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["last.pt", "results.csv"]  # no leftovers
+
+
+def test_temporary_names_are_hidden_and_exclusive(tmp_path: Path) -> None:
+    fd1, a = temp_beside(tmp_path / "last.pt")
+    fd2, b = temp_beside(tmp_path / "last.pt")
+    os.close(fd1), os.close(fd2)
+    assert a != b and all(Path(n).name.startswith(".last.pt.") and n.endswith(".tmp") for n in (a, b))
