@@ -142,11 +142,7 @@ def export_onnx(
     out = Path(out_path)
     graph_model, example, (h, w), stride = _graph_model(model, imgsz)
     with _atomic_file(out) as tmp:
-        with warnings.catch_warnings():
-            # The TorchScript exporter announces its deprecation; tracing notes constant anchors. Both expected.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        with _quiet_tracing():
             torch.onnx.export(
                 graph_model,
                 (example,),
@@ -183,14 +179,21 @@ def export_torchscript(
     graph_model, example, (h, w), stride = _graph_model(model, imgsz)
     meta = json.dumps(_metadata(model, (h, w), stride))
     with _atomic_file(out) as tmp:
-        with warnings.catch_warnings():
-            # torch.jit announces its deprecation; tracing notes the constant anchors of this image size.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            warnings.simplefilter("ignore", FutureWarning)
-            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        with _quiet_tracing():
             traced = torch.jit.trace(graph_model, (example,), check_trace=False)
             torch.jit.save(traced, str(tmp), _extra_files={"detrain.json": meta})
     return out
+
+
+@contextlib.contextmanager
+def _quiet_tracing() -> Iterator[None]:
+    """Tracing's expected warnings, hidden: torch.jit (and the TorchScript ONNX exporter) announce their
+    deprecation, and the tracer notes the constant anchors of the exported image size."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        yield
 
 
 def _add_metadata(path: Path, model: DetectionModel, imgsz: tuple[int, int], stride: int) -> None:

@@ -2,57 +2,20 @@
 
 from __future__ import annotations
 
-import functools
-import http.server
 import io
 import socket
 import tarfile
 import threading
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from _http_server import served  # noqa: F401 (a fixture)
+
 from detrain.data.dataset_yaml import load_dataset_yaml
 from detrain.data.download import download_dataset, marker_name
 from detrain.errors import DatasetError
-
-
-class _Server:
-    """A threaded http.server on 127.0.0.1 serving `root`, counting requests per path."""
-
-    def __init__(self, root: Path) -> None:
-        self.hits: dict[str, int] = {}
-        hits = self.hits
-
-        class Handler(http.server.SimpleHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                hits[self.path] = hits.get(self.path, 0) + 1
-                super().do_GET()
-
-            def log_message(self, *args) -> None:  # keep test output quiet
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def served(tmp_path) -> Iterator[tuple[_Server, Path]]:
-    root = tmp_path / "www"
-    root.mkdir()
-    server = _Server(root)
-    yield server, root
-    server.close()
 
 
 def _zip(path: Path, members: dict[str, bytes]) -> None:
@@ -90,7 +53,7 @@ def test_zip_is_extracted_with_its_top_folder_stripped_and_only_once(served, tmp
     assert (dest / "labels" / "train" / "a.txt").is_file()
     assert (dest / marker_name(server.url("toy.zip"))).is_file()
     download_dataset(server.url("toy.zip"), dest, progress=False)
-    assert server.hits == {"/toy.zip": 1}
+    assert server.counts() == {"/toy.zip": 1}
     # Only the dataset and the lock file remain: no temp files or half-extracted folders.
     assert sorted(p.name for p in dest.parent.iterdir()) == [".toy.download.lock", "toy"]
 
@@ -115,7 +78,7 @@ def test_several_archives_into_one_folder_and_plain_files(served, tmp_path):
     assert (root / "val.txt").is_file() and (root / "images" / "val" / "b.jpg").read_bytes() == b"jpg"
     assert (root / "README.txt").read_text() == "hello" and (root / "labels" / "val" / "b.txt").is_file()
     download_dataset([server.url("labels.zip"), server.url("README.txt")], root, progress=False)
-    assert server.hits == {"/labels.zip": 1, "/val.zip": 1, "/README.txt": 1}
+    assert server.counts() == {"/labels.zip": 1, "/val.zip": 1, "/README.txt": 1}
 
 
 def test_concurrent_callers_download_once(served, tmp_path):
@@ -134,7 +97,7 @@ def test_concurrent_callers_download_once(served, tmp_path):
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert errors == [] and server.hits == {"/toy.zip": 1}
+    assert errors == [] and server.counts() == {"/toy.zip": 1}
     assert (tmp_path / "toy" / "images" / "train" / "a.jpg").is_file()
 
 
@@ -203,7 +166,7 @@ def test_dataset_yaml_downloads_missing_data_once(served, tmp_path):
     assert info.train == [str(tmp_path / "data" / "toy" / "images" / "train" / "a.jpg")]
     assert (tmp_path / "data" / "toy" / "images" / "more" / "x.jpg").is_file()
     load_dataset_yaml(y)
-    assert server.hits == {"/toy.zip": 1, "/extra.zip": 1}
+    assert server.counts() == {"/toy.zip": 1, "/extra.zip": 1}
 
 
 def test_dataset_yaml_offline_error(tmp_path):

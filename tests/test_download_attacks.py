@@ -6,17 +6,15 @@ byte for byte, and no dataset folder, temporary file or extracted folder left be
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import http.server
 import io
 import tarfile
-import threading
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from _http_server import served  # noqa: F401 (a fixture)
 
 from detrain import net
 from detrain.data.dataset_yaml import load_dataset_yaml
@@ -26,70 +24,6 @@ from detrain.errors import DatasetError
 HEADER = "train: images/train\nval: images/val\nnames: [thing]\n"
 TOY = {"toy/images/train/a.jpg": b"jpg-a", "toy/images/val/b.jpg": b"jpg-b",
        "toy/labels/train/a.txt": b"0 .5 .5 .1 .1\n"}
-
-
-class _Server:
-    """Serves `root` on 127.0.0.1, counting requests; special paths misbehave on purpose.
-
-    ``/cut/<f>``: announces the whole file, sends half, hangs up. ``/moved/<f>``: a 302 to ``/<f>``.
-    ``/huge``: announces 60 GB and sends nothing. ``/nolength/<f>``: the file without a Content-Length.
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.hits: list[str] = []
-        hits = self.hits
-
-        class Handler(http.server.SimpleHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                hits.append(self.path)
-                kind, _, name = self.path.lstrip("/").partition("/")
-                if kind == "moved":
-                    self.send_response(302)
-                    self.send_header("Location", f"/{name}")
-                    self.end_headers()
-                elif kind == "huge":
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(60 * 10**9))
-                    self.end_headers()
-                    self.close_connection = True
-                elif kind in ("cut", "nolength"):
-                    body = (root / name).read_bytes()
-                    self.send_response(200)
-                    if kind == "cut":
-                        self.send_header("Content-Length", str(len(body)))
-                        body = body[: len(body) // 2]
-                    self.end_headers()
-                    self.wfile.write(body)
-                    self.close_connection = True
-                else:
-                    super().do_GET()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        class Quiet(http.server.ThreadingHTTPServer):
-            def handle_error(self, request: object, client_address: object) -> None:
-                pass  # a client that refuses a download hangs up mid-body: expected here
-
-        self.httpd = Quiet(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        self.thread.start()
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.httpd.server_address[1]}/{name}"
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[_Server, Path]]:
-    root = tmp_path / "www"
-    root.mkdir()
-    server = _Server(root)
-    yield server, root
-    server.close()
 
 
 def _zip(path: Path, members: dict[str, bytes]) -> Path:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import http.server
 import io
 import shutil
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from _http_server import Server
 
 from detrain import net
 from detrain.errors import CheckpointError
@@ -23,65 +22,13 @@ SHARED_PT = Path(__file__).resolve().parents[2] / "shared" / "weights" / "yolov8
 UNRECORDED = b"bytes that are not the release's yolov8s.pt"
 
 
-class _Server:
-    """A file server on 127.0.0.1 that counts the requests it answers.
-
-    Besides plain files it serves ``/cut/<name>`` (announces the whole file, sends half, hangs up),
-    ``/more/<name>`` (no length, the file and then a megabyte more) and ``/moved/<name>`` (a 302 to the file).
-    """
-
-    def __init__(self, root: Path) -> None:
-        self.requests: list[str] = []
-        log = self.requests
-
-        class Handler(http.server.SimpleHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-                log.append(self.path)
-                kind, _, name = self.path.lstrip("/").partition("/")
-                if kind == "moved":
-                    self.send_response(302)
-                    self.send_header("Location", f"/{name}")
-                    self.end_headers()
-                elif kind in ("cut", "more"):
-                    body = (root / name).read_bytes()
-                    self.send_response(200)
-                    if kind == "cut":
-                        self.send_header("Content-Length", str(len(body)))
-                        body = body[: len(body) // 2]
-                    else:
-                        body += b"\0" * (1 << 20)
-                    self.end_headers()
-                    self.wfile.write(body)
-                    self.close_connection = True
-                else:
-                    super().do_GET()
-
-            def log_message(self, *args: object) -> None:  # keep pytest output clean
-                pass
-
-        class Quiet(http.server.ThreadingHTTPServer):
-            def handle_error(self, request: object, client_address: object) -> None:
-                pass  # a client that refuses a download hangs up mid-body: expected here
-
-        self.httpd = Quiet(("127.0.0.1", 0), functools.partial(Handler, directory=str(root)))
-        self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def use(self, monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
-        """Point DETRAIN_WEIGHTS_URL at ``/<prefix>/<name>``."""
-        monkeypatch.setenv("DETRAIN_WEIGHTS_URL", f"http://127.0.0.1:{self.port}/{prefix}/{{name}}")
-
-    def close(self) -> None:
-        if not self.thread.is_alive():
-            return
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
+def _use(server: Server, monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+    """Point DETRAIN_WEIGHTS_URL at ``/<prefix>/<name>`` of ``server``."""
+    monkeypatch.setenv("DETRAIN_WEIGHTS_URL", f"http://127.0.0.1:{server.port}/{prefix}/{{name}}")
 
 
 @pytest.fixture()
-def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_Server, bytes]]:
+def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Server, bytes]]:
     """Serve yolov8n.pt (the real one when shared/ has it, else a small fake with its sha recorded)."""
     root = tmp_path / "served"
     root.mkdir()
@@ -92,7 +39,7 @@ def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[_S
         (root / "yolov8n.pt").write_bytes(fake)
         monkeypatch.setitem(hub.RELEASE_FILES, "yolov8n.pt", ReleaseFile(_sha(fake), len(fake)))
     (root / "yolov8s.pt").write_bytes(UNRECORDED)
-    server = _Server(root)
+    server = Server(root)
     monkeypatch.setenv("DETRAIN_WEIGHTS_URL", f"http://127.0.0.1:{server.port}/{{name}}")
     monkeypatch.setenv("DETRAIN_WEIGHTS_DIR", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -129,26 +76,26 @@ def test_missing_path_is_a_clear_error(tmp_path: Path) -> None:
         resolve_weights(str(tmp_path / "nope.pt"))
 
 
-def test_downloads_once_then_uses_the_cache(served: tuple[_Server, bytes], tmp_path: Path) -> None:
+def test_downloads_once_then_uses_the_cache(served: tuple[Server, bytes], tmp_path: Path) -> None:
     server, payload = served
     first = resolve_weights("n.pt", progress=True)
     assert first == tmp_path / "cache" / "yolov8n.pt"
     assert first.read_bytes() == payload
-    assert server.requests == ["/yolov8n.pt"]
+    assert server.hits == ["/yolov8n.pt"]
     assert resolve_weights("yolov8n.pt", progress=False) == first
-    assert server.requests == ["/yolov8n.pt"]  # the second call made no request
+    assert server.hits == ["/yolov8n.pt"]  # the second call made no request
     assert [p.name for p in first.parent.iterdir()] == ["yolov8n.pt"]  # no temporary file left
 
 
-def test_current_folder_is_preferred(served: tuple[_Server, bytes], tmp_path: Path) -> None:
+def test_current_folder_is_preferred(served: tuple[Server, bytes], tmp_path: Path) -> None:
     server, _ = served
     (tmp_path / "yolov8n.pt").write_bytes(b"mine")
     assert resolve_weights("n.pt") == tmp_path / "yolov8n.pt"
-    assert server.requests == []
+    assert server.hits == []
 
 
 def test_sha_mismatch_is_refused_and_nothing_is_left(
-    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, payload = served
     monkeypatch.setitem(hub.RELEASE_FILES, "yolov8n.pt", ReleaseFile("0" * 64, len(payload)))
@@ -161,17 +108,17 @@ def test_sha_mismatch_is_refused_and_nothing_is_left(
 
 
 def test_a_name_without_a_recorded_sha_is_not_downloaded(
-    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, _ = served
     monkeypatch.delitem(hub.RELEASE_FILES, "yolov8s.pt")
     with pytest.raises(CheckpointError, match=r"^no sha256 recorded for yolov8s\.pt: .*pass weights_sha256="):
         resolve_weights("s.pt", progress=False)
-    assert server.requests == [] and _left_in(tmp_path / "cache") == []
+    assert server.hits == [] and _left_in(tmp_path / "cache") == []
 
 
 def test_a_given_sha_downloads_an_unrecorded_name(
-    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delitem(hub.RELEASE_FILES, "yolov8s.pt")
     path = resolve_weights("s.pt", progress=False, sha256=_sha(UNRECORDED).upper())
@@ -180,7 +127,7 @@ def test_a_given_sha_downloads_an_unrecorded_name(
 
 
 def test_a_given_sha_overrides_the_recorded_one_for_another_release(
-    served: tuple[_Server, bytes], tmp_path: Path
+    served: tuple[Server, bytes], tmp_path: Path
 ) -> None:
     # The served yolov8s.pt is not the recorded release file: refused as it is, accepted with its own hash.
     recorded = hub.RELEASE_FILES["yolov8s.pt"].sha256
@@ -190,7 +137,7 @@ def test_a_given_sha_overrides_the_recorded_one_for_another_release(
     assert resolve_weights("s.pt", progress=False, sha256=_sha(UNRECORDED)).read_bytes() == UNRECORDED
 
 
-def test_a_given_sha_that_does_not_match_is_refused(served: tuple[_Server, bytes], tmp_path: Path) -> None:
+def test_a_given_sha_that_does_not_match_is_refused(served: tuple[Server, bytes], tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=rf"has sha256 {_sha(UNRECORDED)}, expected {'a' * 64}: deleted it"):
         resolve_weights("s.pt", progress=False, sha256="a" * 64)
     assert _left_in(tmp_path / "cache") == []
@@ -211,33 +158,27 @@ def test_a_malformed_sha_is_a_clear_error(tmp_path: Path, bad: str) -> None:
         resolve_weights(tmp_path / "x.pt", sha256=bad)
 
 
-def test_an_interrupted_download_leaves_nothing(
-    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("prefix", "message"), [
+    ("cut", "broke off after {half} of {size} bytes"),  # the server hangs up mid-body
+    ("more", "the server sent more than {size} bytes"),  # a body longer than the release file is cut off
+])
+def test_a_broken_transfer_leaves_nothing(
+    served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefix: str, message: str
 ) -> None:
     server, payload = served
-    server.use(monkeypatch, "cut")
-    with pytest.raises(CheckpointError, match=rf"broke off after {len(payload) // 2} of {len(payload)} bytes"):
-        resolve_weights("n.pt", progress=False)
-    assert _left_in(tmp_path / "cache") == []
-
-
-def test_a_body_longer_than_the_release_file_is_cut_off(
-    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    server, payload = served
-    server.use(monkeypatch, "more")
-    with pytest.raises(CheckpointError, match=rf"the server sent more than {len(payload)} bytes"):
+    _use(server, monkeypatch, prefix)
+    with pytest.raises(CheckpointError, match=message.format(half=len(payload) // 2, size=len(payload))):
         resolve_weights("n.pt", progress=False)
     assert _left_in(tmp_path / "cache") == []
 
 
 def test_a_redirect_within_http_is_followed(
-    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, payload = served
-    server.use(monkeypatch, "moved")
+    _use(server, monkeypatch, "moved")
     assert resolve_weights("n.pt", progress=False).read_bytes() == payload
-    assert server.requests == ["/moved/yolov8n.pt", "/yolov8n.pt"]
+    assert server.hits == ["/moved/yolov8n.pt", "/yolov8n.pt"]
 
 
 def test_recorded_hashes_are_the_default_release_files() -> None:
@@ -252,14 +193,14 @@ def test_recorded_hashes_are_the_default_release_files() -> None:
 
 
 def test_missing_on_server_is_a_clear_error(
-    served: tuple[_Server, bytes], tmp_path: Path
+    served: tuple[Server, bytes], tmp_path: Path
 ) -> None:
     with pytest.raises(CheckpointError, match=r"cannot download yolov8m.pt .*put the file at"):
         resolve_weights("m.pt", progress=False)
     assert list((tmp_path / "cache").iterdir()) == []
 
 
-def test_server_down_is_a_clear_error(served: tuple[_Server, bytes], tmp_path: Path) -> None:
+def test_server_down_is_a_clear_error(served: tuple[Server, bytes], tmp_path: Path) -> None:
     server, _ = served
     server.close()
     with pytest.raises(CheckpointError) as err:
@@ -272,7 +213,7 @@ def test_server_down_is_a_clear_error(served: tuple[_Server, bytes], tmp_path: P
 
 
 def test_a_download_announcing_more_than_the_release_file_is_refused(
-    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     server, payload = served
     monkeypatch.setitem(hub.RELEASE_FILES, "yolov8n.pt", ReleaseFile(_sha(payload), len(payload) - 1))
@@ -297,13 +238,13 @@ def test_the_redirect_policy_keeps_https_on_https() -> None:
 
 
 def test_an_https_to_http_redirect_stops_the_download(
-    served: tuple[_Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # No TLS on a test server: judge each hop as if the first URL had been https (the real policy decides).
     server, _ = served
     policy = net.redirect_allowed
     monkeypatch.setattr(net, "redirect_allowed", lambda old, new: policy(old.replace("http:", "https:", 1), new))
-    server.use(monkeypatch, "moved")
+    _use(server, monkeypatch, "moved")
     with pytest.raises(CheckpointError, match=r"^cannot download yolov8n\.pt .*refused the redirect from .* to http:"):
         resolve_weights("n.pt", progress=False)
-    assert server.requests == ["/moved/yolov8n.pt"] and _left_in(tmp_path / "cache") == []
+    assert server.hits == ["/moved/yolov8n.pt"] and _left_in(tmp_path / "cache") == []
