@@ -1,0 +1,79 @@
+"""README, ``detrain --help`` and cfg/default.yaml say the same thing: every key README uses exists for its
+command, the keys table shows the true defaults, and every key has its one-line comment."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from detrain.cli import _keys_help
+from detrain.config import COMMAND_KEYS, comments, defaults, make_cfg
+from detrain.errors import ConfigError
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_commands() -> list[tuple[str, list[str]]]:
+    """(command, [key=value, ...]) of every `detrain <command> ...` line in README's code blocks (continued
+    lines joined; the second of two side-by-side commands on one line dropped)."""
+    text = README.read_text()
+    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S)
+    out = []
+    for block in blocks:
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.split(" # ")[0].split("  #")[0]
+            m = re.search(r"\bdetrain (train|val|predict|export|info)\b(.*)", line)
+            if m:
+                words = shlex.split(m.group(2).split("detrain ")[0])
+                out.append((m.group(1), [w for w in words if "=" in w and not w.startswith("-")]))
+    return out
+
+
+COMMANDS = _readme_commands()
+
+
+def test_readme_shows_commands() -> None:
+    assert {c for c, _ in COMMANDS} == {"train", "val", "predict", "export", "info"}
+
+
+@pytest.mark.parametrize(("command", "args"), COMMANDS, ids=[f"{c} {' '.join(a)}" for c, a in COMMANDS])
+def test_every_readme_command_line_uses_keys_of_its_command(command: str, args: list[str]) -> None:
+    for arg in args:
+        key, value = arg.split("=", 1)
+        assert key in COMMAND_KEYS[command], f"README: detrain {command} {arg}: no key {key!r} for {command}"
+        if "..." in value or "<" in value or value.startswith("/") or value.startswith("path"):
+            continue  # a placeholder
+        try:
+            make_cfg({key: value})
+        except ConfigError as e:
+            pytest.fail(f"README: detrain {command} {arg}: {e}")
+
+
+def test_readme_keys_table_shows_the_defaults() -> None:
+    rows = re.findall(r"^\| (`[^|]*`) \| ([^|]*) \|", README.read_text(), re.M)
+    assert rows
+    truth = defaults()
+    for keys, shown in rows:
+        names = re.findall(r"`([a-z_0-9]+)`", keys)
+        assert all(k in truth for k in names), f"README keys table: {names}"
+        values = [v.strip().strip("`'") for v in shown.split(",")] if shown.strip() else []
+        if len(values) == len(names):
+            for k, v in zip(names, values):
+                want = truth[k]
+                assert v == ("null" if want is None else str(want).lower() if isinstance(want, bool) else
+                             ("''" if want == "" else str(want))) or v == str(want), f"README says {k}={v}, default {want}"
+
+
+def test_every_key_has_its_comment_and_is_in_some_help() -> None:
+    notes = comments()
+    helped = set().union(*(COMMAND_KEYS[c] for c in COMMAND_KEYS))
+    for key in defaults():
+        assert notes.get(key, "").strip(), f"cfg/default.yaml: {key} has no comment"
+        assert key in helped, f"{key} is in no command's --help"
+    for command in COMMAND_KEYS:
+        text = _keys_help(command)
+        assert all(f"{k}=" in text for k in COMMAND_KEYS[command])
