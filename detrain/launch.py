@@ -29,7 +29,7 @@ from detrain import dist, netif, run_identity
 from detrain.devices import DeviceKind, DevicePlan, parse_device
 from detrain.errors import DistributedError
 from detrain.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
-from detrain.launch_failures import describe_failure, explained
+from detrain.launch_failures import describe_failure, explained, is_consequence
 from detrain.master_store import host_store
 from detrain.slurm import slurm_tasks
 
@@ -198,8 +198,8 @@ def _worker(entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: De
             return entry(args)
     except KeyboardInterrupt:
         raise SystemExit(130) from None  # the agent reports the stop; no traceback per worker
-    except DistributedError as e:
-        if dist.PEER_LOST_MARK in str(e):
+    except Exception as e:
+        if is_consequence(f"{type(e).__name__}: {e}"):
             # This rank only noticed that a peer is gone. The agent reports whichever worker it sees
             # exit first and stops the rest, so give the peer that failed on its own time to be seen.
             time.sleep(_CONSEQUENCE_GRACE_S)

@@ -48,10 +48,23 @@ def _message(failure: Any) -> str:
     return str(msg).strip()
 
 
+# gloo's own words when the other end of a connection went away (as ``dist._cause`` reads them); its messages
+# start with its source file ("[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer ...")
+_PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def is_consequence(message: str) -> bool:
+    """Whether a worker's error (``"Type: text"``) only says that another rank was gone: one of ``dist``'s
+    collectives (see ``dist._cause``), or one inside torch that ``dist`` does not wrap (DDP's gradient all-reduce),
+    which raises gloo's own error when, say, rank 0 left the step on an exception of its own."""
+    if message.startswith("DistributedError:"):
+        return dist.PEER_LOST_MARK in message
+    low = message.lower()
+    return "gloo" in low and any(word in low for word in _PEER_GONE)
+
+
 def _is_consequence(failure: Any) -> bool:
-    """A rank whose collective failed because another rank was gone (see ``dist._cause``)."""
-    msg = _message(failure)
-    return failure.exitcode > 0 and msg.startswith("DistributedError:") and dist.PEER_LOST_MARK in msg
+    return failure.exitcode > 0 and is_consequence(_message(failure))
 
 
 def _how(failure: Any) -> str:

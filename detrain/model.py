@@ -7,19 +7,22 @@
 >>> results = Model("runs/train/exp/weights/best.pt").predict("images/")  # doctest: +SKIP
 >>> results[0].boxes, results[0].conf, results[0].cls, results[0].plot()  # doctest: +SKIP
 >>> for r in Model("best.pt").predict("clip.mp4", stream=True): ...  # one frame at a time  # doctest: +SKIP
+>>> model.add_callback("on_fit_epoch_end", lambda e: print(e.epoch, e.metrics.get("metrics/mAP50")))
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from detrain.callbacks import CallbackFn, check_event
 from detrain.config import make_cfg
 from detrain.engine.build import build_model, increment_run_dir, is_weights
 from detrain.engine.results import Results
+from detrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from detrain.nn.info import ModelInfo
@@ -37,20 +40,40 @@ class Model:
         self.source = str(model)
         self.net, self.ckpt = build_model(self.source, verbose=False, weights_sha256=weights_sha256)
         self._prepared: tuple[torch.nn.Module, tuple[Any, ...], torch.nn.Module] | None = None
+        self.callbacks: dict[str, list[CallbackFn]] = {}
 
     @property
     def names(self) -> dict[int, str]:
         return dict(self.net.names)
 
+    def add_callback(self, event: str, fn: Callable[..., Any]) -> None:
+        """Call ``fn(info)`` (``info``: a :class:`~detrain.callbacks.TrainEvent`) at ``event`` of every later
+        ``train()``, after the callbacks added before it. The events (Ultralytics' names): ``on_pretrain_routine_start``,
+        ``on_pretrain_routine_end``, ``on_train_start``, ``on_train_epoch_start``, ``on_train_epoch_end``,
+        ``on_model_save``, ``on_fit_epoch_end``, ``on_train_end`` (see :mod:`detrain.callbacks`).
+
+        They run on rank 0 only, in the process that trains it. Training on several workers (``device="cpu,cpu"``,
+        ``[0, 1]``) sends them to the spawned workers by reference, so there ``fn`` must be a function defined
+        with ``def`` at the top level of an importable module: a lambda or a closure is refused when such a
+        ``train()`` starts. A callback that raises stops the run with its exception; the epoch's last.pt is
+        already written at ``on_model_save`` and ``on_fit_epoch_end``. ``detrain train`` has no callbacks.
+        """
+        check_event(event)
+        if not callable(fn):
+            raise ConfigError(f"add_callback({event!r}, {fn!r}): the callback must be callable (a function of one "
+                              "argument, the TrainEvent)")
+        self.callbacks.setdefault(event, []).append(fn)
+
     def train(self, **kwargs: Any) -> dict[str, Any]:
         """Train with the CLI's keys; ``device=[0, 1]`` or ``"cpu,cpu"`` trains on several workers.
 
-        Returns the final validation metrics; afterwards this Model holds the best weights.
+        Returns the final validation metrics; afterwards this Model holds the best weights. The callbacks of
+        :meth:`add_callback` fire on rank 0 during the run.
         """
         cfg = make_cfg({"model": self.source, **kwargs})
         from detrain.runner import run_task
 
-        result = run_task("train", cfg)
+        result = run_task("train", cfg, self.callbacks)
         best = Path(result["save_dir"]) / "weights" / "best.pt"
         if best.is_file():
             self.source = str(best)

@@ -7,17 +7,22 @@ through torch's elastic launcher, or inside a launcher that already started us (
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from detrain import launch, netif, run_identity
+from detrain.callbacks import CallbackFn, check_sendable
 from detrain.config import Cfg
 from detrain.engine.batch_plan import batch_plan
 from detrain.engine.build import increment_run_dir
 from detrain.preflight import check_inputs
 
 
-def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
-    """Train or validate; returns rank 0's result in the calling process."""
+def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | None = None) -> dict[str, Any]:
+    """Train or validate; returns rank 0's result in the calling process.
+
+    ``callbacks`` (train only; see :mod:`detrain.callbacks`) run on rank 0: here, or pickled by reference into
+    the spawned workers, which is checked before anything starts."""
     from detrain.engine.evaluate import val_worker
     from detrain.engine.trainer import train_worker
 
@@ -28,6 +33,11 @@ def run_task(task: str, cfg: Cfg) -> dict[str, Any]:
     check_inputs(task, cfg)  # every named file, before a process starts or a folder is made
     args: dict[str, Any] = {"cfg": cfg.to_dict()}
     spawning = not launch.in_launcher_env() and (plan.nprocs > 1 or str(cfg.nnodes) != "1")
+    if callbacks:
+        if spawning:
+            check_sendable(callbacks, f"the {plan.nprocs} workers of device={cfg.device!r}" if plan.nprocs > 1
+                           else f"the workers of nnodes={cfg.nnodes!r}")
+        args["callbacks"] = {event: list(fns) for event, fns in callbacks.items()}
     if task == "train" and not cfg.resume and not launch.in_launcher_env():
         # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting
         planned = plan.nprocs * launch.parse_nnodes(cfg.nnodes)[1]

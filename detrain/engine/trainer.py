@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from detrain import dist
+from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.data.batch_memory import release_batch
@@ -42,7 +43,9 @@ class Trainer:
     """Trains one rank. Every decision that could differ between ranks (best epoch, early stop, image size)
     is taken once and shared, so no rank waits for another that has left the loop."""
 
-    def __init__(self, cfg: Cfg, save_dir: str | Path | None = None) -> None:
+    def __init__(self, cfg: Cfg, save_dir: str | Path | None = None,
+                 callbacks: dict[str, list[CallbackFn]] | None = None) -> None:
+        self.callbacks = Callbacks(callbacks)  # fired on rank 0 only (detrain.callbacks)
         self.resume_ckpt: dict[str, Any] | None = None
         if cfg.resume:
             path = find_resume_checkpoint(cfg)
@@ -173,7 +176,10 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
         """Run every epoch; returns the final metrics (the same dict on every rank)."""
+        done = int(self.resume_ckpt["epoch"]) + 1 if self.resume_ckpt else 0
+        self.callbacks.fire("on_pretrain_routine_start", self, done)
         self._setup()
+        self.callbacks.fire("on_pretrain_routine_end", self, self.start_epoch)
         cfg = self.cfg
         if self.main:
             self.wdir.mkdir(parents=True, exist_ok=True)
@@ -190,9 +196,11 @@ class Trainer:
             start = self._validate(-1)
             if self.main:
                 console.print(f"starting weights: mAP50 {start['map50']:.4f}  mAP50-95 {start['map']:.4f}")
+        self.callbacks.fire("on_train_start", self, self.start_epoch)
         self.optimizer.zero_grad(set_to_none=True)
         for epoch in range(self.start_epoch, cfg.epochs):
             _test_kill_hook(epoch, self.rank)
+            self.callbacks.fire("on_train_epoch_start", self, epoch + 1)
             t0 = time.perf_counter()
             self.train_loader.dataset.set_epoch(epoch)
             _set_sampler_epoch(self.train_loader, epoch)
@@ -238,6 +246,9 @@ class Trainer:
                 accumulation.average_over_ranks(unwrap(self.model))  # collective: one all-reduce of the gradients
             epoch_time = time.perf_counter() - t0
             speed = self._speed(n_images, epoch_time, step_times)
+            self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {
+                **{f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())},
+                **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}})
             final = epoch + 1 == cfg.epochs
             if cfg.val or final:
                 metrics = self._validate(epoch)
@@ -254,13 +265,17 @@ class Trainer:
                    **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}, **speed}
             if self.main:
                 csv.add(row)
-                tb.log({k: float(v) for k, v in row.items() if k != "epoch"}, epoch + 1)
+                scalars = {k: float(v) for k, v in row.items() if k != "epoch"}
+                tb.log(scalars, epoch + 1)
                 self._save(epoch, metrics, improved)
+                if cfg.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
+                    self.callbacks.fire("on_model_save", self, epoch + 1, scalars, improved)
                 shown = "  ".join(f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items()
                                   if k.startswith(("train/", "metrics/")))
                 console.print(f"epoch {epoch + 1}/{cfg.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
                               f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
                               f"rank, {epoch_time:.1f} s")
+                self.callbacks.fire("on_fit_epoch_end", self, epoch + 1, scalars, improved)
             dist.barrier("end of epoch")
             if stop:
                 if self.main:
@@ -277,6 +292,7 @@ class Trainer:
                 console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {cfg.epochs} (started at "
                               f"{start['map']:.4f}); mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})")
             console.print(f"done: {self.save_dir}")
+            self.callbacks.fire("on_train_end", self, None, result)
         result["save_dir"] = str(self.save_dir)
         return dist.broadcast_object(result)
 
@@ -418,6 +434,6 @@ def train_worker(args: dict[str, Any]) -> dict[str, Any]:
         if dist.is_main():
             console.print(f"restart {restarts}: resuming from {cfg.resume}")
     try:
-        return Trainer(cfg, save_dir).train()
+        return Trainer(cfg, save_dir, args.get("callbacks")).train()
     finally:
         dist.cleanup()
