@@ -44,6 +44,7 @@ class Cfg:
     batch: int
     patience: int
     fraction: float
+    single_cls: bool
     device: Device
     workers: int
     nnodes: str
@@ -99,6 +100,8 @@ class Cfg:
     fliplr: float
     mosaic: float
     mixup: float
+    cutmix: float
+    copy_paste: float
     val: bool
     split: str
     conf: Union[float, None]
@@ -144,7 +147,8 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "close_mosaic": (0, None), "box": (0.0, None), "cls": (0.0, None), "dfl": (0.0, None),
     "hsv_h": (0.0, 1.0), "hsv_s": (0.0, 1.0), "hsv_v": (0.0, 1.0), "degrees": (0.0, 180.0),
     "translate": (0.0, 1.0), "scale": (0.0, 1.0), "shear": (0.0, 180.0), "perspective": (0.0, 0.001),
-    "flipud": (0.0, 1.0), "fliplr": (0.0, 1.0), "mosaic": (0.0, 1.0), "mixup": (0.0, 1.0), "conf": (0.0, 1.0),
+    "flipud": (0.0, 1.0), "fliplr": (0.0, 1.0), "mosaic": (0.0, 1.0), "mixup": (0.0, 1.0), "cutmix": (0.0, 1.0),
+    "copy_paste": (0.0, 1.0), "conf": (0.0, 1.0),
     "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, 32767), "opset": (11, 23), "save_period": (-1, None),
     "seed": (0, None), "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None),
     "download_max_files": (1, None),
@@ -167,13 +171,13 @@ _LAUNCH_KEYS = ("device", "workers", "nnodes", "node_rank", "master_addr", "mast
 _OUTPUT_KEYS = ("project", "name", "exist_ok")
 _ONLY: dict[str, tuple[str, ...]] = {
     "val": ("split", "predictions"),
-    "predict": ("source", "save_txt", "save_conf", "line_width", "classes", "agnostic_nms", "half"),
+    "predict": ("source", "save_txt", "save_conf", "line_width", "half"),
     "export": ("format", "opset", "dynamic"),
 }
 COMMAND_KEYS: dict[str, tuple[str, ...]] = {
     "val": ("model", "weights_sha256", "data", "imgsz", "batch", *_LAUNCH_KEYS, "split", "conf", "iou", "max_det",
-            "save_json", "predictions", "plots", *_OUTPUT_KEYS, "verbose", "download_max_gb",
-            "download_max_unpacked_gb", "download_max_files"),
+            "single_cls", "classes", "agnostic_nms", "save_json", "predictions", "plots", *_OUTPUT_KEYS, "verbose",
+            "download_max_gb", "download_max_unpacked_gb", "download_max_files"),
     "predict": ("model", "weights_sha256", "source", "imgsz", "batch", "device", "half", "conf", "iou", "max_det",
                 "classes", "agnostic_nms", "save", "save_txt", "save_conf", "line_width", *_OUTPUT_KEYS, "verbose"),
     "export": ("model", "weights_sha256", "format", "imgsz", "opset", "dynamic", *_OUTPUT_KEYS),
@@ -342,6 +346,9 @@ def _check(key: str, value: Any) -> Any:
         raise _fail(key, value, f"a value of at most {INT_LIMIT}")
     if key in PATTERNS and value and not re.fullmatch(PATTERNS[key][0], value):
         raise _fail(key, value, PATTERNS[key][1])
+    if key == "copy_paste" and value:  # Ultralytics' copy-paste cuts objects out along their polygons
+        raise _fail(key, value, "0: copy-paste needs instance polygons (segment labels) and detrain's labels are "
+                                "boxes; use cutmix= or mixup= instead")
     if key == "imgsz" and value % 32:
         raise _fail(key, value, "a multiple of 32 (the largest stride)")
     if key == "weights_sha256":

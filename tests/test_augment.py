@@ -6,8 +6,10 @@ import cv2
 import numpy as np
 import pytest
 
+from _cutmix_check import check_cutmix, grid_scene
 from detrain.data.affine import _warp_general, box_candidates, flip_matrix, scaling, translation, warp_into
 from detrain.data.augment import apply_hsv, flip, letterbox, mixup, random_affine, random_flip, random_hsv
+from detrain.data.cutmix import cutmix
 from detrain.data.instances import Labels
 from detrain.data.mosaic import mosaic4
 
@@ -126,6 +128,27 @@ def test_mixup_blends_images_and_keeps_both_label_sets() -> None:
         assert iou(box, np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1])) > 0.95
     r = out[20, 20, 2] / 200
     assert 0.3 < r < 0.7  # Beta(32, 32) stays near an even blend
+
+
+def test_cutmix_pastes_a_free_rectangle_of_the_partner_with_its_boxes() -> None:
+    base, base_labels = scene(96, 128, [(4, 4, 24, 20)])  # one object in a corner: most rectangles are free
+    partner, partner_labels = grid_scene(96, 128, 14, 10, 1, COLOURS[1])
+    seen = {"pasted": 0, "clipped": 0, "dropped": 0}
+    for seed in range(40):
+        out, labels = cutmix(base, base_labels, partner, partner_labels, np.random.default_rng(seed))
+        assert out.shape == base.shape and out.dtype == np.uint8
+        for k, v in check_cutmix(out, labels, base, base_labels, partner, partner_labels, 1).items():
+            seen[k] += v
+    assert seen["pasted"] >= 20 and seen["clipped"] >= 10 and seen["dropped"] >= 3, seen
+    assert (base == scene(96, 128, [(4, 4, 24, 20)])[0]).all()  # the input is left as it was
+
+
+def test_cutmix_without_a_free_rectangle_changes_nothing() -> None:
+    base, base_labels = scene(64, 64, [(0, 0, 64, 64)])  # one object fills the image: no rectangle is free
+    partner, partner_labels = grid_scene(64, 64, 14, 10, 1, COLOURS[1])
+    for seed in range(10):
+        out, labels = cutmix(base, base_labels, partner, partner_labels, np.random.default_rng(seed))
+        assert (out == base).all() and labels.cls.tolist() == [0]
 
 
 def test_hsv_keeps_shape_and_dtype_and_stays_in_range() -> None:

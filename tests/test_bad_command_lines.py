@@ -57,6 +57,17 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["train", "workers=-1"], "'workers': -1"),
     (["train", "master_port=70000"], "'master_port': 70000"),
     (["train", "mosaic=2"], "'mosaic': 2.0"),
+    (["train", "cutmix=1.5"], "'cutmix': 1.5; expected a value from 0.0 to 1.0"),
+    (["train", "cutmix=-0.1"], "'cutmix': -0.1"),
+    (["train", "cutmix=nan"], "'cutmix': 'nan'; expected a finite number"),
+    (["train", "copy_paste=0.5"], "'copy_paste': 0.5; expected 0: copy-paste needs instance polygons"),
+    (["train", "copy_paste=2"], "'copy_paste': 2.0; expected a value from 0.0 to 1.0"),
+    (["train", "single_cls=maybe"], "'single_cls': 'maybe'; expected true or false"),
+    (["val", "single_cls=2", "data=coco8.yaml"], "'single_cls': '2'; expected true or false"),
+    (["train", "agnostic_nms=yes please"], "'agnostic_nms': 'yes please'"),
+    (["train", "classes=person"], "'classes': 'person'; expected class ids"),
+    (["train", "classes=0,-1"], "'classes': '0,-1'; expected class ids of at least 0"),
+    (["val", "classes=1.5", "data=coco8.yaml"], "'classes': '1.5'; expected class ids"),
     (["train", "patience=-1"], "'patience': -1"),
     (["train", "seed=-1"], "'seed': -1"),  # numpy refuses negative seeds: it failed in the workers
     (["train", "save_period=-2"], "'save_period': -2"),
@@ -127,6 +138,10 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["val", f"source={IMAGE}"], "'source' is not used by 'detrain val'"),
     (["predict", f"source={IMAGE}", "epochs=3"], "'epochs' is not used by 'detrain predict'"),
     (["export", "epochs=3"], "'epochs' is not used by 'detrain export'"),  # exported a model with exit 0
+    (["val", "cutmix=0.5"], "'cutmix' is not used by 'detrain val' (it is for train)"),
+    (["predict", f"source={IMAGE}", "single_cls=true"], "'single_cls' is not used by 'detrain predict' (it is "
+                                                          "for val and train)"),
+    (["export", "classes=0"], "'classes' is not used by 'detrain export' (it is for val and predict and train)"),
     # paths that do not exist, or are folders or the wrong kind of file
     (["train", "data=missing.yaml"], "dataset yaml 'missing.yaml' not found"),
     (["train", "data=/"], "dataset yaml '/' is a folder"),
@@ -262,6 +277,9 @@ def test_bare_detrain_prints_the_help_and_exits_0(capsys):
     (["nnodes=2", "node_rank=1", "master_port=29500"], {"node_rank": 1}),
     (["seed=2147483647"], {"seed": 2147483647}),
     (["--cos-lr", "--epochs", "3"], {"cos_lr": True, "epochs": 3}),
+    (["single_cls=true", "classes=[0, 2]", "agnostic_nms=1"], {"single_cls": True, "classes": [0, 2],
+                                                              "agnostic_nms": True}),
+    (["cutmix=0.3", "copy_paste=0.0", "classes="], {"cutmix": 0.3, "copy_paste": 0.0, "classes": None}),
 ], ids=lambda v: str(v)[:40])
 def test_the_valid_forms_beside_the_bad_ones_still_parse(argv, expected):
     cfg = make_cfg(parse_cli_args(argv, "train"))

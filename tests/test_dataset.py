@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 
+from _cutmix_check import check_cutmix, grid_scene
+from detrain.data.instances import Labels
 from detrain.data.labels import LabelRecord as Rec
 from detrain.boxes import scale_boxes_to_original, xywh2xyxy
 from detrain.data import image_io, ram_cache
@@ -204,6 +206,51 @@ def test_close_mosaic_epoch_and_switch(records: list[Rec]) -> None:
     ds2 = DetectionDataset(records, imgsz=96, augment=True, hyp=NO_HSV)
     ds2.close_mosaic()
     assert not ds2.mosaic_active and all(background_colours(ds2[i]) == 1 for i in range(4))
+
+
+def test_close_mosaic_switches_mixup_and_cutmix_off_too(records: list[Rec]) -> None:
+    """Before the switch mixup and cutmix change samples; after it each sample is what it is without them (their
+    draws do not shift the others)."""
+    mixed = DetectionDataset(records, imgsz=96, augment=True, hyp={"mosaic": 0.0, "mixup": 1.0, "cutmix": 1.0},
+                             close_mosaic_epoch=1)
+    plain = DetectionDataset(records, imgsz=96, augment=True, hyp={"mosaic": 0.0}, close_mosaic_epoch=1)
+    assert all(not torch.equal(mixed[i]["img"], plain[i]["img"]) for i in range(len(mixed)))
+    mixed.set_epoch(1)
+    plain.set_epoch(1)
+    for i in range(len(mixed)):
+        a, b = mixed[i], plain[i]
+        assert torch.equal(a["img"], b["img"]) and torch.equal(a["bboxes"], b["bboxes"])
+
+
+def _write(path: Path, img: np.ndarray, labels: Labels) -> Rec:
+    cv2.imwrite(str(path), img)
+    h, w = img.shape[:2]
+    return Rec(str(path), (h, w), labels.cls, labels.to_xywhn(w, h))
+
+
+def test_cutmix_pastes_a_rectangle_of_a_pool_partner_with_its_boxes(tmp_path: Path) -> None:
+    """With cutmix=1.0 and no other geometry (the image shown 1:1), a sample of image 0 whose pool holds image 1
+    shows image 1's pixels in one rectangle away from its own object, with image 1's boxes clipped to it; those
+    mostly outside are dropped. The rectangle's pixels come through the batch's decodes (the plan's tiles)."""
+    base = np.full((96, 96, 3), BACKGROUND_BGR[0], np.uint8)
+    base[4:22, 70:92] = OBJECT_BGR[0]
+    base_labels = Labels([0], [[70, 4, 92, 22]])
+    partner, partner_labels = grid_scene(96, 96, 14, 10, 1, OBJECT_BGR[1])
+    recs = [_write(tmp_path / "base.png", base, base_labels), _write(tmp_path / "partner.png", partner, partner_labels)]
+    hyp = {**NO_HSV, "mosaic": 0.0, "cutmix": 1.0, "scale": 0.0, "translate": 0.0, "fliplr": 0.0}
+    ds = DetectionDataset(recs, imgsz=96, augment=True, hyp=hyp, seed=5)
+    seen = {"pasted": 0, "clipped": 0, "dropped": 0}
+    for epoch in range(24):
+        ds.set_epoch(epoch)
+        pick = Pick(0, (0, 1))
+        plan = ds._plan(pick, epoch, 0, True, None)
+        assert plan.cutmix is not None and [t.index for t in plan.layers[-1].tiles] == [1]  # decoded with the batch
+        s = ds[pick]
+        out = np.ascontiguousarray(s["img"].permute(1, 2, 0).numpy()[..., ::-1])  # RGB -> BGR
+        labels = Labels(s["cls"].view(-1).numpy(), xywh2xyxy(s["bboxes"] * 96).numpy())
+        for k, v in check_cutmix(out, labels, base, base_labels, partner, partner_labels, 1).items():
+            seen[k] += v
+    assert seen["pasted"] >= 10 and seen["clipped"] >= 5 and seen["dropped"] >= 1, seen
 
 
 def test_collate(records: list[Rec]) -> None:

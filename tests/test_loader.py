@@ -172,15 +172,22 @@ def test_two_ranks_see_the_same_pixels_as_one(records: list[Rec]) -> None:
 
 
 def test_samples_do_not_depend_on_the_number_of_workers(records: list[Rec]) -> None:
-    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={}, seed=4)
+    """With every augmentation that draws partners from the pools: mosaic, and cutmix pasting from another one."""
+    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={"cutmix": 1.0}, seed=4)
     runs = []
     for workers in (0, 2):
         loader = build_dataloader(ds, 4, shuffle=True, workers=workers, seed=4)
         loader.batch_sampler.set_epoch(1)
         ds.set_epoch(1)
-        runs.append([b["img"] for b in loader])
+        runs.append([(b["img"], b["bboxes"]) for b in loader])
         del loader
-    assert len(runs[0]) == len(runs[1]) and all(torch.equal(a, b) for a, b in zip(*runs))
+    assert len(runs[0]) == len(runs[1])
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(*runs))
+    plain = DetectionDataset(records, imgsz=64, augment=True, hyp={}, seed=4)  # the same draws before cutmix's
+    loader = build_dataloader(plain, 4, shuffle=True, workers=0, seed=4)
+    loader.batch_sampler.set_epoch(1)
+    plain.set_epoch(1)
+    assert any(not torch.equal(a[0], b["img"]) for a, b in zip(runs[0], loader))  # cutmix pasted somewhere
 
 
 def _background_count(img: torch.Tensor) -> int:

@@ -25,7 +25,7 @@ from detrain.data.instances import Labels
 DEFAULT_HYP: dict[str, float] = {
     "hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4,
     "degrees": 0.0, "translate": 0.1, "scale": 0.5, "shear": 0.0, "perspective": 0.0,
-    "flipud": 0.0, "fliplr": 0.5, "mosaic": 1.0, "mixup": 0.0, "close_mosaic": 10,
+    "flipud": 0.0, "fliplr": 0.5, "mosaic": 1.0, "mixup": 0.0, "cutmix": 0.0, "close_mosaic": 10,
 }
 MIXUP_BETA = 32.0  # mixing ratio ~ Beta(32, 32): close to an even blend
 

@@ -1,6 +1,6 @@
 """DetectionDataset: verified label records -> samples (the dict of docs/architecture.md) -> batches.
 
-Training (``augment=True``): mosaic, random affine, mixup, flips and HSV (``train_sample.py``), drawn from
+Training (``augment=True``): mosaic, random affine, mixup, cutmix, flips and HSV (``train_sample.py``), drawn from
 ``np.random.default_rng([seed, epoch, index])``, so what a run sees does not depend on how many dataloader
 workers, processes or ranks produce it. Mosaic partners come from that same generator: from the index's *pool*
 when the sampler gives one (``Pick``: its slot group in the recent batches of its sampler lane, see ``loader.py``),
@@ -105,7 +105,7 @@ class DetectionDataset(Dataset):
 
     ``records`` are ``LabelRecord``-like (``im_file``, ``shape_hw``, ``cls`` (n,), ``bboxes_xywhn`` (n, 4));
     ``hyp`` holds the augmentation keys of :data:`detrain.data.augment.DEFAULT_HYP` (missing ones take the
-    defaults). ``close_mosaic_epoch``: from this epoch on (``set_epoch``) mosaic and mixup are off.
+    defaults). ``close_mosaic_epoch``: from this epoch on (``set_epoch``) mosaic, mixup and cutmix are off.
     ``cache``: None (decode the files, at reduced JPEG scale where a sample shows an image small enough), 'disk'
     (decoded originals as ``.npy`` beside the images: the same samples) or 'ram' (load-size images, once per node
     in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly);
@@ -177,12 +177,12 @@ class DetectionDataset(Dataset):
         return int(self._state[_EPOCH])
 
     def close_mosaic(self) -> None:
-        """Switch mosaic and mixup off for good (also in persistent workers)."""
+        """Switch mosaic, mixup and cutmix off for good (also in persistent workers)."""
         self._state[_CLOSED] = 1
 
     @property
     def mosaic_active(self) -> bool:
-        """Whether mosaic (and mixup) can still be drawn this epoch."""
+        """Whether mosaic (and mixup and cutmix) can still be drawn this epoch."""
         if int(self._state[_CLOSED]):
             return False
         return self.close_mosaic_epoch is None or self.epoch < self.close_mosaic_epoch

@@ -5,7 +5,9 @@ see ``dataset.py``) and at reduced JPEG scale when the sample shows it much smal
 
 Everything random comes from one generator, in this order: mosaic or not; [mosaic partners; mosaic centre];
 affine; flips; mixup or not; [the mixed-in layer: its image, mosaic or not, partners, centre, affine; the mixing
-ratio]; HSV.
+ratio]; HSV; cutmix or not; [the pasted layer: its image, mosaic or not, partners, centre, affine; the candidate
+rectangles and the pick among them]. (CutMix comes last in the stream so that switching it on changes nothing
+drawn before; it is applied after mixup and before HSV, as in Ultralytics.)
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import Callable, Mapping, Sequence
 import cv2
 import numpy as np
 
-from detrain.data.affine import flip_matrix, is_perspective, random_affine_matrix
+from detrain.data.affine import flip_matrix, is_perspective, random_affine_matrix, translation
 from detrain.data.augment import MIXUP_BETA, hsv_gains
 from detrain.data.compose import Tile, render
+from detrain.data.cutmix import choose_area, cutmix_areas, paste
 from detrain.data.image_io import reduce_factor
 from detrain.data.instances import Labels
 from detrain.data.mosaic import mosaic_origins
@@ -45,8 +48,18 @@ class LayerPlan:
 
 
 @dataclass
+class CutMixPlan:
+    """CutMix (``cutmix.py``): candidate rectangles ``areas`` (n, 4) in output pixels and ``pick`` in [0, 1), which
+    chooses among those left free by the sample's boxes. The plan's last layer is the one pasted."""
+
+    areas: np.ndarray
+    pick: float
+
+
+@dataclass
 class SamplePlan:
-    """A whole sample: one layer, or two blended with ``mix_ratio`` (mixup); then HSV ``hsv`` gains."""
+    """A whole sample: one layer, or two blended with ``mix_ratio`` (mixup); a rectangle of one more layer pasted
+    in (``cutmix``); then HSV ``hsv`` gains."""
 
     index: int
     layers: list[LayerPlan]
@@ -54,6 +67,7 @@ class SamplePlan:
     hsv: np.ndarray
     mix_ratio: float = 1.0
     mosaic: bool = False
+    cutmix: CutMixPlan | None = None
 
 
 @dataclass
@@ -91,14 +105,15 @@ def plan_sample(
 ) -> SamplePlan:
     """All the random choices for the training sample of ``index`` (see the module docstring for the order).
 
-    ``out_hw`` (rect training) disables mosaic and mixup and sets the output size; default ``imgsz`` square.
+    ``out_hw`` (rect training) disables mosaic, mixup and cutmix and sets the output size; default ``imgsz``
+    square. ``mosaic_on=False`` (close_mosaic) disables all three too, as in Ultralytics.
     """
     out_h, out_w = out_hw or (imgsz, imgsz)
     mosaic_on = mosaic_on and out_hw is None
     first = _plan_layer(index, rng, source, hyp, imgsz, mosaic_on, (out_w, out_h), pool)
     lr, ud = rng.random() < hyp["fliplr"], rng.random() < hyp["flipud"]
     layers, ratio = [first], 1.0
-    if rng.random() < hyp["mixup"] and out_hw is None:
+    if rng.random() < hyp["mixup"] and mosaic_on:
         other = draw_partners(rng, index, 1, len(source.load_sizes_wh), pool)[0]
         layers.append(_plan_layer(other, rng, source, hyp, imgsz, mosaic_on, (out_w, out_h), pool))
         ratio = float(rng.beta(MIXUP_BETA, MIXUP_BETA))
@@ -107,7 +122,15 @@ def plan_sample(
         layer.m = flips @ layer.m
         _choose_reductions(layer, source)
     gains = hsv_gains(rng, hyp["hsv_h"], hyp["hsv_s"], hyp["hsv_v"])
-    return SamplePlan(index, layers, (out_w, out_h), gains, ratio, mosaic=len(first.tiles) > 1)
+    cut = None
+    if rng.random() < hyp["cutmix"] and mosaic_on:
+        other = draw_partners(rng, index, 1, len(source.load_sizes_wh), pool)[0]
+        pasted = _plan_layer(other, rng, source, hyp, imgsz, mosaic_on, (out_w, out_h), pool)
+        pasted.m = flips @ pasted.m  # flipped with the sample, as Ultralytics flips after CutMix
+        _choose_reductions(pasted, source)
+        layers.append(pasted)
+        cut = CutMixPlan(cutmix_areas(rng, out_w, out_h), float(rng.random()))
+    return SamplePlan(index, layers, (out_w, out_h), gains, ratio, mosaic=len(first.tiles) > 1, cutmix=cut)
 
 
 def _plan_layer(index: int, rng: np.random.Generator, source: SampleSource, hyp: Mapping[str, float], imgsz: int,
@@ -146,15 +169,27 @@ def render_geometry(
     ``pixels(index, reduce)`` gives the decoded image (any resolution: it is stretched to the tile's load size by the
     same warp), ``labels_at_load_size(index)`` its labels in load-size pixels.
     """
+    def tiles(layer: LayerPlan) -> list[Tile]:
+        return [Tile(pixels(t.index, t.reduce), t.size_wh, t.origin_xy, labels_at_load_size(t.index))
+                for t in layer.tiles]
+
+    blended = plan.layers[:-1] if plan.cutmix is not None else plan.layers
     images, labels = [], []
-    for layer in plan.layers:
-        tiles = [Tile(pixels(t.index, t.reduce), t.size_wh, t.origin_xy, labels_at_load_size(t.index))
-                 for t in layer.tiles]
-        img, lab = render(tiles, layer.canvas_wh, layer.m, plan.out_wh, layer.scale)
+    for layer in blended:
+        img, lab = render(tiles(layer), layer.canvas_wh, layer.m, plan.out_wh, layer.scale)
         images.append(img)
         labels.append(lab)
     img = images[0]
     if len(images) == 2:
         img = cv2.addWeighted(images[0], plan.mix_ratio, images[1], 1.0 - plan.mix_ratio, 0.0)
-    return img, Labels.concat(labels)
+    out_labels = Labels.concat(labels)
+    if plan.cutmix is not None:
+        area = choose_area(plan.cutmix.areas, out_labels.boxes_xyxy, plan.cutmix.pick)
+        if area is not None:  # only the rectangle of the pasted layer is rendered, straight into its own canvas
+            x1, y1, x2, y2 = area
+            layer = plan.layers[-1]
+            patch, inside = render(tiles(layer), layer.canvas_wh, translation(-x1, -y1) @ layer.m, (x2 - x1, y2 - y1),
+                                   layer.scale)
+            img, out_labels = paste(img, out_labels, area, patch, inside)
+    return img, out_labels
 

@@ -18,31 +18,33 @@ from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
 from detrain.data.download import DownloadLimits
 from detrain.data.labels import LabelRecord, load_labels
 from detrain.data.loader import build_dataloader
+from detrain.engine.class_filter import ClassFilter
 from detrain.engine.ground_truth import explicit_json, json_labels, json_split_gt
 from detrain.errors import DatasetError
 
 PREPARE_TIMEOUT_S = 3600.0  # without a config: as cfg/default.yaml's prepare_timeout
 HYP_KEYS = ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear", "perspective", "flipud",
-            "fliplr", "mosaic", "mixup")
+            "fliplr", "mosaic", "mixup", "cutmix")
 
 
 @dataclass
 class SplitData:
-    """One split of a dataset with its verified labels."""
+    """One split of a dataset with its verified labels (only those ``class_filter`` keeps)."""
 
     info: DatasetInfo
     split: str
     records: list[LabelRecord]
     # evaluation ground truth, built once by detrain.engine.ground_truth.split_ground_truth
     ground_truth: Any = field(default=None, repr=False, compare=False)
+    class_filter: ClassFilter = field(default_factory=ClassFilter)
 
     @property
     def nc(self) -> int:
-        return self.info.nc
+        return len(self.names)
 
     @property
     def names(self) -> dict[int, str]:
-        return dict(self.info.names)
+        return self.class_filter.names(self.info.names)
 
 
 def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = True) -> SplitData:
@@ -56,6 +58,8 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
         limits = None if cfg is None else DownloadLimits.from_gb(
             cfg.download_max_gb, cfg.download_max_unpacked_gb, cfg.download_max_files)
         info = load_dataset_yaml(data, limits=limits)
+        selection = ClassFilter.from_cfg(cfg)
+        selection.check(info.names, info.yaml_file)
         files = getattr(info, split)
         if not files:
             raise DatasetError(f"{info.yaml_file}: the dataset has no '{split}' split")
@@ -68,6 +72,7 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
     if json_file is not None:  # the split is a COCO json: its annotations are the labels
         ground_truth = json_split_gt(json_file, records, info.names)
         records, summary = json_labels(records, ground_truth, json_file)
+        ground_truth = selection.ground_truth(ground_truth)
         if report.corrupt:
             summary += f"; {report.corrupt} corrupt images left out"
     if verbose and dist.is_main():
@@ -78,7 +83,8 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
         raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
     if cfg is not None and split == "train" and cfg.fraction < 1.0:
         records = records[: max(1, round(len(records) * cfg.fraction))]
-    data = SplitData(info=info, split=split, records=records, ground_truth=ground_truth)
+    data = SplitData(info=info, split=split, records=selection.records(records), ground_truth=ground_truth,
+                     class_filter=selection)
     if ground_truth is not None and len(records) != len(ground_truth.images):  # a train fraction
         data.ground_truth = None
     return data

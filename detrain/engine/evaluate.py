@@ -36,11 +36,14 @@ def run_val(cfg: Cfg, save_dir: str | Path | None = None) -> dict[str, Any]:
     weights = is_weights(cfg.model)
     if not weights and dist.is_main():
         console.print(f"note: {cfg.model} is an architecture, not weights: validating random weights")
-    model, _ = build_model(cfg.model, nc=None if weights else data.nc, names=None if weights else data.names,
-                           verbose=dist.is_main(), weights_sha256=cfg.weights_sha256)
-    if model.nc != data.nc:
+    model, ckpt = build_model(cfg.model, nc=None if weights else data.nc, names=None if weights else data.names,
+                              verbose=dist.is_main(), weights_sha256=cfg.weights_sha256)
+    if model.nc != data.nc and not cfg.single_cls:  # single_cls scores any model's detections as one class
+        args = ckpt.get("train_args") if isinstance(ckpt, dict) else None  # a checkpoint's word, only for the hint
+        trained_single = isinstance(args, dict) and args.get("single_cls") is True
+        hint = "; it was trained with single_cls=true: add single_cls=true" if trained_single else ""
         raise ConfigError(f"{cfg.model} predicts {model.nc} classes but {cfg.data} has {data.nc}; "
-                          "fine-tune it on the dataset first")
+                          f"fine-tune it on the dataset first{hint}")
     model = model.to(device).eval()
     if hasattr(model, "fuse"):
         model.fuse()

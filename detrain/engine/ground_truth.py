@@ -220,7 +220,9 @@ def split_ground_truth(data: Any) -> SplitGT:
     cached = getattr(data, "ground_truth", None)
     if cached is not None:
         return cached
-    info, records, names = data.info, data.records, data.names
+    info, records, names = data.info, data.records, dict(data.info.names)
+    # classes= and single_cls= (``class_filter.py``): the records hold only the labels kept, a json all of them
+    selection = getattr(data, "class_filter", None)
     json_file = (getattr(info, "coco_json", None) or {}).get(data.split)
     gt: SplitGT | None = None
     if json_file and explicit_json(info, data.split):
@@ -230,8 +232,12 @@ def split_ground_truth(data: Any) -> SplitGT:
             gt = json_split_gt(json_file, records, names)
         except DatasetError as e:
             _note(f"evaluating against the YOLO labels, not {json_file}: {e}")
+    if gt is not None and selection is not None:
+        gt = selection.ground_truth(gt)
     if gt is None:
         gt = yolo_split_gt(records, names, is_full_coco(info, data.split))
+        if selection is not None:
+            gt.category_ids = selection.category_ids(gt.category_ids)
     try:
         data.ground_truth = gt
     except AttributeError:  # a read-only stand-in: compute again next time

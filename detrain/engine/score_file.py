@@ -40,7 +40,7 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
     images = sorted(gt.images.values(), key=lambda g: g.image_id)
     world, rank = dist.world_size(), dist.rank()
     lo, hi = rank * len(images) // world, (rank + 1) * len(images) // world
-    scorer = Scorer(data.nc)
+    scorer = Scorer(data.nc, classes=None if cfg.single_cls or not cfg.classes else tuple(cfg.classes))
     empty = CocoDetections(np.zeros((0, 4)), np.zeros(0), np.zeros(0, np.int64))
     for g in images[lo:hi]:
         d = predictions.get(g.image_id, empty)

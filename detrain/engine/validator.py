@@ -40,17 +40,20 @@ PLOT_CONF = 0.25  # detections drawn on the batch images
 
 @torch.no_grad()
 def predict_batch(model: nn.Module, imgs_uint8: torch.Tensor, device: torch.device, conf: float, iou: float,
-                  max_det: int, multi_label: bool = False) -> list[torch.Tensor]:
+                  max_det: int, multi_label: bool = False, classes: list[int] | None = None,
+                  agnostic: bool = False) -> list[torch.Tensor]:
     """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, NMS on the device.
 
-    ``multi_label`` keeps every (box, class) pair above ``conf``, as validation does (YOLOv8's val too)."""
+    ``multi_label`` keeps every (box, class) pair above ``conf``, as validation does (YOLOv8's val too);
+    ``classes`` keeps only those classes (before NMS), ``agnostic`` runs NMS across classes."""
     imgs = imgs_uint8.to(device, non_blocking=True).float().div_(255)
     if device.type in ("cpu", "cuda"):
         imgs = imgs.contiguous(memory_format=torch.channels_last)
     preds = model(imgs)
     if isinstance(preds, (tuple, list)):
         preds = preds[0]
-    return non_max_suppression(preds, conf_thres=conf, iou_thres=iou, max_det=max_det, multi_label=multi_label)
+    return non_max_suppression(preds, conf_thres=conf, iou_thres=iou, max_det=max_det, classes=classes,
+                               agnostic=agnostic, multi_label=multi_label)
 
 
 def coco_detections(det: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -69,10 +72,13 @@ def coco_detections(det: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 @dataclass
 class Scorer:
-    """One rank's share of an evaluation: per-image statistics, confusion counts and (optionally) detections."""
+    """One rank's share of an evaluation: per-image statistics, confusion counts and (optionally) detections.
+
+    With ``classes`` only detections of those classes count (``classes=``: the ground truth holds only them)."""
 
     nc: int
     keep_detections: bool = False
+    classes: tuple[int, ...] | None = None
     stats: list[ImageStats] = field(default_factory=list)
     confusion: ConfusionMatrix = field(init=False)
     detections: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
@@ -82,6 +88,9 @@ class Scorer:
 
     def add(self, g: ImageGT, ltwh: np.ndarray, scores: np.ndarray, cls: np.ndarray) -> None:
         """Score one image's detections (COCO boxes in original pixels) against its ground truth."""
+        if self.classes is not None:
+            keep = np.isin(cls, self.classes)
+            ltwh, scores, cls = ltwh[keep], scores[keep], cls[keep]
         self.stats.append(match_image_coco(ltwh, scores, cls, g.boxes_ltwh, g.cls, g.area, g.crowd,
                                            image_id=g.image_id, gt_ids=g.ann_ids))
         xyxy = ltwh2xyxy(ltwh)
@@ -107,12 +116,21 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, c
     model.eval()
     conf = VAL_CONF if cfg.conf is None else cfg.conf
     gt = split_ground_truth(data)
-    scorer = Scorer(data.nc, keep_detections=bool(cfg.save_json) and save_dir is not None)
+    # single_cls: every detection is the one class 'item' (NMS across classes, as the merged class is one)
+    single = cfg.single_cls
+    classes = None if single or not cfg.classes else list(cfg.classes)
+    agnostic = single or cfg.agnostic_nms
+    scorer = Scorer(data.nc, keep_detections=bool(cfg.save_json) and save_dir is not None,
+                    classes=None if classes is None else tuple(classes))
     drawn: list[dict[str, Any]] = []
     draw = plots and save_dir is not None and dist.is_main()
     try:
         for bi, batch in enumerate(loader):
-            dets = predict_batch(model, batch["img"], device, conf, cfg.iou, cfg.max_det, multi_label=True)
+            dets = predict_batch(model, batch["img"], device, conf, cfg.iou, cfg.max_det, multi_label=True,
+                                 classes=classes, agnostic=agnostic)
+            if single:
+                for det in dets:
+                    det[:, 5] = 0
             if draw and bi < PLOT_BATCHES:
                 drawn.append(_for_plot(batch, dets))
             for si, det in enumerate(dets):
