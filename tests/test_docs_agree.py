@@ -54,7 +54,9 @@ def test_every_readme_command_line_uses_keys_of_its_command(command: str, args: 
 
 
 def test_readme_keys_table_shows_the_defaults() -> None:
-    rows = re.findall(r"^\| (`[^|]*`) \| ([^|]*) \|", README.read_text(), re.M)
+    table = re.search(r"^\| key \| default \| meaning \|\n\|[-|]+\|\n((?:\|.*\n)+)", README.read_text(), re.M)
+    assert table, "README has no | key | default | meaning | table"
+    rows = re.findall(r"^\| (`[^|]*`) \| ([^|]*) \|", table.group(1), re.M)
     assert rows
     truth = defaults()
     for keys, shown in rows:
