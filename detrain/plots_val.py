@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -126,7 +127,8 @@ def plot_results_csv(csv_path: str | Path, path: str | Path | None = None) -> Pa
     csv_path = Path(csv_path)
     with open(csv_path, newline="", encoding="utf-8") as f:
         rows = [{k.strip(): v.strip() for k, v in r.items() if k is not None} for r in csv.DictReader(f)]
-    columns = [k for k in (rows[0] if rows else {}) if k != "epoch"]
+    # per-node resource columns (one set per node: hundreds on a large cluster) are left to TensorBoard
+    columns = [k for k in (rows[0] if rows else {}) if k != "epoch" and not re.match(r"node\d+/", k)]
     x = [_float(r.get("epoch", i)) for i, r in enumerate(rows)]
     cols = min(5, max(len(columns), 1))
     n_rows = max(math.ceil(len(columns) / cols), 1)

@@ -243,6 +243,12 @@ def test_a_killed_worker_is_restarted_and_the_run_completes(data: Path, tmp_path
     run = tmp_path / "runs" / "run"
     assert [r["epoch"] for r in _rows(run)] == ["1", "2"]
     assert torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=True)["epoch"] == 1
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert events[0]["kind"] == "start" and events[-1]["kind"] == "end" and events[-1]["status"] == "completed"
+    (restart,) = [e for e in events if e["kind"] == "restart"]  # the first attempt's rank 0 may end as failed
+    assert (restart["launcher_restart_count"], restart["epoch"]) == (1, 2)
+    assert restart["resumed_from"] == str(run / "weights" / "last.pt")
+    assert json.loads((run / "manifest.json").read_text())["restarts"] == 1
     _no_orphans(tag)
 
 

@@ -25,14 +25,16 @@ from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.data.batch_memory import release_batch
-from detrain.engine import accumulation, optim
+from detrain.engine import accumulation, epoch_stats, optim, run_trace
 from detrain.engine.batch_plan import batch_plan, planned_world_size
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
 from detrain.engine.ema import ModelEMA, unwrap
+from detrain.engine.epoch_monitor import EpochMonitor
 from detrain.engine.reproduce import find_resume_checkpoint, rng_state, seed_everything, set_rng_state
 from detrain.engine.train_plots import plot_results, plot_train_batch
 from detrain.engine.validator import validate
+from detrain.engine.world_layout import number_nodes
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.loss import DetectionLoss
 
@@ -175,7 +177,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
-        """Run every epoch; returns the final metrics (the same dict on every rank)."""
+        """Run every epoch; returns the final metrics (the same dict on every rank). However it ends, rank 0 says
+        how in the run folder's events.jsonl (detrain.engine.run_trace)."""
+        with run_trace.ended(self):
+            return self._train()
+
+    def _train(self) -> dict[str, Any]:
         done = int(self.resume_ckpt["epoch"]) + 1 if self.resume_ckpt else 0
         self.callbacks.fire("on_pretrain_routine_start", self, done)
         self._setup()
@@ -185,6 +192,10 @@ class Trainer:
             self.wdir.mkdir(parents=True, exist_ok=True)
             save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
             console.print(f"training {cfg.model} on {cfg.data} for {cfg.epochs} epochs; results in {self.save_dir}")
+        self.trace = run_trace.start(self.save_dir, cfg, self.device, first_epoch=self.start_epoch,
+                                     step=self.start_epoch * self.nb, datasets=(self.data, self.val_data),
+                                     resumed_from=str(cfg.resume) if self.resume_ckpt is not None else None)
+        self.monitor = EpochMonitor(unwrap(self.model), self.device)
         csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
         tb = TensorBoard(self.save_dir, cfg.tensorboard and self.main)
         n_warmup = optim.warmup_iterations(cfg, self.nb)
@@ -202,6 +213,7 @@ class Trainer:
             _test_kill_hook(epoch, self.rank)
             self.callbacks.fire("on_train_epoch_start", self, epoch + 1)
             t0 = time.perf_counter()
+            self.monitor.begin_epoch()
             self.train_loader.dataset.set_epoch(epoch)
             _set_sampler_epoch(self.train_loader, epoch)
             if cfg.close_mosaic and epoch == cfg.epochs - cfg.close_mosaic and self.main:
@@ -211,7 +223,7 @@ class Trainer:
             mean_items = torch.zeros(3, device=self.device)
             step_times: list[float] = []
             n_images = 0
-            for i, batch in enumerate(self.train_loader):
+            for i, batch in enumerate(self.monitor.timed(self.train_loader)):
                 ts = time.perf_counter()
                 ni = i + self.nb * epoch
                 accumulate = self.accumulate_target
@@ -245,7 +257,7 @@ class Trainer:
             if self._gradients_wait(epoch):
                 accumulation.average_over_ranks(unwrap(self.model))  # collective: one all-reduce of the gradients
             epoch_time = time.perf_counter() - t0
-            speed = self._speed(n_images, epoch_time, step_times)
+            speed = self._speed(epoch, n_images, epoch_time, step_times)
             self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {
                 **{f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())},
                 **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}})
@@ -282,6 +294,7 @@ class Trainer:
                     console.print(f"early stop: no improvement in the last {cfg.patience} epochs")
                 break
         tb.close()
+        self.monitor.close()
         result = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list, np.ndarray))}
         if start:
             result["start_map50"], result["start_map"] = start["map50"], start["map"]
@@ -332,15 +345,13 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.ema.update(self.model)
 
-    def _speed(self, n_images: int, epoch_time: float, step_times: list[float]) -> dict[str, float]:
-        """Images/s of the whole world, and the slowest rank's mean step time next to the mean over ranks."""
-        mean_step = float(np.mean(step_times)) if step_times else 0.0
-        stats = dist.all_gather_object((n_images, epoch_time, mean_step))
-        total_images = sum(s[0] for s in stats)
-        wall = max(s[1] for s in stats)
-        steps = [s[2] for s in stats]
-        return {"images_per_s": total_images / max(wall, 1e-9), "step_ms_mean": 1000 * float(np.mean(steps)),
-                "step_ms_slowest_rank": 1000 * max(steps)}
+    def _speed(self, epoch: int, n_images: int, epoch_time: float, step_times: list[float]) -> dict[str, float]:
+        """Images/s of the whole world, step times, the slowest rank and its data wait, each node's resources
+        (detrain.engine.epoch_stats); stragglers go to events.jsonl."""
+        # collective: one all_gather_object of every rank's epoch numbers (a dict of a dozen numbers)
+        stats = number_nodes(dist.all_gather_object(self.monitor.sample(n_images, epoch_time, step_times)))
+        self.trace.epoch(epoch, stats)
+        return epoch_stats.columns(stats)
 
     def _validate(self, epoch: int) -> dict[str, Any]:
         ema = self.ema.ema
