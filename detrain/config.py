@@ -35,12 +35,14 @@ class Cfg:
 
     model: str
     weights_sha256: str
+    pretrained: Union[bool, str]
     data: str
     download_max_gb: float
     download_max_unpacked_gb: float
     download_max_files: int
     imgsz: int
     epochs: int
+    time: Union[float, None]
     batch: int
     patience: int
     fraction: float
@@ -82,6 +84,7 @@ class Cfg:
     deterministic: bool
     resume: Union[bool, str]
     close_mosaic: int
+    freeze: Union[int, list, None]
     multi_scale: bool
     rect: bool
     cache: Union[bool, str]
@@ -137,6 +140,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "format": ("onnx", "torchscript"),
 }
 WEEK_S = 7 * 24 * 3600  # the longest timeout: a typo beyond it would overflow the timers instead of waiting
+YEAR_H = 365 * 24  # the longest time= budget in hours: beyond it a value is a typo (time is hours, not seconds)
 # (low, high) inclusive bounds; None = unbounded on that side (integers stop at INT_LIMIT).
 RANGES: dict[str, tuple[float | None, float | None]] = {
     "imgsz": (32, 8192), "epochs": (1, None), "batch": (1, None), "patience": (0, None),
@@ -151,7 +155,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "copy_paste": (0.0, 1.0), "conf": (0.0, 1.0),
     "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, 32767), "opset": (11, 23), "save_period": (-1, None),
     "seed": (0, None), "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None),
-    "download_max_files": (1, None),
+    "download_max_files": (1, None), "time": (0.0, YEAR_H),
 }
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # Integers above this (or below its negative) are typos: they overflow numpy's seeds, timers and tensor sizes.
@@ -162,6 +166,8 @@ NON_EMPTY: dict[str, str] = {
     "data": "a dataset yaml (a path, or a bundled name such as coco8.yaml)",
     "master_addr": "the host name or address of the node with node_rank 0",
 }
+# What names weights rather than an architecture yaml (as detrain.engine.build.is_weights reads model=).
+WEIGHTS_SUFFIXES = (".pt", ".pth")
 # Bytes in one folder name on common filesystems (NAME_MAX).
 NAME_MAX = 255
 
@@ -321,6 +327,40 @@ def _class_ids(key: str, value: Any) -> list[int] | None:
     return sorted(set(ids)) or None
 
 
+def _freeze(value: Any) -> int | list[int] | None:
+    """``freeze``: null / '' (nothing frozen), a count N (the first N layers: ``freeze=10``), or layer indices as a
+    list or a string (``freeze=0,1,2``, ``freeze=[0, 1]``) -> N, or the sorted unique indices.
+
+    >>> _freeze("10"), _freeze("0,2,1"), _freeze("[5]"), _freeze([3, 3]), _freeze("")
+    (10, [0, 1, 2], [5], [3], None)
+    """
+    valid = "a number of first layers (freeze=10) or layer indices (freeze=0,1,2 or [0, 1]), each at least 0"
+    if value is None or (isinstance(value, str) and value.strip().lower() in _NONE | {"", "[]"}):
+        return None
+    if isinstance(value, str):
+        _check_text("freeze", value)
+        text = value.strip()
+        listed = "," in text or text.startswith(("[", "("))
+        parts: list[Any] = [p.strip() for p in text.strip("[]()").split(",")] if listed else [text]
+    elif isinstance(value, (list, tuple)):
+        listed, parts = True, list(value)
+    else:
+        listed, parts = False, [value]
+    ids = []
+    for part in parts:
+        try:
+            ids.append(_coerce("freeze", part, int))
+        except ConfigError:
+            raise _fail("freeze", value, valid) from None
+    if any(i < 0 for i in ids):
+        raise _fail("freeze", value, valid)
+    if any(i > INT_LIMIT for i in ids):
+        raise _fail("freeze", value, f"layer numbers of at most {INT_LIMIT}")
+    if not listed:
+        return ids[0]
+    return sorted(set(ids)) or None
+
+
 def _check(key: str, value: Any) -> Any:
     """One value against its choices, range and form; returns it normalised (cache=true -> ram, sgd -> SGD)."""
     if key == "cache" and value is True:  # cache=true means the RAM cache, as users know it
@@ -355,6 +395,8 @@ def _check(key: str, value: Any) -> Any:
         value = value.strip().lower()
         if value and not _SHA256.fullmatch(value):
             raise _fail(key, value, "'' or a sha256: the 64 hex digits sha256sum prints")
+    if key == "pretrained" and isinstance(value, str) and not value.strip().endswith(WEIGHTS_SUFFIXES):
+        raise _fail(key, value, "true, false or a weights file (.pt) whose matching layers start the model")
     if key in NON_EMPTY and not value.strip():
         raise _fail(key, value, NON_EMPTY[key])
     if key == "nnodes":
@@ -379,6 +421,10 @@ def _check_folder(key: str, value: str) -> None:
 
 def _check_together(values: Mapping[str, Any]) -> None:
     """Values that are only wrong together."""
+    pretrained, model = values["pretrained"], str(values["model"])
+    if isinstance(pretrained, str) and model.strip().endswith(WEIGHTS_SUFFIXES):
+        raise _fail("pretrained", pretrained, f"true or false with model={model} (weights of its own); to start an "
+                    f"architecture from {pretrained}, give its yaml: model=n.yaml pretrained={pretrained}")
     nodes = parse_nnodes(values["nnodes"])[1]
     if values["node_rank"] >= nodes:
         raise _fail("node_rank", values["node_rank"], f"a value from 0 to {nodes - 1} (nnodes={values['nnodes']})")
@@ -414,6 +460,8 @@ def make_cfg(overrides: Mapping[str, Any] | None = None) -> Cfg:
             raise ConfigError(f"cfg/default.yaml has no default for '{field.name}'")
         if field.name == "classes":
             value = _class_ids(field.name, merged[field.name])
+        elif field.name == "freeze":
+            value = _freeze(merged[field.name])
         else:
             value = _coerce(field.name, merged[field.name], hints[field.name])
         values[field.name] = _check(field.name, value)

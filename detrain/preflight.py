@@ -1,8 +1,9 @@
 """The files and folders a command names, checked before any process starts, any folder is made or any data
 is generated: a missing dataset yaml or weights file is one line at once, not an error from a spawned worker.
 
-The checks only look: nothing is read, downloaded or written. What a file holds is checked by the code that
-reads it (the dataset yaml's keys, the checkpoint's contents), which runs before the run folder is made too.
+The checks only look: nothing is downloaded or written, and nothing read but a model yaml's layer count (for
+``freeze``). What a file holds is checked by the code that reads it (the dataset yaml's keys, the checkpoint's
+contents), which runs before the run folder is made too.
 
 >>> from detrain.config import make_cfg
 >>> check_inputs("train", make_cfg({"data": "coco8.yaml"}))
@@ -15,6 +16,8 @@ from pathlib import Path
 from detrain.config import Cfg
 from detrain.data.dataset_yaml import find_dataset_yaml
 from detrain.engine.build import check_model
+from detrain.engine.freeze import check_freeze
+from detrain.engine.pretrained import check_pretrained
 from detrain.engine.reproduce import find_resume_checkpoint
 from detrain.errors import ConfigError
 
@@ -32,6 +35,9 @@ def check_inputs(task: str, cfg: Cfg) -> None:
             raise ConfigError(f"predictions file not found: {cfg.predictions} (a COCO results json)")
     else:
         check_model(cfg.model)
+    if task == "train":
+        check_pretrained(cfg.pretrained)
+        check_freeze(cfg.model, cfg.freeze)  # a look at the model yaml's layer count
     if cfg.node_rank == 0:  # only the first node writes
         check_output_folder(cfg.project, task)
 

@@ -163,6 +163,25 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["train", f"project={PLAIN_FILE}"], f"'{PLAIN_FILE}' is a file, not a folder"),
     (["train", f"project={PLAIN_FILE}/sub"], f"'{PLAIN_FILE}' is a file, not a folder"),
     (["predict", f"source={IMAGE}", f"project={PLAIN_FILE}"], f"'{PLAIN_FILE}' is a file"),
+    # freeze, time, pretrained
+    (["train", "freeze=23"], "'freeze': 23; the model has 23 layers (0 to 22)"),  # n.yaml: nothing would train
+    (["train", "freeze=0,30"], "the model has layers 0 to 22, not 30"),
+    (["train", "model=yolov8s.yaml", "freeze=[99]"], "not 99"),
+    (["train", "freeze=-1"], "'freeze': '-1'; expected a number of first layers"),
+    (["train", "freeze=true"], "'freeze': 'true'"),
+    (["train", "freeze=1.5"], "'freeze': '1.5'"),
+    (["train", "freeze=0,,1"], "'freeze': '0,,1'"),
+    (["train", "freeze=99999999999"], "'freeze': '99999999999'; expected layer numbers of at most"),
+    (["train", "time=-1"], "'time': -1.0"),
+    (["train", "time=abc"], "'time': 'abc'"),
+    (["train", "time=nan"], "'time': 'nan'"),
+    (["train", "time=1e6"], "'time': 1000000.0; expected a value from 0.0 to 8760"),  # seconds given as hours
+    (["train", "pretrained=missing.pt"], "pretrained weights file not found: missing.pt"),
+    (["train", f"pretrained={FOLDER_PT}"], f"pretrained weights '{FOLDER_PT}' is a folder"),
+    (["train", "pretrained=n.yaml"], "'pretrained': 'n.yaml'; expected true, false or a weights file"),
+    (["train", "model=yolov8n.pt", "pretrained=yolov8s.pt"], "expected true or false with model=yolov8n.pt"),
+    (["val", "freeze=3", "data=coco8.yaml"], "'freeze' is not used by 'detrain val'"),
+    (["predict", f"source={IMAGE}", "time=1"], "'time' is not used by 'detrain predict'"),
     # run names: one folder inside project, printable, within the filesystem's limit
     (["train", "name=../../etc"], "'name': '../../etc'; expected one folder name"),
     (["train", "name=a/b"], "'name': 'a/b'"),
@@ -280,6 +299,10 @@ def test_bare_detrain_prints_the_help_and_exits_0(capsys):
     (["single_cls=true", "classes=[0, 2]", "agnostic_nms=1"], {"single_cls": True, "classes": [0, 2],
                                                               "agnostic_nms": True}),
     (["cutmix=0.3", "copy_paste=0.0", "classes="], {"cutmix": 0.3, "copy_paste": 0.0, "classes": None}),
+    (["freeze=0,1,2", "time=0.5", "pretrained=yolov8n.pt"], {"freeze": [0, 1, 2], "time": 0.5,
+                                                             "pretrained": "yolov8n.pt"}),
+    (["freeze=10", "time=null", "pretrained=false"], {"freeze": 10, "time": None, "pretrained": False}),
+    (["freeze=[0, 1]", "--time", "2"], {"freeze": [0, 1], "time": 2.0}),
 ], ids=lambda v: str(v)[:40])
 def test_the_valid_forms_beside_the_bad_ones_still_parse(argv, expected):
     cfg = make_cfg(parse_cli_args(argv, "train"))

@@ -85,7 +85,7 @@ def build_model(model: str, nc: int | None = None, names: dict[int, str] | None 
             else:
                 net.names = dict(names)
         return net, ckpt
-    cfg, scale = _architecture(model)
+    cfg, scale = architecture(model)
     return DetectionModel(cfg=cfg, scale=scale, nc=80 if nc is None else nc, names=names), None
 
 
@@ -93,7 +93,7 @@ def check_model(model: str) -> None:
     """Raise the error ``build_model`` would raise for a ``model`` that names nothing usable, without building,
     reading or downloading anything: commands call it before any process starts or any folder is made."""
     if not is_weights(model):
-        _architecture(model)
+        architecture(model)
         return
     from detrain.errors import CheckpointError
     from detrain.weights.hub import canonical_name
@@ -105,7 +105,7 @@ def check_model(model: str) -> None:
         raise CheckpointError(f"weights file not found: {model}")
 
 
-def _architecture(model: str) -> tuple[str, str]:
+def architecture(model: str) -> tuple[str, str]:
     """(architecture yaml, scale letter) of a scale name (n.yaml, yolov8s.yaml: the packaged yaml, unless a
     file of that name is here) or of an architecture yaml on disk; anything else is a ConfigError."""
     path = Path(model)

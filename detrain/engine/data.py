@@ -101,7 +101,9 @@ def build_train_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, w
     ``planned_world`` ranks)."""
     dataset = DetectionDataset(data.records, imgsz=cfg.imgsz, augment=True, hyp=hyp_of(cfg), rect=cfg.rect,
                                batch_size=local_batch, stride=32, seed=cfg.seed, cache=cfg.cache or None,
-                               close_mosaic_epoch=cfg.epochs - cfg.close_mosaic if cfg.close_mosaic else None,
+                               # time= moves the last epochs: the trainer closes mosaic then (time_budget.py)
+                               close_mosaic_epoch=cfg.epochs - cfg.close_mosaic if cfg.close_mosaic and not cfg.time
+                               else None,
                                cache_timeout_s=cfg.prepare_timeout)
     return build_dataloader(dataset, batch_size=local_batch, shuffle=not cfg.rect, workers=cfg.workers, rank=rank,
                             world_size=world, seed=cfg.seed, planned_world=planned_world)

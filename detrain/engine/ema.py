@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -23,8 +24,10 @@ class ModelEMA:
     1
     """
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000.0, updates: int = 0) -> None:
+    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000.0, updates: int = 0,
+                 fixed: Iterable[str] = ()) -> None:
         self.ema = copy.deepcopy(unwrap(model)).eval()
+        self.fixed = frozenset(fixed)  # state-dict names that training never changes (freeze=): copied, not averaged
         for p in self.ema.parameters():
             p.requires_grad_(False)
         self.decay, self.tau, self.updates = decay, tau, updates
@@ -36,10 +39,12 @@ class ModelEMA:
     def update(self, model: nn.Module) -> None:
         """One step of the average over every floating-point tensor of the state (weights and BatchNorm's running
         statistics). Integer buffers (BatchNorm's ``num_batches_tracked``) keep the value they were copied with:
-        an averaged count means nothing, and the EMA model only ever runs in eval mode, where it is unused."""
+        an averaged count means nothing, and the EMA model only ever runs in eval mode, where it is unused.
+        The ``fixed`` tensors (frozen layers' weights) are left as they are: averaging a constant with itself would
+        only add rounding, and they stay bit-identical to the weights they were frozen at."""
         self.updates += 1
         d = self.current_decay()
         model_state = unwrap(model).state_dict()
         for name, value in self.ema.state_dict().items():
-            if value.dtype.is_floating_point:
+            if value.dtype.is_floating_point and name not in self.fixed:
                 value.mul_(d).add_(model_state[name].detach(), alpha=1 - d)

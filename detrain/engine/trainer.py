@@ -25,9 +25,9 @@ from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.data.batch_memory import release_batch
-from detrain.engine import accumulation, epoch_stats, optim, run_trace
+from detrain.engine import accumulation, epoch_stats, freeze, optim, pretrained, run_trace, time_budget
 from detrain.engine.batch_plan import batch_plan, planned_world_size
-from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
+from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, select_device
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
 from detrain.engine.ema import ModelEMA, unwrap
 from detrain.engine.epoch_monitor import EpochMonitor
@@ -86,14 +86,17 @@ class Trainer:
         # the recipe: optimizer=auto's choice, and from it how many images an update gathers (nbs=auto)
         total_iters = optim.planned_updates(cfg, len(self.data.records))
         opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
-        self.plan = batch_plan(cfg.batch, optim.images_per_update(cfg, opt_name, is_weights(cfg.model)), self.world,
-                               self.planned_world)
+        self.plan = batch_plan(cfg.batch, optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
+                               self.world, self.planned_world)
+        if self.resume_ckpt is None:  # pretrained=: a fresh init, or a file's matching layers (pretrained.py)
+            model = pretrained.start_weights(model, cfg, verbose=self.main)
+        frozen = freeze.freeze_layers(model, cfg.freeze, verbose=self.main)  # before the optimizer and DDP see them
         if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
             model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
         self.model = model.to(self.device)
         if self.device.type in ("cpu", "cuda"):
             self.model = _to_channels_last(self.model)
-        self.ema = ModelEMA(self.model)
+        self.ema = ModelEMA(self.model, fixed=freeze.parameter_names(model, frozen))
         if self.resume_ckpt is not None and self.resume_ckpt.get("ema"):
             self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
             self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
@@ -202,21 +205,26 @@ class Trainer:
         self.epochs_without_improvement = getattr(self, "epochs_without_improvement", 0)
         metrics: dict[str, Any] = {}
         start: dict[str, Any] = {}
-        if is_weights(cfg.model) and self.resume_ckpt is None and cfg.val:
+        if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.val:
             # fine-tuning: score the starting weights, so the final mAP can be read against them
             start = self._validate(-1)
             if self.main:
                 console.print(f"starting weights: mAP50 {start['map50']:.4f}  mAP50-95 {start['map']:.4f}")
         self.callbacks.fire("on_train_start", self, self.start_epoch)
         self.optimizer.zero_grad(set_to_none=True)
-        for epoch in range(self.start_epoch, cfg.epochs):
+        self.budget = time_budget.TimeBudget(cfg.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0) \
+            if cfg.time else None
+        epoch = self.start_epoch
+        while epoch < cfg.epochs:  # time= re-plans cfg.epochs after every epoch
             _test_kill_hook(epoch, self.rank)
             self.callbacks.fire("on_train_epoch_start", self, epoch + 1)
             t0 = time.perf_counter()
             self.monitor.begin_epoch()
             self.train_loader.dataset.set_epoch(epoch)
             _set_sampler_epoch(self.train_loader, epoch)
-            if cfg.close_mosaic and epoch == cfg.epochs - cfg.close_mosaic and self.main:
+            if self.budget is not None:
+                time_budget.close_mosaic_when_due(self.train_loader.dataset, cfg, epoch, self.main)
+            elif cfg.close_mosaic and epoch == cfg.epochs - cfg.close_mosaic and self.main:
                 console.print(f"closing mosaic for the last {cfg.close_mosaic} epochs")
             self.model.train()
             progress = EpochProgress(epoch, cfg.epochs, self.nb, LOSS_NAMES) if self.main else None
@@ -272,6 +280,11 @@ class Trainer:
             else:
                 self.epochs_without_improvement += 1
             stop = bool(dist.agree(cfg.patience > 0 and self.epochs_without_improvement >= cfg.patience))
+            if self.budget is not None:  # time=: as many epochs as fit, the lr schedule refitted to them
+                self._fit_to_time(epoch)
+                cfg, n_warmup = self.cfg, optim.warmup_iterations(self.cfg, self.nb)
+                if epoch + 1 == cfg.epochs and not metrics:  # val=false still scores the last epoch as now planned
+                    metrics = self._validate(epoch)
             row = {"epoch": epoch + 1, **{f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())},
                    **_metric_columns(metrics),
                    **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}, **speed}
@@ -293,6 +306,7 @@ class Trainer:
                 if self.main:
                     console.print(f"early stop: no improvement in the last {cfg.patience} epochs")
                 break
+            epoch += 1
         tb.close()
         self.monitor.close()
         result = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list, np.ndarray))}
@@ -308,6 +322,18 @@ class Trainer:
             self.callbacks.fire("on_train_end", self, None, result)
         result["save_dir"] = str(self.save_dir)
         return dist.broadcast_object(result)
+
+    def _fit_to_time(self, epoch: int) -> None:
+        """Re-plan the run for the epochs that fit in ``time`` (rank 0's estimate, on every rank): the cfg, the lr
+        schedule (ending at lr0 * lrf after the new last epoch) and, through the cfg, warmup and close_mosaic."""
+        epochs = self.budget.epochs_that_fit(epoch + 1)
+        if epochs == self.cfg.epochs:
+            return
+        self.cfg = time_budget.replanned(self.cfg, epochs)
+        self.lf = optim.lr_lambda(self.cfg)
+        self.scheduler = time_budget.rescheduled(self.optimizer, self.lf, epoch + 1)
+        if self.main:
+            console.print(f"time={self.cfg.time:g} h: {epochs} epochs fit ({self.budget.spent_s / 3600:.3g} h used)")
 
     def _step(self, batch: dict[str, Any], will_step: bool) -> tuple[torch.Tensor, int]:
         imgs = batch["img"].to(self.device, non_blocking=True)
@@ -385,6 +411,7 @@ class Trainer:
             "accumulate": self.accumulate_target,
             "pending_grads": accumulation.saved(bare) if self._gradients_wait(epoch) else None,
             "train_args": self.cfg.to_dict(),
+            "train_time_s": self.budget.spent_s if self.budget is not None else None,  # time=: what resume has left
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "rng": rng_state(),
         }
