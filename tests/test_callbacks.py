@@ -26,6 +26,7 @@ from detrain import Model
 from detrain.callbacks import EVENTS, TrainEvent, unsendable_reason
 from detrain.data.synthetic import generate_shapes
 from detrain.errors import ConfigError
+from _processes import one_thread  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 300  # a 2-worker run that has not ended by then hangs
@@ -40,12 +41,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data.yaml"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class HookFailed(Exception):

@@ -26,18 +26,14 @@ from detrain.engine.manifest import dataset_fingerprint, git_commit, read_manife
 from detrain.engine.run_trace import RunTrace, ended
 from detrain.engine.trainer import Trainer
 from detrain.engine.world_layout import membership_change
+from _processes import one_thread  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(epochs=2, imgsz=64, batch=8, device="cpu", workers=0, close_mosaic=0, plots=False, verbose=False,
             exist_ok=True, name="run")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _events(run: Path) -> list[dict]:

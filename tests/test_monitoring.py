@@ -14,7 +14,6 @@ import json
 import multiprocessing as mp
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from detrain.engine import epoch_stats
 from detrain.engine.proc_usage import ProcessUsage, child_pids, cpu_ticks, rss_bytes
 from detrain.engine.step_clock import StepClock
 from detrain.engine.world_layout import number_nodes
+from _processes import one_thread, run_together  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 HELPER = Path(__file__).with_name("_observe_workers.py")
@@ -36,12 +36,7 @@ LIMIT_S = 300  # a 2-node run that has not ended by then hangs (~20 s on an idle
 SLEEP_S = 2.0  # rank 1's loader: this long per batch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _free_port() -> int:
@@ -80,19 +75,11 @@ def test_two_nodes_row_shows_each_node_and_the_slow_rank_waiting_for_data(tmp_pa
                     "master_addr": "127.0.0.1", "master_port": port, "project": str(tmp_path / "runs"),
                     "name": "run", "exist_ok": True})
     args = json.dumps({"cfg": cfg.to_dict(), "save_dir": str(run), "slow_rank": 1, "sleep_s": SLEEP_S})
-    nodes = [subprocess.Popen([sys.executable, str(HELPER), "node", str(r), str(port), args], env=_env(), cwd=REPO,
-                              text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
-    outs = []
-    try:
-        for p in nodes:
-            outs.append(p.communicate(timeout=LIMIT_S)[0])
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, out) in enumerate(zip(nodes, outs)):
-        assert p.returncode == 0, f"node {r} exit {p.returncode}\n{out[-3000:]}"
+    ends = run_together([[sys.executable, str(HELPER), "node", str(r), str(port), args] for r in (0, 1)], _env(), REPO,
+                        LIMIT_S)
+    for r, (code, out) in enumerate(ends):
+        assert code == 0, f"node {r} exit {code}\n{out[-3000:]}"
+    outs = [out for _, out in ends]
 
     (row,) = _rows(run)
     for node in (0, 1):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from detrain.data.synthetic import generate_shapes
+from _processes import run_together
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-30 s on an idle 2-core machine)
@@ -176,19 +177,10 @@ def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path)
     port = _free_port()
     common = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nnodes": 2, "master_addr": "127.0.0.1",
               "master_port": port, "project": str(tmp_path / "runs")}
-    nodes = [subprocess.Popen(_cli(*_kv({**common, "node_rank": r})), env=_env(), cwd=REPO, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
-    outs = []
-    try:
-        for p in nodes:
-            outs.append(p.communicate(timeout=LIMIT_S)[0])
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, out) in enumerate(zip(nodes, outs)):
-        assert p.returncode == 0, f"node {r} exit {p.returncode}\n{out[-3000:]}"
+    ends = run_together([_cli(*_kv({**common, "node_rank": r})) for r in (0, 1)], _env(), REPO, LIMIT_S)
+    for r, (code, out) in enumerate(ends):
+        assert code == 0, f"node {r} exit {code}\n{out[-3000:]}"
+    outs = [out for _, out in ends]
     assert "2 worker(s) on cpu" in outs[0]  # node 0's rank 0 saw a world of two
     written = sorted((tmp_path / "runs").rglob("results.csv"))
     assert written == [tmp_path / "runs" / "run" / "results.csv"]

@@ -12,6 +12,7 @@ import torch
 
 from detrain import Model
 from detrain.data.synthetic import generate_shapes
+from _processes import one_thread  # noqa: F401 (a fixture)
 
 
 def _fit_yaml(tmp: Path, n: int, imgsz: int) -> Path:
@@ -26,13 +27,7 @@ def _rows(save_dir: str) -> list[dict[str, str]]:
     return list(csv.DictReader(open(Path(save_dir) / "results.csv")))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny convolutions run far slower with 2 threads on a 2-core machine than with 1
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_tiny_model_learns_the_synthetic_set(tmp_path):
