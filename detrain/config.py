@@ -62,6 +62,7 @@ class Cfg:
     exist_ok: bool
     save: bool
     save_period: int
+    save_interval: float
     plots: bool
     tensorboard: bool
     verbose: bool
@@ -146,6 +147,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "translate": (0.0, 1.0), "scale": (0.0, 1.0), "shear": (0.0, 180.0), "perspective": (0.0, 0.001),
     "flipud": (0.0, 1.0), "fliplr": (0.0, 1.0), "mosaic": (0.0, 1.0), "mixup": (0.0, 1.0), "conf": (0.0, 1.0),
     "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, 32767), "opset": (11, 23), "save_period": (-1, None),
+    "save_interval": (0.0, WEEK_S / 60),
     "seed": (0, None), "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None),
     "download_max_files": (1, None),
 }
@@ -372,6 +374,8 @@ def _check_folder(key: str, value: str) -> None:
 
 def _check_together(values: Mapping[str, Any]) -> None:
     """Values that are only wrong together."""
+    if values["save_interval"] > 0 and not values["save"]:
+        raise _fail("save_interval", values["save_interval"], "0 with save=false (mid.pt is a checkpoint)")
     nodes = parse_nnodes(values["nnodes"])[1]
     if values["node_rank"] >= nodes:
         raise _fail("node_rank", values["node_rank"], f"a value from 0 to {nodes - 1} (nnodes={values['nnodes']})")
