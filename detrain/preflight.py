@@ -16,6 +16,7 @@ from detrain.config import Cfg
 from detrain.data.dataset_yaml import find_dataset_yaml
 from detrain.engine.build import check_model
 from detrain.engine.reproduce import find_resume_checkpoint
+from detrain.engine.resume_state import may_host_rank0
 from detrain.errors import ConfigError
 
 
@@ -23,7 +24,8 @@ def check_inputs(task: str, cfg: Cfg) -> None:
     """Raise the error the ``task`` (train, val, predict) would meet later for a path in ``cfg`` that names no
     usable file, and for a run folder that cannot be made."""
     if task == "train" and cfg.resume:
-        find_resume_checkpoint(cfg)  # a resumed run takes its model and data from the checkpoint
+        if may_host_rank0(cfg.node_rank):  # rank 0 alone reads it and sends it to the others (resume_state.py)
+            find_resume_checkpoint(cfg)  # a resumed run takes its model and data from the checkpoint
         return
     if task in ("train", "val"):
         find_dataset_yaml(cfg.data)
