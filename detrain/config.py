@@ -65,6 +65,7 @@ class Cfg:
     exist_ok: bool
     save: bool
     save_period: int
+    save_interval: float
     plots: bool
     tensorboard: bool
     verbose: bool
@@ -154,6 +155,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "flipud": (0.0, 1.0), "fliplr": (0.0, 1.0), "mosaic": (0.0, 1.0), "mixup": (0.0, 1.0), "cutmix": (0.0, 1.0),
     "copy_paste": (0.0, 1.0), "conf": (0.0, 1.0),
     "iou": (0.0, 1.0), "max_det": (1, None), "line_width": (0, 32767), "opset": (11, 23), "save_period": (-1, None),
+    "save_interval": (0.0, WEEK_S / 60),
     "seed": (0, None), "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None),
     "download_max_files": (1, None), "time": (0.0, YEAR_H),
 }
@@ -425,6 +427,8 @@ def _check_together(values: Mapping[str, Any]) -> None:
     if isinstance(pretrained, str) and model.strip().endswith(WEIGHTS_SUFFIXES):
         raise _fail("pretrained", pretrained, f"true or false with model={model} (weights of its own); to start an "
                     f"architecture from {pretrained}, give its yaml: model=n.yaml pretrained={pretrained}")
+    if values["save_interval"] > 0 and not values["save"]:
+        raise _fail("save_interval", values["save_interval"], "0 with save=false (mid.pt is a checkpoint)")
     nodes = parse_nnodes(values["nnodes"])[1]
     if values["node_rank"] >= nodes:
         raise _fail("node_rank", values["node_rank"], f"a value from 0 to {nodes - 1} (nnodes={values['nnodes']})")

@@ -19,6 +19,7 @@ from detrain.engine.build import check_model
 from detrain.engine.freeze import check_freeze
 from detrain.engine.pretrained import check_pretrained
 from detrain.engine.reproduce import find_resume_checkpoint
+from detrain.engine.resume_state import may_host_rank0
 from detrain.errors import ConfigError
 
 
@@ -26,7 +27,8 @@ def check_inputs(task: str, cfg: Cfg) -> None:
     """Raise the error the ``task`` (train, val, predict) would meet later for a path in ``cfg`` that names no
     usable file, and for a run folder that cannot be made."""
     if task == "train" and cfg.resume:
-        find_resume_checkpoint(cfg)  # a resumed run takes its model and data from the checkpoint
+        if may_host_rank0(cfg.node_rank):  # rank 0 alone reads it and sends it to the others (resume_state.py)
+            find_resume_checkpoint(cfg)  # a resumed run takes its model and data from the checkpoint
         return
     if task in ("train", "val"):
         find_dataset_yaml(cfg.data)

@@ -7,6 +7,7 @@ through torch's elastic launcher, or inside a launcher that already started us (
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +46,10 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     if spawning and cfg.node_rank == 0 and not (task == "train" and cfg.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder
         args["save_dir"] = str(increment_run_dir(cfg.project, cfg.name, task, cfg.exist_ok))
+    if task == "train" and not launch.in_launcher_env() and cfg.node_rank == 0:
+        # this launch's id goes into its checkpoints: after any restart, rank 0 resumes from those and not from an
+        # older run's in the same folder (engine/resume_state.py); a requeued SLURM job finds them by its job id
+        args["launch_id"] = uuid.uuid4().hex
     # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
     run_args = None if cfg.run_id else run_identity.shared_args(task, cfg.to_dict())
     return launch.launch(entry, args, plan, nnodes=str(cfg.nnodes), node_rank=cfg.node_rank,

@@ -72,11 +72,27 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
         self.seed, self.shuffle, self.drop_last, self.pool_size = int(seed) % 2**32, shuffle, drop_last, pool_size
         self.pool_window, self.pool_lanes = pool_window, pool_lanes
         self.epoch = 0
+        self._start: tuple[int, int] | None = None  # (epoch, batch) where a run resumed mid-epoch goes on
         self._orders: dict[int, np.ndarray] = {}
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation for the next iteration."""
         self.epoch = int(epoch)
+
+    def start_at(self, batch: int) -> None:
+        """Begin this epoch at batch ``batch`` (0-based), with exactly the picks an uninterrupted iteration yields
+        there (a run resumed mid-epoch). It holds for iterations of this epoch until one has run to its end (the
+        DataLoader may call ``iter`` more than once per pass); ``len`` stays the epoch's.
+
+        >>> s = GlobalBatchSampler(32, 8, seed=1); whole = [[p.index for p in b] for b in s]
+        >>> s.start_at(3); [[p.index for p in b] for b in s] == whole[3:]
+        True
+        >>> len(s), len(list(s))
+        (4, 4)
+        """
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 0 <= batch <= len(self):
+            raise ValueError(f"start_at({batch!r}): a batch index from 0 to {len(self)}")
+        self._start = (self.epoch, batch)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """Epoch ``epoch``'s (default: this epoch's) sequence of indices (all ranks), padded or cut as described in
@@ -99,11 +115,13 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
         return np.resize(perm, length)  # np.resize repeats the permutation from its start to fill
 
     def __iter__(self) -> Iterator[list[Pick]]:
+        resumed = self._start if self._start is not None and self._start[0] == self.epoch else None
+        first = resumed[1] if resumed is not None else 0
         order = self.order()
         g = self.batch_size * self.world_size
         pools: dict[tuple[int, int], tuple[int, ...]] = {}
         groups = math.ceil(self.pool_batch / self.pool_size)
-        for start in range(0, len(order), g):
+        for start in range(first * g, len(order), g):
             chunk = len(order[start: start + g]) // self.world_size  # the per-rank size (smaller for the last)
             positions = range(start + self.rank * chunk, start + (self.rank + 1) * chunk)
             picks = []
@@ -115,6 +133,8 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
                 lane = b % self.pool_lanes * groups + slot // self.pool_size  # the pool's lane: its slot group
                 picks.append(Pick(int(order[p]), pools[key], lane))
             yield picks
+        if resumed is not None and self._start == resumed:
+            self._start = None  # this epoch's resumed pass is over: the next starts at batch 0
 
     def pool(self, epoch: int, batch: int, slot: int) -> tuple[int, ...]:
         """The mosaic pool of ``slot`` of planned global batch ``batch`` of ``epoch``: its slot group in the lane's

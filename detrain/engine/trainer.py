@@ -22,16 +22,18 @@ from torch import nn
 
 from detrain import dist
 from detrain.callbacks import CallbackFn, Callbacks
-from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
+from detrain.checkpoint import model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.data.batch_memory import release_batch
-from detrain.engine import accumulation, epoch_stats, freeze, optim, pretrained, run_trace, time_budget
+from detrain.engine import (accumulation, epoch_stats, freeze, optim, pretrained, resume_state, run_trace,
+                            time_budget)
 from detrain.engine.batch_plan import batch_plan, planned_world_size
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, select_device
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
 from detrain.engine.ema import ModelEMA, unwrap
 from detrain.engine.epoch_monitor import EpochMonitor
-from detrain.engine.reproduce import find_resume_checkpoint, rng_state, seed_everything, set_rng_state
+from detrain.engine.mid_epoch import MidEpoch
+from detrain.engine.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.engine.train_plots import plot_results, plot_train_batch
 from detrain.engine.validator import validate
 from detrain.engine.world_layout import number_nodes
@@ -45,19 +47,14 @@ class Trainer:
     """Trains one rank. Every decision that could differ between ranks (best epoch, early stop, image size)
     is taken once and shared, so no rank waits for another that has left the loop."""
 
-    def __init__(self, cfg: Cfg, save_dir: str | Path | None = None,
+    def __init__(self, cfg: Cfg, save_dir: str | Path | None = None, launch_id: str | None = None,
                  callbacks: dict[str, list[CallbackFn]] | None = None) -> None:
         self.callbacks = Callbacks(callbacks)  # fired on rank 0 only (detrain.callbacks)
-        self.resume_ckpt: dict[str, Any] | None = None
-        if cfg.resume:
-            path = find_resume_checkpoint(cfg)
-            self.resume_ckpt = load_checkpoint(path)
-            # a resumed run keeps its own arguments; only the devices and the process layout may change
-            keep = {k: getattr(cfg, k) for k in ("device", "workers", "nnodes", "node_rank", "master_addr",
-                                                   "master_port", "max_restarts", "dist_timeout", "prepare_timeout",
-                                                   "rdzv_backend", "run_id", "socket_ifname")}
-            cfg = make_cfg({**self.resume_ckpt["train_args"], **keep, "resume": str(path)})
-            save_dir = save_dir or path.parent.parent
+        # rank 0 decides whether this start resumes (resume=, or a checkpoint of this launch after any restart) and
+        # from which checkpoint on its disk; every rank gets that checkpoint from it (resume_state.py)
+        start = resume_state.agree(cfg, save_dir, resume_state.Launch.here(launch_id))
+        cfg, save_dir, self.resume_ckpt, self.launch = start.cfg, start.save_dir, start.ckpt, start.launch
+        self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
         self.cfg = cfg
         self.rank, self.world = dist.rank(), dist.world_size()
         self.main = dist.is_main()
@@ -73,6 +70,7 @@ class Trainer:
             str(save_dir or increment_run_dir(cfg.project, cfg.name, "train", cfg.exist_ok)) if self.main else None)
         self.save_dir = Path(save_dir)
         self.wdir = self.save_dir / "weights"
+        self.mid = MidEpoch(cfg.save_interval, cfg.save, self.wdir, self.device)  # save_interval: mid.pt
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -115,6 +113,8 @@ class Trainer:
                 # DDP gave every rank rank 0's weights; the EMA was copied earlier from this rank's own
                 # (seed + rank) init, so ranks > 0 would validate a slightly different model
                 self.ema.ema.load_state_dict(unwrap(self.model).state_dict())
+            if self.resume_ckpt is not None:  # each rank's own BatchNorm statistics, as they were
+                resume_state.restore_rank_state(self.model, self.ema.ema, self.resume_ckpt, self.rank)
         self.local_batch = self.plan.local_batch
         self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world,
                                                self.plan.planned_world)
@@ -164,7 +164,8 @@ class Trainer:
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
         self.start_epoch = int(ckpt["epoch"]) + 1
-        self.last_update = self.start_epoch * self.nb - 1
+        start_batch = self.mid.restore(ckpt, self.nb, self.plan.step_images)  # a mid.pt continues within its epoch
+        self.last_update = self.start_epoch * self.nb + start_batch - 1
         if ckpt.get("batches_per_epoch") == self.nb and ckpt.get("accumulate") == self.accumulate_target:
             # gradients still waiting for an update (accumulation.py); a different batch plan (another world
             # size) starts its cadence afresh at this epoch instead
@@ -228,10 +229,9 @@ class Trainer:
                 console.print(f"closing mosaic for the last {cfg.close_mosaic} epochs")
             self.model.train()
             progress = EpochProgress(epoch, cfg.epochs, self.nb, LOSS_NAMES) if self.main else None
-            mean_items = torch.zeros(3, device=self.device)
+            first, mean_items, n_images = self.mid.begin_epoch(self.train_loader)  # (0, zeros, 0) but after mid.pt
             step_times: list[float] = []
-            n_images = 0
-            for i, batch in enumerate(self.monitor.timed(self.train_loader)):
+            for i, batch in enumerate(self.monitor.timed(self.train_loader), first):
                 ts = time.perf_counter()
                 ni = i + self.nb * epoch
                 accumulate = self.accumulate_target
@@ -256,6 +256,7 @@ class Trainer:
                 if progress is not None:
                     progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
                 release_batch(batch)  # nothing reads this batch any more: its worker may fill the memory again
+                self.mid.after_batch(self, epoch, i, mean_items, n_images)  # mid.pt when save_interval is due
             if progress is not None:
                 progress.close()
             lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -288,11 +289,14 @@ class Trainer:
             row = {"epoch": epoch + 1, **{f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())},
                    **_metric_columns(metrics),
                    **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}, **speed}
+            if cfg.save:  # collective: what differs between ranks goes in last.pt too
+                self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema)
             if self.main:
                 csv.add(row)
                 scalars = {k: float(v) for k, v in row.items() if k != "epoch"}
                 tb.log(scalars, epoch + 1)
                 self._save(epoch, metrics, improved)
+                self.mid.epoch_done()
                 if cfg.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
                     self.callbacks.fire("on_model_save", self, epoch + 1, scalars, improved)
                 shown = "  ".join(f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items()
@@ -392,12 +396,12 @@ class Trainer:
         """Whether batches of ``epoch`` (at its end) hold gradients for an update still to come."""
         return accumulation.pending_batches(self.nb * (epoch + 1) - 1, self.last_update) > 0
 
-    def _save(self, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
-        if not self.cfg.save:
-            return
+    def checkpoint_state(self, epoch: int, metrics: dict[str, Any], pending: bool) -> dict[str, Any]:
+        """Everything a resumed run needs, after epoch ``epoch`` (0-based); ``pending``: gradients wait for an
+        update (averaged over the ranks already) and are saved too."""
         bare = unwrap(self.model)
         meta = model_meta(bare, self.cfg.imgsz)
-        state = {
+        return {
             "model": {**meta, "state_dict": _cpu_state(bare)},
             "ema": {"state_dict": _cpu_state(self.ema.ema), "updates": self.ema.updates},
             "optimizer": self.optimizer.state_dict(),
@@ -409,15 +413,22 @@ class Trainer:
             "last_update": self.last_update,
             "batches_per_epoch": self.nb,
             "accumulate": self.accumulate_target,
-            "pending_grads": accumulation.saved(bare) if self._gradients_wait(epoch) else None,
+            "pending_grads": accumulation.saved(bare) if pending else None,
             "train_args": self.cfg.to_dict(),
             "train_time_s": self.budget.spent_s if self.budget is not None else None,  # time=: what resume has left
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "rng": rng_state(),
+            **self.per_rank,  # rng_per_rank, buffers_per_rank
+            **self.launch.stamp(),  # which launch wrote it: a restart of this launch resumes from it
         }
+
+    def _save(self, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
+        if not self.cfg.save:
+            return
+        state = self.checkpoint_state(epoch, metrics, self._gradients_wait(epoch))
         save_checkpoint(state, self.wdir / "last.pt")
         light = {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "scaler", "rng",
-                                                             "pending_grads")}
+                                                             "rng_per_rank", "buffers_per_rank", "pending_grads")}
         if improved:
             save_checkpoint(light, self.wdir / "best.pt")
         if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
@@ -458,20 +469,20 @@ def _test_kill_hook(epoch: int, rank: int) -> None:
     spec = os.environ.get("DETRAIN_TEST_KILL_AT")
     if spec and spec == f"{epoch}:{rank}" and dist.restart_count() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
+    # DETRAIN_TEST_HOLD_AT="EPOCH:RANK:PATH": that rank waits at the start of that epoch until PATH exists (a test
+    # lets another node join the group there: tests/test_resume_every_node.py)
+    hold = os.environ.get("DETRAIN_TEST_HOLD_AT", "").split(":", 2)
+    if len(hold) == 3 and hold[:2] == [str(epoch), str(rank)]:
+        while not os.path.exists(hold[2]):
+            time.sleep(0.1)
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process)."""
     cfg = make_cfg(args["cfg"])
     dist.setup(timeout_s=cfg.dist_timeout)
-    save_dir = args.get("save_dir")
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts and save_dir and (Path(save_dir) / "weights" / "last.pt").is_file():
-        # the launcher restarted the group after a worker died: continue from the last finished epoch
-        cfg = cfg.replace(resume=str(Path(save_dir) / "weights" / "last.pt"))
-        if dist.is_main():
-            console.print(f"restart {restarts}: resuming from {cfg.resume}")
     try:
-        return Trainer(cfg, save_dir, args.get("callbacks")).train()
+        # after any restart, rank 0 finds this launch's checkpoint in its save_dir (resume_state.py)
+        return Trainer(cfg, args.get("save_dir"), args.get("launch_id"), args.get("callbacks")).train()
     finally:
         dist.cleanup()

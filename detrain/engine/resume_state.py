@@ -1,0 +1,341 @@
+"""Where a training run starts, afresh or from one of its checkpoints, decided by rank 0 for every rank.
+
+Nodes share no disk. Only rank 0 reads checkpoints (and writes files); whether a start is a resume, from which
+file, epoch and batch, is its decision, and every other rank receives that checkpoint from it over the process
+group (model, EMA, optimizer, scaler, schedule, epoch, batch position, RNG, waiting gradients). A node that never
+held the run folder, a restarted worker and a node that joins a group that never failed all resume alike: nothing
+here reads a rank's own restart count or disk.
+
+A checkpoint is *this run's* when it carries this launch's id (``launch_id``), or, after a SLURM requeue, this
+job's (``job_id``). The id makes the difference between a restarted group, which must continue, and a new run
+given ``exist_ok=True``, which must not pick up an older run's ``last.pt`` from the same folder:
+
+* detrain's launcher: node 0's launcher draws an id per launch and picks the run folder before any worker
+  starts; every start of a worker group under it (after any restart, or a membership change that raised no
+  restart count) looks in that folder;
+* torchrun (or any elastic agent that does not give an id): the agent process's host, pid and start time, which
+  its restarts keep; the folder is the newest of project/name's (``name``, ``name2``, ...) or ``name`` itself;
+* a SLURM requeue (``SLURM_RESTART_COUNT`` > 0): any checkpoint of the job in those folders;
+* ``resume=path`` (or True): that checkpoint, or ``mid.pt`` beside a ``last.pt`` when it is further on and of
+  the same launch, unless this launch has written a checkpoint of its own since (a restart after the resume).
+
+Of the candidates (``weights/mid.pt`` and ``weights/last.pt``), the one furthest on wins.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from detrain import dist
+from detrain.checkpoint import load_checkpoint
+from detrain.config import Cfg, make_cfg
+from detrain.engine.ema import unwrap
+from detrain.engine.reproduce import find_resume_checkpoint, rng_state
+from detrain.env import env_int
+from detrain.errors import CheckpointError, DetrainError
+from detrain.log import console
+
+# a resumed run keeps its own arguments; only the devices and the process layout may change
+KEEP_KEYS = ("device", "workers", "nnodes", "node_rank", "master_addr", "master_port", "max_restarts", "dist_timeout",
+             "prepare_timeout", "rdzv_backend", "run_id", "socket_ifname")
+MID, LAST = "mid.pt", "last.pt"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This start's identity, as rank 0 sees it: which checkpoints are this run's, and where to look for them."""
+
+    id: str | None  # this launch's (kept by its restarts); None: a plain process, whose checkpoints nobody resumes
+    job: str | None  # the SLURM job's, kept by a requeue
+    requeued: int  # SLURM_RESTART_COUNT
+    restarts: int  # TORCHELASTIC_RESTART_COUNT (for the message only)
+    search_series: bool  # the run folder was not handed over: look in project/name's newest folders
+
+    @classmethod
+    def here(cls, given: str | None = None) -> Launch:
+        """The identity of this process's launch: ``given`` by detrain's launcher, else its elastic agent's."""
+        env = os.environ
+        job = f"slurm:{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else None
+        requeued = env_int("SLURM_RESTART_COUNT", 0) if job else 0
+        agent = given is None and "TORCHELASTIC_RUN_ID" in env  # torchrun: no launcher of ours picked a folder
+        launch_id = given if given is not None else (_agent_identity() if agent else None)
+        return cls(launch_id, job, requeued, env_int("TORCHELASTIC_RESTART_COUNT", 0), agent or requeued > 0)
+
+    def owns(self, ckpt: dict[str, Any]) -> bool:
+        """Whether ``ckpt`` was written by this launch (or, after a requeue, by this job).
+
+        >>> Launch("a", None, 0, 0, False).owns({"launch_id": "a"}), Launch("a", None, 0, 0, False).owns({})
+        (True, False)
+        """
+        mine = ckpt.get("launch_id")
+        if self.id is not None and isinstance(mine, str) and mine == self.id:
+            return True
+        job = ckpt.get("job_id")
+        return bool(self.requeued and self.job is not None and isinstance(job, str) and job == self.job)
+
+    def stamp(self) -> dict[str, str | None]:
+        """What a checkpoint records of its launch."""
+        return {"launch_id": self.id, "job_id": self.job}
+
+    def reason(self) -> str:
+        """Why a checkpoint of this run is there to resume from, for the one line rank 0 prints."""
+        if self.restarts:
+            return f"restart {self.restarts}"
+        if self.requeued:
+            return f"requeue {self.requeued}"
+        return "group restarted"
+
+
+@dataclass(frozen=True)
+class Start:
+    """What every rank agreed on: the arguments, rank 0's run folder (None: still to be made; on ranks > 0 it
+    is only informative) and the checkpoint to resume from (None: a fresh start)."""
+
+    cfg: Cfg
+    save_dir: str | Path | None
+    ckpt: dict[str, Any] | None
+    launch: Launch
+
+
+def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
+    """Rank 0 finds the checkpoint to resume from (if any) on its own disk; every rank gets it from rank 0.
+
+    A collective in a group (call on every rank). A bad checkpoint or resume argument raises the same one-line
+    error on every rank."""
+    payload: tuple[Any, ...] = ("fresh",)
+    if dist.is_main():
+        try:
+            found = _choose(cfg, save_dir, launch)
+        except DetrainError as e:
+            payload = ("error", e)
+        except OSError as e:  # an unreadable folder or file on rank 0's disk
+            payload = ("error", CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"))
+        else:
+            if found is not None:
+                path, ckpt, auto = found
+                where = describe(ckpt)
+                console.print(f"{launch.reason()}: resuming from {path} at {where}" if auto
+                              else f"resuming from {path} at {where}")
+                payload = ("resume", str(path), ckpt)
+    payload = _share(payload, cfg.prepare_timeout)
+    if payload[0] == "error":
+        raise payload[1]
+    if payload[0] == "fresh":
+        return Start(cfg, save_dir, None, launch)
+    path, ckpt = Path(payload[1]), payload[2]
+    keep = {k: getattr(cfg, k) for k in KEEP_KEYS}  # this rank's own devices and layout
+    resumed = make_cfg({**ckpt["train_args"], **keep, "resume": str(path)})
+    return Start(resumed, path.parent.parent, ckpt, launch)
+
+
+def describe(ckpt: dict[str, Any]) -> str:
+    """Where a checkpoint continues, for people: the epoch it runs next (1-based, as the log counts them), and
+    how much of it is done already.
+
+    >>> mid = {"next_batch": 5, "step_images": 16, "mean_items": torch.zeros(3), "n_images": 80}
+    >>> describe({"epoch": 1}), describe({"epoch": 0, "batches_per_epoch": 8, "mid_epoch": mid})
+    ('epoch 3', 'epoch 2, 5/8 batches done')
+    """
+    epoch, batch = position(ckpt)
+    done = f", {batch}/{ckpt['batches_per_epoch']} batches done" if batch else ""
+    return f"epoch {epoch + 1}{done}"
+
+
+def position(ckpt: dict[str, Any], path: str | Path = "checkpoint") -> tuple[int, int]:
+    """(epoch, batch) a checkpoint continues from, both 0-based: ``last.pt`` of epoch e gives (e + 1, 0), a
+    ``mid.pt`` saved after batch b of epoch e (e, b + 1). Bigger is further on. Bad fields: CheckpointError."""
+    epoch = ckpt.get("epoch")
+    if type(epoch) is not int or epoch < -1:
+        raise CheckpointError(f"{path}: 'epoch' is {str(epoch)[:40]!r}; expected an integer of at least -1")
+    mid = ckpt.get("mid_epoch")
+    if mid is None:
+        return epoch + 1, 0
+    check_mid(ckpt, path)
+    return epoch + 1, int(mid["next_batch"])
+
+
+def check_mid(ckpt: dict[str, Any], path: str | Path) -> None:
+    """A mid-epoch checkpoint's position fields have their types and ranges (see :mod:`detrain.engine.mid_epoch`)."""
+    mid, per = ckpt.get("mid_epoch"), ckpt.get("batches_per_epoch")
+    ok = isinstance(mid, dict) and type(per) is int and per >= 1
+    if ok:
+        batch, step, items, images = (mid.get(k) for k in ("next_batch", "step_images", "mean_items", "n_images"))
+        ok = (type(batch) is int and 1 <= batch <= per and type(step) is int and step >= 1 and type(images) is int
+              and images >= 0 and isinstance(items, torch.Tensor) and items.shape == (3,)
+              and items.is_floating_point() and bool(torch.isfinite(items).all()))
+    if not ok:
+        raise CheckpointError(f"{path}: its mid-epoch position (mid_epoch, batches_per_epoch) is malformed; "
+                              f"delete it to resume from {LAST}")
+
+
+def series_folders(project: str, name: str, task: str = "train") -> list[Path]:
+    """The run folders ``increment_run_dir`` has handed out for project/name: ``name``, ``name2``, ... up to the
+    first one missing (the next run's). The last is the newest run's, the first the one ``exist_ok`` reuses."""
+    root = Path(project) if project else Path("runs") / task
+    base = name or "exp"
+    out, path, n = [], root / base, 2
+    while path.is_dir():
+        out.append(path)
+        path, n = root / f"{base}{n}", n + 1
+    return out
+
+
+def gather_per_rank(model: nn.Module, ema: nn.Module) -> dict[str, Any]:
+    """What differs between ranks, for a checkpoint to give back to each (a collective in a group): its random
+    generators (``rng_per_rank``) and, in a group, the floating buffers of its model and EMA (``buffers_per_rank``,
+    ranks > 0; rank 0's are the checkpoint's own). Those are BatchNorm statistics: each rank's forward passes update
+    them from its own images (unless sync_bn), and DDP sends rank 0's to the others only before a forward that
+    follows an update, so between updates, and in each rank's EMA, they differ."""
+    mine: dict[str, Any] = {"rng": rng_state()}
+    if dist.is_distributed():
+        mine["buffers"] = {"model": _float_buffers(unwrap(model)), "ema": _float_buffers(ema)}
+    everyone = dist.all_gather_object(mine)
+    out: dict[str, Any] = {"rng_per_rank": {str(r): s["rng"] for r, s in enumerate(everyone)}}
+    if dist.is_distributed():
+        out["buffers_per_rank"] = {str(r): s["buffers"] for r, s in enumerate(everyone) if r}
+    return out
+
+
+def restore_rank_state(model: nn.Module, ema: nn.Module, ckpt: dict[str, Any], rank: int) -> None:
+    """In a group, once DDP has given every rank rank 0's weights: this rank's own buffers back (where the checkpoint
+    has them: one of another world size may not), and DDP's choice to send rank 0's buffers before the next forward
+    as it stood when the checkpoint was saved (after an update, yes; between two, no). The same on every rank: the
+    checkpoint is."""
+    mine = (ckpt.get("buffers_per_rank") or {}).get(str(rank)) or {}
+    _copy_into(unwrap(model), mine.get("model") or {})
+    _copy_into(ema, mine.get("ema") or {})
+    if hasattr(model, "require_forward_param_sync"):
+        model.require_forward_param_sync = _updated_last(ckpt)
+
+
+def may_host_rank0(node_rank: int) -> bool:
+    """Whether this process may become global rank 0, which alone reads ``resume``'s checkpoint: the ranks of
+    torchrun or srun know their rank; a launcher's node has rank 0 when it is node_rank 0."""
+    if "RANK" in os.environ:
+        return env_int("RANK", 0) == 0
+    if "SLURM_PROCID" in os.environ and env_int("SLURM_NTASKS", 1) > 1:
+        return env_int("SLURM_PROCID", 0) == 0
+    return node_rank == 0
+
+
+# ------------------------------------------------------------------------------------------------ internals
+
+
+def _choose(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> tuple[Path, dict[str, Any], bool] | None:
+    """Rank 0: the checkpoint to resume from (path, contents, whether found as this run's own), or None."""
+    explicit = find_resume_checkpoint(cfg) if cfg.resume else None
+    folders = [Path(save_dir)] if save_dir else []
+    if explicit is not None:
+        folders.append(explicit.parent.parent)
+    if launch.search_series:
+        chain = series_folders(cfg.project, cfg.name)
+        folders += chain[:1] + chain[-1:]
+    best: tuple[Path, dict[str, Any], tuple[int, int]] | None = None
+    seen: set[Path] = set()
+    for folder in folders:
+        for name in (MID, LAST):
+            path = folder / "weights" / name
+            if not path.is_file() or path.resolve() in seen:
+                continue
+            seen.add(path.resolve())
+            ckpt = load_checkpoint(path)
+            if launch.owns(ckpt):
+                at = position(ckpt, path)
+                if best is None or at > best[2]:
+                    best = (path, ckpt, at)
+    if best is not None:
+        _check_resumable(best[1], best[0])
+        return best[0], best[1], True
+    if explicit is None:
+        return None
+    ckpt = load_checkpoint(explicit)
+    _check_resumable(ckpt, explicit)
+    beside = explicit.with_name(MID)
+    if explicit.name == LAST and beside.is_file():
+        mid = load_checkpoint(beside)
+        written_by = ckpt.get("launch_id")
+        if isinstance(written_by, str) and mid.get("launch_id") == written_by and \
+                position(mid, beside) > position(ckpt, explicit):
+            _check_resumable(mid, beside)
+            return beside, mid, False
+    return explicit, ckpt, False
+
+
+def _agent_identity() -> str:
+    """The elastic agent this worker runs under (its parent): host, pid and start time, which its restarts keep
+    and a later agent with the same pid does not (where /proc is missing: host and pid)."""
+    ppid = os.getppid()
+    try:
+        started = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22, starttime
+    except (OSError, IndexError):
+        started = "?"
+    return f"agent:{socket.gethostname()}:{ppid}:{started}"
+
+
+def _float_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    saved = module.state_dict()  # persistent buffers only: those a checkpoint holds too
+    return {k: v.detach().to("cpu", copy=True) for k, v in module.named_buffers()
+            if v.is_floating_point() and k in saved}
+
+
+def _copy_into(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    own = dict(module.named_buffers())
+    with torch.no_grad():
+        for name, value in values.items():
+            own[name].copy_(value)  # names and shapes checked by rank 0 (_check_resumable)
+
+
+def _updated_last(ckpt: dict[str, Any]) -> bool:
+    """Whether the last batch before the checkpoint ended with an optimizer update."""
+    epoch, batch = position(ckpt)
+    nb, last_update = ckpt.get("batches_per_epoch"), ckpt.get("last_update")
+    if type(nb) is not int or type(last_update) is not int:
+        return True  # DDP's own start
+    return last_update == epoch * nb + batch - 1
+
+
+def _check_resumable(ckpt: dict[str, Any], path: Path) -> None:
+    if not isinstance(ckpt.get("train_args"), dict) or not isinstance(ckpt.get("optimizer"), dict):
+        raise CheckpointError(f"{path} holds weights but no training state (train_args, optimizer); resume needs a "
+                              f"{LAST} or {MID} written by 'detrain train' (start a new run with model={path})")
+    position(ckpt, path)
+    per_rank = ckpt.get("buffers_per_rank")
+    if per_rank is None:
+        return
+    weights = {"model": ckpt["model"]["state_dict"], "ema": (ckpt.get("ema") or {}).get("state_dict") or {}}
+    ok = isinstance(per_rank, dict) and all(
+        isinstance(r, str) and isinstance(parts, dict) and set(parts) <= set(weights) and all(
+            isinstance(buffers, dict) and all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) and isinstance(weights[part].get(k), torch.Tensor)
+                and v.shape == weights[part][k].shape and v.dtype == weights[part][k].dtype
+                for k, v in buffers.items())
+            for part, buffers in parts.items())
+        for r, parts in per_rank.items())
+    if not ok:
+        raise CheckpointError(f"{path}: 'buffers_per_rank' does not match its model's and EMA's buffers")
+
+
+def _share(payload: tuple[Any, ...], wait_s: float) -> tuple[Any, ...]:
+    """Rank 0's decision on every rank; a checkpoint travels as the bytes ``torch.save`` makes of it, read back
+    with ``weights_only=True`` (nothing in it can run code). The others wait for rank 0 to read its checkpoints
+    for up to ``wait_s`` (prepare_timeout: large files on a slow disk), not the training timeout."""
+    if not dist.is_distributed():
+        return payload
+    sent = payload
+    if dist.is_main() and payload[0] == "resume":
+        buf = io.BytesIO()
+        torch.save(payload[2], buf)
+        sent = (*payload[:2], buf.getvalue())
+    dist.barrier("rank 0 chose the checkpoint to resume from", wait_s)
+    shared = dist.broadcast_object(sent if dist.is_main() else None)
+    if dist.is_main() or shared[0] != "resume":
+        return payload if dist.is_main() else shared  # type: ignore[no-any-return]
+    return (*shared[:2], torch.load(io.BytesIO(shared[2]), map_location="cpu", weights_only=True))
