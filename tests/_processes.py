@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -35,3 +37,25 @@ def run_together(commands: Sequence[Sequence[str]], env: dict[str, str], cwd: st
                 p.kill()
                 p.wait()
     return [(p.returncode, out) for p, out in zip(procs, outs)]
+
+
+REPO = Path(__file__).resolve().parents[1]
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "DETRAIN_TEST_KILL_AT", "DETRAIN_TEST_KILL_AFTER_MID",
+                "DETRAIN_TEST_HOLD_AT")
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """A child environment outside any launcher or SLURM job: one thread per process, this checkout's detrain."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env

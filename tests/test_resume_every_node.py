@@ -12,7 +12,6 @@ import csv
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from detrain.engine import resume_state
 from detrain.engine.resume_state import Launch
 from detrain.errors import CheckpointError, ConfigError
 from detrain.preflight import check_inputs
+from _processes import child_env, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-40 s on an idle 2-core machine)
@@ -36,22 +36,6 @@ TINY = dict(imgsz=64, workers=0, warmup_epochs=0, close_mosaic=0, val=False, plo
             optimizer="SGD", seed=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """A child environment outside any launcher or SLURM job: one thread per process, detrain importable."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "DETRAIN_TEST_KILL_AT",
-                        "DETRAIN_TEST_KILL_AFTER_MID", "DETRAIN_TEST_HOLD_AT") and not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
 
 
 def _cli(args: dict) -> list[str]:
@@ -318,12 +302,12 @@ def test_a_killed_worker_on_node_1_resumes_from_node_0s_checkpoint(data: Path, t
     """The issue's scenario shrunk: 2 launchers as 2 nodes, each its own working folder and project=runs,
     max_restarts=1; node 1's worker is SIGKILLed after epoch 1. Both nodes go on from rank 0's last.pt (node 1
     never holds it), and node 0's results.csv has every epoch once."""
-    port = _free_port()
+    port = free_port()
     homes = [tmp_path / "node0", tmp_path / "node1"]
     common = {**TINY, "data": str(data), "batch": 8, "epochs": 3, "device": "cpu", "nnodes": 2,
               "master_addr": "127.0.0.1", "master_port": port, "max_restarts": 1, "dist_timeout": 30,
               "project": "runs", "name": "x", "exist_ok": True}
-    nodes = _start_nodes(homes, [{**common, "node_rank": r} for r in (0, 1)], [_env(), _env()])
+    nodes = _start_nodes(homes, [{**common, "node_rank": r} for r in (0, 1)], [child_env(), child_env()])
     last = homes[0] / "runs" / "x" / "weights" / "last.pt"
     node1_pt: set[str] = set()
     try:
@@ -355,19 +339,19 @@ def test_a_node_joining_a_group_that_never_failed_resumes_with_it(data: Path, tm
     """nnodes=1:2 (c10d): node 0 trains alone and holds at the start of epoch 2; node 1 joins, the agent restarts
     node 0's worker for the new membership with no higher restart count, and rank 0 still resumes from its last.pt,
     sending it to node 1's worker."""
-    port, go = _free_port(), tmp_path / "go"
+    port, go = free_port(), tmp_path / "go"
     homes = [tmp_path / "node0", tmp_path / "node1"]
     common = {**TINY, "data": str(data), "batch": 8, "epochs": 3, "device": "cpu", "nnodes": "1:2",
               "rdzv_backend": "c10d", "master_addr": "127.0.0.1", "master_port": port, "dist_timeout": 30,
               "project": "runs", "name": "x", "exist_ok": True}
     last = homes[0] / "runs" / "x" / "weights" / "last.pt"
-    nodes = _start_nodes(homes[:1], [{**common, "node_rank": 0}], [_env(DETRAIN_TEST_HOLD_AT=f"1:0:{go}")])
+    nodes = _start_nodes(homes[:1], [{**common, "node_rank": 0}], [child_env(DETRAIN_TEST_HOLD_AT=f"1:0:{go}")])
     try:
         deadline = time.monotonic() + LIMIT_S
         while not last.is_file():
             assert time.monotonic() < deadline and nodes[0].poll() is None, (homes[0] / "out.txt").read_text()
             time.sleep(0.1)
-        nodes += _start_nodes(homes[1:], [{**common, "node_rank": 1}], [_env()])
+        nodes += _start_nodes(homes[1:], [{**common, "node_rank": 1}], [child_env()])
         while _worker_of(nodes[1].pid) is None:  # node 1 is in the group
             assert time.monotonic() < deadline and nodes[1].poll() is None, (homes[1] / "out.txt").read_text()
             time.sleep(0.1)
@@ -389,16 +373,16 @@ def test_a_single_process_killed_mid_epoch_resumes_at_that_step_exactly(data: Pa
     """Gradients accumulate over 2 batches (nbs=8, batch=4) and the kill comes after batch 3 of epoch 2, with
     one batch's gradients waiting in mid.pt: the resumed run ends with the uninterrupted run's weights."""
     args = {**TINY, "data": str(data), "epochs": 2, "batch": 4, "nbs": 8, "device": "cpu", "name": "run"}
-    _ok(_run(_cli({**args, "project": str(tmp_path / "a")}), _env()))  # the same thread count as the others
+    _ok(_run(_cli({**args, "project": str(tmp_path / "a")}), child_env()))  # the same thread count as the others
     straight = tmp_path / "a" / "run"
     died = tmp_path / "b" / "run"
     proc = _run(_cli({**args, "project": str(tmp_path / "b"), "save_interval": 1e-9}),
-                _env(DETRAIN_TEST_KILL_AFTER_MID="1:3:0"))
+                child_env(DETRAIN_TEST_KILL_AFTER_MID="1:3:0"))
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
     mid = _load(died / "weights" / "mid.pt")
     assert (mid["epoch"], mid["mid_epoch"]["next_batch"], mid["last_update"]) == (0, 3, 5)
     assert mid["pending_grads"] is not None and _epochs(died) == ["1"]
-    out = _ok(_run(_cli({"resume": str(died / "weights" / "last.pt"), "device": "cpu"}), _env()))
+    out = _ok(_run(_cli({"resume": str(died / "weights" / "last.pt"), "device": "cpu"}), child_env()))
     assert f"resuming from {died / 'weights' / 'mid.pt'} at epoch 2, 3/4 batches done" in out
     _assert_same_weights(straight / "weights" / "last.pt", died / "weights" / "last.pt")
     assert _epochs(died) == ["1", "2"] and not (died / "weights" / "mid.pt").exists()
@@ -412,9 +396,9 @@ def test_two_workers_restarted_mid_epoch_resume_at_the_step_with_the_uninterrupt
     batch 2 of epoch 2, the launcher restarts both, and they go on from batch 3 to the weights (model and EMA, with
     each rank's own BatchNorm statistics) of a run that never saved mid.pt nor stopped."""
     args = {**TINY, "data": str(data), "epochs": 2, "batch": 4, "nbs": 4, "device": "cpu,cpu", "name": "run"}
-    _ok(_run(_cli({**args, "project": str(tmp_path / "a")}), _env()))
+    _ok(_run(_cli({**args, "project": str(tmp_path / "a")}), child_env()))
     out = _ok(_run(_cli({**args, "project": str(tmp_path / "b"), "save_interval": 1e-9, "max_restarts": 1}),
-                   _env(DETRAIN_TEST_KILL_AFTER_MID="1:2:0")))  # rank 0 dies right after writing mid.pt
+                   child_env(DETRAIN_TEST_KILL_AFTER_MID="1:2:0")))  # rank 0 dies right after writing mid.pt
     run = tmp_path / "b" / "run"
     assert f"restart 1: resuming from {run / 'weights' / 'mid.pt'} at epoch 2, 2/4 batches done" in out, out[-3000:]
     _assert_same_weights(tmp_path / "a" / "run" / "weights" / "last.pt", run / "weights" / "last.pt")
@@ -427,9 +411,9 @@ def test_torchrun_max_restarts_resumes_in_the_first_attempts_folder(data: Path, 
     args = {**TINY, "data": str(data), "epochs": 2, "batch": 8, "device": "cpu", "name": "run",
             "project": str(tmp_path / "runs")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "detrain.cli", "train",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "detrain.cli", "train",
            *(f"{k}={v}" for k, v in args.items())]
-    out = _ok(_run(cmd, _env(DETRAIN_TEST_KILL_AT="1:1")))
+    out = _ok(_run(cmd, child_env(DETRAIN_TEST_KILL_AT="1:1")))
     run = tmp_path / "runs" / "run"
     assert f"restart 1: resuming from {run / 'weights' / 'last.pt'} at epoch 2" in out, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run"]
@@ -439,11 +423,11 @@ def test_torchrun_max_restarts_resumes_in_the_first_attempts_folder(data: Path, 
 def test_a_requeued_slurm_job_resumes_in_its_own_folder(data: Path, tmp_path: Path) -> None:
     args = {**TINY, "data": str(data), "epochs": 2, "batch": 8, "device": "cpu", "name": "run",
             "project": str(tmp_path / "runs")}
-    first = _run(_cli(args), _env(SLURM_JOB_ID="4242", DETRAIN_TEST_KILL_AT="1:0"))  # dies starting epoch 2
+    first = _run(_cli(args), child_env(SLURM_JOB_ID="4242", DETRAIN_TEST_KILL_AT="1:0"))  # dies starting epoch 2
     assert first.returncode == -signal.SIGKILL, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "runs" / "run"
     assert _epochs(run) == ["1"]
-    out = _ok(_run(_cli(args), _env(SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="1")))
+    out = _ok(_run(_cli(args), child_env(SLURM_JOB_ID="4242", SLURM_RESTART_COUNT="1")))
     assert f"requeue 1: resuming from {run / 'weights' / 'last.pt'} at epoch 2" in out, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run"]
     assert _epochs(run) == ["1", "2"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from detrain.data.synthetic import generate_shapes
-from _processes import run_together
+from _processes import child_env, free_port, run_together
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-30 s on an idle 2-core machine)
@@ -33,21 +32,6 @@ EXACT = dict(imgsz=64, batch=16, nbs=16, workers=0, warmup_epochs=0, close_mosai
              val=False, plots=False, verbose=False, sync_bn=True, exist_ok=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """A child environment outside any launcher: one thread per process, detrain importable."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "TORCHELASTIC_RESTART_COUNT", "DETRAIN_TEST_KILL_AT") and not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = "1"
-    env.update(extra)
-    return env
 
 
 def _kv(args: dict) -> list[str]:
@@ -61,7 +45,7 @@ def _cli(*args: str) -> list[str]:
 def _torchrun(args: dict) -> list[str]:
     """``detrain train`` as 2 ranks of torchrun on one node."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), "-m", "detrain.cli", "train", *_kv(args)]
+            "--master-port", str(free_port()), "-m", "detrain.cli", "train", *_kv(args)]
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float = LIMIT_S, **kw) -> subprocess.CompletedProcess:
@@ -107,7 +91,7 @@ def two_workers(data: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[s
     rdzv_backend=static): once a hang in the rendezvous, so it runs in a child with a time limit."""
     project = tmp_path_factory.mktemp("two_workers")
     args = {**EXACT, "data": str(data), "epochs": 2, "device": "cpu,cpu", "project": str(project), "name": "run"}
-    proc = _run([sys.executable, "-c", _RUN_TASK, json.dumps(args)], _env())
+    proc = _run([sys.executable, "-c", _RUN_TASK, json.dumps(args)], child_env())
     return proc, project / "run"
 
 
@@ -122,7 +106,7 @@ def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data
     proc, dist_run = two_workers
     _ok(proc)
     args = {**EXACT, "data": str(data), "epochs": 2, "device": "cpu", "project": str(tmp_path), "name": "run"}
-    _ok(_run(_cli(*_kv(args)), _env()))
+    _ok(_run(_cli(*_kv(args)), child_env()))
     one_run = tmp_path / "run"
     # 16 images / batch 16: one optimizer step per epoch, 2 epochs. The first epoch's losses come from the same
     # weights on both sides, so they agree to float noise; the second epoch's come after one step whose gradient was
@@ -174,10 +158,10 @@ def _no_orphans(tag: str) -> None:
 
 
 def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     common = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nnodes": 2, "master_addr": "127.0.0.1",
               "master_port": port, "project": str(tmp_path / "runs")}
-    ends = run_together([_cli(*_kv({**common, "node_rank": r})) for r in (0, 1)], _env(), REPO, LIMIT_S)
+    ends = run_together([_cli(*_kv({**common, "node_rank": r})) for r in (0, 1)], child_env(), REPO, LIMIT_S)
     for r, (code, out) in enumerate(ends):
         assert code == 0, f"node {r} exit {code}\n{out[-3000:]}"
     outs = [out for _, out in ends]
@@ -189,7 +173,7 @@ def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path)
 
 def test_under_torchrun_each_rank_joins_instead_of_spawning(data: Path, tmp_path: Path) -> None:
     args = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "project": str(tmp_path / "runs")}
-    proc = _run(_torchrun(args), _env())
+    proc = _run(_torchrun(args), child_env())
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "2 worker(s) on cpu" in out
@@ -204,7 +188,7 @@ def test_fewer_workers_than_planned_keep_their_batch_and_accumulate(data: Path, 
     16-image epoch is 4 steps and 2 updates, as it would be with all 4 ranks."""
     args = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nbs": 8, "nnodes": "1:2",
             "project": str(tmp_path / "runs")}
-    proc = _run(_torchrun(args), _env())
+    proc = _run(_torchrun(args), child_env())
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "accumulate to 8 images; 2 worker(s) on cpu" in out
@@ -215,9 +199,9 @@ def test_fewer_workers_than_planned_keep_their_batch_and_accumulate(data: Path, 
 
 
 def test_a_batch_the_planned_world_cannot_split_stops_before_starting(data: Path, tmp_path: Path) -> None:
-    args = {**FAST, "data": str(data), "batch": 6, "device": "cpu,cpu", "nnodes": "1:2", "master_port": _free_port(),
+    args = {**FAST, "data": str(data), "batch": 6, "device": "cpu,cpu", "nnodes": "1:2", "master_port": free_port(),
             "project": str(tmp_path / "runs")}
-    proc = _run(_cli(*_kv(args)), _env(), timeout=120)
+    proc = _run(_cli(*_kv(args)), child_env(), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: batch=6 does not split evenly over the 4 workers this run is planned for; use a multiple of 4, e.g. 8"]
@@ -228,7 +212,7 @@ def test_a_killed_worker_is_restarted_and_the_run_completes(data: Path, tmp_path
     args = {**FAST, "data": str(data), "epochs": 2, "device": "cpu,cpu", "max_restarts": 1,
             "project": str(tmp_path / "runs")}
     tag = uuid.uuid4().hex
-    proc = _run(_cli(*_kv(args)), _env(DETRAIN_TEST_KILL_AT="1:1", DETRAIN_TEST_TAG=tag))  # rank 1, 2nd epoch
+    proc = _run(_cli(*_kv(args)), child_env(DETRAIN_TEST_KILL_AT="1:1", DETRAIN_TEST_TAG=tag))  # rank 1, 2nd epoch
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "restart 1: resuming from" in out, out[-3000:]
@@ -248,7 +232,7 @@ def test_a_dead_worker_without_restarts_ends_the_run_with_its_rank(data: Path, t
     args = {**FAST, "data": str(data), "epochs": 2, "device": "cpu,cpu", "project": str(tmp_path / "runs")}
     tag = uuid.uuid4().hex
     # 60 s after the kill at the start of the first epoch (plus start-up on a loaded 2-core machine)
-    proc = _run(_cli(*_kv(args)), _env(DETRAIN_TEST_KILL_AT="0:1", DETRAIN_TEST_TAG=tag), timeout=150)
+    proc = _run(_cli(*_kv(args)), child_env(DETRAIN_TEST_KILL_AT="0:1", DETRAIN_TEST_TAG=tag), timeout=150)
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
     # the last line is detrain's own one-line report (torch's elastic agent logs its traceback above it)
