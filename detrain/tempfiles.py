@@ -15,16 +15,17 @@ import os
 import tempfile
 from pathlib import Path
 
+from detrain.procfs import status_value
+
 
 def umask() -> int:
     """This process's umask: from /proc where Linux shows it (no change of state), else set and put back."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    shown = status_value("self", "Umask")
+    if shown is not None:
+        try:
+            return int(shown, 8)
+        except ValueError:
+            pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

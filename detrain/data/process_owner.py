@@ -16,19 +16,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from detrain.procfs import stat_fields
+
 
 def start_ticks(pid: int) -> int | None:
     """Start time of process ``pid`` in clock ticks since boot; None if there is no such process (or no /proc)."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")";
-    # starttime is field 22, the 20th after comm.
-    fields = stat.rsplit(b")", 1)[-1].split()
-    try:
-        return int(fields[19])
+        return int(fields[19]) if fields is not None else None  # starttime: field 22 of proc(5)
     except (IndexError, ValueError):
         return None
 

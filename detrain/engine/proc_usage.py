@@ -19,12 +19,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from detrain.procfs import PROC, stat_fields, status_value
+
 try:
     import resource
 except ImportError:  # Windows: no rusage (and no /proc); the numbers read 0
     resource = None  # type: ignore[assignment]
 
-PROC = Path("/proc")
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") and "SC_CLK_TCK" in os.sysconf_names else 100
 
 
@@ -40,28 +41,18 @@ class UsageSample:
 
 
 def cpu_ticks(pid: str, proc: Path = PROC) -> int | None:
-    """User + system clock ticks of process ``pid`` (``"self"`` or a number), None when unreadable or malformed.
-
-    The command name (field 2) may hold spaces and parentheses, so the fields are counted after its last ``)``.
-    """
+    """User + system clock ticks of process ``pid`` (``"self"`` or a number), None when unreadable or malformed."""
+    fields = stat_fields(pid, proc)
     try:
-        text = (proc / pid / "stat").read_text(errors="replace")
-        fields = text.rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
-    except (OSError, IndexError, ValueError):
+        return int(fields[11]) + int(fields[12]) if fields is not None else None  # utime, stime: fields 14, 15
+    except (IndexError, ValueError):
         return None
 
 
 def rss_bytes(pid: str, proc: Path = PROC) -> int | None:
     """Resident set size of process ``pid`` from its ``status`` (``VmRSS: N kB``), None when unreadable."""
-    try:
-        for line in (proc / pid / "status").read_text(errors="replace").splitlines():
-            if line.startswith("VmRSS:"):
-                parts = line.split()
-                return int(parts[1]) * 1024 if len(parts) >= 2 and parts[1].isdigit() else None
-    except OSError:
-        return None
-    return None
+    kb = status_value(pid, "VmRSS", proc)
+    return int(kb) * 1024 if kb is not None and kb.isdigit() else None
 
 
 def child_pids(proc: Path = PROC) -> list[str]:

@@ -37,6 +37,7 @@ from torch import nn
 from detrain import dist
 from detrain.checkpoint import load_checkpoint
 from detrain.config import Cfg, make_cfg
+from detrain.data.process_owner import start_ticks
 from detrain.engine.ema import unwrap
 from detrain.engine.reproduce import find_resume_checkpoint, rng_state
 from detrain.env import env_int
@@ -273,11 +274,8 @@ def _agent_identity() -> str:
     """The elastic agent this worker runs under (its parent): host, pid and start time, which its restarts keep
     and a later agent with the same pid does not (where /proc is missing: host and pid)."""
     ppid = os.getppid()
-    try:
-        started = Path(f"/proc/{ppid}/stat").read_text().rsplit(")", 1)[1].split()[19]  # field 22, starttime
-    except (OSError, IndexError):
-        started = "?"
-    return f"agent:{socket.gethostname()}:{ppid}:{started}"
+    started = start_ticks(ppid)
+    return f"agent:{socket.gethostname()}:{ppid}:{'?' if started is None else started}"
 
 
 def _float_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
