@@ -25,6 +25,7 @@ import yaml
 from detrain.assets import asset_dir
 from detrain.errors import ConfigError, DistributedError
 from detrain.launch_checks import parse_nnodes
+from detrain.net import is_sha256
 
 Device = Union[str, int, list]
 
@@ -159,7 +160,6 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "seed": (0, None), "download_max_gb": (0.0, None), "download_max_unpacked_gb": (0.0, None),
     "download_max_files": (1, None), "time": (0.0, YEAR_H),
 }
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 # Integers above this (or below its negative) are typos: they overflow numpy's seeds, timers and tensor sizes.
 INT_LIMIT = 2**31 - 1
 # Keys whose value may not be empty (an empty string would only fail later, far from the command line).
@@ -395,7 +395,7 @@ def _check(key: str, value: Any) -> Any:
         raise _fail(key, value, "a multiple of 32 (the largest stride)")
     if key == "weights_sha256":
         value = value.strip().lower()
-        if value and not _SHA256.fullmatch(value):
+        if value and not is_sha256(value):
             raise _fail(key, value, "'' or a sha256: the 64 hex digits sha256sum prints")
     if key == "pretrained" and isinstance(value, str) and not value.strip().endswith(WEIGHTS_SUFFIXES):
         raise _fail(key, value, "true, false or a weights file (.pt) whose matching layers start the model")

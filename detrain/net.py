@@ -19,16 +19,28 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import IO, Any
 
-__all__ = ["BodyTooLarge", "RedirectRefused", "SafeRedirects", "content_length", "copy_body", "open_url",
+__all__ = ["BodyTooLarge", "RedirectRefused", "SafeRedirects", "content_length", "copy_body", "is_sha256", "open_url",
            "redirect_allowed"]
 
 _CHUNK = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_sha256(text: str) -> bool:
+    """Whether ``text`` is a sha256 as ``sha256sum`` prints it: 64 lowercase hex digits (normalise case first).
+
+    Example:
+        >>> is_sha256("0" * 64), is_sha256("0" * 63), is_sha256("G" * 64)
+        (True, False, False)
+    """
+    return _SHA256.fullmatch(text) is not None
 
 
 class RedirectRefused(urllib.error.URLError):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import tempfile
 import uuid
@@ -30,6 +29,7 @@ from detrain.data import synthetic
 from detrain.data.download import DownloadLimits, download_dataset, file_lock, is_url
 from detrain.data.labels import img2label_path
 from detrain.errors import DatasetError
+from detrain.net import is_sha256
 
 __all__ = [
     "DatasetInfo",
@@ -404,7 +404,7 @@ def _download_sha256(value: Any, where: str) -> str | None:
     if value is None:
         return None
     text = str(value).strip().lower()
-    if not isinstance(value, str) or not re.fullmatch(r"[0-9a-f]{64}", text):
+    if not isinstance(value, str) or not is_sha256(text):
         quote = "" if isinstance(value, str) else " in quotes (YAML read this one as a number)"
         raise DatasetError(f"{where} sha256: {value!r} is not a sha256; give the 64 hex digits sha256sum prints{quote}")
     return text

@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
-import re
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +58,6 @@ RELEASE_FILES: dict[str, ReleaseFile] = {
 }
 
 _SCALES = "nsmlx"
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _MAX_UNRECORDED_BYTES = 2 << 30  # a download with a given hash but no recorded size (YOLOv8x is 137 MB)
 _TIMEOUT_S = 30.0
 
@@ -145,7 +143,7 @@ def _checked_sha256(sha256: str | None) -> str | None:
     if sha256 is None or not str(sha256).strip():
         return None
     value = str(sha256).strip().lower()
-    if not _SHA256.fullmatch(value):
+    if not net.is_sha256(value):
         raise CheckpointError(f"weights_sha256: {sha256!r} is not a sha256; give the 64 hex digits sha256sum prints")
     return value
 
