@@ -87,15 +87,20 @@ def _recycled(nbytes: int) -> torch.Tensor | None:
     return whole[:nbytes]
 
 
+def _recycled_trailer(t: torch.Tensor) -> torch.Tensor | None:
+    """The trailer of the recycled segment under ``t``, or None when ``t`` lies in any other memory."""
+    storage = t.untyped_storage()
+    if storage.nbytes() < _TRAILER or storage.device.type != "cpu":
+        return None
+    trailer = _trailer(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
+    return trailer if int(trailer[0]) == _MAGIC else None
+
+
 def release(t: torch.Tensor) -> None:
     """Mark the recycled segment under ``t`` free for its worker to fill again (nothing for any other tensor).
     Call only when nothing will read the batch's tensors any more."""
-    storage = t.untyped_storage()
-    if storage.nbytes() < _TRAILER or storage.device.type != "cpu":
-        return
-    whole = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    trailer = _trailer(whole)
-    if int(trailer[0]) == _MAGIC:
+    trailer = _recycled_trailer(t)
+    if trailer is not None:
         trailer[1] = _FREE
 
 
@@ -118,13 +123,8 @@ class Batch(dict):
 
 def block_bytes(t: torch.Tensor) -> int:
     """The bytes of a block that ``t``'s storage holds: all of it, or a recycled segment's bytes in use."""
-    storage = t.untyped_storage()
-    n = storage.nbytes()
-    if n >= _TRAILER:
-        trailer = _trailer(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n,)))
-        if int(trailer[0]) == _MAGIC:
-            return int(trailer[2:].view(torch.int64)[0])
-    return n
+    trailer = _recycled_trailer(t)
+    return int(trailer[2:].view(torch.int64)[0]) if trailer is not None else t.untyped_storage().nbytes()
 
 
 def new_bytes(nbytes: int, recycle: bool = False) -> torch.Tensor:

@@ -267,9 +267,9 @@ class Trainer:
                 accumulation.average_over_ranks(unwrap(self.model))  # collective: one all-reduce of the gradients
             epoch_time = time.perf_counter() - t0
             speed = self._speed(epoch, n_images, epoch_time, step_times)
-            self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {
-                **{f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())},
-                **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}})
+            losses = {f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())}
+            lr_columns = {f"lr/pg{j}": lr for j, lr in enumerate(lrs)}
+            self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {**losses, **lr_columns})
             final = epoch + 1 == cfg.epochs
             if cfg.val or final:
                 metrics = self._validate(epoch)
@@ -286,9 +286,7 @@ class Trainer:
                 cfg, n_warmup = self.cfg, optim.warmup_iterations(self.cfg, self.nb)
                 if epoch + 1 == cfg.epochs and not metrics:  # val=false still scores the last epoch as now planned
                     metrics = self._validate(epoch)
-            row = {"epoch": epoch + 1, **{f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())},
-                   **_metric_columns(metrics),
-                   **{f"lr/pg{j}": lr for j, lr in enumerate(lrs)}, **speed}
+            row = {"epoch": epoch + 1, **losses, **_metric_columns(metrics), **lr_columns, **speed}
             if cfg.save:  # collective: what differs between ranks goes in last.pt too
                 self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema)
             if self.main:
