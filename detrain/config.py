@@ -24,7 +24,7 @@ import yaml
 
 from detrain.assets import asset_dir
 from detrain.errors import ConfigError, DistributedError
-from detrain.launch_checks import parse_nnodes
+from detrain.distributed.launch_checks import parse_nnodes
 from detrain.net import is_sha256
 
 Device = Union[str, int, list]

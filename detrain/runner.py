@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from detrain import launch, netif, run_identity
+from detrain.distributed import launch, netif, run_identity
 from detrain.callbacks import CallbackFn, check_sendable
 from detrain.config import Cfg
 from detrain.engine.batch_plan import batch_plan

@@ -2,7 +2,7 @@
 Ultralytics' ``cache=ram`` on the same ranks when it is importable (e.g. ``PYTHONPATH=/opt/ulib``).
 
 Each run is a fresh ``python`` process that does what ``detrain train`` does with ``device=cpu`` or
-``device=cpu,cpu``: one rank in the process itself, or two ranks started by ``detrain.launch.launch`` (torch's
+``device=cpu,cpu``: one rank in the process itself, or two ranks started by ``detrain.distributed.launch.launch`` (torch's
 elastic agent). Every rank verifies the labels, builds the training loader of ``detrain.engine.data`` with
 ``cache=ram`` and ``--workers`` loader workers, and runs ``--steps`` training steps of YOLOv8 ``--scale`` (the
 DDP model, loss and SGD of a real run) on its slice of each global batch. The Ultralytics run builds its own
@@ -140,8 +140,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     """Build the cached loader (detrain's or Ultralytics'), run the training steps, return what rank 0 saw."""
     import torch
 
-    from detrain import dist
-    from detrain.launch import check_batch
+    from detrain.distributed import dist
+    from detrain.distributed.launch import check_batch
     from detrain.loss import DetectionLoss
     from detrain.nn.model import DetectionModel
 
@@ -207,7 +207,7 @@ def _ultralytics_loader(args: dict[str, Any], local_batch: int, rank: int, world
 
 
 def child(ns: argparse.Namespace) -> None:
-    from detrain.launch import launch, parse_device
+    from detrain.distributed.launch import launch, parse_device
 
     args = json.loads(ns.child)
     result = launch(rank_main, args, parse_device(",".join(["cpu"] * args["ranks"])))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.callbacks import TrainEvent
 
 

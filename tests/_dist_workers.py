@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from detrain import dist
+from detrain.distributed import dist
 
 
 def collectives(args: dict[str, Any]) -> dict[str, Any]:
@@ -140,7 +140,7 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
 
     from detrain.config import make_cfg
     from detrain.engine.data import build_train_loader, load_split
-    from detrain.launch import check_batch
+    from detrain.distributed.launch import check_batch
 
     dist.setup(timeout_s=60.0)
     cfg = make_cfg({"data": args["data"], "imgsz": 64, "batch": args["batch"], "workers": 1, "cache": "ram",
@@ -204,7 +204,7 @@ def _main(argv: list[str]) -> int:
     import json
 
     import _dist_workers as mod  # by module name, so spawned workers can import the entry
-    from detrain.launch import launch, parse_device
+    from detrain.distributed.launch import launch, parse_device
 
     mode = argv[0]
     if mode == "torchrun":

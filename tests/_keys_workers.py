@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from detrain import dist
+from detrain.distributed import dist
 
 
 def time_estimates(args: dict[str, Any]) -> list[list[int]]:

@@ -13,7 +13,7 @@ from torch import nn
 
 import _dist_workers as workers
 from detrain.engine import accumulation
-from detrain.launch import launch, parse_device
+from detrain.distributed.launch import launch, parse_device
 
 
 def _backward(net: nn.Module, x: torch.Tensor) -> None:

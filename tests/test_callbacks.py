@@ -223,7 +223,7 @@ def test_two_workers_a_raising_callback_ends_the_run_with_one_line_naming_rank_0
     assert [(x["event"], x["rank"]) for x in lines] == [("on_pretrain_routine_start", 0), ("on_train_start", 0)]
 
 
-# gloo's message on rank 1 when rank 0 left the step (DDP's all-reduce, which detrain.dist does not wrap)
+# gloo's message on rank 1 when rank 0 left the step (DDP's all-reduce, which detrain.distributed.dist does not wrap)
 _GLOO_PEER_GONE = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
                    "closed by peer [127.0.0.1]:50379. This is typically caused by a remote worker crashing. Check the "
                    "logs of the remote worker before reporting an error. GLHF!")
@@ -236,7 +236,7 @@ def _failure(message: str, timestamp: int) -> types.SimpleNamespace:
 
 def test_the_report_names_the_rank_whose_callback_raised_not_the_peer_that_lost_it() -> None:
     """Which rank wrote its error file first is a race (whole seconds): rank 1's gloo error may come first."""
-    from detrain.launch_failures import describe_failure
+    from detrain.distributed.launch_failures import describe_failure
 
     failures = {0: _failure("RuntimeError: callback failed on purpose at on_train_start", 101),
                 1: _failure(_GLOO_PEER_GONE, 100)}

@@ -1,6 +1,6 @@
 """dist: collectives are identities in one process, and correct and bounded across two gloo workers.
 
-The multi-process tests launch tiny workers from ``_dist_workers.py`` through ``detrain.launch``.
+The multi-process tests launch tiny workers from ``_dist_workers.py`` through ``detrain.distributed.launch``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import _dist_workers as workers
-from detrain import dist, slurm
+from detrain.distributed import dist, slurm
 from detrain.errors import DistributedError
-from detrain.launch import launch, parse_device
+from detrain.distributed.launch import launch, parse_device
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

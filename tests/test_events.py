@@ -25,7 +25,7 @@ from detrain.engine.events import EventLog
 from detrain.engine.manifest import dataset_fingerprint, git_commit, read_manifest, split_fingerprint, write_start
 from detrain.engine.run_trace import RunTrace, ended
 from detrain.engine.trainer import Trainer
-from detrain.engine.world_layout import membership_change
+from detrain.distributed.world_layout import membership_change
 from _processes import one_thread  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]

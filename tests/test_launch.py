@@ -22,7 +22,7 @@ import torch
 import _dist_workers as workers
 from detrain.data.synthetic import generate_shapes
 from detrain.errors import DistributedError
-from detrain.launch import DevicePlan, check_batch, in_launcher_env, launch, parse_device, parse_nnodes
+from detrain.distributed.launch import DevicePlan, check_batch, in_launcher_env, launch, parse_device, parse_nnodes
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = str(Path(__file__).with_name("_dist_workers.py"))

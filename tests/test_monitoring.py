@@ -27,7 +27,7 @@ from detrain.data.synthetic import generate_shapes
 from detrain.engine import epoch_stats
 from detrain.engine.proc_usage import ProcessUsage, child_pids, cpu_ticks, rss_bytes
 from detrain.engine.step_clock import StepClock
-from detrain.engine.world_layout import number_nodes
+from detrain.distributed.world_layout import number_nodes
 from _processes import one_thread, run_together  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -22,12 +22,12 @@ import torch.distributed as tdist
 
 import _dist_workers as workers
 from _sockets import listening
-from detrain import dist, netif, run_identity
+from detrain.distributed import dist, netif, run_identity
 from detrain.config import make_cfg
 from detrain.data.synthetic import generate_shapes
 from detrain.errors import ConfigError, DistributedError
-from detrain.launch import launch, parse_device
-from detrain.master_store import host_store
+from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.master_store import host_store
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = "127.0.0.1"

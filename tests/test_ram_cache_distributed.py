@@ -14,7 +14,7 @@ import torch
 
 import _dist_workers as workers
 from detrain.data.synthetic import generate_shapes
-from detrain.launch import launch, parse_device
+from detrain.distributed.launch import launch, parse_device
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="cache=ram needs /dev/shm")
 

@@ -22,7 +22,7 @@ from detrain.data.dataset import DetectionDataset
 from detrain.data.synthetic import generate_shapes
 from detrain.engine import freeze, pretrained, time_budget
 from detrain.errors import CheckpointError, ConfigError
-from detrain.launch import launch, parse_device
+from detrain.distributed.launch import launch, parse_device
 from detrain.nn.model import DetectionModel
 
 NAMES = {0: "circle", 1: "rectangle", 2: "triangle"}

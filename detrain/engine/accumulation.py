@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from detrain import dist
+from detrain.distributed import dist
 
 
 def pending_batches(last_batch: int, last_update: int) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from detrain.errors import ConfigError
-from detrain.launch_checks import parse_nnodes
+from detrain.distributed.launch_checks import parse_nnodes
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ _SCALED_NAME = re.compile(r"^(?:yolov8)?([nsmlx])\.ya?ml$")
 
 def select_device(device: Any, local_rank: int = 0) -> torch.device:
     """The torch device of this worker: ``cpu``, ``cpu,cpu`` -> cpu; ``0,1`` -> cuda:<ids[local_rank]>."""
-    assigned = os.environ.get("DETRAIN_DEVICE")  # set per worker by detrain.launch
+    assigned = os.environ.get("DETRAIN_DEVICE")  # set per worker by detrain.distributed.launch
     if assigned:
         return torch.device(assigned)
     if isinstance(device, (list, tuple)):

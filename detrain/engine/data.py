@@ -11,7 +11,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.config import Cfg
 from detrain.data.dataset import DetectionDataset
 from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml

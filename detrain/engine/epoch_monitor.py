@@ -19,11 +19,11 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.engine.gpu_usage import GpuUsage
 from detrain.engine.proc_usage import ProcessUsage
 from detrain.engine.step_clock import StepClock
-from detrain.engine.world_layout import node_key
+from detrain.distributed.world_layout import node_key
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.config import Cfg, make_cfg
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
 from detrain.engine.data import build_val_loader, load_split

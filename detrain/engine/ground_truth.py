@@ -301,7 +301,7 @@ def _lookup(im_file: str, index: dict[str, dict[str, Any]], depths: list[int]) -
 
 
 def _note(message: str) -> None:
-    from detrain import dist
+    from detrain.distributed import dist
     from detrain.log import console
 
     if dist.is_main():

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.checkpoint import save_checkpoint
 from detrain.engine import accumulation
 from detrain.engine.ema import unwrap

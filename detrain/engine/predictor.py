@@ -32,7 +32,7 @@ from detrain.config import Cfg
 from detrain.data.augment import letterbox
 from detrain.data.frames import Frame, read_frames
 from detrain.data.sources import Source, parse_source, shown
-from detrain.devices import parse_device
+from detrain.distributed.devices import parse_device
 from detrain.engine.build import build_model, increment_run_dir, select_device
 from detrain.engine.predict_output import PredictionWriter
 from detrain.engine.results import Results

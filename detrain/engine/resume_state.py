@@ -34,13 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.checkpoint import load_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.data.process_owner import start_ticks
 from detrain.engine.ema import unwrap
 from detrain.engine.reproduce import find_resume_checkpoint, rng_state
-from detrain.env import env_int
+from detrain.distributed.env import env_int
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
 

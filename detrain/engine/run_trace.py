@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.config import Cfg
 from detrain.engine.epoch_stats import stragglers
 from detrain.engine.events import EventLog
 from detrain.engine.manifest import split_fingerprint, write_start
-from detrain.engine.world_layout import gather_layout, membership_change
+from detrain.distributed.world_layout import gather_layout, membership_change
 from detrain.log import console
 
 ERROR_CHARS = 1000  # an end event's error line is cut to this length

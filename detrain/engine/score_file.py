@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.coco_json import CocoDetections, load_predictions
 from detrain.config import Cfg
 from detrain.engine.ground_truth import split_ground_truth

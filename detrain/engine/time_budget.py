@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.config import INT_LIMIT, Cfg
 
 clock: Callable[[], float] = time.monotonic  # seconds; read once at the start and once per epoch (tests replace it)

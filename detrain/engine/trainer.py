@@ -1,4 +1,4 @@
-"""The training loop of one worker (rank). Collectives go through :mod:`detrain.dist`; only rank 0 writes.
+"""The training loop of one worker (rank). Collectives go through :mod:`detrain.distributed.dist`; only rank 0 writes.
 
 >>> from detrain.config import make_cfg
 >>> metrics = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1, "imgsz": 128})).train()  # doctest: +SKIP
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
@@ -36,7 +36,7 @@ from detrain.engine.mid_epoch import MidEpoch
 from detrain.engine.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.engine.train_plots import plot_results, plot_train_batch
 from detrain.engine.validator import validate
-from detrain.engine.world_layout import number_nodes
+from detrain.distributed.world_layout import number_nodes
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.loss import DetectionLoss
 
@@ -101,7 +101,7 @@ class Trainer:
         if self.world > 1:
             if cfg.sync_bn and self.device.type == "cpu":
                 # torch's SyncBatchNorm (and DDP with it) runs on GPUs only; gloo CPU workers sync through ours
-                from detrain.engine.sync_bn import convert_sync_batchnorm_cpu
+                from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
 
                 self.model = convert_sync_batchnorm_cpu(self.model)
             elif cfg.sync_bn:

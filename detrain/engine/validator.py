@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.boxes import scale_boxes_to_original, xywh2xyxy
 from detrain.coco_json import coco_rounded
 from detrain.config import Cfg

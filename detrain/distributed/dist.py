@@ -38,17 +38,17 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as tdist
 
-from detrain import netif
-from detrain.env import env_int
+from detrain.distributed import netif
+from detrain.distributed.env import env_int
 from detrain.errors import DistributedError
-from detrain.master_store import host_store
-from detrain.slurm import map_slurm_env
-from detrain.store_barrier import Absent, StoreBarrier
+from detrain.distributed.master_store import host_store
+from detrain.distributed.slurm import map_slurm_env
+from detrain.distributed.store_barrier import Absent, StoreBarrier
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 TIMEOUT_ENV = "DETRAIN_DIST_TIMEOUT_S"
-DEVICE_ENV = "DETRAIN_DEVICE"  # set by detrain.launch for each worker: "cpu", "cuda:1", "mps"
+DEVICE_ENV = "DETRAIN_DEVICE"  # set by detrain.distributed.launch for each worker: "cpu", "cuda:1", "mps"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -88,7 +88,7 @@ def setup(
 
     Reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT (set by torch's
     elastic launcher or torchrun), or maps SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID when those are
-    absent. The device comes from ``$DETRAIN_DEVICE`` (set by ``detrain.launch``), else
+    absent. The device comes from ``$DETRAIN_DEVICE`` (set by ``detrain.distributed.launch``), else
     ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. Backend: nccl for CUDA, gloo otherwise.
 
     Example:

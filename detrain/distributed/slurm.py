@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 
-from detrain.env import env_int
+from detrain.distributed.env import env_int
 
 
 def map_slurm_env() -> None:

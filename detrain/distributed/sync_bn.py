@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain import dist
+from detrain.distributed import dist
 
 
 class _AllReduceSum(torch.autograd.Function):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from detrain import dist
+from detrain.distributed import dist
 
 
 def node_key() -> str | None:

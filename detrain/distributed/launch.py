@@ -6,8 +6,8 @@ rendezvous, restarts (``max_restarts``), failure reports and signal handling. Wh
 already one rank of a world (torchrun, or ``srun`` with several tasks) it joins that world instead of
 spawning again; a single device is a plain function call with no process group.
 
-Devices are parsed in :mod:`detrain.devices`, the pre-flight checks are in :mod:`detrain.launch_checks` and
-failures are worded by :mod:`detrain.launch_failures`.
+Devices are parsed in :mod:`detrain.distributed.devices`, the pre-flight checks are in :mod:`detrain.distributed.launch_checks` and
+failures are worded by :mod:`detrain.distributed.launch_failures`.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from detrain import dist, netif, run_identity
-from detrain.devices import DeviceKind, DevicePlan, parse_device
+from detrain.distributed import dist, netif, run_identity
+from detrain.distributed.devices import DeviceKind, DevicePlan, parse_device
 from detrain.errors import DistributedError
-from detrain.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
-from detrain.launch_failures import describe_failure, explained, is_consequence
-from detrain.master_store import host_store
-from detrain.slurm import slurm_tasks
+from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
+from detrain.distributed.launch_failures import describe_failure, explained, is_consequence
+from detrain.distributed.master_store import host_store
+from detrain.distributed.slurm import slurm_tasks
 
 __all__ = ["DeviceKind", "DevicePlan", "check_batch", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
 
@@ -108,7 +108,7 @@ def launch(
     every worker and raises ``KeyboardInterrupt``.
 
     Example:
-        >>> from detrain.launch import launch, parse_device
+        >>> from detrain.distributed.launch import launch, parse_device
         >>> launch(len, {"a": 1}, parse_device("cpu"))   # one CPU: a plain call
         1
     """
@@ -128,7 +128,7 @@ def launch(
     where = netif.listen_address(master_addr, whole_world_here=hi == 1)
     if node_rank == 0:
         # Held for the whole launch: torch's rendezvous asks for a multi-tenant server on this port and gets this
-        # one, listening only on the master's address (see detrain.master_store).
+        # one, listening only on the master's address (see detrain.distributed.master_store).
         store = host_store(master_addr, master_port, bind=where, timeout=timedelta(seconds=start_timeout))
         master_port, local_addr = store.port, where
         run_identity.host(store, run_id, run_args)

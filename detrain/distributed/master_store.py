@@ -20,8 +20,8 @@ from datetime import timedelta
 import torch.distributed as tdist
 
 from detrain.errors import DistributedError
-from detrain.launch_checks import check_port_free
-from detrain.netif import addresses
+from detrain.distributed.launch_checks import check_port_free
+from detrain.distributed.netif import addresses
 
 HANDS_OVER_SOCKETS = sys.platform == "linux"  # TCPStore's master_listen_fd
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from detrain import dist
+from detrain.distributed import dist
 from detrain.errors import CheckpointError, ConfigError, DatasetError, DetrainError, DistributedError
 
 DETRAIN_ERRORS = tuple(c.__name__ for c in (DetrainError, ConfigError, DatasetError, CheckpointError, DistributedError))

@@ -1,0 +1,2 @@
+"""The distributed layer: the world a worker runs in, the process group and its collectives, the launcher, and
+the checks and failure reports around them. Engine code reaches ``torch.distributed`` only through here."""
