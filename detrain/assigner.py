@@ -8,7 +8,7 @@ widened to it about the box centre when candidates are found, so that a small ob
 centres inside it on the finer levels; the targets keep the real box. An anchor claimed by several boxes
 goes to the box its prediction overlaps most among all boxes it lies inside. The soft target of a positive
 anchor is its alignment, rescaled per box so that the best-aligned anchor of a box gets that box's best
-overlap. These are the rules of Ultralytics' current assigner (``tests/test_parity_loss.py`` checks the
+overlap. These are the rules of Ultralytics' current assigner (``tests/unit/test_parity_loss.py`` checks the
 loss and its gradients against it when it is importable).
 
 Candidates are found on (V, N) tensors for the V real (unpadded) boxes; predictions are read only at

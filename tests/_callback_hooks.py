@@ -1,4 +1,4 @@
-"""Callbacks for tests/test_callbacks.py that spawned workers can import by name (top level of a module).
+"""Callbacks for tests/integration/test_callbacks.py that spawned workers can import by name (top level of a module).
 
 ``record`` appends one JSON line per call to a file, with the rank and the process id that ran it, so a test
 can count how often, where and in what order each event fired.

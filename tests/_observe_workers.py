@@ -1,4 +1,4 @@
-"""A training worker with a slow data loader on one rank, for tests/test_monitoring.py.
+"""A training worker with a slow data loader on one rank, for tests/integration/test_monitoring.py.
 
 Spawned workers import their entry by name, so it lives at the top level of an importable module. The slowness is
 injected here, by wrapping the trainer's ``build_train_loader`` in the worker: nothing in detrain knows about it.

@@ -463,12 +463,12 @@ def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
 def _test_kill_hook(epoch: int, rank: int) -> None:
     """Test-only fault injection: ``DETRAIN_TEST_KILL_AT="EPOCH:RANK"`` makes that global rank SIGKILL itself at
     the start of that (0-based) epoch, on the launcher's first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a
-    restarted group runs on. Unset (always, outside tests/test_train_distributed.py) it does nothing."""
+    restarted group runs on. Unset (always, outside tests/integration/test_train_distributed.py) it does nothing."""
     spec = os.environ.get("DETRAIN_TEST_KILL_AT")
     if spec and spec == f"{epoch}:{rank}" and dist.restart_count() == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     # DETRAIN_TEST_HOLD_AT="EPOCH:RANK:PATH": that rank waits at the start of that epoch until PATH exists (a test
-    # lets another node join the group there: tests/test_resume_every_node.py)
+    # lets another node join the group there: tests/integration/test_resume_every_node.py)
     hold = os.environ.get("DETRAIN_TEST_HOLD_AT", "").split(":", 2)
     if len(hold) == 3 and hold[:2] == [str(epoch), str(rank)]:
         while not os.path.exists(hold[2]):

@@ -343,7 +343,7 @@ def test_ram_cache_marks_unreadable_images(tmp_path: Path) -> None:
     assert cache.get(0) is not None and cache.get(1) is None
 
 
-COCO8 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco8"
+COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
 
 
 @pytest.mark.skipif(not COCO8.is_dir(), reason="../shared/data/coco8 is not there")

@@ -20,7 +20,7 @@ from detrain.data.image_io import ReducedImage, jpeg_header, load_size, pixel_ex
 from detrain.data.instances import Labels
 from detrain.data.train_sample import LayerPlan, SamplePlan, TilePlan, render_geometry
 
-COCO128 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco128" / "images" / "train2017"
+COCO128 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco128" / "images" / "train2017"
 
 
 def _with_orientation(data: bytes, orientation: int) -> bytes:

@@ -28,7 +28,7 @@ from detrain.engine.trainer import Trainer
 from detrain.distributed.world_layout import membership_change
 from _processes import one_thread  # noqa: F401 (a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = dict(epochs=2, imgsz=64, batch=8, device="cpu", workers=0, close_mosaic=0, plots=False, verbose=False,
             exist_ok=True, name="run")
 

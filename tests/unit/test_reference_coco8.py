@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 WEIGHTS = SHARED / "weights" / "yolov8n.pt"
 REFERENCE = SHARED / "data" / "reference"
 

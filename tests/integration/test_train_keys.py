@@ -26,7 +26,7 @@ from detrain.distributed.launch import launch, parse_device
 from detrain.nn.model import DetectionModel
 
 NAMES = {0: "circle", 1: "rectangle", 2: "triangle"}
-RELEASE_N = Path(__file__).resolve().parents[1] / ".." / "shared" / "weights" / "yolov8n.pt"
+RELEASE_N = Path(__file__).resolve().parents[2] / ".." / "shared" / "weights" / "yolov8n.pt"
 # every run: no augmentation randomness that matters, one optimizer step per batch, no warmup
 TINY = dict(epochs=2, imgsz=64, batch=8, nbs=8, device="cpu", workers=0, warmup_epochs=0, close_mosaic=0,
             optimizer="SGD", lr0=0.01, val=False, plots=False, verbose=False, exist_ok=True, name="run")

@@ -1,7 +1,7 @@
 """Loss parity with Ultralytics: the same weights and the same batch give the same loss and gradients.
 
 Runs only where Ultralytics is importable (it is never a dependency; e.g. ``PYTHONPATH=/opt/ulib
-YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/ycfg python -m pytest tests/test_parity_loss.py``). The models are
+YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/ycfg python -m pytest tests/unit/test_parity_loss.py``). The models are
 YOLOv8n from each tool's own yaml with Ultralytics' weights copied into detrain's (the names are YOLOv8's in
 both), in train mode; the batch mixes object sizes from 3 px (below the 16 px middle stride, where the
 assigner widens candidate boxes) to half the image, with crowded images where anchors are contested.

@@ -29,7 +29,7 @@ from detrain.errors import ConfigError, DistributedError
 from detrain.distributed.launch import launch, parse_device
 from detrain.distributed.master_store import host_store
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
 needs_proc_net = pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="reads /proc/PID/net/tcp")
 

@@ -31,7 +31,7 @@ from detrain.data.image_io import read_image, resize_long_side
 from detrain.data.instances import Labels
 from detrain.data.mosaic import mosaic_origins
 
-COCO8 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco8"
+COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
 CASES = 24  # samples per setting (fixed seeds)
 
 

@@ -18,7 +18,7 @@ from detrain.errors import CheckpointError
 from detrain.weights import hub
 from detrain.weights.hub import ReleaseFile, canonical_name, resolve_weights
 
-SHARED_PT = Path(__file__).resolve().parents[2] / "shared" / "weights" / "yolov8n.pt"
+SHARED_PT = Path(__file__).resolve().parents[3] / "shared" / "weights" / "yolov8n.pt"
 UNRECORDED = b"bytes that are not the release's yolov8s.pt"
 
 

@@ -24,8 +24,8 @@ from detrain.data.synthetic import generate_shapes
 from detrain.errors import DistributedError
 from detrain.distributed.launch import DevicePlan, check_batch, in_launcher_env, launch, parse_device, parse_nnodes
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = str(Path(__file__).with_name("_dist_workers.py"))
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(Path(__file__).resolve().parents[1] / "_dist_workers.py")
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
 
 

@@ -27,7 +27,7 @@ import pytest
 from detrain import cli
 from detrain.config import make_cfg, parse_cli_args
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 # Files the rows refer to, made in the test's own folder (the working directory): an image, a text file, a

@@ -65,7 +65,7 @@ def test_labels_are_valid_and_boxes_fit_the_drawn_shapes(tmp_path):
 
 
 def test_defaults_are_what_the_bundled_yaml_says():
-    bundled = yaml.safe_load((Path(__file__).resolve().parents[1] / "datasets" / "shapes.yaml").read_text())
+    bundled = yaml.safe_load((Path(__file__).resolve().parents[2] / "datasets" / "shapes.yaml").read_text())
     assert {k: bundled[k] for k in DEFAULTS} == DEFAULTS
     assert bundled["names"] == SHAPE_NAMES and bundled["synthetic"] == "shapes"
 

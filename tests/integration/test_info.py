@@ -17,7 +17,7 @@ from detrain.errors import ConfigError
 from detrain.nn.info import model_info
 from detrain.nn.model import DetectionModel
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 YOLOV8N = SHARED / "weights" / "yolov8n.pt"
 
 

@@ -28,7 +28,7 @@ from detrain.errors import DatasetError
 
 SHAPES = [(5, 7), (3, 4), (8, 8)]
 IMAGES = [np.random.default_rng(i).integers(0, 255, (*s, 3), dtype=np.uint8) for i, s in enumerate(SHAPES)]
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(directory: Path, key: str = "k") -> RamCache:

@@ -3,7 +3,7 @@ with 2 gloo workers), a callback the workers cannot import is refused before any
 callback stops the run with its own exception after the epoch's last.pt is written.
 
 Every run is tiny (64 px, 8 images, scale n, workers=0); the 2-worker runs go through a child process with a
-generous time limit, as in tests/test_train_distributed.py.
+generous time limit, as in tests/integration/test_train_distributed.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from detrain.data.synthetic import generate_shapes
 from detrain.errors import ConfigError
 from _processes import one_thread  # noqa: F401 (a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a 2-worker run that has not ended by then hangs
 TINY = dict(epochs=2, imgsz=64, batch=8, nbs=8, device="cpu", workers=0, warmup_epochs=0, close_mosaic=0,
             plots=False, verbose=False, exist_ok=True, name="run")

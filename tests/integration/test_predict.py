@@ -30,7 +30,7 @@ from detrain.engine.predictor import predict, stream_predict
 from detrain.engine.results import Results
 from detrain.errors import ConfigError, DatasetError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 YOLOV8N = SHARED / "weights" / "yolov8n.pt"
 COCO8_VAL = SHARED / "data" / "coco8" / "images" / "val"
 BGR = {0: (0, 0, 255), 1: (0, 255, 0), 2: (255, 0, 0)}  # class -> the colour of its squares

@@ -12,7 +12,7 @@ import pytest
 from detrain.data.dataset_yaml import DatasetInfo, bundled_dataset_names, datasets_dir, load_dataset_yaml
 from detrain.errors import DatasetError
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from detrain.errors import CheckpointError, ConfigError
 from detrain.preflight import check_inputs
 from _processes import child_env, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-40 s on an idle 2-core machine)
 TINY = dict(imgsz=64, workers=0, warmup_epochs=0, close_mosaic=0, val=False, plots=False, verbose=False,
             optimizer="SGD", seed=0)

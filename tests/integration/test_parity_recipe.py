@@ -11,7 +11,7 @@
 * gradient clipping: both ``optimizer_step`` driven with recording stand-ins (what is clipped, when, how far).
 
 Ultralytics is not a dependency: every test skips when it cannot be imported. To run them, e.g.
-``PYTHONPATH=/opt/ulib YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/ycfg python -m pytest tests/test_parity_recipe.py``.
+``PYTHONPATH=/opt/ulib YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/ycfg python -m pytest tests/integration/test_parity_recipe.py``.
 The coco8 runs need ``../shared/data/coco8`` and skip without it.
 """
 
@@ -35,7 +35,7 @@ from detrain.engine.ema import ModelEMA
 from detrain.engine import trainer as trainer_module
 from detrain.engine.trainer import Trainer
 
-COCO8 = Path(__file__).resolve().parents[2] / "shared" / "data" / "coco8"
+COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
 NC = 3
 ROLES = ("bias", "weight", "bn")  # detrain's group order; Ultralytics names its groups by "param_group"
 TOL = 1e-9

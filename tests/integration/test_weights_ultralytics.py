@@ -30,7 +30,7 @@ from detrain.weights.ultralytics import (
     to_detrain_model,
 )
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+SHARED = Path(__file__).resolve().parents[3] / "shared"
 YOLOV8N = SHARED / "weights" / "yolov8n.pt"
 IMAGE = SHARED / "data" / "coco8" / "images" / "val" / "000000000036.jpg"
 

@@ -17,7 +17,7 @@ from detrain.coco_json import (
 )
 from detrain.errors import DatasetError
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "reference"
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "data" / "reference"
 
 
 def test_coco80_to_91() -> None:

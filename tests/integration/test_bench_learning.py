@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_learning.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_learning.py"
 
 
 def _load():

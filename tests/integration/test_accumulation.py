@@ -1,8 +1,8 @@
 """Gradients waiting across an epoch's end: averaged over ranks, saved, and added back on resume.
 
 The trainer's cadence (updates counted over the run, as Ultralytics counts them) is compared with Ultralytics'
-own in tests/test_parity_recipe.py; an exact resume with gradients waiting in the checkpoint is in
-tests/test_train_e2e.py::test_resume_continues_exactly.
+own in tests/integration/test_parity_recipe.py; an exact resume with gradients waiting in the checkpoint is in
+tests/integration/test_train_e2e.py::test_resume_continues_exactly.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from detrain.cli import _keys_help
 from detrain.config import COMMAND_KEYS, comments, defaults, make_cfg
 from detrain.errors import ConfigError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def _readme_commands() -> list[tuple[str, list[str]]]:

@@ -23,7 +23,7 @@ import torch
 from detrain.data.synthetic import generate_shapes
 from _processes import child_env, free_port, run_together
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-30 s on an idle 2-core machine)
 
 # augmentation off, one optimizer step per batch, no warmup: 1 and 2 workers must take the same steps

@@ -46,7 +46,7 @@ from detrain.weights import limits, safe_torch
 from detrain.weights.inert import inert_class
 from detrain.weights.ultralytics import load_ultralytics_checkpoint, ultralytics_info
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 YOLOV8N = REPO.parent / "shared" / "weights" / "yolov8n.pt"
 
 

@@ -30,8 +30,8 @@ from detrain.engine.step_clock import StepClock
 from detrain.distributed.world_layout import number_nodes
 from _processes import one_thread, run_together  # noqa: F401 (a fixture)
 
-REPO = Path(__file__).resolve().parents[1]
-HELPER = Path(__file__).with_name("_observe_workers.py")
+REPO = Path(__file__).resolve().parents[2]
+HELPER = Path(__file__).resolve().parents[1] / "_observe_workers.py"
 LIMIT_S = 300  # a 2-node run that has not ended by then hangs (~20 s on an idle 2-core machine)
 SLEEP_S = 2.0  # rank 1's loader: this long per batch
 
