@@ -238,10 +238,9 @@ def test_two_nodes_form_one_world(tmp_path: Path) -> None:
 
 
 def test_elastic_nodes_form_one_world(tmp_path: Path) -> None:
-    results = _two_nodes(tmp_path, "1:2")  # c10d rendezvous; ranks follow the order of arrival
-    assert sum(r is None for r in results) == 1
-    rank0 = next(r for r in results if r is not None)
-    assert (rank0["rank"], rank0["world"], rank0["sum"]) == (0, 2, 2.0)
+    node0, node1 = _two_nodes(tmp_path, "1:2")  # c10d rendezvous: ranks follow node_rank (launch.rendezvous_address)
+    assert (node0["rank"], node0["world"], node0["sum"]) == (0, 2, 2.0)
+    assert node1 is None
 
 
 
