@@ -127,9 +127,10 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
         try:
             found = _choose(cfg, save_dir, launch, explicit=dist.is_main())
         except DetrainError as e:
-            report = ("error", e)
+            report = ("error", e, socket.gethostname())
         except OSError as e:  # an unreadable folder or file on this node's disk
-            report = ("error", CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"))
+            report = ("error", CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"),
+                      socket.gethostname())
         else:
             if found is not None:
                 path, ckpt, auto = found
@@ -301,10 +302,11 @@ def _furthest_key(ckpt: dict[str, Any]) -> tuple[int, float]:
 def _holder(reports: list[tuple[Any, ...]]) -> int | None:
     """The rank whose checkpoint every rank resumes from (None: a fresh start), from every rank's report: the
     furthest of this run's own on any node (rank 0's on a tie, then the lowest rank's), else rank 0's
-    ``resume=``. An error on any node is raised (the lowest rank's)."""
-    for report in reports:
+    ``resume=``. An error on any node is raised (the lowest rank's; another node's names it)."""
+    for r, report in enumerate(reports):
         if report[0] == "error":
-            raise report[1]
+            error, host = report[1], report[2]
+            raise error if r == 0 else type(error)(f"on {host} (rank {r}): {error}")
     own = [(report[1], -r) for r, report in enumerate(reports) if report[0] == "found" and report[3]]
     if own:
         return -max(own)[1]
