@@ -101,8 +101,9 @@ def launch(
     ``master_port=0`` on one node picks a free port. Several nodes need the same ``master_addr``/``master_port``
     /``run_id`` on each and ``node_rank`` 0..N-1; ``nnodes="MIN:MAX"`` uses torch's c10d rendezvous (node_rank 0
     hosts it) for elastic membership: ranks follow node_rank, so rank 0 stays on node 0 (``rendezvous_address``),
-    other nodes may leave and join, and losing node 0 ends every node with one line (``lost_master``). A node whose ``run_id`` is not the master's ends with one line naming both
-    (``run_args``: the arguments a derived id came from, so that the line names those that differ).
+    other nodes may leave and join, and losing node 0 ends every node with one line (``lost_master``). A node
+    whose ``run_id`` is not the master's ends with one line naming both (``run_args``: the arguments a derived id
+    came from, so that the line names those that differ).
 
     The rendezvous store listens only on ``master_addr`` (loopback for the default 127.0.0.1) and gloo on the
     interface that reaches it; ``socket_ifname`` names the interface(s) gloo and NCCL use instead (checked to

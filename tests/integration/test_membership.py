@@ -23,16 +23,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import child_env, free_port
 
 from detrain.checkpoint import save_checkpoint
 from detrain.data.synthetic import generate_shapes
-from _processes import child_env, free_port
 
 LIMIT_S = 240  # a node that has not ended by then hangs (each run takes ~10-60 s on an idle 2-core machine)
 # 32 images in batches of 8: each epoch has steps enough that the signal lands before the run could finish
-TINY = dict(imgsz=64, workers=0, warmup_epochs=0, close_mosaic=0, val=False, plots=False, verbose=False,
-            optimizer="SGD", seed=0, batch=8, device="cpu", dist_timeout=30, project="runs", name="x",
-            exist_ok=True)
+TINY = {"imgsz": 64, "workers": 0, "warmup_epochs": 0, "close_mosaic": 0, "val": False, "plots": False,
+        "verbose": False, "optimizer": "SGD", "seed": 0, "batch": 8, "device": "cpu", "dist_timeout": 30,
+        "project": "runs", "name": "x", "exist_ok": True}
 AGREE_NODE = Path(__file__).resolve().parents[1] / "_agree_node.py"
 
 
@@ -74,7 +74,8 @@ def _session_alive(sid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if os.getsid(int(entry.name)) == sid and (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                zombie = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # gone, not yet reaped
+                if os.getsid(int(entry.name)) == sid and not zombie:
                     pids.append(int(entry.name))
             except (OSError, IndexError):
                 continue
