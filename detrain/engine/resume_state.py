@@ -126,15 +126,14 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
     if dist.local_rank() == 0:  # one process per node reads that node's disk
         try:
             found = _choose(cfg, save_dir, launch, explicit=dist.is_main())
+            if found is not None:
+                path, ckpt, auto = found
+                report = ("found", _furthest_key(ckpt), str(path), auto, socket.gethostname(), describe(ckpt))
         except DetrainError as e:
             report = ("error", e, socket.gethostname())
         except OSError as e:  # an unreadable folder or file on this node's disk
             report = ("error", CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"),
                       socket.gethostname())
-        else:
-            if found is not None:
-                path, ckpt, auto = found
-                report = ("found", _furthest_key(ckpt), str(path), auto, socket.gethostname(), describe(ckpt))
     reports = _gather(report, cfg.prepare_timeout)
     holder = _holder(reports)  # the same on every rank
     if holder is None:
