@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -99,8 +100,10 @@ def launch(
 
     ``master_port=0`` on one node picks a free port. Several nodes need the same ``master_addr``/``master_port``
     /``run_id`` on each and ``node_rank`` 0..N-1; ``nnodes="MIN:MAX"`` uses torch's c10d rendezvous (node_rank 0
-    hosts it) for elastic membership. A node whose ``run_id`` is not the master's ends with one line naming both
-    (``run_args``: the arguments a derived id came from, so that the line names those that differ).
+    hosts it) for elastic membership: ranks follow node_rank, so rank 0 stays on node 0 (``rendezvous_address``),
+    other nodes may leave and join, and losing node 0 ends every node with one line (``lost_master``). A node
+    whose ``run_id`` is not the master's ends with one line naming both (``run_args``: the arguments a derived id
+    came from, so that the line names those that differ).
 
     The rendezvous store listens only on ``master_addr`` (loopback for the default 127.0.0.1) and gloo on the
     interface that reaches it; ``socket_ifname`` names the interface(s) gloo and NCCL use instead (checked to
@@ -140,6 +143,8 @@ def launch(
                           connect_timeout_s=connect_timeout, start_timeout_s=start_timeout)
         local_addr = netif.route_source(where) if where else None
     backend, endpoint, rdzv_configs = rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)
+    if backend == "c10d":
+        local_addr = rendezvous_address(local_addr, node_rank, hi)
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -182,8 +187,42 @@ def launch(
             raise DistributedError(f"stopped by {signal.Signals(e.sigval).name}; all workers were terminated") from None
         except (RendezvousError, RuntimeError, ValueError, TimeoutError) as e:  # rendezvous / store failures
             cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            if node_rank > 0 and type(e).__name__ == "RendezvousConnectionError":
+                # the store was there when this node joined (run_identity.join): its host, node 0, is gone
+                raise DistributedError(lost_master(endpoint, node_rank, cause)) from None
             raise DistributedError(f"could not form the group at {endpoint} (node_rank={node_rank}): {cause}") from None
     return results.get(0)  # type: ignore[no-any-return]
+
+
+def rendezvous_address(local_addr: str | None, node_rank: int, max_nodes: int) -> str:
+    """The address this node gives torch's c10d rendezvous, which numbers the nodes of every round (rank 0
+    first) in the order of those addresses as text, and uses the address of the node it makes rank 0 alone (its
+    workers' store listens there). Node 0 gives its own; every other node puts ``~`` and its node_rank before its
+    own, which sorts after any address: ranks follow node_rank, and rank 0, which alone reads and writes the run
+    folder, is always on node 0, the node that hosts the rendezvous, which the group cannot lose
+    (:func:`lost_master`). A node that leaves then takes no checkpoint with it.
+
+    Example:
+        >>> rendezvous_address("10.0.0.9", 0, 4), rendezvous_address("10.0.0.12", 1, 4)
+        ('10.0.0.9', '~1~10.0.0.12')
+    """
+    addr = local_addr or socket.getfqdn()
+    if node_rank == 0:
+        return addr
+    return f"~{node_rank:0{len(str(max_nodes - 1))}d}~{addr}"
+
+
+def lost_master(endpoint: str, node_rank: int, cause: str) -> str:
+    """The one line of a node whose rendezvous went away mid-run: node 0's launcher hosts it (torch's c10d
+    rendezvous keeps the membership in that one store), so losing node 0 ends the run on every node.
+
+    Example:
+        >>> lost_master("10.0.0.1:29500", 2, "The connection to the C10d store has failed.")[:54]
+        'lost the rendezvous at 10.0.0.1:29500 (node_rank=2): n'
+    """
+    return (f"lost the rendezvous at {endpoint} (node_rank={node_rank}): node_rank=0, which hosts it, has stopped "
+            f"or cannot be reached, and the group cannot go on without node 0 (other nodes may leave); start the "
+            f"nodes again with resume= naming node 0's weights/last.pt [{cause}]")
 
 
 @record

@@ -2,10 +2,14 @@
 
 A node is the launcher's group (``GROUP_RANK``, set by torch's elastic agent and torchrun), else SLURM's node id,
 else the host name, numbered in the order of the lowest rank on it. Two launchers on one machine are two
-nodes, as the rendezvous sees them.
+nodes, as the rendezvous sees them. Between starts a node is known by its host and its launcher's pid (the
+worker's parent: detrain's launcher, torchrun's agent, slurmstepd), which its restarts keep, while the numbers
+torch gives nodes change when the group re-forms.
 
->>> membership_change([{"host": "a"}, {"host": "b"}], [{"host": "a"}])
-{'previous_world_size': 2, 'world_size': 1, 'left': {'b': 1}, 'joined': {}}
+>>> change = membership_change([{"host": "a", "launcher_pid": 7}, {"host": "b", "launcher_pid": 9}],
+...                            [{"host": "a", "launcher_pid": 7}])
+>>> change["left"], change["left_nodes"], change["joined_nodes"]
+({'b': 1}, [{'host': 'b', 'launcher_pid': 9, 'workers': 1}], [])
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ def node_key() -> str | None:
 def place(device: torch.device) -> dict[str, Any]:
     """Where this rank runs: rank, local rank, node key, host, device (and the CUDA device's name), pid."""
     where: dict[str, Any] = {"rank": dist.rank(), "local_rank": dist.local_rank(), "node_key": node_key(),
-                             "host": socket.gethostname(), "device": str(device), "pid": os.getpid()}
+                             "host": socket.gethostname(), "device": str(device), "pid": os.getpid(),
+                             "launcher_pid": os.getppid()}
     if device.type == "cuda":
         where["device_name"] = torch.cuda.get_device_name(device)
     return where
@@ -56,11 +61,35 @@ def gather_layout(device: torch.device) -> list[dict[str, Any]]:
 
 
 def membership_change(previous: list[dict[str, Any]], world: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Who left and who joined, by host (how many workers each host lost or gained), when the world size differs
-    from ``previous``'s; None when it does not."""
-    if len(previous) == len(world):
+    """Who left and who joined since ``previous`` (None: the same nodes): how many workers each host lost or
+    gained (``left``, ``joined``), and each node that left or joined with its host, launcher pid and workers
+    (``left_nodes``, ``joined_nodes``). Nodes are told apart by launcher where every entry names its launcher (an
+    ``events.jsonl`` written before that was recorded: by host alone)."""
+    by_launcher = all(type(p.get("launcher_pid")) is int for p in [*previous, *world])
+    before, now = Counter(_node(p, by_launcher) for p in previous), Counter(_node(p, by_launcher) for p in world)
+    if before == now:
         return None
-    before = Counter(str(p.get("host")) for p in previous)
-    now = Counter(str(p.get("host")) for p in world)
+    hosts_before, hosts_now = Counter(str(p.get("host")) for p in previous), Counter(str(p.get("host")) for p in world)
     return {"previous_world_size": len(previous), "world_size": len(world),
-            "left": dict(sorted((before - now).items())), "joined": dict(sorted((now - before).items()))}
+            "left": dict(sorted((hosts_before - hosts_now).items())),
+            "joined": dict(sorted((hosts_now - hosts_before).items())),
+            "left_nodes": _nodes(before - now), "joined_nodes": _nodes(now - before)}
+
+
+def describe_nodes(nodes: list[dict[str, Any]]) -> str:
+    """Nodes of a membership change for people: ``host (launcher pid N): W worker(s)``, or ``-`` for none.
+
+    >>> describe_nodes([{"host": "b", "launcher_pid": 9, "workers": 1}]), describe_nodes([])
+    ('b (launcher pid 9): 1 worker(s)', '-')
+    """
+    return ", ".join(f"{n['host']}" + (f" (launcher pid {n['launcher_pid']})" if n["launcher_pid"] is not None else "")
+                     + f": {n['workers']} worker(s)" for n in nodes) or "-"
+
+
+def _node(place_: dict[str, Any], by_launcher: bool) -> tuple[str, int | None]:
+    return str(place_.get("host")), place_["launcher_pid"] if by_launcher else None
+
+
+def _nodes(counts: Counter[tuple[str, int | None]]) -> list[dict[str, Any]]:
+    return [{"host": host, "launcher_pid": pid, "workers": n} for (host, pid), n in sorted(counts.items(),
+                                                                                           key=lambda kv: str(kv[0]))]

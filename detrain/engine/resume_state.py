@@ -1,10 +1,17 @@
-"""Where a training run starts, afresh or from one of its checkpoints, decided by rank 0 for every rank.
+"""Where a training run starts, afresh or from one of its checkpoints, agreed by every rank.
 
-Nodes share no disk. Only rank 0 reads checkpoints (and writes files); whether a start is a resume, from which
-file, epoch and batch, is its decision, and every other rank receives that checkpoint from it over the process
-group (model, EMA, optimizer, scaler, schedule, epoch, batch position, RNG, waiting gradients). A node that never
-held the run folder, a restarted worker and a node that joins a group that never failed all resume alike: nothing
-here reads a rank's own restart count or disk.
+Nodes share no disk, and only rank 0 writes files. At every start the first process of each node looks on its
+own disk for the furthest checkpoint of this run (rank 0 also for ``resume=``'s); all of them report what they
+found, and the one that holds the furthest (rank 0 on a tie) sends that checkpoint to every rank over the process
+group: model, EMA, optimizer, scaler, schedule, epoch, batch position, RNG, waiting gradients. Whether a start is
+a resume, from which file, epoch and batch, is the same decision on every rank. A node that never held the run
+folder, a restarted worker and a node that joins a group that never failed all resume alike: nothing here reads a
+rank's own restart count.
+
+Under detrain's launcher rank 0 is always on node_rank 0, which holds the run folder (see
+:func:`detrain.distributed.launch.rendezvous_address`). Under torchrun or srun, rank 0 may be on another node than
+the checkpoint (the group re-formed with the nodes numbered otherwise); that node then also sends the run's
+record (:mod:`detrain.engine.run_record`), which rank 0 puts in its own run folder before it goes on there.
 
 A checkpoint is *this run's* when it carries this launch's id (``launch_id``), or, after a SLURM requeue, this
 job's (``job_id``). The id makes the difference between a restarted group, which must continue, and a new run
@@ -16,8 +23,9 @@ given ``exist_ok=True``, which must not pick up an older run's ``last.pt`` from 
 * torchrun (or any elastic agent that does not give an id): the agent process's host, pid and start time, which
   its restarts keep; the folder is the newest of project/name's (``name``, ``name2``, ...) or ``name`` itself;
 * a SLURM requeue (``SLURM_RESTART_COUNT`` > 0): any checkpoint of the job in those folders;
-* ``resume=path`` (or True): that checkpoint, or ``mid.pt`` beside a ``last.pt`` when it is further on and of
-  the same launch, unless this launch has written a checkpoint of its own since (a restart after the resume).
+* ``resume=path`` (or True, rank 0 only): that checkpoint, or ``mid.pt`` beside a ``last.pt`` when it is further
+  on and of the same launch, unless this launch has written a checkpoint of its own since (a restart after the
+  resume), on any node.
 
 Of the candidates (``weights/mid.pt`` and ``weights/last.pt``), the one furthest on wins.
 """
@@ -38,6 +46,7 @@ from detrain.distributed import dist
 from detrain.checkpoint import load_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.data.process_owner import start_ticks
+from detrain.engine import run_record
 from detrain.engine.ema import unwrap
 from detrain.engine.reproduce import find_resume_checkpoint, rng_state
 from detrain.distributed.env import env_int
@@ -107,34 +116,43 @@ class Start:
 
 
 def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
-    """Rank 0 finds the checkpoint to resume from (if any) on its own disk; every rank gets it from rank 0.
+    """Every node's first process finds the furthest checkpoint of this run on its own disk; every rank gets the
+    furthest of all from the rank that holds it (see the module).
 
-    A collective in a group (call on every rank). A bad checkpoint or resume argument raises the same one-line
-    error on every rank."""
-    payload: tuple[Any, ...] = ("fresh",)
-    if dist.is_main():
+    A collective in a group (call on every rank). A bad checkpoint or resume argument on any node raises the same
+    one-line error on every rank."""
+    found: tuple[Path, dict[str, Any], bool] | None = None
+    report: tuple[Any, ...] = ("none",)
+    if dist.local_rank() == 0:  # one process per node reads that node's disk
         try:
-            found = _choose(cfg, save_dir, launch)
-        except DetrainError as e:
-            payload = ("error", e)
-        except OSError as e:  # an unreadable folder or file on rank 0's disk
-            payload = ("error", CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"))
-        else:
+            found = _choose(cfg, save_dir, launch, explicit=dist.is_main())
             if found is not None:
                 path, ckpt, auto = found
-                where = describe(ckpt)
-                console.print(f"{launch.reason()}: resuming from {path} at {where}" if auto
-                              else f"resuming from {path} at {where}")
-                payload = ("resume", str(path), ckpt)
-    payload = _share(payload, cfg.prepare_timeout)
-    if payload[0] == "error":
-        raise payload[1]
-    if payload[0] == "fresh":
+                report = ("found", _furthest_key(ckpt), str(path), auto, socket.gethostname(), describe(ckpt))
+        except DetrainError as e:
+            report = ("error", e, socket.gethostname())
+        except OSError as e:  # an unreadable folder or file on this node's disk
+            report = ("error", CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"),
+                      socket.gethostname())
+    reports = _gather(report, cfg.prepare_timeout)
+    holder = _holder(reports)  # the same on every rank
+    if holder is None:
         return Start(cfg, save_dir, None, launch)
-    path, ckpt = Path(payload[1]), payload[2]
+    _, _, where_from, auto, host, at = reports[holder]
+    if dist.is_main():
+        by = "" if holder == 0 else f" (held by rank {holder} on {host}; its run record comes with it)"
+        console.print(f"{launch.reason()}: resuming from {where_from} at {at}{by}" if auto
+                      else f"resuming from {where_from} at {at}{by}")
+    mine, found = (found if dist.rank() == holder else None), None  # another node's find is not needed any more
+    ckpt, record = _send(mine, holder, cfg.prepare_timeout)
+    path = Path(where_from)
+    # rank 0 goes on in its own run folder (the holder's, where it is rank 0 or was handed none)
+    folder = Path(save_dir) if save_dir and holder != 0 else path.parent.parent
+    if dist.is_main() and holder != 0:
+        run_record.restore(folder, record)
     keep = {k: getattr(cfg, k) for k in KEEP_KEYS}  # this rank's own devices and layout
     resumed = make_cfg({**ckpt["train_args"], **keep, "resume": str(path)})
-    return Start(resumed, path.parent.parent, ckpt, launch)
+    return Start(resumed, folder, ckpt, launch)
 
 
 def describe(ckpt: dict[str, Any]) -> str:
@@ -230,12 +248,14 @@ def may_host_rank0(node_rank: int) -> bool:
 # ------------------------------------------------------------------------------------------------ internals
 
 
-def _choose(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> tuple[Path, dict[str, Any], bool] | None:
-    """Rank 0: the checkpoint to resume from (path, contents, whether found as this run's own), or None."""
-    explicit = find_resume_checkpoint(cfg) if cfg.resume else None
+def _choose(cfg: Cfg, save_dir: str | Path | None, launch: Launch,
+            explicit: bool = True) -> tuple[Path, dict[str, Any], bool] | None:
+    """The checkpoint to resume from on this node's disk (path, contents, whether found as this run's own), or
+    None; ``explicit``: also ``resume=``'s (rank 0, whose node was given the file)."""
+    given = find_resume_checkpoint(cfg) if cfg.resume and explicit else None
     folders = [Path(save_dir)] if save_dir else []
-    if explicit is not None:
-        folders.append(explicit.parent.parent)
+    if given is not None:
+        folders.append(given.parent.parent)
     if launch.search_series:
         chain = series_folders(cfg.project, cfg.name)
         folders += chain[:1] + chain[-1:]
@@ -255,19 +275,41 @@ def _choose(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> tuple[Path
     if best is not None:
         _check_resumable(best[1], best[0])
         return best[0], best[1], True
-    if explicit is None:
+    if given is None:
         return None
-    ckpt = load_checkpoint(explicit)
-    _check_resumable(ckpt, explicit)
-    beside = explicit.with_name(MID)
-    if explicit.name == LAST and beside.is_file():
+    ckpt = load_checkpoint(given)
+    _check_resumable(ckpt, given)
+    beside = given.with_name(MID)
+    if given.name == LAST and beside.is_file():
         mid = load_checkpoint(beside)
         written_by = ckpt.get("launch_id")
         if isinstance(written_by, str) and mid.get("launch_id") == written_by and \
-                position(mid, beside) > position(ckpt, explicit):
+                position(mid, beside) > position(ckpt, given):
             _check_resumable(mid, beside)
             return beside, mid, False
-    return explicit, ckpt, False
+    return given, ckpt, False
+
+
+def _furthest_key(ckpt: dict[str, Any]) -> tuple[int, float]:
+    """How far on a checkpoint is, comparable between checkpoints of different world sizes (whose epochs have
+    different numbers of batches): its epoch, and the share of the epoch done."""
+    epoch, batch = position(ckpt)
+    per = ckpt.get("batches_per_epoch")
+    return epoch, (batch / per if batch and type(per) is int and per > 0 else 0.0)
+
+
+def _holder(reports: list[tuple[Any, ...]]) -> int | None:
+    """The rank whose checkpoint every rank resumes from (None: a fresh start), from every rank's report: the
+    furthest of this run's own on any node (rank 0's on a tie, then the lowest rank's), else rank 0's
+    ``resume=``. An error on any node is raised (the lowest rank's; another node's names it)."""
+    for r, report in enumerate(reports):
+        if report[0] == "error":
+            error, host = report[1], report[2]
+            raise error if r == 0 else type(error)(f"on {host} (rank {r}): {error}")
+    own = [(report[1], -r) for r, report in enumerate(reports) if report[0] == "found" and report[3]]
+    if own:
+        return -max(own)[1]
+    return 0 if reports and reports[0][0] == "found" else None
 
 
 def _agent_identity() -> str:
@@ -321,19 +363,31 @@ def _check_resumable(ckpt: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"{path}: 'buffers_per_rank' does not match its model's and EMA's buffers")
 
 
-def _share(payload: tuple[Any, ...], wait_s: float) -> tuple[Any, ...]:
-    """Rank 0's decision on every rank; a checkpoint travels as the bytes ``torch.save`` makes of it, read back
-    with ``weights_only=True`` (nothing in it can run code). The others wait for rank 0 to read its checkpoints
+def _gather(report: tuple[Any, ...], wait_s: float) -> list[tuple[Any, ...]]:
+    """Every rank's report (small: no checkpoint in it). The ranks wait for the nodes to read their checkpoints
     for up to ``wait_s`` (prepare_timeout: large files on a slow disk), not the training timeout."""
     if not dist.is_distributed():
-        return payload
-    sent = payload
-    if dist.is_main() and payload[0] == "resume":
+        return [report]
+    dist.barrier("every node looked for this run's checkpoints", wait_s)
+    return dist.all_gather_object(report)
+
+
+def _send(found: tuple[Path, dict[str, Any], bool] | None, holder: int,
+          wait_s: float) -> tuple[dict[str, Any], dict[str, bytes] | None]:
+    """The holder's checkpoint (and, where the holder is not rank 0, its run record) on every rank. The
+    checkpoint travels as the bytes ``torch.save`` makes of it and is read back with ``weights_only=True``
+    (nothing in it can run code)."""
+    if not dist.is_distributed():
+        assert found is not None
+        return found[1], None
+    sent = None
+    if found is not None:  # this rank is the holder
+        path, ckpt, _ = found
         buf = io.BytesIO()
-        torch.save(payload[2], buf)
-        sent = (*payload[:2], buf.getvalue())
-    dist.barrier("rank 0 chose the checkpoint to resume from", wait_s)
-    shared = dist.broadcast_object(sent if dist.is_main() else None)
-    if dist.is_main() or shared[0] != "resume":
-        return payload if dist.is_main() else shared  # type: ignore[no-any-return]
-    return (*shared[:2], torch.load(io.BytesIO(shared[2]), map_location="cpu", weights_only=True))
+        torch.save(ckpt, buf)
+        sent = (buf.getvalue(), run_record.collect(path.parent.parent) if holder != 0 else None)
+    dist.barrier(f"rank {holder} packed the checkpoint to resume from", wait_s)
+    shared = dist.broadcast_object(sent, src=holder)
+    if found is not None:
+        return found[1], shared[1]
+    return torch.load(io.BytesIO(shared[0]), map_location="cpu", weights_only=True), shared[1]

@@ -4,13 +4,15 @@
 Events, in the order they are written:
 
 * ``start``: ``world_size``, ``epochs``, ``first_epoch`` (1-based) and ``world``: every rank's ``rank``,
-  ``local_rank``, ``node``, ``host``, ``device`` (and ``device_name`` on CUDA) and ``pid``;
+  ``local_rank``, ``node``, ``host``, ``device`` (and ``device_name`` on CUDA), ``pid`` and ``launcher_pid`` (its
+  node's launcher, which the node's restarts keep);
 * ``restart`` (a start after the launcher restarted the workers, or a ``resume``): ``launcher_restart_count``
   (``TORCHELASTIC_RESTART_COUNT``), ``resumed_from`` (the checkpoint, or null when none had been saved yet),
   ``epoch`` (the 1-based epoch it continues with) and ``step`` (the batches already trained, over the run), and
   ``dataset_changed`` (``from``/``to`` fingerprints) when the dataset's files differ from the manifest's;
-* ``membership``: the world size differs from the previous ``start`` in this folder: ``previous_world_size``,
-  ``world_size``, and ``left``/``joined``: how many workers each host lost or gained;
+* ``membership`` (a restart or resume whose nodes differ from the previous ``start``'s in this folder):
+  ``previous_world_size``, ``world_size``, ``left``/``joined`` (how many workers each host lost or gained) and
+  ``left_nodes``/``joined_nodes`` (each node that left or joined: ``host``, ``launcher_pid``, ``workers``);
 * ``straggler`` (per epoch and rank): ``epoch``, ``rank``, ``node``, ``host``, ``cause`` (``data_wait`` or
   ``compute``), ``ms_per_step`` and ``others_median_ms`` (:func:`detrain.engine.epoch_stats.stragglers`);
 * ``end``: ``status`` (``completed``, ``stopped_early``, ``interrupted`` or ``failed``), ``epoch`` (the last
@@ -32,7 +34,7 @@ from detrain.config import Cfg
 from detrain.engine.epoch_stats import stragglers
 from detrain.engine.events import EventLog
 from detrain.engine.manifest import split_fingerprint, write_start
-from detrain.distributed.world_layout import gather_layout, membership_change
+from detrain.distributed.world_layout import describe_nodes, gather_layout, membership_change
 from detrain.log import console
 
 ERROR_CHARS = 1000  # an end event's error line is cut to this length
@@ -72,12 +74,14 @@ class RunTrace:
                               f"{dataset['fingerprint']})")
             self.events.write("restart", **fields)
         earlier = previous.get("world") if previous else None
-        if isinstance(earlier, list) and all(isinstance(p, dict) for p in earlier):
+        if restarted and isinstance(earlier, list) and all(isinstance(p, dict) for p in earlier):
+            # the previous start is this run's (a fresh start in a reused folder follows another run's)
             change = membership_change(earlier, self.world)
             if change is not None:
                 self.events.write("membership", **change)
                 console.print(f"membership: {change['previous_world_size']} -> {change['world_size']} workers; "
-                              f"left {change['left'] or '-'}, joined {change['joined'] or '-'}")
+                              f"left {describe_nodes(change['left_nodes'])}; "
+                              f"joined {describe_nodes(change['joined_nodes'])}")
 
     def epoch(self, epoch: int, stats: list[dict[str, Any]]) -> None:
         """Note that ``epoch`` (0-based) finished training; flag its stragglers (from every rank's numbers)."""

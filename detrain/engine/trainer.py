@@ -50,8 +50,8 @@ class Trainer:
     def __init__(self, cfg: Cfg, save_dir: str | Path | None = None, launch_id: str | None = None,
                  callbacks: dict[str, list[CallbackFn]] | None = None) -> None:
         self.callbacks = Callbacks(callbacks)  # fired on rank 0 only (detrain.callbacks)
-        # rank 0 decides whether this start resumes (resume=, or a checkpoint of this launch after any restart) and
-        # from which checkpoint on its disk; every rank gets that checkpoint from it (resume_state.py)
+        # every node looks on its own disk for this run's furthest checkpoint (rank 0 also for resume=); every rank
+        # gets the furthest of all from the rank that holds it (resume_state.py)
         start = resume_state.agree(cfg, save_dir, resume_state.Launch.here(launch_id))
         cfg, save_dir, self.resume_ckpt, self.launch = start.cfg, start.save_dir, start.ckpt, start.launch
         self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved

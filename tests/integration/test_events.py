@@ -65,7 +65,7 @@ def test_a_run_records_its_start_layout_and_completed_end(first_run: Path) -> No
     start, end = events
     assert (start["world_size"], start["epochs"], start["first_epoch"]) == (1, 2, 1)
     assert start["world"] == [{"rank": 0, "local_rank": 0, "host": socket.gethostname(), "device": "cpu",
-                               "pid": start["world"][0]["pid"], "node": 0}]
+                               "pid": start["world"][0]["pid"], "launcher_pid": os.getppid(), "node": 0}]
     assert (end["status"], end["epoch"]) == ("completed", 2) and "error" not in end
     assert all(isinstance(e["time"], str) and e["time"].endswith("+00:00") for e in events)
     assert (first_run / "events.jsonl").read_text().endswith("\n")  # whole lines only
@@ -135,7 +135,10 @@ def test_a_resume_records_the_restart_and_the_world_that_changed(first_run: Path
     assert (restart["epoch"], restart["step"], restart["launcher_restart_count"]) == (2, 1, 0)  # 1 batch an epoch
     assert "dataset_changed" not in restart
     assert change == {"time": change["time"], "kind": "membership", "previous_world_size": 2, "world_size": 1,
-                      "left": {"node-a": 1, "node-b": 1}, "joined": {socket.gethostname(): 1}}
+                      "left": {"node-a": 1, "node-b": 1}, "joined": {socket.gethostname(): 1},
+                      "left_nodes": [{"host": "node-a", "launcher_pid": None, "workers": 1},
+                                     {"host": "node-b", "launcher_pid": None, "workers": 1}],
+                      "joined_nodes": [{"host": socket.gethostname(), "launcher_pid": None, "workers": 1}]}
     assert (end["status"], end["epoch"]) == ("completed", 2)
     m = _manifest(died)
     assert (m["restarts"], m["resumed_from"]) == (1, str(died / "weights" / "last.pt"))
@@ -184,11 +187,19 @@ def test_ctrl_c_ends_as_interrupted(tmp_path: Path) -> None:
     assert (end["status"], end["epoch"]) == ("interrupted", 1)
 
 
-def test_membership_is_compared_by_host() -> None:
-    a, b = {"host": "a"}, {"host": "b"}
-    assert membership_change([a, b], [b, a]) is None  # same size: no change to report
-    assert membership_change([a, a, b], [a, b, b, b]) == {"previous_world_size": 3, "world_size": 4,
-                                                          "left": {"a": 1}, "joined": {"b": 2}}
+def test_membership_is_compared_by_launcher_and_by_host_in_older_events() -> None:
+    a, b = {"host": "a", "launcher_pid": 1}, {"host": "a", "launcher_pid": 2}  # two launchers on one machine
+    assert membership_change([a, b], [b, a]) is None  # the same nodes: no change to report
+    assert membership_change([a, a, b], [a, b, b]) == {
+        "previous_world_size": 3, "world_size": 3, "left": {}, "joined": {},
+        "left_nodes": [{"host": "a", "launcher_pid": 1, "workers": 1}],
+        "joined_nodes": [{"host": "a", "launcher_pid": 2, "workers": 1}]}
+    # an events.jsonl from before launchers were recorded: by host
+    assert membership_change([{"host": "a"}, {"host": "a"}, {"host": "b"}], [a, b, b, {"host": "c"}]) == {
+        "previous_world_size": 3, "world_size": 4, "left": {"b": 1}, "joined": {"a": 1, "c": 1},
+        "left_nodes": [{"host": "b", "launcher_pid": None, "workers": 1}],
+        "joined_nodes": [{"host": "a", "launcher_pid": None, "workers": 1},
+                         {"host": "c", "launcher_pid": None, "workers": 1}]}
 
 
 # ------------------------------------------------------------------ hostile files in the run folder

@@ -22,7 +22,8 @@ import torch
 import _dist_workers as workers
 from detrain.data.synthetic import generate_shapes
 from detrain.errors import DistributedError
-from detrain.distributed.launch import DevicePlan, check_batch, in_launcher_env, launch, parse_device, parse_nnodes
+from detrain.distributed.launch import (DevicePlan, check_batch, in_launcher_env, launch, parse_device, parse_nnodes,
+                                        rendezvous_address)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).resolve().parents[1] / "_dist_workers.py")
@@ -237,11 +238,20 @@ def test_two_nodes_form_one_world(tmp_path: Path) -> None:
     assert node1 is None  # static rendezvous: node_rank 0 holds rank 0, and only its caller gets a value
 
 
+@pytest.mark.parametrize("node0", ["10.0.0.9", "255.255.255.255", "fe80::1%eth0", "zz-host.example", None])
+def test_c10d_numbers_node_0_first_and_the_others_by_node_rank(node0: str | None) -> None:
+    """torch's c10d rendezvous numbers nodes in the order of the addresses they give as text (10.0.0.12 before
+    10.0.0.9): the address each node gives puts node 0 first whatever the real addresses, then node_rank's order."""
+    real = ["0.0.0.1", "10.0.0.10", "::1", "a-host", "~"]
+    given = [rendezvous_address(node0, 0, 12)] + [rendezvous_address(real[r % 5], r, 12) for r in range(1, 12)]
+    assert sorted(range(12), key=lambda r: given[r]) == list(range(12))
+    assert given[0] == (node0 or socket.getfqdn())  # rank 0's workers' store listens at node 0's real address
+
+
 def test_elastic_nodes_form_one_world(tmp_path: Path) -> None:
-    results = _two_nodes(tmp_path, "1:2")  # c10d rendezvous; ranks follow the order of arrival
-    assert sum(r is None for r in results) == 1
-    rank0 = next(r for r in results if r is not None)
-    assert (rank0["rank"], rank0["world"], rank0["sum"]) == (0, 2, 2.0)
+    node0, node1 = _two_nodes(tmp_path, "1:2")  # c10d rendezvous: ranks follow node_rank (launch.rendezvous_address)
+    assert (node0["rank"], node0["world"], node0["sum"]) == (0, 2, 2.0)
+    assert node1 is None
 
 
 
