@@ -13,13 +13,16 @@ from __future__ import annotations
 import datetime as _dt
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from detrain import __version__
 from detrain.errors import CheckpointError
 from detrain.tempfiles import temp_beside
+
+if TYPE_CHECKING:
+    from detrain.nn.model import DetectionModel
 
 FORMAT = "detrain-checkpoint"
 
@@ -64,7 +67,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         del vetted  # torch.load builds the real thing; the two need not live side by side
         try:
             ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # torch says why (unsafe global, truncated zip) on its last line
+        except Exception as e:  # noqa: BLE001 - torch says why (unsafe global, truncated zip) on its last line
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
         if _is_detrain(ckpt):
@@ -122,7 +125,7 @@ def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True) -> torch.nn.Module:
+def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True) -> DetectionModel:
     """Build the DetectionModel a checkpoint describes and load its weights (the EMA ones when present)."""
     from detrain.nn.model import DetectionModel
 
@@ -141,7 +144,7 @@ def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True) -> torch.n
     return model
 
 
-def model_meta(model: torch.nn.Module, imgsz: int) -> dict[str, Any]:
+def model_meta(model: DetectionModel, imgsz: int) -> dict[str, Any]:
     """What a checkpoint records about a model besides its weights."""
     return {"yaml": getattr(model, "yaml", None), "scale": model.scale, "nc": model.nc,
             "names": dict(model.names), "imgsz": int(imgsz)}

@@ -70,7 +70,7 @@ def predictions_to_coco(image_id: int, boxes_xyxy: Any, scores: Any, classes: An
     """
     ltwh, rounded_scores = coco_rounded(boxes_xyxy, scores)
     cls = _np(classes).reshape(-1).astype(np.int64)
-    cat = [int(category_ids[c]) for c in cls] if category_ids is not None else (cls + 1).tolist()
+    cat = [int(category_ids[c]) for c in cls.tolist()] if category_ids is not None else (cls + 1).tolist()
     return [{"image_id": int(image_id), "category_id": c, "bbox": b, "score": s}
             for c, b, s in zip(cat, ltwh.tolist(), rounded_scores.tolist())]
 
@@ -135,13 +135,13 @@ def load_coco_annotations(path: str | Path) -> tuple[list[dict[str, Any]], dict[
     data = _read_json(path)
     if not isinstance(data, dict) or not {"images", "annotations", "categories"} <= data.keys():
         raise DatasetError(f"{path}: COCO annotations need 'images', 'annotations' and 'categories' keys")
-    images = []
+    images: list[dict[str, Any]] = []
     for i, im in enumerate(data["images"]):
         if not isinstance(im, dict) or "id" not in im:
             raise DatasetError(f"{path}: images[{i}] needs an 'id', got {im!r}")
         images.append({"id": _int(im["id"], f"{path}: images[{i}].id"), "file_name": im.get("file_name", ""),
                        "width": im.get("width"), "height": im.get("height")})
-    categories = []
+    categories: list[dict[str, Any]] = []
     for i, c in enumerate(data["categories"]):
         if not isinstance(c, dict) or "id" not in c:
             raise DatasetError(f"{path}: categories[{i}] needs an 'id', got {c!r}")
@@ -183,7 +183,7 @@ def evaluate_coco_json(gt_path: str | Path, predictions_path: str | Path, max_de
     >>> m.map  # doctest: +SKIP
     0.6355788479339713
     """
-    images, gts, categories = load_coco_annotations(gt_path)
+    _images, gts, categories = load_coco_annotations(gt_path)
     cat_ids = np.array(sorted(c["id"] for c in categories), np.int64)
     preds = load_predictions(predictions_path, gts.keys(), cat_ids.tolist())
     empty = CocoDetections(np.zeros((0, 4)), np.zeros(0), np.zeros(0, np.int64))

@@ -178,10 +178,9 @@ def export_torchscript(
     out = Path(out_path)
     graph_model, example, (h, w), stride = _graph_model(model, imgsz)
     meta = json.dumps(_metadata(model, (h, w), stride))
-    with _atomic_file(out) as tmp:
-        with _quiet_tracing():
-            traced = torch.jit.trace(graph_model, (example,), check_trace=False)
-            torch.jit.save(traced, str(tmp), _extra_files={"detrain.json": meta})
+    with _atomic_file(out) as tmp, _quiet_tracing():
+        traced = torch.jit.trace(graph_model, (example,), check_trace=False)
+        torch.jit.save(traced, str(tmp), _extra_files={"detrain.json": meta})
     return out
 
 

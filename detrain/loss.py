@@ -73,7 +73,7 @@ class _SplitHeadMaps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, nb: int, *maps: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx, nb: int, *maps: Tensor) -> tuple[Tensor, Tensor]:
         b = maps[0].shape[0]
         rows = [m.permute(0, 2, 3, 1).reshape(b, -1, m.shape[1]) for m in maps]  # views for channels_last
         ctx.nb = nb
@@ -82,13 +82,13 @@ class _SplitHeadMaps(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
+    def backward(
         ctx, grad_box: Tensor | None, grad_cls: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         grads: list[Tensor | None] = [None]
         start = 0
         for shape, dtype, device, layout in ctx.maps:
-            b, _, h, w = shape
+            _, _, h, w = shape
             grad = torch.empty(shape, dtype=dtype, device=device, memory_format=layout)
             rows = grad.permute(0, 2, 3, 1)  # (B, H, W, C) view
             for part, g in ((rows[..., : ctx.nb], grad_box), (rows[..., ctx.nb :], grad_cls)):
@@ -122,7 +122,7 @@ class _SparseTargetBCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx, logits: Tensor, img: Tensor, anchor: Tensor, label: Tensor, target: Tensor
     ) -> Tensor:
         ctx.save_for_backward(logits, img, anchor, label, target)
@@ -130,7 +130,7 @@ class _SparseTargetBCE(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         logits, img, anchor, label, target = ctx.saved_tensors
         out = torch.sigmoid(logits)
         out.index_put_((img, anchor, label), -target, accumulate=True)

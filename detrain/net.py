@@ -24,6 +24,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from http.client import HTTPMessage
 from typing import IO, Any
 
 __all__ = ["BodyTooLarge", "RedirectRefused", "SafeRedirects", "content_length", "copy_body", "is_sha256", "open_url",
@@ -70,7 +71,8 @@ def redirect_allowed(old_url: str, new_url: str) -> bool:
 class SafeRedirects(urllib.request.HTTPRedirectHandler):
     """urllib's redirect handling, refusing what :func:`redirect_allowed` refuses."""
 
-    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str,
+                         headers: HTTPMessage, newurl: str) -> urllib.request.Request | None:
         target = urllib.parse.urljoin(req.full_url, newurl)
         if not redirect_allowed(req.full_url, target):
             fp.close()

@@ -13,5 +13,5 @@ import numpy as np
 def class_color(cls: int) -> tuple[int, int, int]:
     """A stable, distinct BGR colour per class."""
     hue = (int(cls) * 47) % 180
-    bgr = cv2.cvtColor(np.uint8([[[hue, 200, 230]]]), cv2.COLOR_HSV2BGR)[0, 0]
+    bgr = cv2.cvtColor(np.array([[[hue, 200, 230]]], np.uint8), cv2.COLOR_HSV2BGR)[0, 0]
     return int(bgr[0]), int(bgr[1]), int(bgr[2])

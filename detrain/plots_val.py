@@ -15,6 +15,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -57,7 +58,7 @@ def plot_pr_curve(metrics: DetMetrics, names: Names, path: str | Path) -> Path:
         ax.plot(x, metrics.pr_curve[row], linewidth=1, label=label)
     if len(metrics.curve_classes):
         ax.plot(x, metrics.pr_curve.mean(0), linewidth=3, color="blue", label=f"all classes {metrics.map50:.3f} mAP50")
-    _finish(ax, "Recall", "Precision", "Precision-Recall curve (IoU 0.5)")
+    _finish(fig, ax, "Recall", "Precision", "Precision-Recall curve (IoU 0.5)")
     return _save(fig, path)
 
 
@@ -81,7 +82,7 @@ def plot_confidence_curve(metrics: DetMetrics, names: Names, path: str | Path, w
         # F1: the (smoothed) optimum behind metrics.precision/recall; P: its peak; R: at confidence 0
         best = {"f1": int(np.abs(x - metrics.conf).argmin()), "p": int(mean.argmax()), "r": 0}[which]
         ax.plot(x, mean, linewidth=3, color="blue", label=f"all classes {mean[best]:.2f} at {x[best]:.3f}")
-    _finish(ax, "Confidence", label, f"{label}-Confidence curve")
+    _finish(fig, ax, "Confidence", label, f"{label}-Confidence curve")
     return _save(fig, path)
 
 
@@ -194,13 +195,13 @@ def plot_images(imgs: np.ndarray, boxes: Sequence[tuple[np.ndarray, np.ndarray, 
     return path
 
 
-def _figure() -> tuple[Figure, object]:
+def _figure() -> tuple[Figure, Axes]:
     fig = Figure(figsize=(9, 6))
     FigureCanvasAgg(fig)
     return fig, fig.add_subplot()
 
 
-def _finish(ax: object, xlabel: str, ylabel: str, title: str) -> None:
+def _finish(fig: Figure, ax: Axes, xlabel: str, ylabel: str, title: str) -> None:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_xlim(0, 1)
@@ -209,7 +210,7 @@ def _finish(ax: object, xlabel: str, ylabel: str, title: str) -> None:
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(bbox_to_anchor=(1.02, 1), loc="upper left", fontsize=8)
-    ax.figure.tight_layout()
+    fig.tight_layout()
 
 
 def _save(fig: Figure, path: str | Path) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from _pickle_forge import (  # noqa: E402
+from _pickle_forge import (
     build,
     bytes_,
     global_,

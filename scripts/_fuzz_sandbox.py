@@ -68,7 +68,7 @@ def _status_kb(field: str) -> int:
 def _first_line(e: BaseException) -> str:
     try:
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    except Exception:  # a message whose str() fails
+    except Exception:  # noqa: BLE001 - a message whose str() fails
         text = ""
     return f"{type(e).__name__}: {text[:300]}"
 

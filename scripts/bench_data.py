@@ -25,9 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
-
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -159,10 +159,12 @@ def child(args: argparse.Namespace) -> None:
             print(json.dumps({"ips": None}))
             return
     loader = build(args.child_workers)
-    done: Callable[[Any], None] = lambda batch: None
     if args.child == "detrain":
-        from detrain.data.batch_memory import release_batch as done
-    ips = images_per_second(loader, args.warmup, args.batches, done)
+        from detrain.data.batch_memory import release_batch
+
+        ips = images_per_second(loader, args.warmup, args.batches, release_batch)
+    else:
+        ips = images_per_second(loader, args.warmup, args.batches)
     del loader  # stop the workers before reporting
     import gc
 

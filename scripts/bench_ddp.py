@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
-from detrain.distributed import dist  # noqa: E402
-from detrain.distributed.launch import check_batch, launch, parse_device  # noqa: E402
+from detrain.distributed import dist
+from detrain.distributed.launch import check_batch, launch, parse_device
 
 
 def bench_worker(args: dict[str, Any]) -> dict[str, float]:

@@ -1,11 +1,11 @@
 """Learning benchmark: does detrain learn as well as Ultralytics in the same number of epochs?
 
-Both tools train YOLOv8n from scratch (or from ``--weights``) on the very same files with the same settings (epochs, imgsz, batch,
-workers, seed; everything else at each tool's default; CPU), each run in its own ``python`` process, one after
-the other, for every seed of ``--seeds``. The table gives, per selected epoch, the mean over seeds of the
-mAP50-95 each tool's own validator wrote to its ``results.csv``, then every run's ``best.pt`` scored by
-detrain's COCO-exact validator (``detrain val``: the same code, flags and batches for both sides), the ratio
-detrain / Ultralytics, and the wall time per run.
+Both tools train YOLOv8n from scratch (or from ``--weights``) on the very same files with the same settings (epochs,
+imgsz, batch, workers, seed; everything else at each tool's default; CPU), each run in its own ``python`` process,
+one after the other, for every seed of ``--seeds``. The table gives, per selected epoch, the mean over seeds of the
+mAP50-95 each tool's own validator wrote to its ``results.csv``, then every run's ``best.pt`` scored by detrain's
+COCO-exact validator (``detrain val``: the same code, flags and batches for both sides), the ratio detrain /
+Ultralytics, and the wall time per run.
 
 Datasets (``--dataset``):
 
@@ -249,7 +249,8 @@ def train_command(impl: str, data: Path, args: argparse.Namespace, seed: int, pr
                 f"epochs={args.epochs}", f"imgsz={args.imgsz}", f"batch={args.batch}", f"seed={seed}",
                 f"workers={args.workers}", "device=cpu", f"project={project}", f"name={name}", "exist_ok=True",
                 "plots=False", *args.detrain_args]
-    kw = {"model": str(args.weights.absolute()) if args.weights else "yolov8n.yaml", "data": str(data), "epochs": args.epochs, "imgsz": args.imgsz,
+    kw = {"model": str(args.weights.absolute()) if args.weights else "yolov8n.yaml", "data": str(data),
+          "epochs": args.epochs, "imgsz": args.imgsz,
           "batch": args.batch, "seed": seed, "workers": args.workers, "device": "cpu", "project": str(project),
           "name": name, "exist_ok": True, "plots": False, "amp": False, "threads": args.threads}
     return [sys.executable, "-c", ULTRALYTICS_CHILD, json.dumps(kw)]
@@ -349,7 +350,7 @@ def selected_epochs(epochs: int, all_epochs: bool = False, every: int = 5) -> li
     """
     if all_epochs:
         return list(range(1, epochs + 1))
-    return sorted({e for e in range(every, epochs + 1, every)} | {epochs})
+    return sorted(set(range(every, epochs + 1, every)) | {epochs})
 
 
 def mean_or_none(values: list[float | None]) -> float | None:
@@ -553,7 +554,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     else:  # the seeds of one tool side by side, the tools one after the other
         for impl in impls:
             with ThreadPoolExecutor(args.parallel) as pool:
-                runs[impl] = list(pool.map(lambda seed: train_run(impl, data, args, seed, work), args.seed_list))
+                runs[impl] = list(pool.map(lambda seed, impl=impl: train_run(impl, data, args, seed, work),
+                                           args.seed_list))
     for impl in impls:
         for run in runs[impl]:
             score_run(run, data, args, work)

@@ -37,7 +37,8 @@ def run(seed: int, work: Path, extra: list[str]) -> tuple[list[dict[str, float]]
     proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{shlex.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        raise SystemExit(f"{shlex.join(cmd)} failed (exit {proc.returncode}):\n"
+                         f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
     with open(work / "runs" / f"seed{seed}" / "results.csv", newline="") as f:
         rows = [{k.strip(): float(v) for k, v in row.items() if k and v} for row in csv.DictReader(f)]
     return rows, wall, shlex.join(["detrain", "train", *QUICK_START, f"seed={seed}", *extra])
@@ -68,8 +69,9 @@ def main() -> None:
             results.append((seed, rows, wall, cmd))
             print(f"seed {seed}: {wall:.0f} s, final mAP50 {rows[-1]['metrics/mAP50']:.3f}", flush=True)
     epochs = len(results[0][1])
-    shown = sorted({e for e in range(5, epochs + 1, 5)} | {1, epochs})
-    print(f"\n`python scripts/bench_quickstart.py --seeds {args.seeds}{' ' + ' '.join(args.extra) if args.extra else ''}`"
+    shown = sorted(set(range(5, epochs + 1, 5)) | {1, epochs})
+    extra = " " + " ".join(args.extra) if args.extra else ""
+    print(f"\n`python scripts/bench_quickstart.py --seeds {args.seeds}{extra}`"
           f" — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, commit {commit()}, command: "
           f"`{results[0][3]}`\n")
     print("| seed | " + " | ".join(f"epoch {e}" for e in shown) + " | wall s |")

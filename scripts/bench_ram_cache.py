@@ -2,8 +2,8 @@
 Ultralytics' ``cache=ram`` on the same ranks when it is importable (e.g. ``PYTHONPATH=/opt/ulib``).
 
 Each run is a fresh ``python`` process that does what ``detrain train`` does with ``device=cpu`` or
-``device=cpu,cpu``: one rank in the process itself, or two ranks started by ``detrain.distributed.launch.launch`` (torch's
-elastic agent). Every rank verifies the labels, builds the training loader of ``detrain.engine.data`` with
+``device=cpu,cpu``: one rank in the process itself, or two ranks started by ``detrain.distributed.launch.launch``
+(torch's elastic agent). Every rank verifies the labels, builds the training loader of ``detrain.engine.data`` with
 ``cache=ram`` and ``--workers`` loader workers, and runs ``--steps`` training steps of YOLOv8 ``--scale`` (the
 DDP model, loss and SGD of a real run) on its slice of each global batch. The Ultralytics run builds its own
 ``YOLODataset(cache="ram")`` and ``InfiniteDataLoader`` on each rank instead, and trains the same detrain model.
@@ -23,6 +23,7 @@ large as a real dataset's would be next to the per-process overhead of torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import glob
 import json
@@ -93,10 +94,8 @@ def cache_file_bytes() -> int:
     """Pages held in /dev/shm by detrain's RAM cache files (allocated blocks: a file still filling is sparse)."""
     total = 0
     for path in (p for g in CACHE_GLOBS for p in glob.glob(g)):
-        try:
+        with contextlib.suppress(OSError):  # a file removed since the glob
             total += os.stat(path).st_blocks * 512
-        except OSError:
-            pass
     return total
 
 
@@ -163,7 +162,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.937, nesterov=True)
     batches = 0
     it = iter(loader)
-    for step in range(max(args["steps"], 1)):
+    for _ in range(max(args["steps"], 1)):
         batch = next(it)
         batches += 1
         if args["steps"] == 0:

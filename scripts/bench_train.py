@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
-from detrain.engine.optim import kernel_options  # noqa: E402
-from detrain.loss import DetectionLoss  # noqa: E402
-from detrain.nn.model import DetectionModel  # noqa: E402
+from detrain.engine.optim import kernel_options
+from detrain.loss import DetectionLoss
+from detrain.nn.model import DetectionModel
 
 
 @dataclass

@@ -48,7 +48,7 @@ def synthetic(n_images: int, nc: int, dets_per_image: int, seed: int) -> list[tu
     return images
 
 
-def to_pycocotools(images: list, nc: int):  # noqa: ANN201 - pycocotools objects
+def to_pycocotools(images: list, nc: int):  # returns pycocotools objects (untyped)
     from pycocotools.coco import COCO
 
     anns, results = [], []

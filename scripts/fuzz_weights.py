@@ -111,7 +111,7 @@ def make_case(bases: list[Base], seed: int, index: int) -> Case:
         names.append(name)
         try:
             pkl = fp.ParsedPickle(data)
-        except Exception:  # no longer a parseable program: nothing more to aim at on this level
+        except Exception:  # noqa: BLE001 - no longer a parseable program: nothing more to aim at on this level
             break
     zip_name = rng.choice(list(fz.MUTATIONS))
     names.append(zip_name)
@@ -164,8 +164,8 @@ def new_tally() -> Tally:
 def run_cases(bases: list[Base], seed: int, indices: range, folder: Path, *, cpu_s: float, mem_mb: int,
               wall_s: float, save_failures: Path | None = None, progress: int = 0, tally: Tally | None = None) -> Tally:
     """Make, write and load each case in a forked child; count how each ended (into ``tally`` when given)."""
-    from detrain.errors import CheckpointError
     import detrain.weights.ultralytics  # noqa: F401  imported here once, so no child imports it again
+    from detrain.errors import CheckpointError
 
     tally = new_tally() if tally is None else tally
     start = time.monotonic()

@@ -139,8 +139,8 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
     import glob
 
     from detrain.config import make_cfg
-    from detrain.engine.data import build_train_loader, load_split
     from detrain.distributed.launch import check_batch
+    from detrain.engine.data import build_train_loader, load_split
 
     dist.setup(timeout_s=60.0)
     cfg = make_cfg({"data": args["data"], "imgsz": 64, "batch": args["batch"], "workers": 1, "cache": "ram",
@@ -204,6 +204,7 @@ def _main(argv: list[str]) -> int:
     import json
 
     import _dist_workers as mod  # by module name, so spawned workers can import the entry
+
     from detrain.distributed.launch import launch, parse_device
 
     mode = argv[0]

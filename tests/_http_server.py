@@ -26,7 +26,7 @@ class Server:
         hits = self.hits
 
         class Handler(http.server.SimpleHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_GET(self) -> None:  # http.server's naming
                 hits.append(self.path)
                 kind, _, name = self.path.lstrip("/").partition("/")
                 if kind == "moved":

@@ -39,6 +39,7 @@ def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
 
 def _main(argv: list[str]) -> int:
     import _observe_workers as mod  # by module name, so spawned workers can import the entry
+
     from detrain.distributed.launch import launch, parse_device
 
     if argv[0] != "node":

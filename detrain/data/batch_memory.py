@@ -23,16 +23,17 @@ released is never overwritten: the worker then makes new segments, as without re
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import get_worker_info
 
 _MADV_POPULATE_WRITE = 23
+_LIBC: ctypes.CDLL | None
 try:
-    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)  # the C library already loaded
+    _LIBC = ctypes.CDLL(None, use_errno=True)  # the C library already loaded
     _LIBC.madvise  # noqa: B018 (present on POSIX systems)
 except (OSError, AttributeError, TypeError):  # no madvise here: no pre-faulting
     _LIBC = None
@@ -65,6 +66,11 @@ def _shared_bytes(nbytes: int) -> torch.Tensor | None:
     return t
 
 
+def _over(storage: torch.UntypedStorage, dtype: torch.dtype, offset: int, size: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous ``dtype`` tensor of ``size`` over ``storage`` from element ``offset`` (stride () = contiguous)."""
+    return torch.empty(0, dtype=dtype).set_(storage, offset, size, ())
+
+
 def _trailer(whole: torch.Tensor) -> torch.Tensor:
     """The int32 [magic, state, used lo, used hi] view of a recycled segment's last 16 bytes."""
     return whole[-_TRAILER:].view(torch.int32)
@@ -92,7 +98,7 @@ def _recycled_trailer(t: torch.Tensor) -> torch.Tensor | None:
     storage = t.untyped_storage()
     if storage.nbytes() < _TRAILER or storage.device.type != "cpu":
         return None
-    trailer = _trailer(torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),)))
+    trailer = _trailer(_over(storage, torch.uint8, 0, (storage.nbytes(),)))
     return trailer if int(trailer[0]) == _MAGIC else None
 
 
@@ -143,9 +149,9 @@ def _label_offset(image_bytes: int) -> int:
     return (image_bytes + 7) // 8 * 8
 
 
-def _label_views(storage: torch.UntypedStorage, offset: int, m: int) -> tuple[torch.Tensor, ...]:
+def _label_views(storage: torch.UntypedStorage, offset: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``batch_idx`` (M,), ``cls`` (M, 1) and ``bboxes`` (M, 4) float32 views of a block's label part."""
-    labels = torch.empty(0, dtype=torch.float32).set_(storage, offset // 4, (6 * m,))
+    labels = _over(storage, torch.float32, offset // 4, (6 * m,))
     return labels[:m], labels[m: 2 * m].view(m, 1), labels[2 * m:].view(m, 4)
 
 
@@ -211,13 +217,12 @@ def whole_block(imgs: Sequence[torch.Tensor], cls: Sequence[torch.Tensor]) -> Ba
     for i, (t, c) in enumerate(zip(imgs, cls)):
         if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != i * numel or t.stride() != first.stride():
             return None
-        if len(c):
-            if c.untyped_storage().data_ptr() != ptr or c.storage_offset() != row:
-                return None
+        if len(c) and (c.untyped_storage().data_ptr() != ptr or c.storage_offset() != row):
+            return None
         row += len(c)
-    c, h, w = first.shape
+    ch, h, w = first.shape
     if first.is_contiguous():
-        img = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, c, h, w))
+        img = _over(storage, torch.uint8, 0, (n, ch, h, w))
     else:  # channels-last images
-        img = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (n, h, w, c)).permute(0, 3, 1, 2)
+        img = _over(storage, torch.uint8, 0, (n, h, w, ch)).permute(0, 3, 1, 2)
     return BatchBlock(img, *_label_views(storage, offset, m), _starts([len(t) for t in cls]))

@@ -10,8 +10,8 @@ except a reduced JPEG decode that overhangs its file (``image_io.pixel_extent``)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -71,7 +71,7 @@ def render(
         if len(tile.labels):
             # canvas -> output as the pixels actually moved (the fast path may round the shift)
             m_tile = m if applied is wanted else applied @ scaling(1 / sx, 1 / sy) @ translation(-px, -py)
-            before = clip_boxes(tile.labels.boxes_xyxy + np.float32((ox, oy, ox, oy)), vx1, vy1, vx2, vy2)
+            before = clip_boxes(tile.labels.boxes_xyxy + np.array((ox, oy, ox, oy), np.float32), vx1, vy1, vx2, vy2)
             after = clip_boxes(transform_boxes(before, m_tile), 0, 0, out_w, out_h)
             keep = box_candidates(before, after, scale)
             kept.append(Labels(tile.labels.cls[keep], after[keep]))

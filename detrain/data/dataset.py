@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import cv2
 import numpy as np
@@ -31,9 +32,9 @@ from torch.utils.data import Dataset, default_collate
 from detrain.data.augment import apply_hsv, letterbox, merged_hyp
 from detrain.data.batch_memory import Batch, BatchBlock, whole_block
 from detrain.data.decode_cache import LANES, DecodeCache
-from detrain.data.image_io import (check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side)
+from detrain.data.image_io import check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side
 from detrain.data.instances import Labels
-from detrain.data.ram_cache import RamCache, cache_key, run_tag
+from detrain.data.ram_cache import DEFAULT_TIMEOUT_S, RamCache, cache_key, run_tag
 from detrain.data.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
 from detrain.errors import ConfigError, DatasetError
 
@@ -41,11 +42,19 @@ MAX_SUBSTITUTIONS = 16  # unreadable images in a row before giving up on a sampl
 _EPOCH, _CLOSED, _SKIPPED = 0, 1, 2  # slots of the shared state tensor
 
 
+def _decoded(decoded: Mapping[tuple[int, int], np.ndarray | None], i: int, r: int) -> np.ndarray:
+    """Image ``i`` at reduction ``r`` of a plan whose images all decoded (else it was replaced)."""
+    img = decoded[(i, r)]
+    assert img is not None
+    return img
+
+
 class Pick(NamedTuple):
     """A sampler's key for the dataset: ``index``, its mosaic ``pool`` (the indices partners are drawn from) and the
     pool's ``lane`` (pools of one lane slide over the same batches, see ``decode_cache.py``; -1: none)."""
 
-    index: int
+    # shadows tuple.index (which mypy reports); the samplers, the loader and the tests all read pick.index
+    index: int  # type: ignore[assignment]
     pool: tuple[int, ...]
     lane: int = -1
 
@@ -95,7 +104,7 @@ class _Rendered(NamedTuple):
 
     img: np.ndarray
     labels: Labels
-    index: int
+    image_index: int
     ratio_pad: tuple[tuple[float, float], tuple[float, float]]
     hsv: np.ndarray | None = None
 
@@ -161,8 +170,8 @@ class DetectionDataset(Dataset):
         self._ram: RamCache | None = None
         if self.cache == "ram":
             key = cache_key(self.im_files, self.shapes_hw, self.imgsz, run_tag())
-            wait = {"timeout_s": cache_timeout_s} if cache_timeout_s else {}
-            self._ram = RamCache.build(key, self.load_sizes_hw, self._load_for_cache, **wait)
+            self._ram = RamCache.build(key, self.load_sizes_hw, self._load_for_cache,
+                                       timeout_s=cache_timeout_s or DEFAULT_TIMEOUT_S)
         elif self.cache == "disk":
             check_disk_cache_fits(self.im_files, self.shapes_hw)
 
@@ -233,7 +242,7 @@ class DetectionDataset(Dataset):
             else:
                 raise DatasetError(f"{MAX_SUBSTITUTIONS} unreadable images in a row around "
                                    f"{self.im_files[pick.index]}: were the images moved or deleted?")
-            img, labels = render_geometry(plan, lambda i, r: decoded[(i, r)], self._labels_at_load_size)
+            img, labels = render_geometry(plan, lambda i, r: _decoded(decoded, i, r), self._labels_at_load_size)
             h0, w0 = self.shapes_hw[plan.index]
             lh, lw = self.load_sizes_hw[plan.index]
             samples.append(_Rendered(img, labels, plan.index, ((lh / h0, lw / w0), (0, 0)), plan.hsv))
@@ -241,7 +250,9 @@ class DetectionDataset(Dataset):
 
     def batch_shape(self, index: int) -> tuple[int, int]:
         """(h, w) of the rectangular batch of ``index`` (``rect`` only)."""
-        return tuple(int(v) for v in self.batch_shapes[self.batch_index[index]])  # type: ignore[return-value]
+        assert self.batch_shapes is not None and self.batch_index is not None, "rect=True only"
+        h, w = (int(v) for v in self.batch_shapes[self.batch_index[index]])
+        return h, w
 
     def _plan(self, pick: Pick, epoch: int, attempt: int, mosaic_on: bool,
               out_hw: tuple[int, int] | None) -> SamplePlan:
@@ -287,6 +298,7 @@ class DetectionDataset(Dataset):
         for r, (img, cls, bboxes) in zip(rendered, views):
             h, w = r.img.shape[:2]
             if channels_last:
+                assert r.hsv is not None  # a training sample carries its gains
                 apply_hsv(r.img, r.hsv, to_rgb=True, dst=img.permute(1, 2, 0).numpy())
             else:
                 bgr = r.img if r.hsv is None else apply_hsv(r.img, r.hsv)
@@ -294,8 +306,8 @@ class DetectionDataset(Dataset):
                 cv2.split(bgr, [planes[2], planes[1], planes[0]])
             cls.view(-1).numpy()[:] = r.labels.cls
             bboxes.numpy()[:] = r.labels.to_xywhn(w, h)
-            out.append({"img": img, "cls": cls, "bboxes": bboxes, "im_file": self.im_files[r.index],
-                        "ori_shape": self.shapes_hw[r.index], "ratio_pad": r.ratio_pad})
+            out.append({"img": img, "cls": cls, "bboxes": bboxes, "im_file": self.im_files[r.image_index],
+                        "ori_shape": self.shapes_hw[r.image_index], "ratio_pad": r.ratio_pad})
         return out
 
     # -- pixels ----------------------------------------------------------------------------------------------

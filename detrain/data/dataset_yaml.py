@@ -32,12 +32,12 @@ from detrain.errors import DatasetError
 from detrain.net import is_sha256
 
 __all__ = [
-    "DatasetInfo",
-    "load_dataset_yaml",
-    "datasets_dir",
-    "bundled_dataset_names",
-    "img2label_path",
     "IMG_FORMATS",
+    "DatasetInfo",
+    "bundled_dataset_names",
+    "datasets_dir",
+    "img2label_path",
+    "load_dataset_yaml",
 ]
 
 IMG_FORMATS = frozenset({"bmp", "dng", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp", "pfm"})

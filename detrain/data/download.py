@@ -36,6 +36,7 @@ import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import IO, Any
 
 from detrain import net
 from detrain.errors import DatasetError
@@ -276,7 +277,7 @@ def _fetch(url: str, part: Path, dest: Path, progress: bool, timeout_s: float, m
     return digest
 
 
-def _copy_with_progress(response, out, total: int | None, url: str, progress: bool,  # type: ignore[no-untyped-def]
+def _copy_with_progress(response: Any, out: IO[bytes], total: int | None, url: str, progress: bool,
                         max_bytes: int) -> tuple[int, str]:
     if not progress:
         return net.copy_body(response, out, max_bytes)

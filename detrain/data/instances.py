@@ -7,8 +7,8 @@ augmentation moves them with the same 3x3 matrix that moves the pixels (see ``af
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -59,8 +59,8 @@ class Labels:
 
     def scaled(self, gain_x: float, gain_y: float, pad_x: float = 0.0, pad_y: float = 0.0) -> Labels:
         """The same objects after the image was resized by the gains and shifted by the padding."""
-        b = self.boxes_xyxy * np.float32((gain_x, gain_y, gain_x, gain_y))
-        return Labels(self.cls, b + np.float32((pad_x, pad_y, pad_x, pad_y)))
+        b = self.boxes_xyxy * np.array((gain_x, gain_y, gain_x, gain_y), np.float32)
+        return Labels(self.cls, b + np.array((pad_x, pad_y, pad_x, pad_y), np.float32))
 
     def select(self, keep: np.ndarray) -> Labels:
         """The objects where ``keep`` (a bool mask or indices) holds."""

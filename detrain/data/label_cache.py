@@ -16,6 +16,7 @@ import os
 import stat
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -102,7 +103,7 @@ def write_cache(path: Path, digest: str, records: list[LabelRecord], report: Lab
         "messages": report.messages,
     }
     n = np.array([len(r.cls) for r in records], np.int64)
-    arrays = {
+    arrays: dict[str, Any] = {
         "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8),
         "shapes": np.array([r.shape_hw for r in records], np.int64).reshape(-1, 2),
         "n": n,

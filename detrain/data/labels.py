@@ -28,10 +28,10 @@ from detrain.errors import DatasetError
 __all__ = [
     "LabelRecord",
     "LabelReport",
-    "load_labels",
-    "img2label_path",
-    "default_cache_path",
     "dataset_hash",
+    "default_cache_path",
+    "img2label_path",
+    "load_labels",
     "wait_for_cache",
 ]
 

@@ -33,8 +33,8 @@ import multiprocessing
 import os
 import random
 import sys
+from collections.abc import Iterator, Sized
 from functools import partial
-from typing import Iterator, Sized
 
 import cv2
 import numpy as np
@@ -158,7 +158,8 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
         """(epoch, batch) of ``batch`` and the ``pool_window - 1`` batches before it on its lane, newest first;
         a lane goes on into the previous epoch at its last batch of the same residue (epoch 0 starts it)."""
         nb, lanes = math.ceil(len(self.order(epoch)) / self.pool_batch), self.pool_lanes
-        out, e, j = [], epoch, batch
+        out: list[tuple[int, int]] = []
+        e, j = epoch, batch
         while len(out) < self.pool_window:
             if j < 0:
                 e -= 1
@@ -227,9 +228,9 @@ def _worker_init(seed: int, rank: int, worker_id: int) -> None:
 def worker_start_method() -> str | None:
     """``fork`` on Linux, else the platform's default (macOS's system frameworks are not fork-safe).
 
-    The ranks that :func:`detrain.distributed.launch.launch` starts are spawned, and a spawned process inherits ``spawn`` as
-    its default start method; its loader workers would then each import torch again (about 300 MB of private
-    memory and seconds of start-up per worker) instead of sharing the rank's pages copy-on-write. The workers
+    The ranks that :func:`detrain.distributed.launch.launch` starts are spawned, and a spawned process inherits
+    ``spawn`` as its default start method; its loader workers would then each import torch again (about 300 MB of
+    private memory and seconds of start-up per worker) instead of sharing the rank's pages copy-on-write. The workers
     never touch CUDA (pinning happens in the rank's own thread), so forking a rank that holds a CUDA context is
     safe for them."""
     return "fork" if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods() else None

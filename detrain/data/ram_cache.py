@@ -32,8 +32,8 @@ import secrets
 import stat
 import time
 import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -161,7 +161,7 @@ class RamCache:
         return {"stem": self.stem, "shapes_hw": self.shapes_hw, "owner_pid": self.owner_pid}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["stem"], state["shapes_hw"], state["owner_pid"])
+        RamCache.__init__(self, state["stem"], state["shapes_hw"], state["owner_pid"])
 
     def _open(self) -> None:
         folder = private_dir.open_private(os.path.dirname(self.stem))
@@ -314,7 +314,7 @@ def _write(folder_fd: int, entry: owned_files.OwnedFile, layout: Layout, key: st
 
 
 def _pwrite_all(fd: int, data: bytes | np.ndarray, at: int) -> None:
-    view = memoryview(data).cast("B")
+    view = (data.data if isinstance(data, np.ndarray) else memoryview(data)).cast("B")
     while view:
         written = os.pwrite(fd, view, at)
         view, at = view[written:], at + written

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -179,8 +179,8 @@ def _stream_item(url: str, scheme: str) -> SourceItem:
 
 
 def _array_item(pixels: np.ndarray, index: int) -> SourceItem:
-    if pixels.dtype != np.uint8 or pixels.ndim not in (2, 3) or (pixels.ndim == 3 and pixels.shape[2] not in (1, 3, 4)) \
-            or not pixels.size:
+    bad_channels = pixels.ndim == 3 and pixels.shape[2] not in (1, 3, 4)
+    if pixels.dtype != np.uint8 or pixels.ndim not in (2, 3) or bad_channels or not pixels.size:
         raise ConfigError(f"image array {index}: expected uint8 (H, W, 3) BGR as cv2.imread gives, got "
                           f"{pixels.dtype} {tuple(pixels.shape)}")
     return SourceItem("array", f"image{index}", PurePosixPath(f"image{index}.jpg"), f"image{index}", pixels)

@@ -21,7 +21,7 @@ import numpy as np
 
 from detrain.errors import DatasetError
 
-__all__ = ["SHAPE_NAMES", "GENERATOR_VERSION", "DEFAULTS", "generate_shapes", "fingerprint"]
+__all__ = ["DEFAULTS", "GENERATOR_VERSION", "SHAPE_NAMES", "fingerprint", "generate_shapes"]
 
 SHAPE_NAMES: dict[int, str] = {0: "circle", 1: "rectangle", 2: "triangle"}
 # Bump when the drawing changes, so caches of an older set are regenerated rather than reused.

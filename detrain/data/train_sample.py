@@ -12,8 +12,8 @@ drawn before; it is applied after mixup and before HSV, as in Ultralytics.)
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 import cv2
 import numpy as np
@@ -139,7 +139,7 @@ def _plan_layer(index: int, rng: np.random.Generator, source: SampleSource, hyp:
     affine = (hyp["degrees"], hyp["translate"], hyp["scale"], hyp["shear"], hyp["perspective"])
     if use_mosaic:
         indices = [index, *draw_partners(rng, index, 3, len(source.load_sizes_wh), pool)]
-        sizes = [tuple(source.load_sizes_wh[i]) for i in indices]
+        sizes = [(w, h) for w, h in (source.load_sizes_wh[i] for i in indices)]
         origins = mosaic_origins(rng, sizes, imgsz)
         canvas = (2 * imgsz, 2 * imgsz)
         m, s = random_affine_matrix(rng, (imgsz, imgsz), out_wh, *affine)

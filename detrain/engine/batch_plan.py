@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from detrain.errors import ConfigError
 from detrain.distributed.launch_checks import parse_nnodes
+from detrain.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,13 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from detrain.distributed import dist
 from detrain.config import Cfg
 from detrain.data.dataset import DetectionDataset
 from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
 from detrain.data.download import DownloadLimits
 from detrain.data.labels import LabelRecord, load_labels
 from detrain.data.loader import build_dataloader
+from detrain.distributed import dist
 from detrain.engine.class_filter import ClassFilter
 from detrain.engine.ground_truth import explicit_json, json_labels, json_split_gt
 from detrain.errors import DatasetError
@@ -83,11 +83,11 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
         raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
     if cfg is not None and split == "train" and cfg.fraction < 1.0:
         records = records[: max(1, round(len(records) * cfg.fraction))]
-    data = SplitData(info=info, split=split, records=selection.records(records), ground_truth=ground_truth,
-                     class_filter=selection)
+    split_data = SplitData(info=info, split=split, records=selection.records(records), ground_truth=ground_truth,
+                           class_filter=selection)
     if ground_truth is not None and len(records) != len(ground_truth.images):  # a train fraction
-        data.ground_truth = None
-    return data
+        split_data.ground_truth = None
+    return split_data
 
 
 def hyp_of(cfg: Cfg) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from torch import nn
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The bare model inside DDP (or the model itself)."""
-    return model.module if hasattr(model, "module") else model
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 class ModelEMA:

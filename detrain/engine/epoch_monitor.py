@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from detrain.distributed import dist
+from detrain.distributed.world_layout import node_key
 from detrain.engine.gpu_usage import GpuUsage
 from detrain.engine.proc_usage import ProcessUsage
 from detrain.engine.step_clock import StepClock
-from detrain.distributed.world_layout import node_key
 
 T = TypeVar("T")
 

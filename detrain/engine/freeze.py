@@ -26,9 +26,12 @@ The EMA model copies frozen parameters instead of averaging them, so they stay b
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
 from detrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from detrain.nn.model import DetectionModel
 
 
 def frozen_indices(freeze: int | list[int] | None, n_layers: int) -> list[int]:
@@ -56,11 +59,11 @@ def frozen_indices(freeze: int | list[int] | None, n_layers: int) -> list[int]:
     return sorted(set(freeze))
 
 
-def freeze_layers(model: nn.Module, freeze: int | list[int] | None, verbose: bool = False) -> list[int]:
+def freeze_layers(model: DetectionModel, freeze: int | list[int] | None, verbose: bool = False) -> list[int]:
     """Set ``requires_grad=False`` on every parameter of the layers ``freeze`` names in ``model`` (a
     DetectionModel, layers in ``model.model``); returns their indices. Call before building the optimizer and
     DDP."""
-    layers = model.model  # type: ignore[union-attr]
+    layers = model.model
     indices = frozen_indices(freeze, len(layers))
     for i in indices:
         layers[i].requires_grad_(False)
@@ -114,7 +117,7 @@ def check_freeze(model: str, freeze: int | list[int] | None) -> None:
         frozen_indices(freeze, n_layers)
 
 
-def parameter_names(model: nn.Module, indices: list[int]) -> set[str]:
+def parameter_names(model: DetectionModel, indices: list[int]) -> set[str]:
     """State-dict names of the parameters of layers ``indices`` (what :class:`detrain.engine.ema.ModelEMA` keeps
     as they are).
 
@@ -122,5 +125,5 @@ def parameter_names(model: nn.Module, indices: list[int]) -> set[str]:
     >>> sorted(parameter_names(DetectionModel(nc=2), [0]))
     ['model.0.bn.bias', 'model.0.bn.weight', 'model.0.conv.weight']
     """
-    layers = model.model  # type: ignore[union-attr]
+    layers = model.model
     return {f"model.{i}.{name}" for i in indices for name, _ in layers[i].named_parameters()}

@@ -40,7 +40,7 @@ class GpuUsage:
     def _take(self) -> None:
         try:
             self.utils.append(float(torch.cuda.utilization(self.device)))
-        except Exception:  # no pynvml/amdsmi, or NVML not usable here: memory only, and stop asking
+        except Exception:  # noqa: BLE001 - no pynvml/amdsmi, or NVML not usable here: memory only, and stop asking
             self.util_ok = False
 
     def sample(self) -> tuple[int | None, float | None]:

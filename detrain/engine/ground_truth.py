@@ -24,6 +24,7 @@ disk, as ``[x_min, y_min, w, h]`` float64 with area, crowd flags and annotation 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -189,10 +190,10 @@ def json_split_gt(json_file: str, records: Sequence[Any], names: Mapping[int, st
     images, gts, categories = load_coco_annotations(json_file)
     category_ids = _category_ids(categories, names, json_file)
     index: dict[str, dict[str, Any]] = {}
-    for im in images:
-        key = _norm(str(im["file_name"]))
+    for image in images:
+        key = _norm(str(image["file_name"]))
         if key:
-            index.setdefault(key, im)
+            index.setdefault(key, image)
     depths = sorted({k.count("/") + 1 for k in index}, reverse=True)
     class_of = {int(c): k for k, c in enumerate(category_ids.tolist())}
     out: dict[str, ImageGT] = {}
@@ -238,10 +239,8 @@ def split_ground_truth(data: Any) -> SplitGT:
         gt = yolo_split_gt(records, names, is_full_coco(info, data.split))
         if selection is not None:
             gt.category_ids = selection.category_ids(gt.category_ids)
-    try:
+    with contextlib.suppress(AttributeError):  # a read-only stand-in: compute again next time
         data.ground_truth = gt
-    except AttributeError:  # a read-only stand-in: compute again next time
-        pass
     return gt
 
 

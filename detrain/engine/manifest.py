@@ -85,7 +85,7 @@ def versions() -> dict[str, Any]:
         try:
             v = torch.cuda.nccl.version()
             out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception:  # a build without NCCL
+        except Exception:  # noqa: BLE001 - a build without NCCL
             pass
     return out
 

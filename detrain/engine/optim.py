@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from detrain.config import Cfg
-
 
 NOMINAL_BATCH = 64  # images per update that lr0 and weight_decay are given for (nbs=auto)
 AUTO_LONG_RUN = 10_000  # optimizer=auto: above this many updates SGD, else AdamW
@@ -54,8 +53,8 @@ def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
     A number in ``nbs`` is kept. ``nbs=auto`` is 64 (YOLO's nominal batch), except for short runs from scratch
     that ``optimizer=auto`` trains with AdamW: there every batch updates. AdamW normalises the gradient's scale,
     so gathering 64 images only divides the number of updates, and a short run is short of updates (30 epochs
-    of 400 images at batch 16: about 190 updates instead of 750; measured in docs/learning.md). Fine-tuning from weights keeps 64:
-    there more updates on a small set wear away what the weights knew.
+    of 400 images at batch 16: about 190 updates instead of 750; measured in docs/learning.md). Fine-tuning from
+    weights keeps 64: there more updates on a small set wear away what the weights knew.
 
     >>> from detrain.config import make_cfg
     >>> images_per_update(make_cfg(), "AdamW", from_weights=False), images_per_update(make_cfg(), "AdamW", True)
@@ -108,7 +107,7 @@ def build_optimizer(model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, 
 _FUSED_DEVICES = ("cpu", "cuda")
 
 
-def kernel_options(params: list[torch.Tensor]) -> dict[str, bool]:
+def kernel_options(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     """Optimizer keyword for the fastest update kernel: ``fused=True`` when every parameter is a float tensor
     on one device type with fused SGD/Adam/AdamW kernels (CPU, CUDA), else ``{}`` (torch's default).
 

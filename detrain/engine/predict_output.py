@@ -38,7 +38,7 @@ class VideoSink:
         fd, self.tmp = temp_beside(path.with_name(path.stem), VIDEO_SUFFIX)
         os.close(fd)
         self.path, self.size_wh, self.frames = path, size_wh, 0
-        self.writer = cv2.VideoWriter(self.tmp, cv2.VideoWriter_fourcc(*VIDEO_FOURCC), fps, size_wh)
+        self.writer = cv2.VideoWriter(self.tmp, cv2.VideoWriter.fourcc(*VIDEO_FOURCC), fps, size_wh)
         if not self.writer.isOpened():
             os.unlink(self.tmp)
             raise DatasetError(f"cannot write video '{shown(str(path))}': OpenCV has no {VIDEO_FOURCC} writer here")

@@ -69,8 +69,9 @@ def prepare_model(model: nn.Module, device: torch.device, half: bool, copy_first
     ``copy_first`` leaves ``model`` itself untouched (``Model.net`` stays trainable and where it was)."""
     net = copy.deepcopy(model) if copy_first else model
     net = net.to(device).eval()
-    if hasattr(net, "fuse"):
-        net.fuse()
+    fuse = getattr(net, "fuse", None)  # DetectionModel folds its BatchNorms; any other module stays as it is
+    if callable(fuse):
+        fuse()
     if half:
         net.half()
     net.requires_grad_(False)

@@ -17,13 +17,16 @@ no ``pretrained`` file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from detrain.config import Cfg
 from detrain.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from detrain.nn.model import DetectionModel
 
 
 def starts_from_weights(cfg: Cfg) -> bool:
@@ -66,7 +69,7 @@ def transfer(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
     return sorted(matched)
 
 
-def start_weights(model: nn.Module, cfg: Cfg, verbose: bool = True) -> nn.Module:
+def start_weights(model: DetectionModel, cfg: Cfg, verbose: bool = True) -> DetectionModel:
     """The model training starts from, given ``cfg.pretrained`` (see the module's docstring): ``model`` as built
     by :func:`detrain.engine.build.build_model`, a fresh one of its architecture, or it with a file's tensors."""
     from detrain.engine.build import is_weights

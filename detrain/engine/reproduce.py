@@ -17,7 +17,9 @@ from detrain.errors import ConfigError
 
 def rng_state() -> dict[str, Any]:
     """Every random generator a run uses, so that resume continues exactly."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    legacy = np.random.get_state()
+    assert isinstance(legacy, tuple)  # the global generator is MT19937, whose state numpy gives as this tuple
+    name, keys, pos, has_gauss, gauss = legacy
     # numpy's key array as a tensor: checkpoints hold only what torch.load(weights_only=True) accepts
     state: dict[str, Any] = {"python": random.getstate(),
                              "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from detrain.distributed import dist
 from detrain.coco_json import CocoDetections, load_predictions
 from detrain.config import Cfg
+from detrain.distributed import dist
 from detrain.engine.ground_truth import split_ground_truth
 from detrain.engine.validator import Scorer, finish
 from detrain.log import console

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from detrain.distributed import dist
 from detrain.config import INT_LIMIT, Cfg
+from detrain.distributed import dist
 
 clock: Callable[[], float] = time.monotonic  # seconds; read once at the start and once per epoch (tests replace it)
 

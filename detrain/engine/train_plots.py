@@ -26,7 +26,7 @@ def plot_train_batch(batch: dict[str, Any], names: dict[int, str], path: Path) -
                       batch["cls"][keep].view(-1).long().numpy(), None))
     try:
         plot_images(imgs, boxes, names, path, batch["im_file"])
-    except Exception as e:  # a picture must never cost a run
+    except Exception as e:  # noqa: BLE001 - a picture must never cost a run
         console.print(f"{path.name} not written: {e}")
 
 
@@ -36,5 +36,5 @@ def plot_results(save_dir: Path) -> None:
         from detrain.plots_val import plot_results_csv
 
         plot_results_csv(save_dir / "results.csv")
-    except Exception as e:  # a plot must never cost a finished run
+    except Exception as e:  # noqa: BLE001 - a plot must never cost a finished run
         console.print(f"results.png not written: {e}")

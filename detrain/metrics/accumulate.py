@@ -42,7 +42,7 @@ def pool(stats: Sequence[ImageStats], nc: int) -> Pooled:
     """
     # Stable, so images without an id (-1) keep the order they were passed in. A distributed sampler pads
     # shards by repeating images; an id seen again is that padding and counts once.
-    ordered = []
+    ordered: list[ImageStats] = []
     for s in sorted(stats, key=lambda s: s.image_id):
         if s.image_id < 0 or not ordered or ordered[-1].image_id != s.image_id:
             ordered.append(s)

@@ -51,7 +51,7 @@ def smooth(values: np.ndarray, fraction: float = 0.05) -> np.ndarray:
     >>> smooth(np.array([0.0, 0.0, 3.0, 0.0, 0.0]), fraction=0.2).tolist()
     [0.0, 1.0, 1.0, 1.0, 0.0]
     """
-    half = int(round(len(values) * fraction))
+    half = round(len(values) * fraction)
     if half == 0 or len(values) == 0:
         return values.astype(np.float64)
     padded = np.concatenate((np.full(half, values[0]), values, np.full(half, values[-1])))

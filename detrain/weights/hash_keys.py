@@ -49,11 +49,12 @@ def check_key(value: Any) -> None:
         if -_MODULUS < number < _MODULUS:
             return
         raise Refused(f"a dict key or set item that is an integer of {number.bit_length()} bits")
-    if isinstance(value, (np.floating, np.bool_)) or isinstance(value, _BY_IDENTITY):
+    if isinstance(value, (np.floating, np.bool_, _BY_IDENTITY)):
         return
-    if kind.__hash__ is object.__hash__:  # our records and reconstructors: hashed by identity
+    kind_hash: object = kind.__hash__  # the function itself, compared by identity
+    if kind_hash is object.__hash__:  # our records and reconstructors: hashed by identity
         return
-    if isinstance(value, type) and type.__hash__ is kind.__hash__:  # a record class
+    if isinstance(value, type) and kind_hash is type.__hash__:  # a record class
         return
     raise Refused(f"a dict key or set item of type {kind.__name__} (text, numbers and records only)")
 

@@ -29,6 +29,7 @@ import os
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 from detrain import net
 from detrain.errors import CheckpointError
@@ -203,7 +204,7 @@ def _download(url: str, dest: Path, release: ReleaseFile, progress: bool) -> Non
         tmp.unlink(missing_ok=True)  # after a successful replace the temporary name is already gone
 
 
-def _copy(response, out, label: str, total: int | None, limit: int,  # type: ignore[no-untyped-def]
+def _copy(response: Any, out: IO[bytes], label: str, total: int | None, limit: int,
           progress: bool) -> tuple[int, str]:
     """The body into ``out`` (with a rich progress bar when asked for): (bytes, sha256)."""
     if not progress:

@@ -25,6 +25,9 @@ class InertObject:
 
     inert_module: str = ""
     inert_qualname: str = ""
+    inert_args: tuple[Any, ...]  # set in __new__, past any __setattr__ a subclass could have
+    inert_kwargs: dict[str, Any]
+    inert_state: Any
 
     # The pickled attributes stay inside inert_state, so nothing in a file can shadow a record's own names.
     def __new__(cls, *args: Any, **kwargs: Any) -> InertObject:

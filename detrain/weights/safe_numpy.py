@@ -25,7 +25,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -80,7 +80,9 @@ class PendingDtype:
         one_byte = self.dtype.itemsize == 1
         if not isinstance(byteorder, str) or byteorder not in (("|",) if one_byte else ("<", ">", "=")):
             raise Refused(f"numpy dtype byte order {shown(byteorder, 8)} for {self.dtype.str[1:]}")
-        return self.dtype if one_byte else self.dtype.newbyteorder(byteorder)
+        if one_byte:
+            return self.dtype
+        return self.dtype.newbyteorder(cast(Literal["<", ">", "="], byteorder))  # one of these, checked above
 
 
 class PendingArray:

@@ -35,9 +35,9 @@ import io
 import pickle
 import pickletools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -180,10 +180,21 @@ def _refuse_op(code: int) -> Callable[[Any], None]:
 class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode table can be changed
     """Unpickles a torch zip's data.pkl from an allow-list only, within :mod:`.limits`."""
 
-    dispatch: dict[int, Callable[[Any], None]] = {
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = {
         code: (pickle._Unpickler.dispatch[code] if _OP_NAMES.get(code) in _ALLOWED_OPS else _refuse_op(code))
         for code in range(256)
     }
+    # the pure-Python unpickler's own state that this class drives; typeshed describes only its public surface
+    memo: dict[int, Any]
+    stack: list[Any]
+    metastack: list[list[Any]]
+    append: Callable[[Any], None]
+    read: Callable[[int], bytes]
+    readline: Callable[[], bytes]
+    proto: int
+    _file_read: Callable[[int], bytes]
+    _file_readline: Callable[[], bytes]
+    pop_mark: Callable[[], list[Any]]
 
     def __init__(self, data: bytes, storages: StorageReader, inert_modules: tuple[str, ...] = ()) -> None:
         super().__init__(io.BytesIO(data), encoding="utf-8")
@@ -196,7 +207,8 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
     # ---- the opcode loop, counted ---------------------------------------------------------------
 
     def load(self) -> Any:
-        self._unframer = pickle._Unframer(self._file_read, self._file_readline)
+        # pickle's private framing reader and STOP signal are missing from typeshed
+        self._unframer = pickle._Unframer(self._file_read, self._file_readline)  # type: ignore[attr-defined]
         self.read = self._unframer.read
         self.readinto = self._unframer.readinto
         self.readline = self._unframer.readline
@@ -211,7 +223,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
                 if not key:
                     raise EOFError("the pickle ends without a STOP")
                 dispatch[key[0]](self)
-        except pickle._Stop as stop:
+        except pickle._Stop as stop:  # type: ignore[attr-defined]
             return stop.value
         raise Refused(f"its pickle runs more than {limits.MAX_PICKLE_OPS} opcodes")
 
@@ -427,7 +439,7 @@ def _one_line(e: BaseException) -> str:
     """An exception as one short line; never fails, whatever the file put into its message."""
     try:
         text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    except Exception:  # a message whose str() itself fails (a deep repr, a huge number)
+    except Exception:  # noqa: BLE001 - a message whose str() itself fails (a deep repr, a huge number)
         text = ""
     return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
 
@@ -461,5 +473,5 @@ def read_torch_zip(path: str | Path, inert_modules: Iterable[str] = ()) -> Any:
         raise
     except (MemoryError, RecursionError):
         raise  # the limits above exist so that these never happen: let them show, loudly
-    except Exception as e:  # any malformed pickle: one line, never a traceback into pickle internals
+    except Exception as e:  # noqa: BLE001 - any malformed pickle: one line, never a traceback into pickle internals
         raise CheckpointError(f"cannot read {path}: {_one_line(e)}") from None

@@ -28,7 +28,7 @@ from detrain.weights import limits
 from detrain.weights.limits import Refused, shown, size_text
 from detrain.weights.torch_zip import TorchZip
 
-__all__ = ["DTYPES", "STORAGE_TYPES", "Storage", "StorageReader", "StorageType", "TORCH_GLOBALS"]
+__all__ = ["DTYPES", "STORAGE_TYPES", "TORCH_GLOBALS", "Storage", "StorageReader", "StorageType"]
 
 STORAGE_TYPES: dict[str, torch.dtype] = {
     "DoubleStorage": torch.float64,

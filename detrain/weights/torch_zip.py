@@ -58,7 +58,7 @@ class TorchZip:
             self._zf = zipfile.ZipFile(path)
         except (MemoryError, RecursionError):
             raise
-        except Exception as e:  # BadZipFile, or whatever else a mangled directory makes zipfile raise
+        except Exception as e:  # noqa: BLE001 - BadZipFile, or whatever else a mangled directory makes zipfile raise
             raise CheckpointError(
                 f"cannot load weights file {path}: not a torch zip checkpoint (saved by torch >= 1.6): {e}"
             ) from None
@@ -181,7 +181,7 @@ class TorchZip:
                     f.read(1)  # reaching the end is what makes zipfile compare the CRC
         except (MemoryError, RecursionError):
             raise
-        except Exception as e:  # BadZipFile (CRC, local header), zlib.error: a broken record
+        except Exception as e:  # noqa: BLE001 - BadZipFile (CRC, local header), zlib.error: a broken record
             why = f"{type(e).__name__}: {str(e)[:200]}"
             raise Refused(f"zip record {_quoted(info.filename)} is damaged ({why})") from None
         if len(raw) != nbytes:

@@ -29,14 +29,14 @@ if TYPE_CHECKING:  # the model module is only needed by to_detrain_model
     from detrain.nn.model import DetectionModel
 
 __all__ = [
-    "InertObject",
     "ULTRALYTICS_MODULES",
+    "InertObject",
     "is_ultralytics_checkpoint",
     "is_ultralytics_record",
     "load_ultralytics_checkpoint",
     "read_torch_zip",
-    "to_detrain_model",
     "state_dict_of",
+    "to_detrain_model",
     "ultralytics_info",
 ]
 
@@ -77,7 +77,7 @@ def is_ultralytics_checkpoint(path: str | Path) -> bool:
                 return b"ultralytics" in f.read(_PEEK_BYTES)
     except (MemoryError, RecursionError):
         raise
-    except Exception:  # BadZipFile, OSError, zlib.error, NotImplementedError ...: not one we can peek into
+    except Exception:  # noqa: BLE001 - BadZipFile, OSError, zlib.error, NotImplementedError...: not one to peek into
         return False
 
 
@@ -257,7 +257,8 @@ def ultralytics_info(ckpt: Any, path: Path) -> dict[str, Any]:
     if not state_dict:
         raise CheckpointError(f"{path} holds a model without any weights")
 
-    yaml_cfg = attrs.get("yaml") if isinstance(attrs.get("yaml"), dict) else {}
+    raw_yaml = attrs.get("yaml")
+    yaml_cfg = raw_yaml if isinstance(raw_yaml, dict) else {}
     names = _class_names(attrs.get("names"), path)
     nc = _small_int(yaml_cfg.get("nc"), 1, _MAX_CLASSES) or _small_int(attrs.get("nc"), 1, _MAX_CLASSES) or len(names)
     if not names and nc:

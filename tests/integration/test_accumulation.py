@@ -7,13 +7,13 @@ tests/integration/test_train_e2e.py::test_resume_continues_exactly.
 
 from __future__ import annotations
 
+import _dist_workers as workers
 import pytest
 import torch
 from torch import nn
 
-import _dist_workers as workers
-from detrain.engine import accumulation
 from detrain.distributed.launch import launch, parse_device
+from detrain.engine import accumulation
 
 
 def _backward(net: nn.Module, x: torch.Tensor) -> None:

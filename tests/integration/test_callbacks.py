@@ -21,12 +21,12 @@ from pathlib import Path
 import _callback_hooks as hooks
 import pytest
 import torch
+from _processes import one_thread  # noqa: F401 (a fixture)
 
 from detrain import Model
 from detrain.callbacks import EVENTS, TrainEvent, unsendable_reason
 from detrain.data.synthetic import generate_shapes
 from detrain.errors import ConfigError
-from _processes import one_thread  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a 2-worker run that has not ended by then hangs
@@ -72,7 +72,7 @@ def test_events_fire_in_order_with_epochs_metrics_and_files(data: Path, tmp_path
     assert all(e.save_dir == run and e.epochs == 2 for e in events)
     assert all(e.last is None and not e.metrics for e in events[:3])  # a fresh run: nothing saved or measured yet
 
-    rows = list(csv.DictReader(open(run / "results.csv")))
+    rows = list(csv.DictReader((run / "results.csv").read_text().splitlines()))
     for epoch in (1, 2):
         start, end, saved, fit = events[3 + 4 * (epoch - 1): 7 + 4 * (epoch - 1)]
         assert not start.metrics
@@ -114,10 +114,10 @@ def test_a_raising_callback_stops_the_run_with_its_error_and_the_epoch_saved(dat
         assert "on_fit_epoch_end" in note and "boom" in note and f"resume={last}" in note, note
     # epoch 1 was complete and saved before the callback ran: resuming runs only epoch 2
     assert torch.load(last, weights_only=True)["epoch"] == 0
-    assert [r["epoch"] for r in csv.DictReader(open(run / "results.csv"))] == ["1"]
+    assert [r["epoch"] for r in csv.DictReader((run / "results.csv").read_text().splitlines())] == ["1"]
     Model("n.yaml").train(resume=str(last), device="cpu")
     assert torch.load(last, weights_only=True)["epoch"] == 1
-    assert [r["epoch"] for r in csv.DictReader(open(run / "results.csv"))] == ["1", "2"]
+    assert [r["epoch"] for r in csv.DictReader((run / "results.csv").read_text().splitlines())] == ["1", "2"]
 
 
 # ------------------------------------------------------------------ what add_callback and a spawning run accept

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _val_data import ColourModel, make_coco_json_dataset, make_dataset
 from torch import nn
 
-from _val_data import ColourModel, make_coco_json_dataset, make_dataset
 from detrain.checkpoint import save_checkpoint
 from detrain.config import make_cfg, parse_cli_args
 from detrain.engine.build import build_model
@@ -93,8 +93,8 @@ def test_single_cls_training_writes_a_one_class_checkpoint(dataset: Path, tmp_pa
     # validating it on the 3-class dataset needs single_cls=true too, and the error says so
     common = dict(data=str(dataset), imgsz=64, batch=4, device="cpu", workers=0, project=str(tmp_path / "val"),
                   verbose=False, plots=False)
-    with pytest.raises(ConfigError, match="predicts 1 classes but .* has 3; .*trained with single_cls=true: add "
-                                          "single_cls=true"):
+    with pytest.raises(ConfigError, match=r"predicts 1 classes but .* has 3; .*trained with single_cls=true: add "
+                                          r"single_cls=true"):
         Model(str(last)).val(**common)
     assert set(Model(str(last)).val(**common, single_cls=True)["per_class"]) <= {0}
     # what a checkpoint says only shapes the hint: a train_args that is not a mapping gets none and breaks nothing

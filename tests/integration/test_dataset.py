@@ -13,13 +13,13 @@ import cv2
 import numpy as np
 import pytest
 import torch
-
 from _cutmix_check import check_cutmix, grid_scene
-from detrain.data.instances import Labels
-from detrain.data.labels import LabelRecord as Rec
+
 from detrain.boxes import scale_boxes_to_original, xywh2xyxy
 from detrain.data import image_io, ram_cache
 from detrain.data.dataset import DetectionDataset, Pick, rect_batch_shapes
+from detrain.data.instances import Labels
+from detrain.data.labels import LabelRecord as Rec
 from detrain.data.ram_cache import RamCache
 from detrain.errors import DatasetError
 
@@ -333,7 +333,7 @@ def test_ram_cache_refuses_what_does_not_fit(tmp_path: Path, monkeypatch: pytest
 
 
 def test_ram_cache_wait_times_out_naming_what_it_waited_for(tmp_path: Path) -> None:
-    with pytest.raises(DatasetError, match="local rank 0 .*detrain-ram-nobody"):
+    with pytest.raises(DatasetError, match=r"local rank 0 .*detrain-ram-nobody"):
         RamCache.build("nobody", [(2, 2)], lambda i: None, local_rank=1, timeout_s=0.3, directory=str(tmp_path))
 
 

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
+import _dist_workers as workers
 import pytest
 import torch
 
-import _dist_workers as workers
 from detrain.distributed import dist, slurm
-from detrain.errors import DistributedError
 from detrain.distributed.launch import launch, parse_device
+from detrain.errors import DistributedError
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

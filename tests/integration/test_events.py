@@ -14,19 +14,20 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
+from _processes import one_thread  # noqa: F401 (a fixture)
 
 from detrain import Model
 from detrain.data.synthetic import generate_shapes
+from detrain.distributed.world_layout import membership_change
 from detrain.engine import events as events_mod
 from detrain.engine.events import EventLog
 from detrain.engine.manifest import dataset_fingerprint, git_commit, read_manifest, split_fingerprint, write_start
 from detrain.engine.run_trace import RunTrace, ended
 from detrain.engine.trainer import Trainer
-from detrain.distributed.world_layout import membership_change
-from _processes import one_thread  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(epochs=2, imgsz=64, batch=8, device="cpu", workers=0, close_mosaic=0, plots=False, verbose=False,
@@ -300,9 +301,9 @@ def test_git_commit_only_for_detrains_own_checkout(tmp_path: Path) -> None:
 def test_split_fingerprint_covers_train_val_and_a_coco_json(tmp_path: Path) -> None:
     class Info:
         yaml_file, root = tmp_path / "d.yaml", tmp_path
-        train = [str(tmp_path / "images" / "t.jpg")]
-        val = [str(tmp_path / "images" / "v.jpg")]
-        coco_json = {"val": str(tmp_path / "instances_val.json")}
+        train: ClassVar[list[str]] = [str(tmp_path / "images" / "t.jpg")]
+        val: ClassVar[list[str]] = [str(tmp_path / "images" / "v.jpg")]
+        coco_json: ClassVar[dict[str, str]] = {"val": str(tmp_path / "instances_val.json")}
 
     class Split:
         def __init__(self, split: str) -> None:

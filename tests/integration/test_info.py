@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from detrain import Model
 from detrain.checkpoint import model_meta, save_checkpoint

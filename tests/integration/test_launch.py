@@ -16,14 +16,21 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import _dist_workers as workers
 import pytest
 import torch
 
-import _dist_workers as workers
 from detrain.data.synthetic import generate_shapes
+from detrain.distributed.launch import (
+    DevicePlan,
+    check_batch,
+    in_launcher_env,
+    launch,
+    parse_device,
+    parse_nnodes,
+    rendezvous_address,
+)
 from detrain.errors import DistributedError
-from detrain.distributed.launch import (DevicePlan, check_batch, in_launcher_env, launch, parse_device, parse_nnodes,
-                                        rendezvous_address)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).resolve().parents[1] / "_dist_workers.py")
@@ -117,7 +124,7 @@ def test_device_for_each_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_check_batch_and_nnodes() -> None:
     assert check_batch(16, 2) == 8
-    with pytest.raises(DistributedError, match="multiple of 4, e.g. 12"):
+    with pytest.raises(DistributedError, match=r"multiple of 4, e\.g\. 12"):
         check_batch(10, 4)
     with pytest.raises(DistributedError):
         check_batch(1, 2)

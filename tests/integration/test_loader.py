@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from detrain.data.labels import LabelRecord as Rec
 from detrain.data.dataset import DetectionDataset
+from detrain.data.labels import LabelRecord as Rec
 from detrain.data.loader import GlobalBatchSampler, ShardSampler, build_dataloader
 
 BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 60, 60), (60, 20, 60)]
@@ -40,7 +40,7 @@ def indices(batches) -> list[list[int]]:
     return [[p.index if hasattr(p, "index") else int(p) for p in b] for b in batches]
 
 
-@pytest.mark.parametrize("n, drop_last", [(64, False), (50, False), (50, True), (5, False)])
+@pytest.mark.parametrize(("n", "drop_last"), [(64, False), (50, False), (50, True), (5, False)])
 def test_one_rank_of_16_equals_two_ranks_of_8(n: int, drop_last: bool) -> None:
     for epoch in (0, 3):
         one = GlobalBatchSampler(n, 16, seed=5, drop_last=drop_last)
@@ -120,7 +120,7 @@ def test_decode_cache_holds_only_what_a_pool_can_still_draw(records: list[Rec]) 
                     picks = [p._replace(lane=-1) for p in picks]
                 ds.__getitems__(picks)
                 latest.update({p.lane: set(p.pool) for p in picks})
-                held = {k[0] for k in ds._decode_cache.keys()}
+                held = {k[0] for k in ds._decode_cache.keys()}  # noqa: SIM118 - DecodeCache has keys() but no __iter__
                 if retire:
                     assert held <= set().union(*latest.values())
                 peak = max(peak, len(held))
@@ -210,8 +210,8 @@ def test_close_mosaic_reaches_persistent_workers(records: list[Rec]) -> None:
 
 def test_val_loader_shards_rect_batches(records: list[Rec]) -> None:
     ds = DetectionDataset(records, imgsz=64, augment=False, hyp={}, rect=True, batch_size=4)
-    single = [b for b in build_dataloader(ds, 4, shuffle=False, workers=0)]
-    shards = [[b for b in build_dataloader(ds, 4, shuffle=False, workers=0, rank=r, world_size=3)] for r in range(3)]
+    single = list(build_dataloader(ds, 4, shuffle=False, workers=0))
+    shards = [list(build_dataloader(ds, 4, shuffle=False, workers=0, rank=r, world_size=3)) for r in range(3)]
     merged = [b for s in shards for b in s]
     assert [b["img"].shape for b in merged] == [b["img"].shape for b in single]
     assert [f for b in merged for f in b["im_file"]] == [f for b in single for f in b["im_file"]]

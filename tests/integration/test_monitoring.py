@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import one_thread, run_together  # noqa: F401 (a fixture)
 from torch import nn
 
 from detrain.config import make_cfg
 from detrain.data.synthetic import generate_shapes
+from detrain.distributed.world_layout import number_nodes
 from detrain.engine import epoch_stats
 from detrain.engine.proc_usage import ProcessUsage, child_pids, cpu_ticks, rss_bytes
 from detrain.engine.step_clock import StepClock
-from detrain.distributed.world_layout import number_nodes
-from _processes import one_thread, run_together  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).resolve().parents[1] / "_observe_workers.py"
@@ -246,7 +246,7 @@ class _Sleepy(nn.Module):
 
 
 def _slow_batches(n: int, sleep_s: float):
-    for i in range(n):
+    for _ in range(n):
         time.sleep(sleep_s)
         yield torch.zeros(1)
 

@@ -17,17 +17,17 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _dist_workers as workers
 import pytest
 import torch.distributed as tdist
-
-import _dist_workers as workers
 from _sockets import listening
-from detrain.distributed import dist, netif, run_identity
+
 from detrain.config import make_cfg
 from detrain.data.synthetic import generate_shapes
-from detrain.errors import ConfigError, DistributedError
+from detrain.distributed import dist, netif, run_identity
 from detrain.distributed.launch import launch, parse_device
 from detrain.distributed.master_store import host_store
+from detrain.errors import ConfigError, DistributedError
 
 ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"

@@ -26,13 +26,13 @@ from typing import Any
 
 import pytest
 import torch
-
 from _ultralytics import offline_ultralytics
+
 from detrain.config import make_cfg
 from detrain.engine import optim
+from detrain.engine import trainer as trainer_module
 from detrain.engine.build import build_model
 from detrain.engine.ema import ModelEMA
-from detrain.engine import trainer as trainer_module
 from detrain.engine.trainer import Trainer
 
 COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
@@ -90,7 +90,7 @@ def _groups_by_role(opt, model, roles) -> dict[str, dict[str, Any]]:
     return out
 
 
-@pytest.mark.parametrize("name,iterations", [("auto", 300), ("SGD", 300), ("AdamW", 300), ("Adam", 300)])
+@pytest.mark.parametrize(("name", "iterations"), [("auto", 300), ("SGD", 300), ("AdamW", 300), ("Adam", 300)])
 def test_parameter_groups_match(ul, name, iterations):
     cfg = make_cfg({"optimizer": name})
     weight_decay = 0.0005 * 48 / 64  # as a caller scales it for batch 16, accumulate 3, nbs 64
@@ -127,7 +127,7 @@ def test_auto_long_run_picks_the_same_optimizer(ul):
     assert type(dopt).__name__ == type(uopt).__name__
 
 
-@pytest.mark.parametrize("warmup_epochs,epochs,nb", [(3.0, 100, 500), (3.0, 100, 4), (3.0, 3, 10), (3.0, 1, 10),
+@pytest.mark.parametrize(("warmup_epochs", "epochs", "nb"), [(3.0, 100, 500), (3.0, 100, 4), (3.0, 3, 10), (3.0, 1, 10),
                                                      (0.5, 10, 5), (1.5, 10, 7), (0.0, 10, 5), (10.0, 4, 3)])
 def test_warmup_iterations_match(ul, warmup_epochs, epochs, nb):
     stand_in = SimpleNamespace(args=SimpleNamespace(warmup_epochs=warmup_epochs), epochs=epochs)

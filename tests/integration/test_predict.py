@@ -16,6 +16,7 @@ import sys
 import threading
 import types
 from pathlib import Path
+from typing import ClassVar
 
 import cv2
 import numpy as np
@@ -41,7 +42,7 @@ class SquareFinder(nn.Module):
     """Class k = the pixels of pure colour k (RGB input); its box = their bounding box, score 0.9 - 0.1 k (times
     ``gain``). Output as a YOLO head's in eval mode: (B, 4 + 3, 3 anchors) of xywh and class scores."""
 
-    names = {0: "red", 1: "green", 2: "blue"}
+    names: ClassVar[dict[int, str]] = {0: "red", 1: "green", 2: "blue"}
 
     def __init__(self) -> None:
         super().__init__()

@@ -14,8 +14,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -89,7 +89,7 @@ def test_symlink_planted_at_the_file_path_is_not_followed(tmp_path: Path) -> Non
     victim = tmp_path / "victim"
     victim.write_bytes(b"precious")
     (mine(tmp_path) / file_name("k")).symlink_to(victim)
-    with pytest.raises(DatasetError, match="refused: .*(symbolic link|Too many levels)"):
+    with pytest.raises(DatasetError, match=r"refused: .*(symbolic link|Too many levels)"):
         wait(tmp_path)  # a reader does not open it
     cache = build(tmp_path)  # the writer replaces the name, not the file it points to
     assert victim.read_bytes() == b"precious"
@@ -216,7 +216,7 @@ def test_handlers_chain_in_process_and_are_put_back(tmp_path: Path) -> None:
         gc.collect()
         assert not Path(path).exists() and signal.getsignal(signal.SIGTERM) is handler
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        cache = build(tmp_path)  # an ignored signal stays ignored
+        _alive = build(tmp_path)  # an ignored signal stays ignored (while a cache is alive)
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -229,7 +229,7 @@ def test_sigkill_leaves_files_that_the_next_build_reclaims(tmp_path: Path) -> No
         assert child.wait(60) == -signal.SIGKILL
     left = files(tmp_path)
     assert file_name("done") in left and any(f.startswith("detrain-ram-half.") for f in left) and len(left) == 2
-    with pytest.raises(DatasetError, match="refused: it was left by process .* which has ended"):
+    with pytest.raises(DatasetError, match=r"refused: it was left by process .* which has ended"):
         RamCache.build("done", [(1, 1)] * 3, lambda i: None, local_rank=1, timeout_s=0, directory=str(tmp_path))
     cache = build(tmp_path, "next")
     assert files(tmp_path) == [file_name("next")] and same_pixels(cache)

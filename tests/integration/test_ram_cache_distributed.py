@@ -9,10 +9,10 @@ import glob
 import os
 from pathlib import Path
 
+import _dist_workers as workers
 import pytest
 import torch
 
-import _dist_workers as workers
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.launch import launch, parse_device
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import child_env, free_port
 
 from detrain.checkpoint import save_checkpoint
 from detrain.config import make_cfg
@@ -28,7 +29,6 @@ from detrain.engine import resume_state
 from detrain.engine.resume_state import Launch
 from detrain.errors import CheckpointError, ConfigError
 from detrain.preflight import check_inputs
-from _processes import child_env, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-40 s on an idle 2-core machine)
@@ -185,7 +185,7 @@ def test_a_restart_after_an_explicit_resume_continues_from_what_it_wrote(tmp_pat
     assert start.ckpt is not None and start.ckpt["epoch"] == 3
 
 
-@pytest.mark.parametrize("field, value", [("next_batch", 10**9), ("next_batch", 0), ("next_batch", "2"),
+@pytest.mark.parametrize(("field", "value"), [("next_batch", 10**9), ("next_batch", 0), ("next_batch", "2"),
                                           ("step_images", -4), ("mean_items", torch.ones(2)),
                                           ("mean_items", torch.tensor([1.0, float("nan"), 0.0]))])
 def test_a_malformed_mid_epoch_position_is_one_line_naming_the_file(tmp_path: Path, field, value) -> None:
@@ -250,7 +250,7 @@ def test_only_the_node_that_hosts_rank_0_needs_the_resume_file(tmp_path: Path, m
     check_inputs("train", make_cfg({"resume": missing}))
 
 
-@pytest.mark.parametrize("value, message", [("-1", "a value from 0.0 to 10080.0"), ("nan", "a finite number"),
+@pytest.mark.parametrize(("value", "message"), [("-1", "a value from 0.0 to 10080.0"), ("nan", "a finite number"),
                                             ("1e9", "a value from 0.0 to 10080.0"), ("soon", "a number"),
                                             ("5", "0 with save=false")])
 def test_a_bad_save_interval_is_one_line(value, message) -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import child_env, free_port, run_together
 
 from detrain.data.synthetic import generate_shapes
-from _processes import child_env, free_port, run_together
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-30 s on an idle 2-core machine)
@@ -118,7 +118,8 @@ def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data
         for name, a in one[key].items():
             b = two[key][name]
             if a.is_floating_point():
-                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=lambda m: f"{key} {name}: {m}")
+                where = f"{key} {name}"
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
             else:
                 assert torch.equal(a, b), (key, name)
     rows_one, rows_two = _rows(one_run), _rows(dist_run)

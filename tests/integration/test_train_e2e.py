@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _processes import one_thread  # noqa: F401 (a fixture)
 
 from detrain import Model
 from detrain.data.synthetic import generate_shapes
-from _processes import one_thread  # noqa: F401 (a fixture)
 
 
 def _fit_yaml(tmp: Path, n: int, imgsz: int) -> Path:
@@ -58,7 +58,7 @@ def _tiny_args(data: Path, project: Path, epochs: int) -> dict:
 
 # Updates are counted over the run (2 batches an epoch here): of 2 batches they end with each epoch; of 3 (nbs 24),
 # or of 2 behind a warmup's single-batch first update, batch 3's gradients wait in epoch 2's checkpoint.
-@pytest.mark.parametrize("nbs, warmup, last_update", [(16, 0, 3), (24, 0, 2), (16, 1, 2)])
+@pytest.mark.parametrize(("nbs", "warmup", "last_update"), [(16, 0, 3), (24, 0, 2), (16, 1, 2)])
 def test_resume_continues_exactly(tmp_path, nbs, warmup, last_update):
     import shutil
 

@@ -11,18 +11,18 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import _keys_workers as workers
 import pytest
 import torch
 
-import _keys_workers as workers
 from detrain import Model
 from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
 from detrain.config import make_cfg
 from detrain.data.dataset import DetectionDataset
 from detrain.data.synthetic import generate_shapes
+from detrain.distributed.launch import launch, parse_device
 from detrain.engine import freeze, pretrained, time_budget
 from detrain.errors import CheckpointError, ConfigError
-from detrain.distributed.launch import launch, parse_device
 from detrain.nn.model import DetectionModel
 
 NAMES = {0: "circle", 1: "rectangle", 2: "triangle"}
@@ -323,7 +323,7 @@ def test_training_starts_from_the_pretrained_file(data: Path, start: Path, tmp_p
 
 
 def test_a_missing_or_folder_pretrained_file_is_one_line(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="pretrained weights file not found: .*nope.pt"):
+    with pytest.raises(CheckpointError, match=r"pretrained weights file not found: .*nope\.pt"):
         pretrained.check_pretrained(str(tmp_path / "nope.pt"))
     (tmp_path / "dir.pt").mkdir()
     with pytest.raises(CheckpointError, match="is a folder"):

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from _val_data import NAMES, make_dataset
+
 from detrain.checkpoint import model_meta, save_checkpoint
 from detrain.config import make_cfg
 from detrain.metrics import SUMMARY_KEYS

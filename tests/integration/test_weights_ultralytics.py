@@ -40,7 +40,7 @@ IMAGE = SHARED / "data" / "coco8" / "images" / "val" / "000000000036.jpg"
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture()
+@pytest.fixture
 def fake_ultralytics(monkeypatch: pytest.MonkeyPatch) -> dict[str, types.ModuleType]:
     """Register empty ``ultralytics.*`` modules so pickle can name classes placed in them (undone after)."""
     mods: dict[str, types.ModuleType] = {}
@@ -310,7 +310,7 @@ def _synthetic_checkpoint(tmp_path: Path, mods: dict, *, with_scale: bool, ema: 
     return path, ours
 
 
-@pytest.mark.parametrize("with_scale,ema", [(True, False), (False, True)])
+@pytest.mark.parametrize(("with_scale", "ema"), [(True, False), (False, True)])
 def test_synthetic_checkpoint_round_trip(tmp_path: Path, fake_ultralytics: dict, with_scale: bool, ema: bool) -> None:
     path, ours = _synthetic_checkpoint(tmp_path, fake_ultralytics, with_scale=with_scale, ema=ema)
     assert is_ultralytics_checkpoint(path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import cv2
 import numpy as np
 import pytest
-
 from _cutmix_check import check_cutmix, grid_scene
+
 from detrain.data.affine import _warp_general, box_candidates, flip_matrix, scaling, translation, warp_into
 from detrain.data.augment import apply_hsv, flip, letterbox, mixup, random_affine, random_flip, random_hsv
 from detrain.data.cutmix import cutmix
@@ -63,7 +63,7 @@ def assert_boxes_on_objects(img: np.ndarray, labels: Labels, min_iou: float = 0.
 SCENE_BOXES = [(20, 30, 90, 100), (130, 40, 200, 90), (60, 120, 150, 180)]
 
 
-@pytest.mark.parametrize("kw, min_iou", [
+@pytest.mark.parametrize(("kw", "min_iou"), [
     ({}, 0.85),  # the defaults: scale 0.5, translate 0.1 (the fast, axis-aligned path)
     ({"degrees": 30.0, "scale": 0.3}, 0.6),
     ({"shear": 10.0, "translate": 0.05}, 0.7),
@@ -86,7 +86,7 @@ def test_random_affine_out_size_and_empty_labels() -> None:
     assert out.shape == (64, 96, 3) and len(lab) == 0
 
 
-@pytest.mark.parametrize("lr, ud", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(("lr", "ud"), [(True, False), (False, True), (True, True)])
 def test_flip_keeps_boxes_on_objects(lr: bool, ud: bool) -> None:
     img, labels = scene(200, 240, SCENE_BOXES)
     out, lab = flip(img, labels, lr, ud)

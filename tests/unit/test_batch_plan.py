@@ -22,7 +22,7 @@ def test_the_planned_world_splits_the_batch_and_accumulates_to_nbs(batch: int, w
     assert plan.update_images == plan.step_images * plan.accumulate
 
 
-@pytest.mark.parametrize("world, expected", [
+@pytest.mark.parametrize(("world", "expected"), [
     (4, BatchPlan(16, 64, 1, 64, 4)),
     (2, BatchPlan(16, 32, 2, 64, 4)),  # half the ranks: twice the steps, the same 64 images per update
     (1, BatchPlan(16, 16, 4, 64, 4)),
@@ -66,4 +66,4 @@ def _steps(local: int, world: int, epoch: int, n: int) -> list[list[tuple[int, t
         sampler = GlobalBatchSampler(n, local, rank=rank, world_size=world, seed=0, shuffle=True, planned_world=4)
         sampler.set_epoch(epoch)
         per_rank.append([[(p.index, p.pool) for p in step] for step in sampler])
-    return [sum((per_rank[r][s] for r in range(world)), []) for s in range(len(per_rank[0]))]
+    return [[pick for r in range(world) for pick in per_rank[r][s]] for s in range(len(per_rank[0]))]

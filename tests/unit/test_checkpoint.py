@@ -43,7 +43,7 @@ def test_a_failed_save_keeps_the_old_file_and_leaves_no_temporary(tmp_path, monk
 
 
 def test_missing_and_foreign_files_are_clear_errors(tmp_path):
-    with pytest.raises(CheckpointError, match="weights file not found: .*nope.pt"):
+    with pytest.raises(CheckpointError, match=r"weights file not found: .*nope\.pt"):
         load_checkpoint(tmp_path / "nope.pt")
     torch.save({"some": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="not a detrain checkpoint"):

@@ -45,7 +45,7 @@ def test_every_readme_command_line_uses_keys_of_its_command(command: str, args: 
     for arg in args:
         key, value = arg.split("=", 1)
         assert key in COMMAND_KEYS[command], f"README: detrain {command} {arg}: no key {key!r} for {command}"
-        if "..." in value or "<" in value or value.startswith("/") or value.startswith("path"):
+        if "..." in value or "<" in value or value.startswith(("/", "path")):
             continue  # a placeholder
         try:
             make_cfg({key: value})
@@ -67,7 +67,8 @@ def test_readme_keys_table_shows_the_defaults() -> None:
             for k, v in zip(names, values):
                 want = truth[k]
                 assert v == ("null" if want is None else str(want).lower() if isinstance(want, bool) else
-                             ("''" if want == "" else str(want))) or v == str(want), f"README says {k}={v}, default {want}"
+                             ("''" if want == "" else str(want))) or v == str(want), \
+                    f"README says {k}={v}, default {want}"
 
 
 def test_every_key_has_its_comment_and_is_in_some_help() -> None:

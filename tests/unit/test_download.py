@@ -10,7 +10,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from _http_server import served  # noqa: F401 (a fixture)
 
 from detrain.data.dataset_yaml import load_dataset_yaml

@@ -13,7 +13,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from _http_server import served  # noqa: F401 (a fixture)
 
 from detrain import net
@@ -150,7 +149,7 @@ def test_download_dir_through_a_symlink_is_refused(served, tmp_path):
 def test_bundled_yaml_path_leaving_the_datasets_folder_is_refused(served, tmp_path, monkeypatch):
     from detrain.data import dataset_yaml
 
-    server, www = served
+    server, _ = served
     bundled = tmp_path / "bundled"
     bundled.mkdir()
     (bundled / "evil.yaml").write_text(f"path: ../../somewhere\n{HEADER}download: {server.url('evil.zip')}\n")
@@ -365,6 +364,7 @@ def test_the_cfg_caps_reach_the_download(served, tmp_path):
     _zip(www / "toy.zip", {**TOY, "toy/pad.bin": bytes(4000)})
     (tmp_path / "data.yaml").write_text(f"path: toy\n{HEADER}download: {server.url('toy.zip')}\n")
     cfg = make_cfg({"data": str(tmp_path / "data.yaml"), "download_max_unpacked_gb": 1e-6})
-    with pytest.raises(DatasetError, match=r"unpack to at least 40\d\d bytes, over download_max_unpacked_gb \(1e-06 GB"):
+    with pytest.raises(DatasetError,
+                       match=r"unpack to at least 40\d\d bytes, over download_max_unpacked_gb \(1e-06 GB"):
         load_split(cfg.data, "train", cfg, verbose=False)
     assert not (tmp_path / "toy").exists()

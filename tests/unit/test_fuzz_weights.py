@@ -58,7 +58,7 @@ def _sleep() -> str:
 
 
 @pytest.mark.parametrize(
-    "target, kind, detail",
+    ("target", "kind", "detail"),
     [
         (lambda: "fine", "ok", "fine"),
         (lambda: int("x"), "refused", "ValueError: invalid literal"),

@@ -16,7 +16,7 @@ def test_results_csv_keeps_each_epoch_once_across_a_resume(tmp_path):
     log = ResultsCSV(path, keep_epochs_upto=2)
     log.add({"epoch": 3, "train/box_loss": 0.3, "metrics/mAP50": 0.5})
     log.add({"epoch": 4, "train/box_loss": 0.25, "metrics/mAP50": 0.6})
-    rows = list(csv.DictReader(open(path)))
+    rows = list(csv.DictReader(path.read_text().splitlines()))
     assert [int(r["epoch"]) for r in rows] == [1, 2, 3, 4]
     assert rows[2]["train/box_loss"] == "0.3" and rows[3]["metrics/mAP50"] == "0.6"
 

@@ -133,7 +133,7 @@ def test_half_precision_maps_are_scored_in_float32() -> None:
     gen = torch.Generator().manual_seed(0)
     maps = [torch.randn(1, CHANNELS, 8, 8, generator=gen).bfloat16().requires_grad_(),
             torch.randn(1, CHANNELS, 4, 4, generator=gen).bfloat16().requires_grad_()]
-    loss, items = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)(maps, *random_labels(gen, [2]))
+    loss, _ = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)(maps, *random_labels(gen, [2]))
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     loss.backward()
     assert maps[0].grad.dtype == torch.bfloat16
@@ -211,8 +211,8 @@ def dense_reference_loss(maps: list[torch.Tensor], batch_idx, cls, bboxes_xywhn,
                       anchors, xywh=False)
     size = maps[0].shape[2] * strides[0]
     gt_cls, gt_boxes, mask = pad_targets(batch_idx, cls.to(pred), xywh2xyxy(bboxes_xywhn.to(pred) * size), b)
-    target = TaskAlignedAssigner(10, NC, min_side=strides[1])(logits.detach().sigmoid(), boxes.detach() * stride, anchors * stride,
-                                         gt_cls, gt_boxes, mask)
+    target = TaskAlignedAssigner(10, NC, min_side=strides[1])(logits.detach().sigmoid(), boxes.detach() * stride,
+                                                              anchors * stride, gt_cls, gt_boxes, mask)
     norm = target.scores.sum().clamp(min=1)
     loss_cls = nn.functional.binary_cross_entropy_with_logits(logits, target.scores, reduction="sum")
     fg = target.fg_mask

@@ -17,7 +17,7 @@ from detrain.metrics import (
 )
 
 pytest.importorskip("pycocotools")
-from _coco_random import random_coco, reference  # noqa: E402
+from _coco_random import random_coco, reference
 
 
 def ours(gt: dict, results: list, xyxy: bool = False, shuffle_images: int | None = None) -> list[ImageStats]:

@@ -100,7 +100,7 @@ def test_empty_inputs() -> None:
     assert len(nothing) == 3 and all(d.shape == (0, 6) for d in nothing)
     preds = _random_preds(1, 2, 10, seed=5)
     assert non_max_suppression(preds, 0.0, 0.5, classes=[7])[0].shape == (0, 6)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"preds must be \(B, 4 \+ nc, N\), got \(4, 10\)"):
         non_max_suppression(torch.zeros(4, 10))
 
 

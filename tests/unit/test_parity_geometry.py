@@ -23,8 +23,8 @@ from typing import Any
 import cv2
 import numpy as np
 import pytest
-
 from _ultralytics import offline_ultralytics
+
 from detrain.data.affine import random_affine_matrix
 from detrain.data.compose import Tile, render
 from detrain.data.image_io import read_image, resize_long_side
@@ -68,9 +68,9 @@ class Replay:
 
 
 def _dataset(ul, root: Path, imgsz: int):
-    args = SimpleNamespace(**{k: 0.0 for k in ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear",
-                                               "perspective", "flipud", "fliplr", "mixup", "cutmix",
-                                               "copy_paste")},
+    off = ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear", "perspective", "flipud", "fliplr",
+           "mixup", "cutmix", "copy_paste")
+    args = SimpleNamespace(**dict.fromkeys(off, 0.0),
                            mosaic=1.0, copy_paste_mode="flip", mask_ratio=4, overlap_mask=True, bgr=0.0,
                            fraction=1.0, cache=False, single_cls=False, classes=None, imgsz=imgsz, task="detect")
     data = {"names": {i: str(i) for i in range(80)}, "nc": 80, "channels": 3}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from detrain.metrics import ConfusionMatrix, coco_summary, match_image
-from detrain.plots_val import plot_confidence_curve, plot_confusion_matrix, plot_all, plot_results_csv
+from detrain.plots_val import plot_all, plot_confidence_curve, plot_confusion_matrix, plot_results_csv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -17,7 +17,7 @@ def is_png(path: Path) -> bool:
     return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 1000
 
 
-def some_metrics():  # noqa: ANN201
+def some_metrics():
     rng = np.random.default_rng(0)
     stats = []
     for i in range(4):

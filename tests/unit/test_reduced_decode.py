@@ -155,7 +155,7 @@ def test_jpeg_header_reader_survives_hostile_bytes(tmp_path):
     seed = body[:2] + b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload + body[2:]
     assert jpeg_header(np.frombuffer(seed, np.uint8)) == (53, 37, 6)
     rng = np.random.default_rng(0)
-    cases = [seed[:k] for k in range(0, 64)]
+    cases = [seed[:k] for k in range(64)]
     for _ in range(300):
         b = bytearray(seed)
         for pos in rng.integers(0, 80, size=int(rng.integers(1, 6))):

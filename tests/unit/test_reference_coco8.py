@@ -141,7 +141,7 @@ def coco8_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
 
 
 def test_coco8_detections_match_reference(coco8_run: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
-    metrics, rows = coco8_run
+    _, rows = coco8_run
     reference = json.loads((REFERENCE / CASES["coco8"][1]).read_text())
     checked, problems = _unmatched(reference, rows)
     assert checked == 10  # the reference holds 10 detections scoring >= 0.25 on coco8 val

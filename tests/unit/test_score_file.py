@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from _val_data import make_dataset
+
 from detrain.config import make_cfg
 from detrain.engine.data import load_split
 from detrain.engine.ground_truth import split_ground_truth

@@ -50,7 +50,7 @@ def test_labels_are_valid_and_boxes_fit_the_drawn_shapes(tmp_path):
     records, report = load_labels(imgs, nc=3, cache=False, progress=False)
     assert report.corrupt == 0 and report.found == 24 and report.messages == []
     counts = [len(r.cls) for r in records]
-    assert 1 <= min(counts) and max(counts) <= 6
+    assert min(counts) >= 1 and max(counts) <= 6
     assert set(np.concatenate([r.cls for r in records]).tolist()) == {0, 1, 2}
     for r in records:
         h, w = r.shape_hw
@@ -58,8 +58,8 @@ def test_labels_are_valid_and_boxes_fit_the_drawn_shapes(tmp_path):
         assert cv2.imread(r.im_file).shape[:2] == (h, w)
         for (cx, cy, bw, bh) in r.bboxes_xywhn:
             assert 0 < bw <= 1 and 0 < bh <= 1
-            x0, y0 = int(round((cx - bw / 2) * w)), int(round((cy - bh / 2) * h))
-            x1, y1 = int(round((cx + bw / 2) * w)), int(round((cy + bh / 2) * h))
+            x0, y0 = round((cx - bw / 2) * w), round((cy - bh / 2) * h)
+            x1, y1 = round((cx + bw / 2) * w), round((cy + bh / 2) * h)
             assert 0 <= x0 < x1 <= w and 0 <= y0 < y1 <= h
             assert min(x1 - x0, y1 - y0) >= 6
 

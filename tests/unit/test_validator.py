@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from _val_data import NAMES, ColourModel, make_coco_json_dataset, make_dataset
+
 from detrain.coco_json import COCO80_TO_91, load_predictions
 from detrain.config import make_cfg
 from detrain.engine.data import build_val_loader, load_split

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from _http_server import Server
 
 from detrain import net
@@ -27,7 +26,7 @@ def _use(server: Server, monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
     monkeypatch.setenv("DETRAIN_WEIGHTS_URL", f"http://127.0.0.1:{server.port}/{prefix}/{{name}}")
 
 
-@pytest.fixture()
+@pytest.fixture
 def served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Server, bytes]]:
     """Serve yolov8n.pt (the real one when shared/ has it, else a small fake with its sha recorded)."""
     root = tmp_path / "served"
@@ -215,7 +214,7 @@ def test_server_down_is_a_clear_error(served: tuple[Server, bytes], tmp_path: Pa
 def test_a_download_announcing_more_than_the_release_file_is_refused(
     served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server, payload = served
+    _, payload = served
     monkeypatch.setitem(hub.RELEASE_FILES, "yolov8n.pt", ReleaseFile(_sha(payload), len(payload) - 1))
     with pytest.raises(CheckpointError, match=rf"announces {len(payload)} bytes, the file has {len(payload) - 1}"):
         resolve_weights("n.pt", progress=False)
