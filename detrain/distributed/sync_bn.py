@@ -26,11 +26,11 @@ class _AllReduceSum(torch.autograd.Function):
     """Sum over ranks; the gradient of a sum over ranks is the sum of the ranks' gradients."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
         return dist.all_reduce_sum(t)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return dist.all_reduce_sum(grad)
 
 
@@ -51,10 +51,12 @@ class CPUSyncBatchNorm2d(nn.BatchNorm2d):
         y = xc * torch.rsqrt(var + self.eps).view(1, c, 1, 1)
         if self.weight is not None:
             y = y * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1)
-        if self.track_running_stats and self.running_mean is not None and self.running_var is not None:
+        tracked = self.num_batches_tracked
+        if (self.track_running_stats and self.running_mean is not None and self.running_var is not None
+                and tracked is not None):
             with torch.no_grad():
-                self.num_batches_tracked.add_(1)  # type: ignore[union-attr]
-                m = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                tracked.add_(1)
+                m = self.momentum if self.momentum is not None else 1.0 / float(tracked)
                 total = float(n)
                 unbiased = var.detach() * (total / max(total - 1.0, 1.0))
                 self.running_mean.mul_(1 - m).add_(mean.detach(), alpha=m)

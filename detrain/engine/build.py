@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from detrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from detrain.nn.model import DetectionModel
 
 _SCALED_NAME = re.compile(r"^(?:yolov8)?([nsmlx])\.ya?ml$")
 
@@ -58,7 +61,7 @@ def is_weights(model: str) -> bool:
 
 
 def build_model(model: str, nc: int | None = None, names: dict[int, str] | None = None,
-                verbose: bool = True, weights_sha256: str = "") -> tuple[torch.nn.Module, dict[str, Any] | None]:
+                verbose: bool = True, weights_sha256: str = "") -> tuple[DetectionModel, dict[str, Any] | None]:
     """A DetectionModel from an architecture yaml or weights, with its head fitted to ``nc`` classes.
 
     Returns (model, checkpoint dict or None). A yaml builds fresh weights: ``n.yaml`` (scale n of the
@@ -83,7 +86,7 @@ def build_model(model: str, nc: int | None = None, names: dict[int, str] | None 
                                   "matching layer and re-initialising the classification outputs")
                 net.reset_classes(nc, names or {i: str(i) for i in range(nc)})
             else:
-                net.names = dict(names)
+                net.names = dict(names or {})
         return net, ckpt
     cfg, scale = architecture(model)
     return DetectionModel(cfg=cfg, scale=scale, nc=80 if nc is None else nc, names=names), None

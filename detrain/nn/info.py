@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -19,7 +19,10 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from detrain.errors import ConfigError
-from detrain.nn.modules import C2f, Concat, Conv, Detect, SPPF
+from detrain.nn.modules import SPPF, C2f, Concat, Conv, Detect
+
+if TYPE_CHECKING:
+    from detrain.nn.model import DetectionModel
 
 __all__ = ["LayerInfo", "ModelInfo", "layer_args", "model_info", "print_info"]
 
@@ -92,7 +95,7 @@ def layer_args(layer: nn.Module) -> list[Any]:
     if isinstance(layer, Concat):
         return [layer.d]
     if isinstance(layer, Detect):
-        return [layer.nc, [branch[0].conv.in_channels for branch in layer.cv2]]
+        return [layer.nc, [cast(Conv, cast(nn.Sequential, branch)[0]).conv.in_channels for branch in layer.cv2]]
     return []
 
 
@@ -103,7 +106,7 @@ def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[
     return hw[0], hw[1]
 
 
-def _fused_params(model: nn.Module) -> int:
+def _fused_params(model: DetectionModel) -> int:
     """Parameters after ``fuse()``: each Conv with a BatchNorm trades BN's weight and bias for a conv bias."""
     params = sum(p.numel() for p in model.parameters())
     for m in model.modules():
@@ -113,7 +116,7 @@ def _fused_params(model: nn.Module) -> int:
     return params
 
 
-def _count_flops(model: nn.Module, h: int, w: int) -> tuple[float, list[float]]:
+def _count_flops(model: DetectionModel, h: int, w: int) -> tuple[float, list[float]]:
     """(total FLOPs, FLOPs per layer of ``model.model``) of one batch-1 forward at (h, w), on the meta device.
 
     The weights are swapped for meta tensors of the same shapes only for this call (``functional_call``),
@@ -141,7 +144,7 @@ def _count_flops(model: nn.Module, h: int, w: int) -> tuple[float, list[float]]:
     return total, per_layer
 
 
-def model_info(model: nn.Module, imgsz: int | tuple[int, int] = 640) -> ModelInfo:
+def model_info(model: DetectionModel, imgsz: int | tuple[int, int] = 640) -> ModelInfo:
     """Layers, parameters, gradients and GFLOPs of one forward at ``imgsz`` (batch 1) of a DetectionModel.
 
     ``imgsz`` must be a multiple of the model's largest stride (an int, or (height, width)). The model is
@@ -158,7 +161,7 @@ def model_info(model: nn.Module, imgsz: int | tuple[int, int] = 640) -> ModelInf
     table = tuple(
         LayerInfo(
             index=i,
-            source=layer.f,
+            source=cast("int | list[int]", layer.f),  # set on every layer by build_layers
             repeats=len(layer.m) if isinstance(layer, C2f) else 1,
             params=sum(p.numel() for p in layer.parameters()),
             module=str(getattr(layer, "type", type(layer).__name__)),

@@ -10,7 +10,7 @@ import copy
 import math
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import yaml as pyyaml
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from detrain.assets import asset_dir
 from detrain.errors import ConfigError
-from detrain.nn.modules import BN_EPS, BN_MOMENTUM, C2f, Concat, Conv, Detect, SPPF, Upsample
+from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Detect, Upsample
 
 DEFAULT_SCALE = "n"
 DEFAULT_NC = 80
@@ -193,6 +193,11 @@ class DetectionModel(nn.Module):
     torch.Size([1, 7, 84])
     """
 
+    # declared so the type checker sees these attributes as what they are, not as nn.Module's Tensor | Module
+    stride: Tensor  # per-level strides (a non-persistent buffer)
+    model: nn.Sequential
+    imgsz: int  # the training image size, set when loaded from a checkpoint
+
     def __init__(
         self,
         cfg: str | Path | dict = "yolov8.yaml",
@@ -230,7 +235,7 @@ class DetectionModel(nn.Module):
         outputs: list[Tensor | None] = []
         y: Any = x
         for layer in self.model:
-            f = layer.f
+            f = cast("int | list[int]", layer.f)  # set on every layer by build_layers
             if f != -1:
                 y = outputs[f] if isinstance(f, int) else [y if j == -1 else outputs[j] for j in f]
             y = layer(y, decode) if isinstance(layer, Detect) else layer(y)
@@ -273,7 +278,7 @@ class DetectionModel(nn.Module):
             raise ConfigError(f"nc={nc} but {len(names)} class names were given")
         head = self.head
         head.reset_classes(nc)
-        fresh_width = max(head.cv3[0][0].conv.in_channels, min(nc, 100))
+        fresh_width = max(cast(Conv, cast(nn.Sequential, head.cv3[0])[0]).conv.in_channels, min(nc, 100))
         if head.cls_channels != fresh_width:
             self.yaml["head_cls_channels"] = head.cls_channels
         else:

@@ -8,6 +8,7 @@ checkpoints are loaded by key.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -85,15 +86,19 @@ def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     >>> torch.allclose(fuse_conv_bn(c, b)(x), b(c(x)), atol=1e-5)
     True
     """
+    if bn.running_mean is None or bn.running_var is None or bn.weight is None or bn.bias is None:
+        raise ValueError("fuse_conv_bn needs an affine BatchNorm2d that tracks running statistics")
+    # torch stores a Conv2d's geometry as tuple[int, ...] but types its constructor for 2-tuples
     fused = nn.Conv2d(
-        conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-        conv.dilation, conv.groups, bias=True, device=conv.weight.device, dtype=conv.weight.dtype,
+        conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,  # type: ignore[arg-type]
+        conv.dilation, conv.groups, bias=True, device=conv.weight.device, dtype=conv.weight.dtype,  # type: ignore[arg-type]
     )
+    fused_bias = cast(Tensor, fused.bias)  # built with bias=True
     with torch.no_grad():
-        scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)  # type: ignore[operator]
+        scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
         fused.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1))
-        bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)  # type: ignore[arg-type]
-        fused.bias.copy_((bias - bn.running_mean) * scale + bn.bias)  # type: ignore[operator]
+        bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
+        fused_bias.copy_((bias - bn.running_mean) * scale + bn.bias)
     # keep channels_last (or whatever layout the model was moved to) after fusing
     if conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous():
         fused.to(memory_format=torch.channels_last)
@@ -189,15 +194,15 @@ class _NearestUpsample(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, k: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, k: int) -> Tensor:
         ctx.k = k
         return nn.functional.interpolate(x, scale_factor=float(k), mode="nearest")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         k = ctx.k
-        b, c, h, w = grad.shape
+        h, w = grad.shape[2:]
         cells = grad.permute(0, 2, 3, 1).unflatten(1, (h // k, k)).unflatten(3, (w // k, k))  # (B, H, k, W, k, C)
         out = cells[:, :, 0, :, 0].clone()
         for i in range(k):
@@ -271,12 +276,17 @@ class DFL(nn.Module):
         return (probs * self.conv.weight.view(1, 1, self.reg_max, 1)).sum(2)
 
 
-def _branch(seq: nn.Sequential, x: Tensor) -> Tensor:
+def _final_conv(branch: nn.Module) -> nn.Conv2d:
+    """A head branch's final 1x1 convolution (``ModuleList`` items are typed as plain modules)."""
+    return cast(nn.Conv2d, cast(nn.Sequential, branch)[-1])
+
+
+def _branch(seq: nn.Module, x: Tensor) -> Tensor:
     """``seq(x)`` for a head branch (Conv, Conv, 1x1 Conv2d), its final 1x1 convolution through :func:`conv2d`."""
-    *convs, last = seq
+    *convs, last = cast(nn.Sequential, seq)
     for layer in convs:
         x = layer(x)
-    return conv2d(last, x)
+    return conv2d(cast(nn.Conv2d, last), x)
 
 
 class Detect(nn.Module):
@@ -292,6 +302,12 @@ class Detect(nn.Module):
     >>> head(maps).shape
     torch.Size([1, 6, 84])
     """
+
+    # declared so the type checker sees these attributes as what they are, not as nn.Module's Tensor | Module
+    stride: Tensor  # per-level strides (a non-persistent buffer)
+    cv2: nn.ModuleList
+    cv3: nn.ModuleList
+    dfl: nn.Module
 
     def __init__(
         self,
@@ -330,8 +346,8 @@ class Detect(nn.Module):
         """
         with torch.no_grad():
             for box, cls, s in zip(self.cv2, self.cv3, self.stride.tolist()):
-                box[-1].bias.fill_(1.0)
-                cls[-1].bias.fill_(math.log(5 / self.nc / (640 / s) ** 2))
+                cast(Tensor, _final_conv(box).bias).fill_(1.0)
+                cast(Tensor, _final_conv(cls).bias).fill_(math.log(5 / self.nc / (640 / s) ** 2))
 
     def forward(self, xs: list[Tensor], decode: bool | None = None) -> list[Tensor] | Tensor:
         maps = [torch.cat((_branch(box, x), _branch(cls, x)), 1) for x, box, cls in zip(xs, self.cv2, self.cv3)]
@@ -377,11 +393,11 @@ class Detect(nn.Module):
         (3, 67)
         """
         for branch in self.cv3:
-            old: nn.Conv2d = branch[-1]
+            old = _final_conv(branch)
             new = nn.Conv2d(old.in_channels, nc, 1, device=old.weight.device, dtype=old.weight.dtype)
             if old.weight.is_contiguous(memory_format=torch.channels_last) and not old.weight.is_contiguous():
                 new.to(memory_format=torch.channels_last)
-            branch[-1] = new
+            cast(nn.Sequential, branch)[-1] = new
         self.nc = nc
         self.no = nc + 4 * self.reg_max
         self._anchor_key = None
