@@ -18,6 +18,7 @@ from typing import Any
 def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
     """``train_worker(args)``, with rank ``args["slow_rank"]``'s loader sleeping ``args["sleep_s"]`` per batch."""
     from detrain.engine import trainer
+    from detrain.run_plan import RunPlan
 
     real = trainer.build_train_loader
 
@@ -34,7 +35,8 @@ def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
         return loader
 
     trainer.build_train_loader = build
-    return trainer.train_worker(args)
+    # what detrain's runner would have planned: two nodes, the run folder the test names
+    return trainer.train_worker({**args, "plan": RunPlan(nodes=(2, 2), save_dir=args["save_dir"])})
 
 
 def _main(argv: list[str]) -> int:

@@ -1,7 +1,9 @@
 """The training loop of one worker (rank). Collectives go through :mod:`detrain.distributed.dist`; only rank 0 writes.
 
 >>> from detrain.config import make_cfg
->>> metrics = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1, "imgsz": 128})).train()  # doctest: +SKIP
+>>> from detrain.distributed.world import World
+>>> trainer = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1, "imgsz": 128}), World())  # doctest: +SKIP
+>>> metrics = trainer.train()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from detrain.distributed import dist
 from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import model_meta, save_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.data.batch_memory import release_batch
-from detrain.engine import (accumulation, epoch_stats, freeze, optim, pretrained, resume_state, run_trace,
-                            time_budget)
-from detrain.engine.batch_plan import batch_plan, planned_world_size
-from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, select_device
+from detrain.distributed import dist
+from detrain.distributed.world import World
+from detrain.distributed.world_layout import number_nodes
+from detrain.engine import accumulation, epoch_stats, freeze, optim, pretrained, resume_state, run_trace, time_budget
+from detrain.engine.batch_plan import batch_plan, check_split, planned_world_size
+from detrain.engine.build import build_model, increment_run_dir, set_cpu_threads
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
 from detrain.engine.ema import ModelEMA, unwrap
 from detrain.engine.epoch_monitor import EpochMonitor
@@ -36,35 +39,36 @@ from detrain.engine.mid_epoch import MidEpoch
 from detrain.engine.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.engine.train_plots import plot_results, plot_train_batch
 from detrain.engine.validator import validate
-from detrain.distributed.world_layout import number_nodes
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.loss import DetectionLoss
+from detrain.run_plan import RunPlan
 
 LOSS_NAMES = ("box_loss", "cls_loss", "dfl_loss")
 
 
 class Trainer:
-    """Trains one rank. Every decision that could differ between ranks (best epoch, early stop, image size)
-    is taken once and shared, so no rank waits for another that has left the loop."""
+    """Trains one rank of ``world``. Every decision that could differ between ranks (best epoch, early stop, image
+    size) is taken once and shared, so no rank waits for another that has left the loop.
 
-    def __init__(self, cfg: Cfg, save_dir: str | Path | None = None, launch_id: str | None = None,
+    ``plan``: what the launching process decided for the run (:class:`detrain.run_plan.RunPlan`: the node count, the
+    run folder, the launch's id); the default is a plain process's."""
+
+    def __init__(self, cfg: Cfg, world: World, plan: RunPlan | None = None,
                  callbacks: dict[str, list[CallbackFn]] | None = None) -> None:
+        plan = RunPlan() if plan is None else plan
         self.callbacks = Callbacks(callbacks)  # fired on rank 0 only (detrain.callbacks)
-        # every node looks on its own disk for this run's furthest checkpoint (rank 0 also for resume=); every rank
-        # gets the furthest of all from the rank that holds it (resume_state.py)
-        start = resume_state.agree(cfg, save_dir, resume_state.Launch.here(launch_id))
+        # collective: every node looks on its own disk for this run's furthest checkpoint (rank 0 also for resume=);
+        # every rank gets the furthest of all from the rank that holds it (resume_state.py)
+        start = resume_state.agree(cfg, plan.save_dir, resume_state.Launch.here(world, plan.launch_id))
         cfg, save_dir, self.resume_ckpt, self.launch = start.cfg, start.save_dir, start.ckpt, start.launch
         self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
-        self.cfg = cfg
-        self.rank, self.world = dist.rank(), dist.world_size()
-        self.main = dist.is_main()
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
+        self.cfg, self.world = cfg, world
+        self.rank, self.main = world.rank, world.is_main
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
-        self.planned_world = planned_world_size(cfg.nnodes, self.world, local_world)
-        batch_plan(cfg.batch, cfg.batch, self.world, self.planned_world)
-        self.device = select_device(cfg.device, dist.local_rank())
-        if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-            torch.set_num_threads(cpu_threads_per_worker(local_world))
+        self.planned_world = planned_world_size(plan.nodes, world.world_size, world.local_world_size)
+        check_split(cfg.batch, self.planned_world)
+        self.device = torch.device(world.device)  # the launcher's choice for this rank (World.device)
+        set_cpu_threads(self.device, world.local_world_size)
         # rank 0 decides (other nodes may not know the folder the launching node picked)
         save_dir = dist.broadcast_object(
             str(save_dir or increment_run_dir(cfg.project, cfg.name, "train", cfg.exist_ok)) if self.main else None)
@@ -85,7 +89,7 @@ class Trainer:
         total_iters = optim.planned_updates(cfg, len(self.data.records))
         opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
         self.plan = batch_plan(cfg.batch, optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
-                               self.world, self.planned_world)
+                               self.world.world_size, self.planned_world)
         if self.resume_ckpt is None:  # pretrained=: a fresh init, or a file's matching layers (pretrained.py)
             model = pretrained.start_weights(model, cfg, verbose=self.main)
         frozen = freeze.freeze_layers(model, cfg.freeze, verbose=self.main)  # before the optimizer and DDP see them
@@ -98,7 +102,7 @@ class Trainer:
         if self.resume_ckpt is not None and self.resume_ckpt.get("ema"):
             self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
             self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
-        if self.world > 1:
+        if self.world.distributed:
             if cfg.sync_bn and self.device.type == "cpu":
                 # torch's SyncBatchNorm (and DDP with it) runs on GPUs only; gloo CPU workers sync through ours
                 from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
@@ -116,11 +120,11 @@ class Trainer:
             if self.resume_ckpt is not None:  # each rank's own BatchNorm statistics, as they were
                 resume_state.restore_rank_state(self.model, self.ema.ema, self.resume_ckpt, self.rank)
         self.local_batch = self.plan.local_batch
-        self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world,
+        self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world.world_size,
                                                self.plan.planned_world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
-        self.val_loader = build_val_loader(self.val_data, cfg, cfg.batch, self.rank, self.world)
+        self.val_loader = build_val_loader(self.val_data, cfg, cfg.batch, self.rank, self.world.world_size)
         # cache=ram is filled per node: the first step's collectives must not start the short training timeout
         # on a node that is still filling
         dist.barrier("training data ready on every node", cfg.prepare_timeout)
@@ -142,19 +146,19 @@ class Trainer:
         bare = unwrap(self.model)
         self.criterion = DetectionLoss(
             nc=self.nc, strides=bare.stride, reg_max=bare.reg_max, box=cfg.box, cls=cfg.cls, dfl=cfg.dfl,
-            normalizer_reduce=dist.all_reduce_sum if self.world > 1 else None, world_size=self.world)
+            normalizer_reduce=dist.all_reduce_sum if self.world.distributed else None, world_size=self.world.world_size)
         self.start_epoch, self.best_fitness = 0, None
         self.last_update = -1  # global batch index of the last optimizer update
         self.carried_grads: dict[str, torch.Tensor] | None = None  # a resumed run's waiting gradients
         if self.resume_ckpt is not None:
             self._restore(self.resume_ckpt)
         if self.main:
-            plan = self.plan
+            plan, world_size = self.plan, self.world.world_size
             console.print(f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
                           f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
-                          f"images; {self.world} worker(s) on {self.device.type}")
-            if plan.planned_world != self.world:
-                console.print(f"elastic: {self.world} of the {plan.planned_world} planned workers; each keeps its "
+                          f"images; {world_size} worker(s) on {self.device.type}")
+            if plan.planned_world != world_size:
+                console.print(f"elastic: {world_size} of the {plan.planned_world} planned workers; each keeps its "
                               f"batch of {plan.local_batch} and {plan.accumulate} steps of {plan.step_images} images "
                               f"make an update (planned: {plan.update_images})")
 
@@ -196,10 +200,10 @@ class Trainer:
             self.wdir.mkdir(parents=True, exist_ok=True)
             save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
             console.print(f"training {cfg.model} on {cfg.data} for {cfg.epochs} epochs; results in {self.save_dir}")
-        self.trace = run_trace.start(self.save_dir, cfg, self.device, first_epoch=self.start_epoch,
+        self.trace = run_trace.start(self.save_dir, cfg, self.world, self.device, first_epoch=self.start_epoch,
                                      step=self.start_epoch * self.nb, datasets=(self.data, self.val_data),
                                      resumed_from=str(cfg.resume) if self.resume_ckpt is not None else None)
-        self.monitor = EpochMonitor(unwrap(self.model), self.device)
+        self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world.node_rank)
         csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
         tb = TensorBoard(self.save_dir, cfg.tensorboard and self.main)
         n_warmup = optim.warmup_iterations(cfg, self.nb)
@@ -342,7 +346,7 @@ class Trainer:
         imgs = imgs.contiguous(memory_format=torch.channels_last).float().div_(255)
         if self.cfg.multi_scale:
             imgs = self._multi_scale(imgs)
-        sync_ctx = self.model.no_sync() if (self.world > 1 and not will_step) else contextlib.nullcontext()
+        sync_ctx = self.model.no_sync() if (self.world.distributed and not will_step) else contextlib.nullcontext()
         with sync_ctx:
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 head_maps = self.model(imgs)
@@ -383,7 +387,7 @@ class Trainer:
 
     def _validate(self, epoch: int) -> dict[str, Any]:
         ema = self.ema.ema
-        if self.world > 1:  # BatchNorm running stats differ per rank unless sync_bn: validate one model
+        if self.world.distributed:  # BatchNorm running stats differ per rank unless sync_bn: validate one model
             for buf in ema.buffers():
                 if buf.dtype.is_floating_point:
                     buf.copy_(dist.reduce_mean(buf))
@@ -476,11 +480,14 @@ def _test_kill_hook(epoch: int, rank: int) -> None:
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process)."""
+    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process): ``args``
+    holds the arguments (``cfg``), the launching process's :class:`detrain.run_plan.RunPlan` (``plan``) and the
+    callbacks (``callbacks``, rank 0's)."""
     cfg = make_cfg(args["cfg"])
-    dist.setup(timeout_s=cfg.dist_timeout)
+    world = World.from_env()  # this worker's place, read once
+    dist.setup(world, timeout_s=cfg.dist_timeout)
     try:
-        # after any restart, rank 0 finds this launch's checkpoint in its save_dir (resume_state.py)
-        return Trainer(cfg, args.get("save_dir"), args.get("launch_id"), args.get("callbacks")).train()
+        # after any restart, every node finds this launch's checkpoints in its run folder (resume_state.py)
+        return Trainer(cfg, world, args["plan"], args.get("callbacks")).train()
     finally:
         dist.cleanup()

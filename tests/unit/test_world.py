@@ -1,17 +1,20 @@
 """World: the environment each launcher gives a process (none, detrain's, torchrun, srun) -> one frozen object,
-and each bad value -> one line naming the variable."""
+and each bad value -> one line naming the variable. Engine code reads none of these variables itself."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from detrain.distributed.world import World
 from detrain.errors import DistributedError
+
+ENGINE = Path(__file__).resolve().parents[2] / "detrain" / "engine"
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
             "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
@@ -113,3 +116,12 @@ def test_values_that_only_inform_are_ignored_when_malformed() -> None:
     assert World.from_env({"SLURM_RESTART_COUNT": "two"}).slurm_requeues == 0  # outside a job: not read
     assert World.from_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "x"}).master_port is None
 
+
+def test_engine_code_reads_no_launcher_variable_itself() -> None:
+    names = re.compile(r"\b(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|TORCHELASTIC_\w+|SLURM_\w+|"
+                       r"DETRAIN_DEVICE|MASTER_ADDR|MASTER_PORT)\b")
+    for path in sorted(ENGINE.glob("*.py")):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            reads_env = "os.environ" in line or "getenv" in line or "env_int" in line
+            assert not (reads_env and names.search(line)), f"{path.name}:{n} reads the launcher's variables: {line}"
+            assert "import env_int" not in line, f"{path.name}:{n}"
