@@ -105,7 +105,8 @@ def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
 def choose_scale(d: dict, scale: str | None, source: str) -> str:
     """The scale to build ``d`` at: ``scale`` (the caller's, else the one the yaml names) checked against the
     yaml's ``scales``. A yaml that defines several scales and names none is a ConfigError listing them:
-    building one of them silently could train a model 50 times the size the user meant, or a tenth of it.
+    building one of them silently could train a model twenty times the size the user meant (x for n), or a
+    twentieth of it.
     A single-scale yaml (depth/width multiples) builds the same whatever the letter, which is then a label.
 
     >>> choose_scale({"scales": {"n": [0.33, 0.25, 1024]}}, None, "custom.yaml")
