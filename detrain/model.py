@@ -2,12 +2,15 @@
 
 >>> from detrain import Model
 >>> model = Model("n.yaml")                                   # a fresh YOLOv8n-layout model
->>> metrics = model.train(data="shapes.yaml", epochs=3, imgsz=160, device="cpu")  # doctest: +SKIP
->>> metrics["map50"]                                          # doctest: +SKIP
->>> results = Model("runs/train/exp/weights/best.pt").predict("images/")  # doctest: +SKIP
->>> results[0].boxes, results[0].conf, results[0].cls, results[0].plot()  # doctest: +SKIP
->>> for r in Model("best.pt").predict("clip.mp4", stream=True): ...  # one frame at a time  # doctest: +SKIP
 >>> model.add_callback("on_fit_epoch_end", lambda e: print(e.epoch, e.metrics.get("metrics/mAP50")))
+
+Then (minutes of training, so not run as a test)::
+
+    metrics = model.train(data="shapes.yaml", epochs=3, imgsz=160, device="cpu")
+    metrics["map50"]
+    results = Model("runs/train/exp/weights/best.pt").predict("images/")
+    results[0].boxes, results[0].conf, results[0].cls, results[0].plot()
+    for r in Model("best.pt").predict("clip.mp4", stream=True): ...  # one frame at a time
 """
 
 from __future__ import annotations

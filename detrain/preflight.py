@@ -1,8 +1,8 @@
 """The files and folders a command names, checked before any process starts, any folder is made or any data
 is generated: a missing dataset yaml or weights file is one line at once, not an error from a spawned worker.
 
-The checks only look: nothing is downloaded or written, and nothing read but a model yaml's layer count (for
-``freeze``). What a file holds is checked by the code that reads it (the dataset yaml's keys, the checkpoint's
+The checks only look: nothing is downloaded or written, and nothing read but a model yaml (its scale, and its
+layer count for ``freeze``). What a file holds is checked by the code that reads it (the dataset yaml's keys, the checkpoint's
 contents), which runs before the run folder is made too.
 
 >>> from detrain.config import make_cfg

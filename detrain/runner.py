@@ -1,8 +1,8 @@
 """Run a task (train or val) on the devices the arguments name: in this process, or one worker per device
 through torch's elastic launcher, or inside a launcher that already started us (torchrun, srun).
 
->>> from detrain.config import make_cfg
->>> run_task("train", make_cfg({"device": "cpu,cpu", "epochs": 1}))  # doctest: +SKIP
+Usage (two training processes, so not run as a test): ``run_task("train", make_cfg({"device": "cpu,cpu",
+"epochs": 1}))``.
 """
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ dropped, at exit and on SIGINT/SIGTERM (:mod:`detrain.data.owned_files`); mapped
 valid until they close. The file records its owner (pid and start time, :mod:`detrain.data.process_owner`): a run
 killed with SIGKILL leaves its file behind, and the next run's owner removes every file whose owner is gone.
 
->>> cache = RamCache.build("doc", [(2, 2)], lambda i: np.full((2, 2, 3), 7, np.uint8))  # doctest: +SKIP
->>> cache.get(0)[0, 0].tolist()  # doctest: +SKIP
+>>> cache = RamCache.build("doc", [(2, 2)], lambda i: np.full((2, 2, 3), 7, np.uint8))
+RAM cache: 0.00 GB needed for 1 images, ... GB available
+>>> cache.get(0)[0, 0].tolist()
 [7, 7, 7]
+>>> del cache  # its file goes with it
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``detrain val``: evaluate weights (or an existing predictions file) on a dataset split, on any number of ranks.
 
->>> from detrain.config import make_cfg
->>> val_worker({"cfg": make_cfg({"model": "best.pt", "data": "coco8.yaml"}).to_dict()})  # doctest: +SKIP
+Each process ``detrain val`` starts runs ``val_worker({"cfg": make_cfg({"model": "best.pt", "data":
+"coco8.yaml"}).to_dict()})``; :func:`run_val` is the same in this process.
 """
 
 from __future__ import annotations

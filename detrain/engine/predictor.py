@@ -10,9 +10,14 @@ stream runs one frame at a time, as frames arrive.
 in memory (the CLI uses it); :func:`predict` returns the list. Both check their arguments before the first
 picture: a bad source, device or ``classes`` raises at once.
 
+>>> import cv2
 >>> from detrain.config import make_cfg
->>> for r in stream_predict(make_cfg({"model": "best.pt", "source": "clip.mp4"})):  # doctest: +SKIP
-...     print(r.frame, r.summary(), r.boxes)
+>>> _ = cv2.imwrite("a.png", np.zeros((48, 64, 3), np.uint8))
+>>> cfg = make_cfg({"model": "n.yaml", "source": "a.png", "imgsz": 64, "device": "cpu", "save": False,
+...                 "verbose": False})
+>>> for r in stream_predict(cfg):  # a video gives one Results per frame, r.frame its number
+...     print(r.path, r.frame, r.orig_shape, r.boxes.shape[1:])
+a.png None (48, 64) (4,)
 """
 
 from __future__ import annotations

@@ -7,8 +7,23 @@ with non-negative width and height, a missing key or a file that is not a json l
 (:class:`detrain.engine.validator.Scorer` and ``finish``): the same matching, table, metrics.json and plots,
 so re-scoring a ``predictions.json`` reproduces the numbers of the run that wrote it. Ranks share the images.
 
->>> cfg = make_cfg({"data": "coco8.yaml", "predictions": "predictions.json"})  # doctest: +SKIP
->>> score_predictions_file(cfg, load_split(cfg.data, "val", cfg), "runs/val/exp")["map"]  # doctest: +SKIP
+Example (a dataset of one labelled image, and a results file without a detection):
+>>> import os, cv2, yaml
+>>> from detrain.config import make_cfg
+>>> from detrain.engine.data import load_split
+>>> for folder in ("toy/images/val", "toy/labels/val"):
+...     os.makedirs(folder)
+>>> _ = cv2.imwrite("toy/images/val/a.png", np.zeros((48, 64, 3), np.uint8))
+>>> with open("toy/labels/val/a.txt", "w") as f:
+...     _ = f.write("0 0.5 0.5 0.25 0.5")
+>>> with open("toy.yaml", "w") as f:
+...     yaml.safe_dump({"path": "toy", "train": "images/val", "val": "images/val", "names": ["cat"]}, f)
+>>> with open("predictions.json", "w") as f:
+...     _ = f.write("[]")
+>>> cfg = make_cfg({"data": "toy.yaml", "predictions": "predictions.json", "plots": False, "verbose": False})
+>>> score_predictions_file(cfg, load_split(cfg.data, "val", cfg, verbose=False), None)["map"]
+scoring predictions.json: 0 detections on 0 of 1 images (val split, ground truth: YOLO labels); results in None
+0.0
 """
 
 from __future__ import annotations

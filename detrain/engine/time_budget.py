@@ -13,8 +13,9 @@ Every rank measures, rank 0's estimate is taken by all (one broadcast an epoch),
 same number of epochs and leave the loop together. The seconds used go into ``last.pt``: a resumed run has only
 what is left of the hours (measured afresh on the machine it resumes on).
 
->>> budget = TimeBudget(hours=1.0)  # doctest: +SKIP
->>> epochs = budget.epochs_that_fit(epochs_done=1)  # after the first epoch, on every rank  # doctest: +SKIP
+>>> budget = TimeBudget(hours=1.0)
+>>> budget.epochs_that_fit(epochs_done=1) > 1000  # after the first epoch, on every rank: it took microseconds
+True
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The training loop of one worker (rank). Collectives go through :mod:`detrain.distributed.dist`; only rank 0 writes.
 
->>> from detrain.config import make_cfg
->>> metrics = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1, "imgsz": 128})).train()  # doctest: +SKIP
+Usage (a training run, so not run as a test): ``metrics = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1,
+"imgsz": 128})).train()``.
 """
 
 from __future__ import annotations

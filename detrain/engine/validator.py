@@ -6,8 +6,8 @@ decimals in the original image's pixels, scores to 5), against the split's groun
 :mod:`detrain.engine.ground_truth`; so scoring that file with ``detrain val predictions=...`` (or pycocotools,
 for a COCO json dataset) gives the same numbers, and so does any number of ranks.
 
->>> metrics = validate(model, loader, data, cfg, torch.device("cpu"))  # doctest: +SKIP
->>> metrics["map"], metrics["map50"]                                    # doctest: +SKIP
+Usage: ``metrics = validate(model, loader, data, cfg, torch.device("cpu"))``, then ``metrics["map"]``,
+``metrics["map50"]`` (:func:`detrain.engine.evaluate.run_val` builds the arguments from a ``Cfg``).
 """
 
 from __future__ import annotations
