@@ -17,18 +17,24 @@ import typer
 
 from detrain import __version__
 from detrain.config import COMMAND_KEYS, comments, defaults, make_cfg, parse_cli_args
+from detrain.config_keys import SECTION_OF, TITLES
 from detrain.errors import DetrainError
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 
 
 def _keys_help(command: str) -> str:
-    """The keys a command takes, with their defaults and comments from cfg/default.yaml."""
+    """The keys a command takes, under their sections' headings, with their defaults and help lines (the source
+    of both: detrain/config_keys.py)."""
     notes = comments()
     lines = []
+    section = None
     for key, value in defaults().items():
         if key in COMMAND_KEYS[command]:
-            lines.append(f"{key}={'' if value is None else value}  {notes.get(key, '')}")
+            if SECTION_OF[key] != section:
+                section = SECTION_OF[key]
+                lines.append(f"--- {TITLES[section]} ---")
+            lines.append(f"{key}={'' if value is None else value}  {notes[key]}")
     return "\n\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from detrain.errors import ConfigError
 
 
 def test_every_field_has_a_default_and_a_comment():
-    fields = {f.name for f in dataclasses.fields(Cfg)}
+    fields = {f.name for section in dataclasses.fields(Cfg) for f in dataclasses.fields(getattr(Cfg(), section.name))}
     assert fields == set(defaults())
     assert all(comments()[k] for k in fields), [k for k in fields if not comments().get(k)]
 
