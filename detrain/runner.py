@@ -32,7 +32,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
         netif.check_ifname(cfg.socket_ifname)  # before anything is planned or created
     plan = launch.parse_device(cfg.device)
     check_inputs(task, cfg)  # every named file, before a process starts or a folder is made
-    args: dict[str, Any] = {"cfg": cfg.to_dict()}
+    args: dict[str, Any] = {"cfg": cfg}  # checked once, by make_cfg: the workers take it as it is
     spawning = not launch.in_launcher_env() and (plan.nprocs > 1 or str(cfg.nnodes) != "1")
     if callbacks:
         if spawning:
@@ -41,7 +41,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
         args["callbacks"] = {event: list(fns) for event, fns in callbacks.items()}
     if task == "train" and not cfg.resume and not launch.in_launcher_env():
         # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting
-        planned = plan.nprocs * launch.parse_nnodes(cfg.nnodes)[1]
+        planned = plan.nprocs * cfg.distributed.node_range[1]
         batch_plan(cfg.batch, cfg.batch, planned, planned)
     if spawning and cfg.node_rank == 0 and not (task == "train" and cfg.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder

@@ -1,7 +1,7 @@
 """``detrain val``: evaluate weights (or an existing predictions file) on a dataset split, on any number of ranks.
 
 >>> from detrain.config import make_cfg
->>> val_worker({"cfg": make_cfg({"model": "best.pt", "data": "coco8.yaml"}).to_dict()})  # doctest: +SKIP
+>>> val_worker({"cfg": make_cfg({"model": "best.pt", "data": "coco8.yaml"})})  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from detrain.distributed import dist
-from detrain.config import Cfg, make_cfg
+from detrain.config import Cfg
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, is_weights, select_device
 from detrain.engine.data import build_val_loader, load_split
 from detrain.engine.validator import validate
@@ -61,8 +61,8 @@ def run_val(cfg: Cfg, save_dir: str | Path | None = None) -> dict[str, Any]:
 
 
 def val_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of every rank for ``detrain val``."""
-    cfg = make_cfg(args["cfg"])
+    """Entry point of every rank for ``detrain val``; ``args["cfg"]``: the Cfg the command checked."""
+    cfg: Cfg = args["cfg"]
     dist.setup(timeout_s=cfg.dist_timeout)
     try:
         return run_val(cfg, args.get("save_dir"))

@@ -23,7 +23,7 @@ from torch import nn
 from detrain.distributed import dist
 from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import model_meta, save_checkpoint
-from detrain.config import Cfg, make_cfg
+from detrain.config import Cfg
 from detrain.data.batch_memory import release_batch
 from detrain.engine import (accumulation, epoch_stats, freeze, optim, pretrained, resume_state, run_trace,
                             time_budget)
@@ -476,8 +476,9 @@ def _test_kill_hook(epoch: int, rank: int) -> None:
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process)."""
-    cfg = make_cfg(args["cfg"])
+    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process).
+    ``args["cfg"]``: the Cfg the command checked (pickled to spawned workers), not checked again here."""
+    cfg: Cfg = args["cfg"]
     dist.setup(timeout_s=cfg.dist_timeout)
     try:
         # after any restart, rank 0 finds this launch's checkpoint in its save_dir (resume_state.py)
