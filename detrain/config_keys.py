@@ -290,7 +290,7 @@ def _copy(value: Any) -> Any:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Cfg)}  # type: ignore[misc]
 # Each section's heading in cfg/default.yaml and --help.
 TITLES: dict[str, str] = {
-    "inputs": "what to train on", "train": "training", "loss": "loss gains", "augment": "augmentation",
+    "inputs": "model and data", "train": "training", "loss": "loss gains", "augment": "augmentation",
     "distributed": "devices and processes", "output": "output", "predict": "validation and prediction",
     "export": "export",
 }
