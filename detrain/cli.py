@@ -86,7 +86,7 @@ def export(ctx: typer.Context) -> None:
     from detrain.model import Model
 
     args = _args(ctx)
-    sha256 = make_cfg({"weights_sha256": args.pop("weights_sha256", "")}).weights_sha256
+    sha256 = make_cfg({"weights_sha256": args.pop("weights_sha256", "")}).inputs.weights_sha256
     path = Model(args.pop("model", defaults()["model"]), weights_sha256=sha256).export(**args)
     typer.echo(f"exported {path}")
 
@@ -98,8 +98,8 @@ def info(ctx: typer.Context) -> None:
     from detrain.model import Model
     from detrain.nn.info import print_info
 
-    model = Model(cfg.model, weights_sha256=cfg.weights_sha256)
-    print_info(model.info(imgsz=cfg.imgsz, verbose=False), title=cfg.model, table=cfg.verbose)
+    model = Model(cfg.inputs.model, weights_sha256=cfg.inputs.weights_sha256)
+    print_info(model.info(imgsz=cfg.inputs.imgsz, verbose=False), title=cfg.inputs.model, table=cfg.output.verbose)
 
 
 @app.command()

@@ -126,13 +126,13 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
                 console.print(f"{launch.reason()}: resuming from {path} at {where}" if auto
                               else f"resuming from {path} at {where}")
                 payload = ("resume", str(path), ckpt)
-    payload = _share(payload, cfg.prepare_timeout)
+    payload = _share(payload, cfg.distributed.prepare_timeout)
     if payload[0] == "error":
         raise payload[1]
     if payload[0] == "fresh":
         return Start(cfg, save_dir, None, launch)
     path, ckpt = Path(payload[1]), payload[2]
-    keep = {k: getattr(cfg, k) for k in KEEP_KEYS}  # this rank's own devices and layout
+    keep = {k: cfg.get(k) for k in KEEP_KEYS}  # this rank's own devices and layout
     resumed = make_cfg({**ckpt["train_args"], **keep, "resume": str(path)})
     return Start(resumed, path.parent.parent, ckpt, launch)
 
@@ -232,12 +232,12 @@ def may_host_rank0(node_rank: int) -> bool:
 
 def _choose(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> tuple[Path, dict[str, Any], bool] | None:
     """Rank 0: the checkpoint to resume from (path, contents, whether found as this run's own), or None."""
-    explicit = find_resume_checkpoint(cfg) if cfg.resume else None
+    explicit = find_resume_checkpoint(cfg) if cfg.train.resume else None
     folders = [Path(save_dir)] if save_dir else []
     if explicit is not None:
         folders.append(explicit.parent.parent)
     if launch.search_series:
-        chain = series_folders(cfg.project, cfg.name)
+        chain = series_folders(cfg.output.project, cfg.output.name)
         folders += chain[:1] + chain[-1:]
     best: tuple[Path, dict[str, Any], tuple[int, int]] | None = None
     seen: set[Path] = set()
