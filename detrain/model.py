@@ -135,8 +135,8 @@ class Model:
         from detrain.nn.info import model_info, print_info
 
         cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose})
-        report = model_info(self.net, cfg.imgsz)
-        if cfg.verbose:
+        report = model_info(self.net, cfg.inputs.imgsz)
+        if cfg.output.verbose:
             print_info(report, title=self.source)
         return report
 
@@ -147,11 +147,11 @@ class Model:
         from detrain.export import SUFFIXES, export_model
 
         cfg = make_cfg({"model": self.source, **kwargs})
-        suffix = SUFFIXES[cfg.format]
+        suffix = SUFFIXES[cfg.export.format]
         out = Path(self.source).with_suffix(suffix) if is_weights(self.source) else \
-            increment_run_dir(cfg.project, cfg.name, "export", cfg.exist_ok) / f"model{suffix}"
-        return export_model(self.net, out, format=cfg.format, imgsz=cfg.imgsz, opset=cfg.opset,
-                            dynamic_batch=cfg.dynamic)
+            increment_run_dir(cfg.output.project, cfg.output.name, "export", cfg.output.exist_ok) / f"model{suffix}"
+        return export_model(self.net, out, format=cfg.export.format, imgsz=cfg.inputs.imgsz, opset=cfg.export.opset,
+                            dynamic_batch=cfg.export.dynamic)
 
     def __repr__(self) -> str:
         return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"

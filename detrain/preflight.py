@@ -26,22 +26,22 @@ from detrain.errors import ConfigError
 def check_inputs(task: str, cfg: Cfg) -> None:
     """Raise the error the ``task`` (train, val, predict) would meet later for a path in ``cfg`` that names no
     usable file, and for a run folder that cannot be made."""
-    if task == "train" and cfg.resume:
-        if may_host_rank0(cfg.node_rank):  # rank 0 alone reads it and sends it to the others (resume_state.py)
+    if task == "train" and cfg.train.resume:
+        if may_host_rank0(cfg.distributed.node_rank):  # rank 0 alone reads it and sends it to the others (resume_state.py)
             find_resume_checkpoint(cfg)  # a resumed run takes its model and data from the checkpoint
         return
     if task in ("train", "val"):
-        find_dataset_yaml(cfg.data)
-    if task == "val" and cfg.predictions:
-        if not Path(cfg.predictions).is_file():
-            raise ConfigError(f"predictions file not found: {cfg.predictions} (a COCO results json)")
+        find_dataset_yaml(cfg.inputs.data)
+    if task == "val" and cfg.predict.predictions:
+        if not Path(cfg.predict.predictions).is_file():
+            raise ConfigError(f"predictions file not found: {cfg.predict.predictions} (a COCO results json)")
     else:
-        check_model(cfg.model)
+        check_model(cfg.inputs.model)
     if task == "train":
-        check_pretrained(cfg.pretrained)
-        check_freeze(cfg.model, cfg.freeze)  # a look at the model yaml's layer count
-    if cfg.node_rank == 0:  # only the first node writes
-        check_output_folder(cfg.project, task)
+        check_pretrained(cfg.inputs.pretrained)
+        check_freeze(cfg.inputs.model, cfg.train.freeze)  # a look at the model yaml's layer count
+    if cfg.distributed.node_rank == 0:  # only the first node writes
+        check_output_folder(cfg.output.project, task)
 
 
 def check_output_folder(project: str, task: str) -> None:

@@ -28,31 +28,31 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     from detrain.engine.trainer import train_worker
 
     entry = {"train": train_worker, "val": val_worker}[task]
-    if cfg.socket_ifname:
-        netif.check_ifname(cfg.socket_ifname)  # before anything is planned or created
-    plan = launch.parse_device(cfg.device)
+    if cfg.distributed.socket_ifname:
+        netif.check_ifname(cfg.distributed.socket_ifname)  # before anything is planned or created
+    plan = launch.parse_device(cfg.distributed.device)
     check_inputs(task, cfg)  # every named file, before a process starts or a folder is made
-    args: dict[str, Any] = {"cfg": cfg.to_dict()}
-    spawning = not launch.in_launcher_env() and (plan.nprocs > 1 or str(cfg.nnodes) != "1")
+    args: dict[str, Any] = {"cfg": cfg}  # checked once, by make_cfg: the workers take it as it is
+    spawning = not launch.in_launcher_env() and (plan.nprocs > 1 or str(cfg.distributed.nnodes) != "1")
     if callbacks:
         if spawning:
-            check_sendable(callbacks, f"the {plan.nprocs} workers of device={cfg.device!r}" if plan.nprocs > 1
-                           else f"the workers of nnodes={cfg.nnodes!r}")
+            check_sendable(callbacks, f"the {plan.nprocs} workers of device={cfg.distributed.device!r}" if plan.nprocs > 1
+                           else f"the workers of nnodes={cfg.distributed.nnodes!r}")
         args["callbacks"] = {event: list(fns) for event, fns in callbacks.items()}
-    if task == "train" and not cfg.resume and not launch.in_launcher_env():
+    if task == "train" and not cfg.train.resume and not launch.in_launcher_env():
         # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting
-        planned = plan.nprocs * launch.parse_nnodes(cfg.nnodes)[1]
-        batch_plan(cfg.batch, cfg.batch, planned, planned)
-    if spawning and cfg.node_rank == 0 and not (task == "train" and cfg.resume):
+        planned = plan.nprocs * cfg.distributed.node_range[1]
+        batch_plan(cfg.train.batch, cfg.train.batch, planned, planned)
+    if spawning and cfg.distributed.node_rank == 0 and not (task == "train" and cfg.train.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder
-        args["save_dir"] = str(increment_run_dir(cfg.project, cfg.name, task, cfg.exist_ok))
-    if task == "train" and not launch.in_launcher_env() and cfg.node_rank == 0:
+        args["save_dir"] = str(increment_run_dir(cfg.output.project, cfg.output.name, task, cfg.output.exist_ok))
+    if task == "train" and not launch.in_launcher_env() and cfg.distributed.node_rank == 0:
         # this launch's id goes into its checkpoints: after any restart, rank 0 resumes from those and not from an
         # older run's in the same folder (engine/resume_state.py); a requeued SLURM job finds them by its job id
         args["launch_id"] = uuid.uuid4().hex
     # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
-    run_args = None if cfg.run_id else run_identity.shared_args(task, cfg.to_dict())
-    return launch.launch(entry, args, plan, nnodes=str(cfg.nnodes), node_rank=cfg.node_rank,
-                         master_addr=cfg.master_addr, master_port=cfg.master_port, max_restarts=cfg.max_restarts,
-                         rdzv_backend=cfg.rdzv_backend, run_id=cfg.run_id or run_identity.derive(task, cfg.to_dict()),
-                         run_args=run_args, socket_ifname=cfg.socket_ifname)
+    run_args = None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict())
+    return launch.launch(entry, args, plan, nnodes=str(cfg.distributed.nnodes), node_rank=cfg.distributed.node_rank,
+                         master_addr=cfg.distributed.master_addr, master_port=cfg.distributed.master_port, max_restarts=cfg.distributed.max_restarts,
+                         rdzv_backend=cfg.distributed.rdzv_backend, run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
+                         run_args=run_args, socket_ifname=cfg.distributed.socket_ifname)

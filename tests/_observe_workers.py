@@ -17,6 +17,7 @@ from typing import Any
 
 def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
     """``train_worker(args)``, with rank ``args["slow_rank"]``'s loader sleeping ``args["sleep_s"]`` per batch."""
+    from detrain.config import make_cfg
     from detrain.engine import trainer
 
     real = trainer.build_train_loader
@@ -34,7 +35,7 @@ def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
         return loader
 
     trainer.build_train_loader = build
-    return trainer.train_worker(args)
+    return trainer.train_worker({**args, "cfg": make_cfg(args["cfg"])})  # the JSON's keys, checked as a command would
 
 
 def _main(argv: list[str]) -> int:

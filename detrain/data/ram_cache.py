@@ -46,7 +46,7 @@ from detrain.errors import DatasetError
 
 SHM_DIR = "/dev/shm"
 SAFETY = 1.25  # keep a quarter of what the cache takes free for everything else the run needs
-DEFAULT_TIMEOUT_S = float(os.environ.get("DETRAIN_CACHE_TIMEOUT", 3600))
+DEFAULT_TIMEOUT_S = 3600.0  # as the prepare_timeout key, which training passes
 PREFIX = "detrain-ram-"
 # a file being filled: detrain-ram-KEY.PID-STARTTICKS.RANDOM.tmp (its owner is readable before its header is)
 _TMP_NAME = re.compile(rf"{PREFIX}[0-9a-zA-Z_-]+\.(\d+)-(\d+)\.[0-9a-f]+\.tmp")
@@ -236,7 +236,7 @@ class RamCache:
             if time.monotonic() > deadline:
                 raise DatasetError(f"timed out after {timeout_s:.0f} s waiting for local rank 0 to fill the RAM image "
                                    f"cache {private_dir.primary_path(directory)}/{name}{refused}; is local rank 0 "
-                                   f"alive? (DETRAIN_CACHE_TIMEOUT sets the wait)")
+                                   f"alive? (prepare_timeout= sets the wait)")
             time.sleep(0.2)
 
     @classmethod

@@ -8,7 +8,7 @@ Timeouts come in two phases:
 
 * start-up (``startup_timeout_s``, default 600 s): joining the group and the first barrier, where
   ranks may legitimately wait for each other to import, build models or cache labels;
-* training (``timeout_s``, default 300 s or ``$DETRAIN_DIST_TIMEOUT_S``): every collective after
+* training (``timeout_s``: the config's ``dist_timeout``; 300 s when not given): every collective after
   ``setup`` returns. A rank that hangs or dies makes its peers' next collective fail within this
   bound, so the elastic launcher can stop the run instead of waiting for torch's 30-minute default.
 
@@ -47,7 +47,6 @@ from detrain.distributed.store_barrier import Absent, StoreBarrier
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
-TIMEOUT_ENV = "DETRAIN_DIST_TIMEOUT_S"
 DEVICE_ENV = "DETRAIN_DEVICE"  # set by detrain.distributed.launch for each worker: "cpu", "cuda:1", "mps"
 
 P = ParamSpec("P")
@@ -108,7 +107,7 @@ def setup(
     device = _pick_device(local)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     restarts = env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if world <= 1:
         _info = DistInfo(0, 0, 1, 1, device, None, timeout, restarts)

@@ -118,10 +118,10 @@ class RunTrace:
 def start(save_dir: str | Path, cfg: Cfg, device: torch.device, *, first_epoch: int, step: int,
           resumed_from: str | None, datasets: Iterable[Any]) -> RunTrace:
     """Gather the world's layout (every rank calls this) and record the start on rank 0 (see the module)."""
-    trace = RunTrace(save_dir, dist.is_main(), cfg.epochs, first_epoch, gather_layout(device))
+    trace = RunTrace(save_dir, dist.is_main(), cfg.train.epochs, first_epoch, gather_layout(device))
     trace.record_start(cfg, step, resumed_from, datasets)
     # listing a large dataset's files for the fingerprint can outlast a training collective's timeout
-    dist.barrier("run manifest written", cfg.prepare_timeout)
+    dist.barrier("run manifest written", cfg.distributed.prepare_timeout)
     return trace
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from detrain.distributed import dist
 from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import model_meta, save_checkpoint
-from detrain.config import Cfg, make_cfg
+from detrain.config import Cfg
 from detrain.data.batch_memory import release_batch
 from detrain.engine import (accumulation, epoch_stats, freeze, optim, pretrained, resume_state, run_trace,
                             time_budget)
@@ -60,35 +60,35 @@ class Trainer:
         self.main = dist.is_main()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or self.world)
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
-        self.planned_world = planned_world_size(cfg.nnodes, self.world, local_world)
-        batch_plan(cfg.batch, cfg.batch, self.world, self.planned_world)
-        self.device = select_device(cfg.device, dist.local_rank())
+        self.planned_world = planned_world_size(cfg.distributed.nnodes, self.world, local_world)
+        batch_plan(cfg.train.batch, cfg.train.batch, self.world, self.planned_world)
+        self.device = select_device(cfg.distributed.device, dist.local_rank())
         if self.device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
             torch.set_num_threads(cpu_threads_per_worker(local_world))
         # rank 0 decides (other nodes may not know the folder the launching node picked)
         save_dir = dist.broadcast_object(
-            str(save_dir or increment_run_dir(cfg.project, cfg.name, "train", cfg.exist_ok)) if self.main else None)
+            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "train", cfg.output.exist_ok)) if self.main else None)
         self.save_dir = Path(save_dir)
         self.wdir = self.save_dir / "weights"
-        self.mid = MidEpoch(cfg.save_interval, cfg.save, self.wdir, self.device)  # save_interval: mid.pt
+        self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device)  # save_interval: mid.pt
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
         cfg = self.cfg
-        seed_everything(cfg.seed + self.rank, cfg.deterministic)
-        self.data = load_split(cfg.data, "train", cfg)
-        self.val_data = load_split(cfg.data, "val", cfg)
+        seed_everything(cfg.train.seed + self.rank, cfg.train.deterministic)
+        self.data = load_split(cfg.inputs.data, "train", cfg)
+        self.val_data = load_split(cfg.inputs.data, "val", cfg)
         self.nc, self.names = self.data.nc, self.data.names
-        model, ckpt = build_model(cfg.model, nc=self.nc, names=self.names, verbose=self.main,
-                                  weights_sha256=cfg.weights_sha256)
+        model, ckpt = build_model(cfg.inputs.model, nc=self.nc, names=self.names, verbose=self.main,
+                                  weights_sha256=cfg.inputs.weights_sha256)
         # the recipe: optimizer=auto's choice, and from it how many images an update gathers (nbs=auto)
         total_iters = optim.planned_updates(cfg, len(self.data.records))
         opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
-        self.plan = batch_plan(cfg.batch, optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
+        self.plan = batch_plan(cfg.train.batch, optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
                                self.world, self.planned_world)
         if self.resume_ckpt is None:  # pretrained=: a fresh init, or a file's matching layers (pretrained.py)
             model = pretrained.start_weights(model, cfg, verbose=self.main)
-        frozen = freeze.freeze_layers(model, cfg.freeze, verbose=self.main)  # before the optimizer and DDP see them
+        frozen = freeze.freeze_layers(model, cfg.train.freeze, verbose=self.main)  # before the optimizer and DDP see them
         if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
             model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
         self.model = model.to(self.device)
@@ -99,12 +99,12 @@ class Trainer:
             self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
             self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
         if self.world > 1:
-            if cfg.sync_bn and self.device.type == "cpu":
+            if cfg.distributed.sync_bn and self.device.type == "cpu":
                 # torch's SyncBatchNorm (and DDP with it) runs on GPUs only; gloo CPU workers sync through ours
                 from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
 
                 self.model = convert_sync_batchnorm_cpu(self.model)
-            elif cfg.sync_bn:
+            elif cfg.distributed.sync_bn:
                 self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
             ids = [self.device.index] if self.device.type == "cuda" else None
             # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights
@@ -120,15 +120,15 @@ class Trainer:
                                                self.plan.planned_world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
-        self.val_loader = build_val_loader(self.val_data, cfg, cfg.batch, self.rank, self.world)
+        self.val_loader = build_val_loader(self.val_data, cfg, cfg.train.batch, self.rank, self.world)
         # cache=ram is filled per node: the first step's collectives must not start the short training timeout
         # on a node that is still filling
-        dist.barrier("training data ready on every node", cfg.prepare_timeout)
+        dist.barrier("training data ready on every node", cfg.distributed.prepare_timeout)
         self.nb = len(self.train_loader)
         # a run shorter than one planned update still steps (weight decay keeps the planned scaling)
-        self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.epochs)
+        self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.train.epochs)
         # as planned, whatever the world now; per image as given for nbs images
-        weight_decay = cfg.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
+        weight_decay = cfg.train.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
             unwrap(self.model), cfg, self.nc, total_iters, weight_decay)
         first = self.optimizer.param_groups[0]
@@ -136,12 +136,12 @@ class Trainer:
         self.lf = optim.lr_lambda(cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
         self.amp_dtype = None
-        if cfg.amp and self.device.type == "cuda":
+        if cfg.train.amp and self.device.type == "cuda":
             self.amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         bare = unwrap(self.model)
         self.criterion = DetectionLoss(
-            nc=self.nc, strides=bare.stride, reg_max=bare.reg_max, box=cfg.box, cls=cfg.cls, dfl=cfg.dfl,
+            nc=self.nc, strides=bare.stride, reg_max=bare.reg_max, box=cfg.loss.box, cls=cfg.loss.cls, dfl=cfg.loss.dfl,
             normalizer_reduce=dist.all_reduce_sum if self.world > 1 else None, world_size=self.world)
         self.start_epoch, self.best_fitness = 0, None
         self.last_update = -1  # global batch index of the last optimizer update
@@ -176,8 +176,8 @@ class Trainer:
         rng = ckpt.get("rng_per_rank", {}).get(str(self.rank)) or ckpt.get("rng")
         if rng:
             set_rng_state(rng)
-        if self.start_epoch >= self.cfg.epochs and self.main:
-            console.print(f"{self.cfg.resume}: training already finished {self.cfg.epochs} epochs; nothing to resume")
+        if self.start_epoch >= self.cfg.train.epochs and self.main:
+            console.print(f"{self.cfg.train.resume}: training already finished {self.cfg.train.epochs} epochs; nothing to resume")
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
@@ -195,28 +195,28 @@ class Trainer:
         if self.main:
             self.wdir.mkdir(parents=True, exist_ok=True)
             save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
-            console.print(f"training {cfg.model} on {cfg.data} for {cfg.epochs} epochs; results in {self.save_dir}")
+            console.print(f"training {cfg.inputs.model} on {cfg.inputs.data} for {cfg.train.epochs} epochs; results in {self.save_dir}")
         self.trace = run_trace.start(self.save_dir, cfg, self.device, first_epoch=self.start_epoch,
                                      step=self.start_epoch * self.nb, datasets=(self.data, self.val_data),
-                                     resumed_from=str(cfg.resume) if self.resume_ckpt is not None else None)
+                                     resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None)
         self.monitor = EpochMonitor(unwrap(self.model), self.device)
         csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
-        tb = TensorBoard(self.save_dir, cfg.tensorboard and self.main)
+        tb = TensorBoard(self.save_dir, cfg.output.tensorboard and self.main)
         n_warmup = optim.warmup_iterations(cfg, self.nb)
         self.epochs_without_improvement = getattr(self, "epochs_without_improvement", 0)
         metrics: dict[str, Any] = {}
         start: dict[str, Any] = {}
-        if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.val:
+        if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.train.val:
             # fine-tuning: score the starting weights, so the final mAP can be read against them
             start = self._validate(-1)
             if self.main:
                 console.print(f"starting weights: mAP50 {start['map50']:.4f}  mAP50-95 {start['map']:.4f}")
         self.callbacks.fire("on_train_start", self, self.start_epoch)
         self.optimizer.zero_grad(set_to_none=True)
-        self.budget = time_budget.TimeBudget(cfg.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0) \
-            if cfg.time else None
+        self.budget = time_budget.TimeBudget(cfg.train.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0) \
+            if cfg.train.time else None
         epoch = self.start_epoch
-        while epoch < cfg.epochs:  # time= re-plans cfg.epochs after every epoch
+        while epoch < cfg.train.epochs:  # time= re-plans cfg.train.epochs after every epoch
             _test_kill_hook(epoch, self.rank)
             self.callbacks.fire("on_train_epoch_start", self, epoch + 1)
             t0 = time.perf_counter()
@@ -225,10 +225,10 @@ class Trainer:
             _set_sampler_epoch(self.train_loader, epoch)
             if self.budget is not None:
                 time_budget.close_mosaic_when_due(self.train_loader.dataset, cfg, epoch, self.main)
-            elif cfg.close_mosaic and epoch == cfg.epochs - cfg.close_mosaic and self.main:
-                console.print(f"closing mosaic for the last {cfg.close_mosaic} epochs")
+            elif cfg.train.close_mosaic and epoch == cfg.train.epochs - cfg.train.close_mosaic and self.main:
+                console.print(f"closing mosaic for the last {cfg.train.close_mosaic} epochs")
             self.model.train()
-            progress = EpochProgress(epoch, cfg.epochs, self.nb, LOSS_NAMES) if self.main else None
+            progress = EpochProgress(epoch, cfg.train.epochs, self.nb, LOSS_NAMES) if self.main else None
             first, mean_items, n_images = self.mid.begin_epoch(self.train_loader)  # (0, zeros, 0) but after mid.pt
             step_times: list[float] = []
             for i, batch in enumerate(self.monitor.timed(self.train_loader), first):
@@ -250,7 +250,7 @@ class Trainer:
                 items = dist.reduce_mean(items.detach())
                 mean_items = (mean_items * i + items) / (i + 1)
                 n_images += int(batch["img"].shape[0])
-                if self.main and cfg.plots and epoch == self.start_epoch and i < 3:
+                if self.main and cfg.output.plots and epoch == self.start_epoch and i < 3:
                     plot_train_batch(batch, self.names, self.save_dir / f"train_batch{i}.jpg")
                 step_times.append(time.perf_counter() - ts)
                 if progress is not None:
@@ -270,8 +270,8 @@ class Trainer:
             losses = {f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())}
             lr_columns = {f"lr/pg{j}": lr for j, lr in enumerate(lrs)}
             self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {**losses, **lr_columns})
-            final = epoch + 1 == cfg.epochs
-            if cfg.val or final:
+            final = epoch + 1 == cfg.train.epochs
+            if cfg.train.val or final:
                 metrics = self._validate(epoch)
             fitness = float(metrics.get("fitness", -float(mean_items.sum()))) if metrics else -float(mean_items.sum())
             improved = self.best_fitness is None or fitness > self.best_fitness
@@ -280,14 +280,14 @@ class Trainer:
                 self.epochs_without_improvement = 0
             else:
                 self.epochs_without_improvement += 1
-            stop = bool(dist.agree(cfg.patience > 0 and self.epochs_without_improvement >= cfg.patience))
+            stop = bool(dist.agree(cfg.train.patience > 0 and self.epochs_without_improvement >= cfg.train.patience))
             if self.budget is not None:  # time=: as many epochs as fit, the lr schedule refitted to them
                 self._fit_to_time(epoch)
                 cfg, n_warmup = self.cfg, optim.warmup_iterations(self.cfg, self.nb)
-                if epoch + 1 == cfg.epochs and not metrics:  # val=false still scores the last epoch as now planned
+                if epoch + 1 == cfg.train.epochs and not metrics:  # val=false still scores the last epoch as now planned
                     metrics = self._validate(epoch)
             row = {"epoch": epoch + 1, **losses, **_metric_columns(metrics), **lr_columns, **speed}
-            if cfg.save:  # collective: what differs between ranks goes in last.pt too
+            if cfg.output.save:  # collective: what differs between ranks goes in last.pt too
                 self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema)
             if self.main:
                 csv.add(row)
@@ -295,18 +295,18 @@ class Trainer:
                 tb.log(scalars, epoch + 1)
                 self._save(epoch, metrics, improved)
                 self.mid.epoch_done()
-                if cfg.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
+                if cfg.output.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
                     self.callbacks.fire("on_model_save", self, epoch + 1, scalars, improved)
                 shown = "  ".join(f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items()
                                   if k.startswith(("train/", "metrics/")))
-                console.print(f"epoch {epoch + 1}/{cfg.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
+                console.print(f"epoch {epoch + 1}/{cfg.train.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
                               f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
                               f"rank, {epoch_time:.1f} s")
                 self.callbacks.fire("on_fit_epoch_end", self, epoch + 1, scalars, improved)
             dist.barrier("end of epoch")
             if stop:
                 if self.main:
-                    console.print(f"early stop: no improvement in the last {cfg.patience} epochs")
+                    console.print(f"early stop: no improvement in the last {cfg.train.patience} epochs")
                 break
             epoch += 1
         tb.close()
@@ -315,10 +315,10 @@ class Trainer:
         if start:
             result["start_map50"], result["start_map"] = start["map50"], start["map"]
         if self.main:
-            if cfg.plots:
+            if cfg.output.plots:
                 plot_results(self.save_dir)
             if start and metrics:
-                console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {cfg.epochs} (started at "
+                console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {cfg.train.epochs} (started at "
                               f"{start['map']:.4f}); mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})")
             console.print(f"done: {self.save_dir}")
             self.callbacks.fire("on_train_end", self, None, result)
@@ -329,18 +329,18 @@ class Trainer:
         """Re-plan the run for the epochs that fit in ``time`` (rank 0's estimate, on every rank): the cfg, the lr
         schedule (ending at lr0 * lrf after the new last epoch) and, through the cfg, warmup and close_mosaic."""
         epochs = self.budget.epochs_that_fit(epoch + 1)
-        if epochs == self.cfg.epochs:
+        if epochs == self.cfg.train.epochs:
             return
         self.cfg = time_budget.replanned(self.cfg, epochs)
         self.lf = optim.lr_lambda(self.cfg)
         self.scheduler = time_budget.rescheduled(self.optimizer, self.lf, epoch + 1)
         if self.main:
-            console.print(f"time={self.cfg.time:g} h: {epochs} epochs fit ({self.budget.spent_s / 3600:.3g} h used)")
+            console.print(f"time={self.cfg.train.time:g} h: {epochs} epochs fit ({self.budget.spent_s / 3600:.3g} h used)")
 
     def _step(self, batch: dict[str, Any], will_step: bool) -> tuple[torch.Tensor, int]:
         imgs = batch["img"].to(self.device, non_blocking=True)
         imgs = imgs.contiguous(memory_format=torch.channels_last).float().div_(255)
-        if self.cfg.multi_scale:
+        if self.cfg.train.multi_scale:
             imgs = self._multi_scale(imgs)
         sync_ctx = self.model.no_sync() if (self.world > 1 and not will_step) else contextlib.nullcontext()
         with sync_ctx:
@@ -355,7 +355,7 @@ class Trainer:
 
     def _multi_scale(self, imgs: torch.Tensor) -> torch.Tensor:
         """A size from 0.5x to 1.5x imgsz, a multiple of 32, chosen on rank 0 and shared."""
-        base = self.cfg.imgsz
+        base = self.cfg.inputs.imgsz
         size = dist.broadcast_object(random.randrange(int(base * 0.5), int(base * 1.5) + 32) // 32 * 32
                                      if self.main else None)
         factor = size / max(imgs.shape[2:])
@@ -366,8 +366,8 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         self.scaler.unscale_(self.optimizer)
-        if self.cfg.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.cfg.clip_grad)
+        if self.cfg.train.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.cfg.train.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -398,7 +398,7 @@ class Trainer:
         """Everything a resumed run needs, after epoch ``epoch`` (0-based); ``pending``: gradients wait for an
         update (averaged over the ranks already) and are saved too."""
         bare = unwrap(self.model)
-        meta = model_meta(bare, self.cfg.imgsz)
+        meta = model_meta(bare, self.cfg.inputs.imgsz)
         return {
             "model": {**meta, "state_dict": _cpu_state(bare)},
             "ema": {"state_dict": _cpu_state(self.ema.ema), "updates": self.ema.updates},
@@ -421,7 +421,7 @@ class Trainer:
         }
 
     def _save(self, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
-        if not self.cfg.save:
+        if not self.cfg.output.save:
             return
         state = self.checkpoint_state(epoch, metrics, self._gradients_wait(epoch))
         save_checkpoint(state, self.wdir / "last.pt")
@@ -429,7 +429,7 @@ class Trainer:
                                                              "rng_per_rank", "buffers_per_rank", "pending_grads")}
         if improved:
             save_checkpoint(light, self.wdir / "best.pt")
-        if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
+        if self.cfg.output.save_period > 0 and (epoch + 1) % self.cfg.output.save_period == 0:
             save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
 
 
@@ -476,9 +476,10 @@ def _test_kill_hook(epoch: int, rank: int) -> None:
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process)."""
-    cfg = make_cfg(args["cfg"])
-    dist.setup(timeout_s=cfg.dist_timeout)
+    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process).
+    ``args["cfg"]``: the Cfg the command checked (pickled to spawned workers), not checked again here."""
+    cfg: Cfg = args["cfg"]
+    dist.setup(timeout_s=cfg.distributed.dist_timeout)
     try:
         # after any restart, rank 0 finds this launch's checkpoint in its save_dir (resume_state.py)
         return Trainer(cfg, args.get("save_dir"), args.get("launch_id"), args.get("callbacks")).train()
