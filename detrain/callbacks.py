@@ -147,7 +147,7 @@ class Callbacks:
             return
         wdir = Path(trainer.wdir)
         last, best = wdir / "last.pt", wdir / "best.pt"
-        info = TrainEvent(event=event, epoch=self.finished if epoch is None else epoch, epochs=trainer.cfg.epochs,
+        info = TrainEvent(event=event, epoch=self.finished if epoch is None else epoch, epochs=trainer.cfg.train.epochs,
                           metrics=MappingProxyType(dict(metrics or {})), save_dir=Path(trainer.save_dir),
                           last=last if last.is_file() else None, best=best if best.is_file() else None,
                           improved=improved, trainer=trainer)

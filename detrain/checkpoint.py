@@ -4,8 +4,11 @@ A detrain checkpoint is a plain dict of tensors, numbers, strings and containers
 ``torch.load(weights_only=True)``: nothing in it can run code. Ultralytics YOLOv8 files are read by the
 restricted unpickler in :mod:`detrain.weights.ultralytics` and converted on the fly.
 
->>> ckpt = load_checkpoint("runs/train/exp/weights/best.pt")   # doctest: +SKIP
->>> model = model_from_checkpoint(ckpt)                        # doctest: +SKIP
+>>> from detrain.nn.model import DetectionModel
+>>> net = DetectionModel(nc=2, names={0: "cat", 1: "dog"})
+>>> path = save_checkpoint({"model": {**model_meta(net, 64), "state_dict": net.state_dict()}, "ema": None}, "best.pt")
+>>> model = model_from_checkpoint(load_checkpoint(path)); model.scale, model.names
+('n', {0: 'cat', 1: 'dog'})
 """
 
 from __future__ import annotations

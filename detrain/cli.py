@@ -17,18 +17,24 @@ import typer
 
 from detrain import __version__
 from detrain.config import COMMAND_KEYS, comments, defaults, make_cfg, parse_cli_args
+from detrain.config_keys import SECTION_OF, TITLES
 from detrain.errors import DetrainError
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 
 
 def _keys_help(command: str) -> str:
-    """The keys a command takes, with their defaults and comments from cfg/default.yaml."""
+    """The keys a command takes, under their sections' headings, with their defaults and help lines (the source
+    of both: detrain/config_keys.py)."""
     notes = comments()
     lines = []
+    section = None
     for key, value in defaults().items():
         if key in COMMAND_KEYS[command]:
-            lines.append(f"{key}={'' if value is None else value}  {notes.get(key, '')}")
+            if SECTION_OF[key] != section:
+                section = SECTION_OF[key]
+                lines.append(f"--- {TITLES[section]} ---")
+            lines.append(f"{key}={'' if value is None else value}  {notes[key]}")
     return "\n\n".join(lines)
 
 
@@ -80,7 +86,7 @@ def export(ctx: typer.Context) -> None:
     from detrain.model import Model
 
     args = _args(ctx)
-    sha256 = make_cfg({"weights_sha256": args.pop("weights_sha256", "")}).weights_sha256
+    sha256 = make_cfg({"weights_sha256": args.pop("weights_sha256", "")}).inputs.weights_sha256
     path = Model(args.pop("model", defaults()["model"]), weights_sha256=sha256).export(**args)
     typer.echo(f"exported {path}")
 
@@ -92,8 +98,8 @@ def info(ctx: typer.Context) -> None:
     from detrain.model import Model
     from detrain.nn.info import print_info
 
-    model = Model(cfg.model, weights_sha256=cfg.weights_sha256)
-    print_info(model.info(imgsz=cfg.imgsz, verbose=False), title=cfg.model, table=cfg.verbose)
+    model = Model(cfg.inputs.model, weights_sha256=cfg.inputs.weights_sha256)
+    print_info(model.info(imgsz=cfg.inputs.imgsz, verbose=False), title=cfg.inputs.model, table=cfg.output.verbose)
 
 
 @app.command()

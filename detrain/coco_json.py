@@ -179,9 +179,15 @@ def evaluate_coco_json(gt_path: str | Path, predictions_path: str | Path, max_de
 
     Class ``k`` of the returned per-class metrics is the k-th category id in ascending order.
 
-    >>> m = evaluate_coco_json("coco8_val_gt_coco.json", "predictions.json")  # doctest: +SKIP
-    >>> m.map  # doctest: +SKIP
-    0.6355788479339713
+    >>> gt = {"images": [{"id": 1, "width": 64, "height": 48, "file_name": "a.png"}],
+    ...       "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 10, 20, 20], "area": 400,
+    ...                        "iscrowd": 0}],
+    ...       "categories": [{"id": 1, "name": "cat"}]}
+    >>> detections = [{"image_id": 1, "category_id": 1, "bbox": [10, 10, 20, 20], "score": 0.9}]
+    >>> for name, content in (("gt.json", gt), ("predictions.json", detections)):
+    ...     _ = Path(name).write_text(json.dumps(content))
+    >>> round(evaluate_coco_json("gt.json", "predictions.json").map, 6)  # the one box found exactly
+    1.0
     """
     _images, gts, categories = load_coco_annotations(gt_path)
     cat_ids = np.array(sorted(c["id"] for c in categories), np.int64)

@@ -134,10 +134,8 @@ def export_onnx(
     is free; the image size is fixed at ``imgsz``. The file appears atomically: a failed export leaves no
     file behind.
 
-    Example:
-        >>> from detrain.nn.model import DetectionModel
-        >>> export_onnx(DetectionModel(scale="n", nc=3), "model.onnx", imgsz=320)   # doctest: +SKIP
-        PosixPath('model.onnx')
+    Example (seconds of tracing, so not run as a test): ``export_onnx(DetectionModel(scale="n", nc=3),
+    "model.onnx", imgsz=320)`` returns ``PosixPath('model.onnx')``.
     """
     out = Path(out_path)
     graph_model, example, (h, w), stride = _graph_model(model, imgsz)
@@ -170,10 +168,8 @@ def export_torchscript(
     without detrain installed. Names, stride and imgsz are in the extra file ``detrain.json``. The file
     appears atomically: a failed export leaves no file behind.
 
-    Example:
-        >>> from detrain.nn.model import DetectionModel
-        >>> export_torchscript(DetectionModel(scale="n", nc=3), "model.torchscript", imgsz=320)  # doctest: +SKIP
-        PosixPath('model.torchscript')
+    Example (seconds of tracing, so not run as a test): ``export_torchscript(DetectionModel(scale="n", nc=3),
+    "model.torchscript", imgsz=320)`` returns ``PosixPath('model.torchscript')``.
     """
     out = Path(out_path)
     graph_model, example, (h, w), stride = _graph_model(model, imgsz)

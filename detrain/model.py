@@ -2,12 +2,15 @@
 
 >>> from detrain import Model
 >>> model = Model("n.yaml")                                   # a fresh YOLOv8n-layout model
->>> metrics = model.train(data="shapes.yaml", epochs=3, imgsz=160, device="cpu")  # doctest: +SKIP
->>> metrics["map50"]                                          # doctest: +SKIP
->>> results = Model("runs/train/exp/weights/best.pt").predict("images/")  # doctest: +SKIP
->>> results[0].boxes, results[0].conf, results[0].cls, results[0].plot()  # doctest: +SKIP
->>> for r in Model("best.pt").predict("clip.mp4", stream=True): ...  # one frame at a time  # doctest: +SKIP
 >>> model.add_callback("on_fit_epoch_end", lambda e: print(e.epoch, e.metrics.get("metrics/mAP50")))
+
+Then (minutes of training, so not run as a test)::
+
+    metrics = model.train(data="shapes.yaml", epochs=3, imgsz=160, device="cpu")
+    metrics["map50"]
+    results = Model("runs/train/exp/weights/best.pt").predict("images/")
+    results[0].boxes, results[0].conf, results[0].cls, results[0].plot()
+    for r in Model("best.pt").predict("clip.mp4", stream=True): ...  # one frame at a time
 """
 
 from __future__ import annotations
@@ -132,8 +135,8 @@ class Model:
         from detrain.nn.info import model_info, print_info
 
         cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose})
-        report = model_info(self.net, cfg.imgsz)
-        if cfg.verbose:
+        report = model_info(self.net, cfg.inputs.imgsz)
+        if cfg.output.verbose:
             print_info(report, title=self.source)
         return report
 
@@ -144,11 +147,11 @@ class Model:
         from detrain.export import SUFFIXES, export_model
 
         cfg = make_cfg({"model": self.source, **kwargs})
-        suffix = SUFFIXES[cfg.format]
+        suffix = SUFFIXES[cfg.export.format]
         out = Path(self.source).with_suffix(suffix) if is_weights(self.source) else \
-            increment_run_dir(cfg.project, cfg.name, "export", cfg.exist_ok) / f"model{suffix}"
-        return export_model(self.net, out, format=cfg.format, imgsz=cfg.imgsz, opset=cfg.opset,
-                            dynamic_batch=cfg.dynamic)
+            increment_run_dir(cfg.output.project, cfg.output.name, "export", cfg.output.exist_ok) / f"model{suffix}"
+        return export_model(self.net, out, format=cfg.export.format, imgsz=cfg.inputs.imgsz, opset=cfg.export.opset,
+                            dynamic_batch=cfg.export.dynamic)
 
     def __repr__(self) -> str:
         return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"

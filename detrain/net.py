@@ -87,9 +87,8 @@ _OPENER = urllib.request.build_opener(SafeRedirects)  # replaces urllib's own re
 def open_url(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> Any:
     """``urlopen(url)`` with :class:`SafeRedirects`; raises ``urllib.error.URLError`` (or a subclass) on failure.
 
-    Example:
-        >>> with open_url("https://example.com/a.zip", 30.0) as response:  # doctest: +SKIP
-        ...     data = response.read()
+    Example (over the network): ``with open_url("https://example.com/a.zip", 30.0) as response: data =
+    response.read()``.
     """
     return _OPENER.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s)
 

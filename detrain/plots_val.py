@@ -32,8 +32,10 @@ def plot_all(save_dir: str | Path, metrics: DetMetrics, confusion: ConfusionMatr
 
     ``confusion`` is a :class:`ConfusionMatrix` or its (summed) ``matrix``; None skips those two plots.
 
-    >>> plot_all("runs/val", coco_summary(stats, nc), confusion.matrix, {0: "cat"})  # doctest: +SKIP
-    [PosixPath('runs/val/PR_curve.png'), ...]
+    >>> from detrain.metrics import coco_summary
+    >>> [p.name for p in plot_all("val", coco_summary([], nc=1), ConfusionMatrix(1).matrix, {0: "cat"})]
+    ['PR_curve.png', 'F1_curve.png', 'P_curve.png', 'R_curve.png', 'confusion_matrix.png',
+     'confusion_matrix_normalized.png']
     """
     save_dir = Path(save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
@@ -49,7 +51,9 @@ def plot_all(save_dir: str | Path, metrics: DetMetrics, confusion: ConfusionMatr
 def plot_pr_curve(metrics: DetMetrics, names: Names, path: str | Path) -> Path:
     """COCO precision over recall at IoU 0.5 per class (101 recall points) and their mean.
 
-    >>> plot_pr_curve(metrics, ["person", "car"], "PR_curve.png")  # doctest: +SKIP
+    >>> from detrain.metrics import coco_summary
+    >>> plot_pr_curve(coco_summary([], nc=2), ["person", "car"], "PR_curve.png")
+    PosixPath('PR_curve.png')
     """
     fig, ax = _figure()
     x = metrics.recall_grid
@@ -67,7 +71,9 @@ def plot_confidence_curve(metrics: DetMetrics, names: Names, path: str | Path, w
 
     The bold line is the mean over classes; the legend gives its best value and where it lies.
 
-    >>> plot_confidence_curve(metrics, ["person"], "F1_curve.png", "f1")  # doctest: +SKIP
+    >>> from detrain.metrics import coco_summary
+    >>> plot_confidence_curve(coco_summary([], nc=1), ["person"], "F1_curve.png", "f1")
+    PosixPath('F1_curve.png')
     """
     curves = {"f1": (metrics.f1_curve, "F1"), "p": (metrics.p_curve, "Precision"), "r": (metrics.r_curve, "Recall")}
     if which not in curves:
@@ -90,7 +96,8 @@ def plot_confusion_matrix(confusion: ConfusionMatrix | np.ndarray, names: Names,
                           normalize: bool = True) -> Path:
     """Heat map of ``matrix[predicted, true]`` with a background row/column; normalised per true class.
 
-    >>> plot_confusion_matrix(ConfusionMatrix(2), ["a", "b"], "confusion_matrix.png")  # doctest: +SKIP
+    >>> plot_confusion_matrix(ConfusionMatrix(2), ["a", "b"], "confusion_matrix.png")
+    PosixPath('confusion_matrix.png')
     """
     counts = confusion.matrix if isinstance(confusion, ConfusionMatrix) else np.asarray(confusion)
     values = counts / np.maximum(counts.sum(0, keepdims=True), 1) if normalize else counts.astype(np.float64)
@@ -122,8 +129,10 @@ def plot_confusion_matrix(confusion: ConfusionMatrix | np.ndarray, names: Names,
 def plot_results_csv(csv_path: str | Path, path: str | Path | None = None) -> Path:
     """results.png beside ``csv_path``: one small panel per column of results.csv against the epoch.
 
-    >>> plot_results_csv("runs/train/exp/results.csv")  # doctest: +SKIP
-    PosixPath('runs/train/exp/results.png')
+    >>> with open("results.csv", "w", newline="") as f:
+    ...     csv.writer(f).writerows([["epoch", "train/box_loss", "metrics/mAP50"], [1, 1.5, 0.1], [2, 1.2, 0.3]])
+    >>> plot_results_csv("results.csv")
+    PosixPath('results.png')
     """
     csv_path = Path(csv_path)
     with open(csv_path, newline="", encoding="utf-8") as f:
@@ -155,7 +164,8 @@ def plot_images(imgs: np.ndarray, boxes: Sequence[tuple[np.ndarray, np.ndarray, 
     to at most ``max_size`` pixels a side.
 
     >>> plot_images(np.zeros((1, 3, 32, 32), np.uint8), [(np.array([[2., 2, 20, 20]]), np.array([0]), None)],
-    ...             ["cat"], "val_batch0_labels.jpg")  # doctest: +SKIP
+    ...             ["cat"], "val_batch0_labels.jpg")
+    PosixPath('val_batch0_labels.jpg')
     """
     imgs = np.asarray(imgs)[:16]
     n, _, h, w = imgs.shape

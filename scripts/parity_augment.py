@@ -227,7 +227,7 @@ def run_detrain(data_yaml: Path, imgsz: int, batch: int, epochs: int, seed: int,
 
     cfg = make_cfg({"data": str(data_yaml), "imgsz": imgsz, "batch": batch, "workers": 0, "seed": seed,
                     "cache": cache or False})
-    split = load_split(cfg.data, "train", cfg, verbose=False)
+    split = load_split(cfg.inputs.data, "train", cfg, verbose=False)
     loader = build_train_loader(split, cfg, local_batch=batch, rank=0, world=1)
     dataset = loader.dataset
     stats = Stats(len(dataset))
@@ -248,7 +248,7 @@ def validation_detail(data_yaml: Path, imgsz: int, batch: int) -> tuple[float, f
     from detrain.engine.data import build_val_loader, load_split
 
     cfg = make_cfg({"data": str(data_yaml), "imgsz": imgsz, "batch": batch, "workers": 0})
-    loader = build_val_loader(load_split(cfg.data, "val", cfg, verbose=False), cfg, batch, 0, 1)
+    loader = build_val_loader(load_split(cfg.inputs.data, "val", cfg, verbose=False), cfg, batch, 0, 1)
     values = [detail(grey_level(img)) for b in loader for img in b["img"]]
     return float(np.median(values)), float(np.mean(values))
 

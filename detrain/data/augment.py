@@ -1,13 +1,10 @@
-"""Augmentations as plain functions ``(img, labels, rng, **hyp) -> (img, labels)``.
+"""The augmentation settings (:data:`DEFAULT_HYP`, YOLO's keys and defaults), the HSV colour step and the
+letterbox that validation and prediction use.
 
-``img`` is (H, W, 3) uint8 BGR (as cv2 reads it), ``labels`` a :class:`~detrain.data.instances.Labels` with pixel
-boxes, ``rng`` a ``numpy.random.Generator``: all randomness comes from it, so a sample is a function of the
-generator's seed. Keys and defaults are YOLO's (:data:`DEFAULT_HYP`).
-
-The dataset does not chain these one by one: it multiplies the geometry (mosaic placement, affine, flips) into one
-matrix per source image and warps once (``compose.render``), then applies HSV on the output. Each function here
-runs that same code for one step, so it can be tested (and used) on its own. The 4-image mosaic is in
-``mosaic.py``.
+Training does not chain augmentations one by one: ``train_sample.py`` draws every random choice of a sample
+(mosaic placement, affine, flips, mixup, cutmix, HSV gains) from one generator, multiplies the geometry into one
+matrix per source image and warps once (``compose.render``); the HSV gains drawn by :func:`hsv_gains` are then
+applied by :func:`apply_hsv` as the colour step writes the batch.
 """
 
 from __future__ import annotations
@@ -17,9 +14,7 @@ from typing import Any
 import cv2
 import numpy as np
 
-from detrain.data.affine import FILL, flip_matrix, random_affine_matrix, transform_boxes
-from detrain.data.compose import Tile, render
-from detrain.data.instances import Labels
+from detrain.data.affine import FILL
 
 # The augmentation settings and YOLOv8's defaults (close_mosaic: mosaic off for the last N epochs).
 DEFAULT_HYP: dict[str, float] = {
@@ -59,73 +54,6 @@ def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False,
     hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV_FULL)
     cv2.LUT(hsv, lut, dst=hsv)
     return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB_FULL if to_rgb else cv2.COLOR_HSV2BGR_FULL, dst=dst)
-
-
-def random_hsv(img: np.ndarray, labels: Labels, rng: np.random.Generator, hsv_h: float = 0.015,
-               hsv_s: float = 0.7, hsv_v: float = 0.4) -> tuple[np.ndarray, Labels]:
-    """Random hue/saturation/value jitter; boxes unchanged.
-
-    >>> img = np.full((8, 8, 3), (40, 90, 200), np.uint8)
-    >>> out, _ = random_hsv(img, Labels.empty(), np.random.default_rng(0))
-    >>> out.shape, out.dtype
-    ((8, 8, 3), dtype('uint8'))
-    """
-    return apply_hsv(img, hsv_gains(rng, hsv_h, hsv_s, hsv_v)), labels
-
-
-def flip(img: np.ndarray, labels: Labels, lr: bool, ud: bool) -> tuple[np.ndarray, Labels]:
-    """Mirror left-right and/or up-down, boxes with it."""
-    h, w = img.shape[:2]
-    if lr:
-        img = img[:, ::-1]
-    if ud:
-        img = img[::-1]
-    boxes = transform_boxes(labels.boxes_xyxy, flip_matrix(w, h, lr, ud))
-    return np.ascontiguousarray(img), Labels(labels.cls, boxes)
-
-
-def random_flip(img: np.ndarray, labels: Labels, rng: np.random.Generator, fliplr: float = 0.5,
-                flipud: float = 0.0) -> tuple[np.ndarray, Labels]:
-    """Left-right flip with probability ``fliplr``, up-down with ``flipud`` (drawn in that order).
-
-    >>> img = np.zeros((4, 10, 3), np.uint8)
-    >>> _, out = random_flip(img, Labels([0], [[0, 0, 2, 4]]), np.random.default_rng(0), fliplr=1.0)
-    >>> out.boxes_xyxy.tolist()
-    [[8.0, 0.0, 10.0, 4.0]]
-    """
-    lr, ud = rng.random() < fliplr, rng.random() < flipud
-    return flip(img, labels, lr, ud)
-
-
-def random_affine(img: np.ndarray, labels: Labels, rng: np.random.Generator, degrees: float = 0.0,
-                  translate: float = 0.1, scale: float = 0.5, shear: float = 0.0, perspective: float = 0.0,
-                  out_hw: tuple[int, int] | None = None) -> tuple[np.ndarray, Labels]:
-    """YOLO's random perspective (rotation, translation, scale, shear, perspective) around the image centre, into
-    an ``out_hw`` image (default: the input's size). Boxes are transformed, clipped and filtered by the candidate
-    rule (``affine.box_candidates``).
-
-    >>> img = np.zeros((64, 64, 3), np.uint8)
-    >>> out, lab = random_affine(img, Labels([1], [[8, 8, 40, 40]]), np.random.default_rng(0), degrees=10)
-    >>> out.shape, len(lab)
-    ((64, 64, 3), 1)
-    """
-    h, w = img.shape[:2]
-    out_h, out_w = out_hw or (h, w)
-    m, s = random_affine_matrix(rng, (w / 2, h / 2), (out_w, out_h), degrees, translate, scale, shear, perspective)
-    return render([Tile(img, (w, h), (0, 0), labels)], (w, h), m, (out_w, out_h), s)
-
-
-def mixup(img: np.ndarray, labels: Labels, img2: np.ndarray, labels2: Labels,
-          rng: np.random.Generator) -> tuple[np.ndarray, Labels]:
-    """Blend two same-size training images with a ratio ~ Beta(32, 32); the labels of both are kept.
-
-    >>> a, b = np.zeros((2, 2, 3), np.uint8), np.full((2, 2, 3), 200, np.uint8)
-    >>> out, lab = mixup(a, Labels([0], [[0, 0, 1, 1]]), b, Labels([1], [[1, 1, 2, 2]]), np.random.default_rng(0))
-    >>> 60 < int(out[0, 0, 0]) < 140, lab.cls.tolist()
-    (True, [0, 1])
-    """
-    r = float(rng.beta(MIXUP_BETA, MIXUP_BETA))
-    return cv2.addWeighted(img, r, img2, 1.0 - r, 0.0), Labels.concat([labels, labels2])
 
 
 def letterbox(img: np.ndarray, new_shape: int | tuple[int, int] = (640, 640), auto: bool = False,

@@ -9,15 +9,14 @@ bring no box is not pasted. Without a free rectangle the sample stays as it is.
 
 All draws (:func:`cutmix_areas` and the ``pick`` in [0, 1)) happen before anything is rendered, so a training
 sample stays a function of its (seed, epoch, index) generator: which rectangle is free is known only once the
-sample's boxes are, and ``pick`` chooses among the free ones then (:func:`choose_area`).
+sample's boxes are, and ``pick`` chooses among the free ones then (:func:`choose_area`). ``train_sample.py``
+plans the draws and renders only the chosen rectangle of the partner before :func:`paste` writes it in.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from detrain.data.affine import translation
-from detrain.data.compose import Tile, render
 from detrain.data.instances import Labels
 
 CUTMIX_AREAS = 3  # candidate rectangles per sample
@@ -74,22 +73,3 @@ def paste(img: np.ndarray, labels: Labels, area: tuple[int, int, int, int], patc
     x1, y1, x2, y2 = area
     img[y1:y2, x1:x2] = patch
     return img, Labels.concat([labels, patch_labels.scaled(1.0, 1.0, x1, y1)])
-
-
-def cutmix(img: np.ndarray, labels: Labels, img2: np.ndarray, labels2: Labels,
-           rng: np.random.Generator) -> tuple[np.ndarray, Labels]:
-    """CutMix of two same-size training images (BGR, pixel boxes): the dataset's rule on finished images.
-
-    >>> a, b = np.zeros((64, 64, 3), np.uint8), np.full((64, 64, 3), 200, np.uint8)
-    >>> out, lab = cutmix(a, Labels.empty(), b, Labels([1], [[0, 0, 64, 64]]), np.random.default_rng(1))
-    >>> int(out.max()), lab.cls.tolist()
-    (200, [1])
-    """
-    h, w = img.shape[:2]
-    areas, pick = cutmix_areas(rng, w, h), float(rng.random())
-    area = choose_area(areas, labels.boxes_xyxy, pick)
-    if area is None:
-        return img, labels
-    x1, y1, x2, y2 = area
-    patch, inside = render([Tile(img2, (w, h), (0, 0), labels2)], (w, h), translation(-x1, -y1), (x2 - x1, y2 - y1))
-    return paste(img.copy(), labels, area, patch, inside)

@@ -120,9 +120,12 @@ class DetectionDataset(Dataset):
     in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly);
     ``cache_timeout_s``: how long the other local ranks wait for local rank 0 to fill the RAM cache.
 
-    >>> ds = DetectionDataset(records, imgsz=640, augment=False, hyp={}, rect=True, batch_size=8)  # doctest: +SKIP
-    >>> sample = ds[0]; sample["img"].shape, sample["ratio_pad"]  # doctest: +SKIP
-    (torch.Size([3, 480, 640]), ((1.0, 1.0), (0, 0)))
+    >>> from detrain.data.labels import LabelRecord
+    >>> _ = cv2.imwrite("a.png", np.zeros((48, 64, 3), np.uint8))
+    >>> records = [LabelRecord("a.png", (48, 64), np.array([1]), np.array([[0.5, 0.5, 0.25, 0.5]], np.float32))]
+    >>> ds = DetectionDataset(records, imgsz=64, augment=False, rect=True, batch_size=1)
+    >>> sample = ds[0]; sample["img"].shape, sample["ratio_pad"], sample["cls"].tolist()
+    (torch.Size([3, 64, 96]), ((1.0, 1.0), (16, 8)), [[1.0]])
     """
 
     def __init__(

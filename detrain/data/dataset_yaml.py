@@ -5,10 +5,16 @@ image paths, a COCO annotation `.json`, or a list of those), `names` (list or {i
 optional `download` (a URL, {url, dir, sha256}, or a list of those). A yaml with `synthetic: shapes` is the
 built-in generated set. Label files sit where `img2label_path` says: `.../images/...` -> `.../labels/...txt`.
 
-Example:
-    >>> info = load_dataset_yaml("coco8.yaml")  # doctest: +SKIP
-    >>> len(info.train), info.names[0]  # doctest: +SKIP
-    (4, 'person')
+Example (a dataset of one image per split, in the current folder):
+    >>> import pathlib, cv2, numpy as np
+    >>> for split in ("train", "val"):
+    ...     pathlib.Path(f"toy/images/{split}").mkdir(parents=True)
+    ...     _ = cv2.imwrite(f"toy/images/{split}/a.png", np.zeros((48, 64, 3), np.uint8))
+    >>> toy = {"path": "toy", "train": "images/train", "val": "images/val", "names": ["cat", "dog"]}
+    >>> _ = pathlib.Path("toy.yaml").write_text(yaml.safe_dump(toy))
+    >>> info = load_dataset_yaml("toy.yaml")
+    >>> len(info.train), info.nc, info.names
+    (1, 2, {0: 'cat', 1: 'dog'})
 """
 
 from __future__ import annotations
@@ -50,11 +56,6 @@ class DatasetInfo:
 
     `coco_json` maps a split to its COCO annotation file when one is known (the split was given as a
     `.json`, or `<path>/annotations/instances_<split folder>.json` exists), for exact COCO evaluation.
-
-    Example:
-        >>> info = load_dataset_yaml("shapes.yaml")  # doctest: +SKIP
-        >>> info.nc, info.names  # doctest: +SKIP
-        (3, {0: 'circle', 1: 'rectangle', 2: 'triangle'})
     """
 
     yaml_file: Path
@@ -72,8 +73,8 @@ def datasets_dir() -> Path:
     """Where bundled datasets are downloaded or generated: `$DETRAIN_DATASETS_DIR`, else ~/.cache/detrain/datasets.
 
     Example:
-        >>> datasets_dir().name  # doctest: +SKIP
-        'datasets'
+        >>> datasets_dir().relative_to(Path.home()).as_posix()  # without $DETRAIN_DATASETS_DIR
+        '.cache/detrain/datasets'
     """
     env = os.environ.get("DETRAIN_DATASETS_DIR")
     return Path(env).expanduser().absolute() if env else Path.home() / ".cache" / "detrain" / "datasets"
@@ -103,10 +104,11 @@ def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download:
     generated once into `cache_dir` (default `datasets_dir()`). `limits` caps what `download:` may fetch
     (default: :class:`DownloadLimits`'s).
 
-    Example:
-        >>> info = load_dataset_yaml("shapes.yaml")  # doctest: +SKIP
-        >>> len(info.train), len(info.val)  # doctest: +SKIP
-        (256, 64)
+    Example (a bundled dataset not downloaded yet, with downloading off):
+        >>> load_dataset_yaml("coco8.yaml", download=False)
+        Traceback (most recent call last):
+        ...
+        detrain.errors.DatasetError: .../coco8.yaml: .../coco8/images/train does not exist and downloading is off; ...
     """
     yaml_file, bundled = find_dataset_yaml(data)
     raw = _read_yaml(yaml_file)

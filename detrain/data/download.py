@@ -13,9 +13,8 @@ extract into a fresh temporary folder, and only then put the result in place:
 
 A marker file inside the target records which URLs are done, so a second call is a no-op.
 
-Example:
-    >>> from detrain.data.download import download_dataset
-    >>> download_dataset("https://example.com/coco8.zip", "~/.cache/detrain/datasets/coco8")  # doctest: +SKIP
+Example (over the network, so not run as a test): ``download_dataset("https://example.com/coco8.zip",
+"~/.cache/detrain/datasets/coco8")``.
 """
 
 from __future__ import annotations
@@ -150,9 +149,8 @@ def download_dataset(
     must have; `inside` is a folder that `dest_dir`, symlinks resolved, must lie in. Failures leave no
     partial folder and no temporary file behind and raise `DatasetError`.
 
-    Example:
-        >>> download_dataset(["https://example.com/a.zip"], "/data/a", progress=False)  # doctest: +SKIP
-        PosixPath('/data/a')
+    Example (over the network): ``download_dataset(["https://example.com/a.zip"], "/data/a", progress=False)``
+    returns ``PosixPath('/data/a')``.
     """
     urls = [url_or_urls] if isinstance(url_or_urls, str) else list(url_or_urls)
     if sha256 is not None and len(urls) != 1:

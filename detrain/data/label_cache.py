@@ -3,9 +3,10 @@ read-only dataset, under `~/.cache/detrain/labels`. It carries a hash of the fil
 mtime and `nc`, so any change to the dataset rebuilds it; it is written atomically, and the other ranks of a
 node wait for the one their first process writes.
 
-Example:
-    >>> path = default_cache_path(["/data/labels/train/a.txt"])  # doctest: +SKIP
-    >>> read_cache(path, dataset_hash(["/data/images/train/a.jpg"], ["/data/labels/train/a.txt"], 80))  # doctest: +SKIP
+Example (no cache written yet: None, the labels are verified):
+    >>> path = default_cache_path(["data/labels/train/a.txt"])
+    >>> read_cache(path, dataset_hash(["data/images/train/a.jpg"], ["data/labels/train/a.txt"], 80)) is None
+    True
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def default_cache_path(label_files: list[str]) -> Path:
     parent is missing or read-only, e.g. a dataset on a shared read-only mount.
 
     Example:
-        >>> str(default_cache_path(["/tmp/labels/train/a.txt"]))  # doctest: +SKIP
-        '/tmp/labels/train.cache'
+        >>> os.makedirs("data/labels/train")
+        >>> default_cache_path(["data/labels/train/a.txt"]).as_posix()
+        'data/labels/train.cache'
+        >>> default_cache_path(["/no/such/labels/train/a.txt"]).relative_to(Path.home()).parent.as_posix()
+        '.cache/detrain/labels'
     """
     label_dir = Path(label_files[0]).parent if label_files else Path("labels")
     beside = label_dir.parent / f"{label_dir.name}.cache"
@@ -77,7 +81,10 @@ def wait_for_cache(path: str | Path, timeout_s: float, expected_hash: str | None
     Raises `DatasetError` naming the file after `timeout_s`. Used by the non-building ranks of a node.
 
     Example:
-        >>> wait_for_cache("/data/labels/train.cache", timeout_s=600)  # doctest: +SKIP
+        >>> wait_for_cache("data/labels/train.cache", timeout_s=0)
+        Traceback (most recent call last):
+        ...
+        detrain.errors.DatasetError: timed out after 0s waiting for the label cache data/labels/train.cache ...
     """
     path = Path(path)
     deadline = time.monotonic() + timeout_s

@@ -6,8 +6,11 @@ cheaper but gives neither the exact size after EXIF rotation nor certainty that 
 both are what the data loader relies on. JPEGs without their end marker get a closer look (see `_check_jpeg`).
 
 Example:
-    >>> verify_one("/data/images/train/a.jpg", "/data/labels/train/a.txt", nc=80).status  # doctest: +SKIP
-    'found'
+    >>> _ = cv2.imwrite("a.png", np.zeros((48, 64, 3), np.uint8))
+    >>> with open("a.txt", "w") as f:
+    ...     _ = f.write("1 0.5 0.5 0.25 0.5")  # class x y w h, normalised
+    >>> check = verify_one("a.png", "a.txt", nc=80); check.status, check.shape_hw, check.cls.tolist()
+    ('found', (48, 64), [1])
 """
 
 from __future__ import annotations

@@ -7,10 +7,8 @@ an `.npz` read with `allow_pickle=False`) carries a hash of the file list, every
 This module ties the parts together: the checks of each file are in :mod:`detrain.data.label_check`, the cache
 in :mod:`detrain.data.label_cache`, the records and report in :mod:`detrain.data.label_record`.
 
-Example:
-    >>> records, report = load_labels(info.train, nc=len(info.names))  # doctest: +SKIP
-    >>> print(report.summary("train"))  # doctest: +SKIP
-    train: 128 images, 126 with labels, 2 missing, 0 empty, 0 corrupt (cache: .../labels/train2017.cache)
+A dataset's verification (:func:`load_labels`) ends in one line of its report, e.g. ``train: 128 images, 126 with
+labels, 2 missing, 0 empty, 0 corrupt (cache: .../labels/train2017.cache)``.
 """
 
 from __future__ import annotations
@@ -68,10 +66,19 @@ def load_labels(
     written atomically after verifying. Under DDP let local rank 0 call with `build=True` and the other
     ranks with `build=False`: they wait (up to `timeout_s`) for the cache the lead writes, then load it.
 
-    Example:
-        >>> records, report = load_labels(["/data/images/train/a.jpg"], nc=80, progress=False)  # doctest: +SKIP
-        >>> report.summary("train")  # doctest: +SKIP
-        'train: 1 images, 1 with labels, 0 missing, 0 empty, 0 corrupt (cache: /data/labels/train.cache)'
+    Example (two images, one of them labelled):
+        >>> import cv2
+        >>> for folder in ("data/images/train", "data/labels/train"):
+        ...     os.makedirs(folder)
+        >>> for name in ("a", "b"):
+        ...     _ = cv2.imwrite(f"data/images/train/{name}.png", np.zeros((48, 64, 3), np.uint8))
+        >>> with open("data/labels/train/a.txt", "w") as f:
+        ...     _ = f.write("1 0.5 0.5 0.25 0.5")  # class x y w h, normalised
+        >>> records, report = load_labels(["data/images/train/a.png", "data/images/train/b.png"], nc=2, progress=False)
+        >>> report.summary("train")
+        'train: 2 images, 1 with labels, 1 missing, 0 empty, 0 corrupt (cache: data/labels/train.cache)'
+        >>> [r.cls.tolist() for r in records]
+        [[1], []]
     """
     if isinstance(nc, bool) or not isinstance(nc, (int, np.integer)) or nc < 1:
         raise DatasetError(f"load_labels: nc={nc!r} is invalid; it must be a positive integer")

@@ -249,7 +249,9 @@ def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: in
     thread (see the comment in the code: fork safety).
     Call ``loader.batch_sampler.set_epoch(epoch)`` (and ``dataset.set_epoch``) before each epoch.
 
-    >>> loader = build_dataloader(dataset, 8, shuffle=True, workers=2, rank=0, world_size=2)  # doctest: +SKIP
+    >>> data = [torch.tensor(i) for i in range(10)]
+    >>> [b.tolist() for b in build_dataloader(data, 4, shuffle=False, workers=0, rank=1, world_size=2)]
+    [[4, 5, 6, 7], [8, 9]]
     """
     if shuffle or getattr(dataset, "augment", False):
         sampler: Sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world_size, seed, shuffle, drop_last,

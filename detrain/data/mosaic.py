@@ -1,4 +1,5 @@
-"""YOLO's 4-image mosaic, composed with the random affine into one warp per image.
+"""YOLO's 4-image mosaic layout. ``train_sample.py`` plans it and composes it with the random affine into one warp
+per image.
 
 Layout (as YOLOv8): a virtual canvas of 2s x 2s (s = imgsz) with a random centre (xc, yc), each uniform in
 [s/2, 3s/2). The four images (at load size, long side s) touch the centre with a corner: the first to its top-left,
@@ -11,10 +12,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-
-from detrain.data.affine import random_affine_matrix
-from detrain.data.compose import Tile, render
-from detrain.data.instances import Labels
 
 
 def mosaic_origins(rng: np.random.Generator, sizes_wh: Sequence[tuple[int, int]],
@@ -29,28 +26,3 @@ def mosaic_origins(rng: np.random.Generator, sizes_wh: Sequence[tuple[int, int]]
     yc = int(rng.uniform(imgsz / 2, 1.5 * imgsz))
     (w0, h0), (_, h1), (w2, _), _ = sizes_wh
     return [(xc - w0, yc - h0), (xc, yc - h1), (xc - w2, yc), (xc, yc)]
-
-
-def mosaic4(
-    images: Sequence[np.ndarray],
-    labels: Sequence[Labels],
-    rng: np.random.Generator,
-    imgsz: int = 640,
-    degrees: float = 0.0,
-    translate: float = 0.1,
-    scale: float = 0.5,
-    shear: float = 0.0,
-    perspective: float = 0.0,
-) -> tuple[np.ndarray, Labels]:
-    """Four images (BGR, load size) and their labels -> one ``imgsz`` x ``imgsz`` training image and its labels.
-
-    >>> imgs = [np.full((32, 32, 3), 60 * k, np.uint8) for k in range(4)]
-    >>> out, lab = mosaic4(imgs, [Labels([k], [[4, 4, 28, 28]]) for k in range(4)], np.random.default_rng(0), 32)
-    >>> out.shape
-    (32, 32, 3)
-    """
-    sizes = [(im.shape[1], im.shape[0]) for im in images]
-    origins = mosaic_origins(rng, sizes, imgsz)
-    m, s = random_affine_matrix(rng, (imgsz, imgsz), (imgsz, imgsz), degrees, translate, scale, shear, perspective)
-    tiles = [Tile(im, size, origin, lab) for im, size, origin, lab in zip(images, sizes, origins, labels)]
-    return render(tiles, (2 * imgsz, 2 * imgsz), m, (imgsz, imgsz), s)

@@ -16,9 +16,11 @@ dropped, at exit and on SIGINT/SIGTERM (:mod:`detrain.data.owned_files`); mapped
 valid until they close. The file records its owner (pid and start time, :mod:`detrain.data.process_owner`): a run
 killed with SIGKILL leaves its file behind, and the next run's owner removes every file whose owner is gone.
 
->>> cache = RamCache.build("doc", [(2, 2)], lambda i: np.full((2, 2, 3), 7, np.uint8))  # doctest: +SKIP
->>> cache.get(0)[0, 0].tolist()  # doctest: +SKIP
+>>> cache = RamCache.build("doc", [(2, 2)], lambda i: np.full((2, 2, 3), 7, np.uint8))
+RAM cache: 0.00 GB needed for 1 images, ... GB available
+>>> cache.get(0)[0, 0].tolist()
 [7, 7, 7]
+>>> del cache  # its file goes with it
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from detrain.errors import DatasetError
 
 SHM_DIR = "/dev/shm"
 SAFETY = 1.25  # keep a quarter of what the cache takes free for everything else the run needs
-DEFAULT_TIMEOUT_S = float(os.environ.get("DETRAIN_CACHE_TIMEOUT", 3600))
+DEFAULT_TIMEOUT_S = 3600.0  # as the prepare_timeout key, which training passes
 PREFIX = "detrain-ram-"
 # a file being filled: detrain-ram-KEY.PID-STARTTICKS.RANDOM.tmp (its owner is readable before its header is)
 _TMP_NAME = re.compile(rf"{PREFIX}[0-9a-zA-Z_-]+\.(\d+)-(\d+)\.[0-9a-f]+\.tmp")
@@ -234,7 +236,7 @@ class RamCache:
             if time.monotonic() > deadline:
                 raise DatasetError(f"timed out after {timeout_s:.0f} s waiting for local rank 0 to fill the RAM image "
                                    f"cache {private_dir.primary_path(directory)}/{name}{refused}; is local rank 0 "
-                                   f"alive? (DETRAIN_CACHE_TIMEOUT sets the wait)")
+                                   f"alive? (prepare_timeout= sets the wait)")
             time.sleep(0.2)
 
     @classmethod

@@ -8,7 +8,7 @@ Timeouts come in two phases:
 
 * start-up (``startup_timeout_s``, default 600 s): joining the group and the first barrier, where
   ranks may legitimately wait for each other to import, build models or cache labels;
-* training (``timeout_s``, default 300 s or ``$DETRAIN_DIST_TIMEOUT_S``): every collective after
+* training (``timeout_s``: the config's ``dist_timeout``; 300 s when not given): every collective after
   ``setup`` returns. A rank that hangs or dies makes its peers' next collective fail within this
   bound, so the elastic launcher can stop the run instead of waiting for torch's 30-minute default.
 
@@ -47,7 +47,6 @@ from detrain.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
-TIMEOUT_ENV = "DETRAIN_DIST_TIMEOUT_S"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -106,7 +105,7 @@ def setup(
     device = world.device
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+    timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     restarts = world.restart_count
     if not world.distributed:
         _info = DistInfo(0, 0, 1, 1, device, None, timeout, restarts)

@@ -3,8 +3,8 @@ number and waits, at most the timeout, for every rank's mark. gloo's own monitor
 wait (the other ranks wait for rank 0 without end); here every rank's wait is bounded, and a timeout names the
 ranks whose mark is missing.
 
->>> barrier = StoreBarrier.connect("127.0.0.1", 29500, restarts=0, timeout=timedelta(seconds=5))  # doctest: +SKIP
->>> barrier.wait(rank=0, world=2, timeout_s=120)  # doctest: +SKIP
+Usage, on every rank of a world of two (so not run as a test): ``barrier = StoreBarrier.connect("127.0.0.1",
+29500, restarts=0, timeout=timedelta(seconds=5))``, then ``barrier.wait(rank=0, world=2, timeout_s=120)``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,8 +12,6 @@ from detrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
-
-_SCALED_NAME = re.compile(r"^(?:yolov8)?([nsmlx])\.ya?ml$")
 
 
 def increment_run_dir(project: str, name: str, task: str, exist_ok: bool) -> Path:
@@ -68,8 +65,9 @@ def build_model(model: str, nc: int | None = None, names: dict[int, str] | None 
 
 
 def check_model(model: str) -> None:
-    """Raise the error ``build_model`` would raise for a ``model`` that names nothing usable, without building,
-    reading or downloading anything: commands call it before any process starts or any folder is made."""
+    """Raise the error ``build_model`` would raise for a ``model`` that names nothing usable, without building
+    the model or reading or downloading weights (an architecture yaml is read: it says the scale): commands
+    call it before any process starts or any folder is made."""
     if not is_weights(model):
         architecture(model)
         return
@@ -84,14 +82,21 @@ def check_model(model: str) -> None:
 
 
 def architecture(model: str) -> tuple[str, str]:
-    """(architecture yaml, scale letter) of a scale name (n.yaml, yolov8s.yaml: the packaged yaml, unless a
-    file of that name is here) or of an architecture yaml on disk; anything else is a ConfigError."""
+    """(architecture yaml, scale) of a bundled scale name (n.yaml, yolov8s.yaml: the packaged yaml, unless a
+    file of that name is here) or of an architecture yaml on disk; anything else is a ConfigError.
+
+    The scale is the yaml's own ``scale:``, else the one a bundled name implies; a conflict between the two,
+    or a yaml with several ``scales`` that names none, is a ConfigError (see :func:`detrain.nn.model.choose_scale`).
+    """
+    from detrain.nn.model import bundled_scale, choose_scale, load_model_yaml, packaged_architecture
+
     path = Path(model)
-    match = _SCALED_NAME.match(path.name)
-    if match and not path.is_file():
-        return "yolov8.yaml", match.group(1)
+    named = bundled_scale(path)
+    if named and not path.is_file():
+        return str(packaged_architecture()), named
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        return str(path), path.stem[-1] if path.stem[-1:] in "nsmlx" else "n"
+        d, named = load_model_yaml(path)
+        return str(path), choose_scale(d, named, str(path))
     raise ConfigError(
         f"model '{model}' not found; use a scale yaml (n.yaml, s.yaml, m.yaml, l.yaml, x.yaml, yolov8n.yaml), "
         "a path to an architecture yaml, or weights (.pt)"

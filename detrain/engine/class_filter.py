@@ -40,7 +40,7 @@ class ClassFilter:
         """The filter of a ``Cfg`` (none without one)."""
         if cfg is None:
             return cls()
-        return cls(tuple(cfg.classes) if cfg.classes else None, bool(cfg.single_cls))
+        return cls(tuple(cfg.inputs.classes) if cfg.inputs.classes else None, bool(cfg.inputs.single_cls))
 
     @property
     def active(self) -> bool:

@@ -51,12 +51,12 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
     """Resolve ``data`` and verify the labels of ``split`` (train, val or test)."""
     first = dist.local_rank() == 0
     # a download or the labels of a large dataset can take far longer than a training step may
-    wait_s = cfg.prepare_timeout if cfg is not None else PREPARE_TIMEOUT_S
+    wait_s = cfg.distributed.prepare_timeout if cfg is not None else PREPARE_TIMEOUT_S
     if not first:
         dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
     try:
         limits = None if cfg is None else DownloadLimits.from_gb(
-            cfg.download_max_gb, cfg.download_max_unpacked_gb, cfg.download_max_files)
+            cfg.inputs.download_max_gb, cfg.inputs.download_max_unpacked_gb, cfg.inputs.download_max_files)
         info = load_dataset_yaml(data, limits=limits)
         selection = ClassFilter.from_cfg(cfg)
         selection.check(info.names, info.yaml_file)
@@ -81,8 +81,8 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
         console.print(f"{split}: {summary}")
     if not records:
         raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
-    if cfg is not None and split == "train" and cfg.fraction < 1.0:
-        records = records[: max(1, round(len(records) * cfg.fraction))]
+    if cfg is not None and split == "train" and cfg.inputs.fraction < 1.0:
+        records = records[: max(1, round(len(records) * cfg.inputs.fraction))]
     split_data = SplitData(info=info, split=split, records=selection.records(records), ground_truth=ground_truth,
                            class_filter=selection)
     if ground_truth is not None and len(records) != len(ground_truth.images):  # a train fraction
@@ -92,26 +92,26 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
 
 def hyp_of(cfg: Cfg) -> dict[str, Any]:
     """The augmentation settings the dataset takes."""
-    return {k: getattr(cfg, k) for k in HYP_KEYS}
+    return {k: cfg.get(k) for k in HYP_KEYS}
 
 
 def build_train_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int,
                        planned_world: int | None = None) -> DataLoader:
     """Augmented training batches; each rank gets its slice of every global batch (mosaic pools as planned for
     ``planned_world`` ranks)."""
-    dataset = DetectionDataset(data.records, imgsz=cfg.imgsz, augment=True, hyp=hyp_of(cfg), rect=cfg.rect,
-                               batch_size=local_batch, stride=32, seed=cfg.seed, cache=cfg.cache or None,
+    dataset = DetectionDataset(data.records, imgsz=cfg.inputs.imgsz, augment=True, hyp=hyp_of(cfg), rect=cfg.train.rect,
+                               batch_size=local_batch, stride=32, seed=cfg.train.seed, cache=cfg.inputs.cache or None,
                                # time= moves the last epochs: the trainer closes mosaic then (time_budget.py)
-                               close_mosaic_epoch=cfg.epochs - cfg.close_mosaic if cfg.close_mosaic and not cfg.time
+                               close_mosaic_epoch=cfg.train.epochs - cfg.train.close_mosaic if cfg.train.close_mosaic and not cfg.train.time
                                else None,
-                               cache_timeout_s=cfg.prepare_timeout)
-    return build_dataloader(dataset, batch_size=local_batch, shuffle=not cfg.rect, workers=cfg.workers, rank=rank,
-                            world_size=world, seed=cfg.seed, planned_world=planned_world)
+                               cache_timeout_s=cfg.distributed.prepare_timeout)
+    return build_dataloader(dataset, batch_size=local_batch, shuffle=not cfg.train.rect, workers=cfg.distributed.workers, rank=rank,
+                            world_size=world, seed=cfg.train.seed, planned_world=planned_world)
 
 
 def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int) -> DataLoader:
     """Rectangular, unaugmented batches over disjoint shards (no padded duplicates)."""
-    dataset = DetectionDataset(data.records, imgsz=cfg.imgsz, augment=False, hyp=hyp_of(cfg), rect=True,
-                               batch_size=local_batch, stride=32, seed=cfg.seed, cache=None)
-    return build_dataloader(dataset, batch_size=local_batch, shuffle=False, workers=min(cfg.workers, 2) if world > 1
-                            else cfg.workers, rank=rank, world_size=world, seed=cfg.seed)
+    dataset = DetectionDataset(data.records, imgsz=cfg.inputs.imgsz, augment=False, hyp=hyp_of(cfg), rect=True,
+                               batch_size=local_batch, stride=32, seed=cfg.train.seed, cache=None)
+    return build_dataloader(dataset, batch_size=local_batch, shuffle=False, workers=min(cfg.distributed.workers, 2) if world > 1
+                            else cfg.distributed.workers, rank=rank, world_size=world, seed=cfg.train.seed)

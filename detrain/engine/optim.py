@@ -23,7 +23,7 @@ def planned_updates(cfg: Cfg, n_images: int) -> int:
     >>> planned_updates(make_cfg({"epochs": 30}), 400)
     210
     """
-    return math.ceil(n_images / max(cfg.batch, weight_decay_batch(cfg))) * cfg.epochs
+    return math.ceil(n_images / max(cfg.train.batch, weight_decay_batch(cfg))) * cfg.train.epochs
 
 
 def auto_choice(cfg: Cfg, nc: int, updates: int) -> tuple[str, float, float]:
@@ -35,16 +35,16 @@ def auto_choice(cfg: Cfg, nc: int, updates: int) -> tuple[str, float, float]:
     >>> auto_choice(make_cfg(), nc=8, updates=210)
     ('AdamW', 0.000833, 0.9)
     """
-    if cfg.optimizer != "auto":
-        return cfg.optimizer, cfg.lr0, cfg.momentum
+    if cfg.train.optimizer != "auto":
+        return cfg.train.optimizer, cfg.train.lr0, cfg.train.momentum
     if updates > AUTO_LONG_RUN:
-        return "SGD", cfg.lr0, cfg.momentum
+        return "SGD", cfg.train.lr0, cfg.train.momentum
     return "AdamW", round(0.002 * 5 / (4 + nc), 6), 0.9
 
 
 def weight_decay_batch(cfg: Cfg) -> int:
     """The batch ``weight_decay`` is given for: ``nbs``, or 64 with ``nbs=auto``."""
-    return NOMINAL_BATCH if cfg.nbs == "auto" else int(cfg.nbs)
+    return NOMINAL_BATCH if cfg.train.nbs == "auto" else int(cfg.train.nbs)
 
 
 def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
@@ -60,10 +60,10 @@ def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
     >>> images_per_update(make_cfg(), "AdamW", from_weights=False), images_per_update(make_cfg(), "AdamW", True)
     (16, 64)
     """
-    if cfg.nbs != "auto":
-        return int(cfg.nbs)
-    if cfg.optimizer == "auto" and optimizer in ("AdamW", "Adam") and not from_weights:
-        return cfg.batch
+    if cfg.train.nbs != "auto":
+        return int(cfg.train.nbs)
+    if cfg.train.optimizer == "auto" and optimizer in ("AdamW", "Adam") and not from_weights:
+        return cfg.train.batch
     return NOMINAL_BATCH
 
 
@@ -141,8 +141,8 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
 
 def lr_lambda(cfg: Cfg) -> Callable[[float], float]:
     """Multiplier of lr0 at an epoch: linear from 1 to lrf, or cosine with cos_lr."""
-    epochs, lrf = cfg.epochs, cfg.lrf
-    if cfg.cos_lr:
+    epochs, lrf = cfg.train.epochs, cfg.train.lrf
+    if cfg.train.cos_lr:
         return lambda e: ((1 - math.cos(e * math.pi / epochs)) / 2) * (lrf - 1) + 1
     return lambda e: max(1 - e / epochs, 0) * (1.0 - lrf) + lrf
 
@@ -157,7 +157,7 @@ def warmup_iterations(cfg: Cfg, batches_per_epoch: int) -> int:
     >>> [warmup_iterations(make_cfg({"epochs": e, "warmup_epochs": 3.0}), 10) for e in (100, 3, 1)]
     [30, 20, 0]
     """
-    epochs = min(cfg.warmup_epochs, max(cfg.epochs - 1, 0))
+    epochs = min(cfg.train.warmup_epochs, max(cfg.train.epochs - 1, 0))
     return round(epochs * batches_per_epoch) if epochs > 0 else 0
 
 
@@ -177,8 +177,8 @@ def apply_warmup(optimizer: torch.optim.Optimizer, cfg: Cfg, ni: int, n_warmup: 
     xi = [0, n_warmup]
     accumulate = max(1, int(np.interp(ni, xi, [1, accumulate_target]).round()))
     for j, group in enumerate(optimizer.param_groups):
-        start = cfg.warmup_bias_lr if (j == 0 and cfg.optimizer != "auto") else 0.0
+        start = cfg.train.warmup_bias_lr if (j == 0 and cfg.train.optimizer != "auto") else 0.0
         group["lr"] = float(np.interp(ni, xi, [start, lr0 * epoch_factor]))
         if "momentum" in group:
-            group["momentum"] = float(np.interp(ni, xi, [cfg.warmup_momentum, momentum]))
+            group["momentum"] = float(np.interp(ni, xi, [cfg.train.warmup_momentum, momentum]))
     return accumulate

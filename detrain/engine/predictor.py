@@ -10,9 +10,14 @@ stream runs one frame at a time, as frames arrive.
 in memory (the CLI uses it); :func:`predict` returns the list. Both check their arguments before the first
 picture: a bad source, device or ``classes`` raises at once.
 
+>>> import cv2
 >>> from detrain.config import make_cfg
->>> for r in stream_predict(make_cfg({"model": "best.pt", "source": "clip.mp4"})):  # doctest: +SKIP
-...     print(r.frame, r.summary(), r.boxes)
+>>> _ = cv2.imwrite("a.png", np.zeros((48, 64, 3), np.uint8))
+>>> cfg = make_cfg({"model": "n.yaml", "source": "a.png", "imgsz": 64, "device": "cpu", "save": False,
+...                 "verbose": False})
+>>> for r in stream_predict(cfg):  # a video gives one Results per frame, r.frame its number
+...     print(r.path, r.frame, r.orig_shape, r.boxes.shape[1:])
+a.png None (48, 64) (4,)
 """
 
 from __future__ import annotations
@@ -52,21 +57,21 @@ def say(text: str) -> None:
 
 def project_dir(cfg: Cfg) -> Path:
     """The folder predict's run folders go in (``runs/predict`` or ``project``): never read as a source."""
-    return Path(cfg.project) if cfg.project else Path("runs") / "predict"
+    return Path(cfg.output.project) if cfg.output.project else Path("runs") / "predict"
 
 
 def inference_device(cfg: Cfg, note: bool = True) -> tuple[torch.device, bool]:
     """(device, half): the first device ``device`` names (the same rules as train and val: one clear line for a bad
     value); half precision only on CUDA (else a ``note``)."""
-    device = torch.device(parse_device(cfg.device).device_for(0))
+    device = torch.device(parse_device(cfg.distributed.device).device_for(0))
     return device, use_half(cfg, device, note)
 
 
 def use_half(cfg: Cfg, device: torch.device, note: bool = True) -> bool:
     """Whether to predict in half precision on ``device``: ``half=True`` on CUDA only (elsewhere a ``note``)."""
-    if cfg.half and device.type != "cuda" and note:
+    if cfg.predict.half and device.type != "cuda" and note:
         say(f"half=True runs on CUDA only; predicting in float32 on {device.type}")
-    return cfg.half and device.type == "cuda"
+    return cfg.predict.half and device.type == "cuda"
 
 
 def prepare_model(model: nn.Module, device: torch.device, half: bool, copy_first: bool = True) -> nn.Module:
@@ -127,29 +132,29 @@ def infer(net: nn.Module, images: list[np.ndarray], device: torch.device, half: 
 
 def stream_predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None, *, prepared: bool = False,
                    collecting: bool = False, device: torch.device | None = None) -> Generator[Results, None, None]:
-    """Results one picture at a time for ``cfg`` (``source`` overrides ``cfg.source``: a path, a list of them,
-    image arrays). ``model``: a module to use instead of building ``cfg.model`` (copied first unless
+    """Results one picture at a time for ``cfg`` (``source`` overrides ``cfg.predict.source``: a path, a list of them,
+    image arrays). ``model``: a module to use instead of building ``cfg.inputs.model`` (copied first unless
     ``prepared``, see :func:`prepare_model`); ``device``: where it runs, as :func:`inference_device` resolved it
-    (resolved here from ``cfg.device`` when not given). Arguments are checked here; pictures are read as the
+    (resolved here from ``cfg.distributed.device`` when not given). Arguments are checked here; pictures are read as the
     caller asks for results. Outputs go to ``runs/predict/<name>/`` when ``save`` or ``save_txt``."""
     project = project_dir(cfg)
     if device is None:
         device = inference_device(cfg, note=False)[0]  # the same device rules as train and val
     if model is None:
         check_inputs("predict", cfg)
-    src = parse_source(cfg.source if source is None else source, exclude=project)
+    src = parse_source(cfg.predict.source if source is None else source, exclude=project)
     half = use_half(cfg, device)
     if model is None:
-        net = prepare_model(build_model(cfg.model, verbose=False, weights_sha256=cfg.weights_sha256)[0], device, half,
+        net = prepare_model(build_model(cfg.inputs.model, verbose=False, weights_sha256=cfg.inputs.weights_sha256)[0], device, half,
                             copy_first=False)
     else:
         net = model if prepared else prepare_model(model, device, half)
     names = {int(k): str(v) for k, v in dict(getattr(net, "names", {})).items()}
-    check_classes(cfg.classes, names)
+    check_classes(cfg.inputs.classes, names)
     if collecting and any(item.is_video for item in src.items):
         say("note: a video's results all stay in memory until it ends; predict(..., stream=True) gives them one "
             "frame at a time")
-    save_dir = increment_run_dir(cfg.project, cfg.name, "predict", cfg.exist_ok) if cfg.save or cfg.save_txt \
+    save_dir = increment_run_dir(cfg.output.project, cfg.output.name, "predict", cfg.output.exist_ok) if cfg.output.save or cfg.predict.save_txt \
         else None
     return _run(cfg, net, names, src, device, half, save_dir)
 
@@ -161,20 +166,20 @@ def predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None) -> lis
 
 def _run(cfg: Cfg, net: nn.Module, names: dict[int, str], src: Source, device: torch.device, half: bool,
          save_dir: Path | None) -> Generator[Results, None, None]:
-    conf = PREDICT_CONF if cfg.conf is None else cfg.conf
+    conf = PREDICT_CONF if cfg.predict.conf is None else cfg.predict.conf
     stride = max(int(getattr(net, "stride", torch.tensor([32.0])).max()), 32)
-    show: Callable[[str], None] = say if cfg.verbose else (lambda text: None)
+    show: Callable[[str], None] = say if cfg.output.verbose else (lambda text: None)
     if src.skipped:
         first = ", ".join(src.skipped[:3]) + (", ..." if len(src.skipped) > 3 else "")
         say(f"skipped {len(src.skipped)} file(s) that are neither images nor videos: {first}")
     order = {item: i for i, item in enumerate(src.items, 1)}
-    writer = PredictionWriter(save_dir, cfg.save, cfg.save_txt, cfg.save_conf, cfg.line_width) if save_dir else None
+    writer = PredictionWriter(save_dir, cfg.output.save, cfg.predict.save_txt, cfg.predict.save_conf, cfg.predict.line_width) if save_dir else None
     count, seconds, keep = 0, 0.0, False
     try:
-        for batch in batches(read_frames(src, warn=say), cfg.batch, cfg.imgsz, stride):
+        for batch in batches(read_frames(src, warn=say), cfg.train.batch, cfg.inputs.imgsz, stride):
             start = time.perf_counter()
-            dets = infer(net, [img for _, img, _, _ in batch], device, half, conf, cfg.iou, cfg.max_det,
-                         cfg.classes, cfg.agnostic_nms)
+            dets = infer(net, [img for _, img, _, _ in batch], device, half, conf, cfg.predict.iou, cfg.predict.max_det,
+                         cfg.inputs.classes, cfg.predict.agnostic_nms)
             elapsed = time.perf_counter() - start
             seconds += elapsed
             for (frame, _, gain, pad), det in zip(batch, dets):
@@ -189,7 +194,7 @@ def _run(cfg: Cfg, net: nn.Module, names: dict[int, str], src: Source, device: t
                      f"{1000 * elapsed / len(batch):.1f}ms")
                 yield result
         if not count:
-            raise DatasetError(f"source '{shown(str(cfg.source))}': none of its {len(src.items)} image(s) or video(s) "
+            raise DatasetError(f"source '{shown(str(cfg.predict.source))}': none of its {len(src.items)} image(s) or video(s) "
                                "could be read")
         keep = True
     except (KeyboardInterrupt, GeneratorExit):
@@ -198,9 +203,9 @@ def _run(cfg: Cfg, net: nn.Module, names: dict[int, str], src: Source, device: t
     finally:
         if writer is not None:
             writer.close(keep)
-        if count and cfg.verbose:
+        if count and cfg.output.verbose:
             say(f"{count} picture(s), {1000 * seconds / count:.1f}ms each (inference and NMS, batch up to "
-                f"{cfg.batch})")
+                f"{cfg.train.batch})")
         if save_dir is not None and save_dir.exists():
             say(f"results in {save_dir}")
 

@@ -39,7 +39,7 @@ def starts_from_weights(cfg: Cfg) -> bool:
     """
     from detrain.engine.build import is_weights
 
-    return isinstance(cfg.pretrained, str) or (is_weights(cfg.model) and cfg.pretrained is not False)
+    return isinstance(cfg.inputs.pretrained, str) or (is_weights(cfg.inputs.model) and cfg.inputs.pretrained is not False)
 
 
 def check_pretrained(pretrained: bool | str) -> None:
@@ -70,22 +70,22 @@ def transfer(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
 
 
 def start_weights(model: DetectionModel, cfg: Cfg, verbose: bool = True) -> DetectionModel:
-    """The model training starts from, given ``cfg.pretrained`` (see the module's docstring): ``model`` as built
+    """The model training starts from, given ``cfg.inputs.pretrained`` (see the module's docstring): ``model`` as built
     by :func:`detrain.engine.build.build_model`, a fresh one of its architecture, or it with a file's tensors."""
     from detrain.engine.build import is_weights
     from detrain.log import console
 
-    if cfg.pretrained is False and is_weights(cfg.model):
+    if cfg.inputs.pretrained is False and is_weights(cfg.inputs.model):
         from detrain.nn.model import DetectionModel
 
         fresh = DetectionModel(cfg=model.yaml, scale=model.scale, nc=model.nc, names=model.names)
         if verbose:
-            console.print(f"pretrained=false: training the architecture of {cfg.model} from a fresh init")
+            console.print(f"pretrained=false: training the architecture of {cfg.inputs.model} from a fresh init")
         return fresh
-    if isinstance(cfg.pretrained, str):
-        copied, total = load_pretrained(model, cfg.pretrained)
+    if isinstance(cfg.inputs.pretrained, str):
+        copied, total = load_pretrained(model, cfg.inputs.pretrained)
         if verbose:
-            console.print(f"transferred {copied}/{total} items from pretrained weights {cfg.pretrained}")
+            console.print(f"transferred {copied}/{total} items from pretrained weights {cfg.inputs.pretrained}")
     return model
 
 

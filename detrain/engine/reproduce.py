@@ -53,12 +53,12 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 
 def find_resume_checkpoint(cfg: Cfg) -> Path:
     """``resume=path`` -> that file; ``resume=True`` -> last.pt of project/name (or the newest run)."""
-    if isinstance(cfg.resume, str):
-        path = Path(cfg.resume)
+    if isinstance(cfg.train.resume, str):
+        path = Path(cfg.train.resume)
     else:
-        root = Path(cfg.project) if cfg.project else Path("runs") / "train"
-        if cfg.name:
-            path = root / cfg.name / "weights" / "last.pt"
+        root = Path(cfg.output.project) if cfg.output.project else Path("runs") / "train"
+        if cfg.output.name:
+            path = root / cfg.output.name / "weights" / "last.pt"
         else:
             candidates = sorted(root.glob("*/weights/last.pt"), key=lambda p: p.stat().st_mtime)
             if not candidates:

@@ -134,7 +134,7 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
         except OSError as e:  # an unreadable folder or file on this node's disk
             report = ("error", CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"),
                       socket.gethostname())
-    reports = _gather(report, cfg.prepare_timeout)
+    reports = _gather(report, cfg.distributed.prepare_timeout)
     holder = _holder(reports)  # the same on every rank
     if holder is None:
         return Start(cfg, save_dir, None, launch)
@@ -144,13 +144,13 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
         console.print(f"{launch.reason()}: resuming from {where_from} at {at}{by}" if auto
                       else f"resuming from {where_from} at {at}{by}")
     mine, found = (found if dist.rank() == holder else None), None  # another node's find is not needed any more
-    ckpt, record = _send(mine, holder, cfg.prepare_timeout)
+    ckpt, record = _send(mine, holder, cfg.distributed.prepare_timeout)
     path = Path(where_from)
     # rank 0 goes on in its own run folder (the holder's, where it is rank 0 or was handed none)
     folder = Path(save_dir) if save_dir and holder != 0 else path.parent.parent
     if dist.is_main() and holder != 0:
         run_record.restore(folder, record)
-    keep = {k: getattr(cfg, k) for k in KEEP_KEYS}  # this rank's own devices and layout
+    keep = {k: cfg.get(k) for k in KEEP_KEYS}  # this rank's own devices and layout
     resumed = make_cfg({**ckpt["train_args"], **keep, "resume": str(path)})
     return Start(resumed, folder, ckpt, launch)
 
@@ -248,12 +248,12 @@ def _choose(cfg: Cfg, save_dir: str | Path | None, launch: Launch,
             explicit: bool = True) -> tuple[Path, dict[str, Any], bool] | None:
     """The checkpoint to resume from on this node's disk (path, contents, whether found as this run's own), or
     None; ``explicit``: also ``resume=``'s (rank 0, whose node was given the file)."""
-    given = find_resume_checkpoint(cfg) if cfg.resume and explicit else None
+    given = find_resume_checkpoint(cfg) if cfg.train.resume and explicit else None
     folders = [Path(save_dir)] if save_dir else []
     if given is not None:
         folders.append(given.parent.parent)
     if launch.search_series:
-        chain = series_folders(cfg.project, cfg.name)
+        chain = series_folders(cfg.output.project, cfg.output.name)
         folders += chain[:1] + chain[-1:]
     best: tuple[Path, dict[str, Any], tuple[int, int]] | None = None
     seen: set[Path] = set()

@@ -121,10 +121,10 @@ def start(save_dir: str | Path, cfg: Cfg, world: World, device: torch.device, *,
           resumed_from: str | None, datasets: Iterable[Any]) -> RunTrace:
     """Gather the world's layout (every rank calls this) and record the start on rank 0 (see the module)."""
     layout = gather_layout(world, device)  # collective: every rank's place
-    trace = RunTrace(save_dir, world.is_main, cfg.epochs, first_epoch, layout, world.restart_count)
+    trace = RunTrace(save_dir, world.is_main, cfg.train.epochs, first_epoch, layout, world.restart_count)
     trace.record_start(cfg, step, resumed_from, datasets)
     # listing a large dataset's files for the fingerprint can outlast a training collective's timeout
-    dist.barrier("run manifest written", cfg.prepare_timeout)
+    dist.barrier("run manifest written", cfg.distributed.prepare_timeout)
     return trace
 
 

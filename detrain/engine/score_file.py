@@ -7,8 +7,23 @@ with non-negative width and height, a missing key or a file that is not a json l
 (:class:`detrain.engine.validator.Scorer` and ``finish``): the same matching, table, metrics.json and plots,
 so re-scoring a ``predictions.json`` reproduces the numbers of the run that wrote it. Ranks share the images.
 
->>> cfg = make_cfg({"data": "coco8.yaml", "predictions": "predictions.json"})  # doctest: +SKIP
->>> score_predictions_file(cfg, load_split(cfg.data, "val", cfg), "runs/val/exp")["map"]  # doctest: +SKIP
+Example (a dataset of one labelled image, and a results file without a detection):
+>>> import os, cv2, yaml
+>>> from detrain.config import make_cfg
+>>> from detrain.engine.data import load_split
+>>> for folder in ("toy/images/val", "toy/labels/val"):
+...     os.makedirs(folder)
+>>> _ = cv2.imwrite("toy/images/val/a.png", np.zeros((48, 64, 3), np.uint8))
+>>> with open("toy/labels/val/a.txt", "w") as f:
+...     _ = f.write("0 0.5 0.5 0.25 0.5")
+>>> with open("toy.yaml", "w") as f:
+...     yaml.safe_dump({"path": "toy", "train": "images/val", "val": "images/val", "names": ["cat"]}, f)
+>>> with open("predictions.json", "w") as f:
+...     _ = f.write("[]")
+>>> cfg = make_cfg({"data": "toy.yaml", "predictions": "predictions.json", "plots": False, "verbose": False})
+>>> score_predictions_file(cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), None)["map"]
+scoring predictions.json: 0 detections on 0 of 1 images (val split, ground truth: YOLO labels); results in None
+0.0
 """
 
 from __future__ import annotations
@@ -27,9 +42,9 @@ from detrain.log import console
 
 
 def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> dict[str, Any]:
-    """Metrics of ``cfg.predictions`` on ``data`` (a ``SplitData``); every rank returns the same dict."""
+    """Metrics of ``cfg.predict.predictions`` on ``data`` (a ``SplitData``); every rank returns the same dict."""
     gt = split_ground_truth(data)
-    path = str(cfg.predictions)
+    path = str(cfg.predict.predictions)
     # every rank reads and checks the file, so a bad one stops every rank with the same message
     predictions = load_predictions(path, gt.all_image_ids(), gt.category_ids.tolist())
     if dist.is_main():
@@ -40,7 +55,7 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
     images = sorted(gt.images.values(), key=lambda g: g.image_id)
     world, rank = dist.world_size(), dist.rank()
     lo, hi = rank * len(images) // world, (rank + 1) * len(images) // world
-    scorer = Scorer(data.nc, classes=None if cfg.single_cls or not cfg.classes else tuple(cfg.classes))
+    scorer = Scorer(data.nc, classes=None if cfg.inputs.single_cls or not cfg.inputs.classes else tuple(cfg.inputs.classes))
     empty = CocoDetections(np.zeros((0, 4)), np.zeros(0), np.zeros(0, np.int64))
     for g in images[lo:hi]:
         d = predictions.get(g.image_id, empty)
@@ -49,8 +64,8 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
     gathered = dist.all_gather_object(scorer.part())
     metrics = None
     if dist.is_main():
-        metrics = finish(gathered, data, gt, cfg, Path(save_dir) if save_dir is not None else None, cfg.plots,
-                         cfg.verbose, predictions_file=path)
+        metrics = finish(gathered, data, gt, cfg, Path(save_dir) if save_dir is not None else None, cfg.output.plots,
+                         cfg.output.verbose, predictions_file=path)
     metrics = dist.broadcast_object(metrics)
     if save_dir is not None:
         metrics["save_dir"] = str(save_dir)

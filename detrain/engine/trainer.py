@@ -1,10 +1,8 @@
 """The training loop of one worker (rank). Collectives go through :mod:`detrain.distributed.dist`, each named where
 the loop reaches it; only rank 0 writes.
 
->>> from detrain.config import make_cfg
->>> from detrain.distributed.world import World
->>> trainer = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1, "imgsz": 128}), World())  # doctest: +SKIP
->>> metrics = trainer.train()  # doctest: +SKIP
+Usage (a training run, so not run as a test): ``metrics = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1,
+"imgsz": 128}), World()).train()`` trains in this process, as rank 0 of 1.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from torch import nn
 
 from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import model_meta, save_checkpoint
-from detrain.config import Cfg, make_cfg
+from detrain.config import Cfg
 from detrain.data.batch_memory import release_batch
 from detrain.distributed import dist
 from detrain.distributed.world import World
@@ -90,15 +88,15 @@ class Trainer:
         self.rank, self.main = world.rank, world.is_main
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
         self.planned_world = planned_world_size(plan.nodes, world.world_size, world.local_world_size)
-        check_split(cfg.batch, self.planned_world)
+        check_split(cfg.train.batch, self.planned_world)
         self.device = torch.device(world.device)  # the launcher's choice for this rank (World.device)
         set_cpu_threads(self.device, world.local_world_size)
         # rank 0 decides (other nodes may not know the folder the launching node picked)
         save_dir = dist.broadcast_object(
-            str(save_dir or increment_run_dir(cfg.project, cfg.name, "train", cfg.exist_ok)) if self.main else None)
+            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "train", cfg.output.exist_ok)) if self.main else None)
         self.save_dir = Path(save_dir)
         self.wdir = self.save_dir / "weights"
-        self.mid = MidEpoch(cfg.save_interval, cfg.save, self.wdir, self.device)  # save_interval: mid.pt
+        self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device)  # save_interval: mid.pt
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -107,7 +105,7 @@ class Trainer:
         with run_trace.ended(self):
             self._prepare()  # data, model, optimizer; the run folder's files; the starting weights' score
             epoch = self.start_epoch
-            while epoch < self.cfg.epochs:  # time= re-plans cfg.epochs after every epoch
+            while epoch < self.cfg.train.epochs:  # time= re-plans cfg.train.epochs after every epoch
                 self.callbacks.fire("on_train_epoch_start", self, epoch + 1)
                 trained = self._train_epoch(epoch)  # every batch: forward, loss, backward; an update every accumulate
                 self._validate_epoch(epoch)  # val=true, or the last epoch: self.metrics, the same on every rank
@@ -116,7 +114,7 @@ class Trainer:
                 self._save_and_log(epoch, trained, improved)  # results.csv, last.pt / best.pt, the epoch's line
                 dist.barrier("end of epoch")
                 if stop:
-                    self._say(f"early stop: no improvement in the last {self.cfg.patience} epochs")
+                    self._say(f"early stop: no improvement in the last {self.cfg.train.patience} epochs")
                     break
                 epoch += 1
             return self._finish()
@@ -133,42 +131,42 @@ class Trainer:
         if self.main:
             self.wdir.mkdir(parents=True, exist_ok=True)
             save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
-            console.print(f"training {cfg.model} on {cfg.data} for {cfg.epochs} epochs; results in {self.save_dir}")
+            console.print(f"training {cfg.inputs.model} on {cfg.inputs.data} for {cfg.train.epochs} epochs; results in {self.save_dir}")
         # collective: every rank's place is gathered for the start event, then a barrier once rank 0 wrote it
         self.trace = run_trace.start(self.save_dir, cfg, self.world, self.device, first_epoch=self.start_epoch,
                                      step=self.start_epoch * self.nb, datasets=(self.data, self.val_data),
-                                     resumed_from=str(cfg.resume) if self.resume_ckpt is not None else None)
+                                     resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None)
         self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world.node_rank)
         self.csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
-        self.tb = TensorBoard(self.save_dir, cfg.tensorboard and self.main)
+        self.tb = TensorBoard(self.save_dir, cfg.output.tensorboard and self.main)
         self.metrics: dict[str, Any] = {}  # the last validation's (kept by epochs that do not validate)
         self.start_scores: dict[str, Any] = {}
-        if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.val:
+        if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.train.val:
             # fine-tuning: score the starting weights, so the final mAP can be read against them
             self.start_scores = self._validate(-1)
             self._say(f"starting weights: mAP50 {self.start_scores['map50']:.4f}  "
                       f"mAP50-95 {self.start_scores['map']:.4f}")
         self.callbacks.fire("on_train_start", self, self.start_epoch)
         self.optimizer.zero_grad(set_to_none=True)
-        self.budget = time_budget.TimeBudget(cfg.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0) \
-            if cfg.time else None
+        self.budget = time_budget.TimeBudget(cfg.train.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0) \
+            if cfg.train.time else None
 
     def _setup(self) -> None:
         cfg = self.cfg
-        seed_everything(cfg.seed + self.rank, cfg.deterministic)
-        self.data = load_split(cfg.data, "train", cfg)
-        self.val_data = load_split(cfg.data, "val", cfg)
+        seed_everything(cfg.train.seed + self.rank, cfg.train.deterministic)
+        self.data = load_split(cfg.inputs.data, "train", cfg)
+        self.val_data = load_split(cfg.inputs.data, "val", cfg)
         self.nc, self.names = self.data.nc, self.data.names
-        model, _ = build_model(cfg.model, nc=self.nc, names=self.names, verbose=self.main,
-                                  weights_sha256=cfg.weights_sha256)
+        model, _ = build_model(cfg.inputs.model, nc=self.nc, names=self.names, verbose=self.main,
+                                  weights_sha256=cfg.inputs.weights_sha256)
         # the recipe: optimizer=auto's choice, and from it how many images an update gathers (nbs=auto)
         total_iters = optim.planned_updates(cfg, len(self.data.records))
         opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
-        self.plan = batch_plan(cfg.batch, optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
+        self.plan = batch_plan(cfg.train.batch, optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
                                self.world.world_size, self.planned_world)
         if self.resume_ckpt is None:  # pretrained=: a fresh init, or a file's matching layers (pretrained.py)
             model = pretrained.start_weights(model, cfg, verbose=self.main)
-        frozen = freeze.freeze_layers(model, cfg.freeze, verbose=self.main)  # before the optimizer and DDP see them
+        frozen = freeze.freeze_layers(model, cfg.train.freeze, verbose=self.main)  # before the optimizer and DDP see them
         if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
             model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
         self.model: nn.Module = model.to(self.device)  # DDP's wrapper around it, in a group
@@ -179,12 +177,12 @@ class Trainer:
             self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
             self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
         if self.world.distributed:
-            if cfg.sync_bn and self.device.type == "cpu":
+            if cfg.distributed.sync_bn and self.device.type == "cpu":
                 # torch's SyncBatchNorm (and DDP with it) runs on GPUs only; gloo CPU workers sync through ours
                 from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
 
                 self.model = convert_sync_batchnorm_cpu(self.model)  # collective: an all-reduce per BatchNorm
-            elif cfg.sync_bn:
+            elif cfg.distributed.sync_bn:
                 self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)  # collective: torch's, per BatchNorm
             ids = [self.device.index] if self.device.type == "cuda" else None
             # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights; DDP
@@ -201,15 +199,15 @@ class Trainer:
                                                self.plan.planned_world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
-        self.val_loader = build_val_loader(self.val_data, cfg, cfg.batch, self.rank, self.world.world_size)
+        self.val_loader = build_val_loader(self.val_data, cfg, cfg.train.batch, self.rank, self.world.world_size)
         # collective: cache=ram is filled per node: the first step's collectives must not start the short training
         # timeout on a node that is still filling
-        dist.barrier("training data ready on every node", cfg.prepare_timeout)
+        dist.barrier("training data ready on every node", cfg.distributed.prepare_timeout)
         self.nb = len(self.train_loader)
         # a run shorter than one planned update still steps (weight decay keeps the planned scaling)
-        self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.epochs)
+        self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.train.epochs)
         # as planned, whatever the world now; per image as given for nbs images
-        weight_decay = cfg.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
+        weight_decay = cfg.train.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
             unwrap(self.model), cfg, self.nc, total_iters, weight_decay)
         first = self.optimizer.param_groups[0]
@@ -217,13 +215,13 @@ class Trainer:
         self.lf = optim.lr_lambda(cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
         self.amp_dtype = None
-        if cfg.amp and self.device.type == "cuda":
+        if cfg.train.amp and self.device.type == "cuda":
             self.amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         bare = self._bare()
         # the normaliser's all-reduce is the training step's own (_step)
-        self.criterion = DetectionLoss(nc=self.nc, strides=bare.stride, reg_max=bare.reg_max, box=cfg.box, cls=cfg.cls,
-                                       dfl=cfg.dfl, world_size=self.world.world_size)
+        self.criterion = DetectionLoss(nc=self.nc, strides=bare.stride, reg_max=bare.reg_max, box=cfg.loss.box, cls=cfg.loss.cls,
+                                       dfl=cfg.loss.dfl, world_size=self.world.world_size)
         self.start_epoch = 0
         self.best_fitness: float | None = None
         self.epochs_without_improvement = 0
@@ -259,8 +257,8 @@ class Trainer:
         rng = ckpt.get("rng_per_rank", {}).get(str(self.rank)) or ckpt.get("rng")
         if rng:
             set_rng_state(rng)
-        if self.start_epoch >= self.cfg.epochs and self.main:
-            console.print(f"{self.cfg.resume}: training already finished {self.cfg.epochs} epochs; nothing to resume")
+        if self.start_epoch >= self.cfg.train.epochs and self.main:
+            console.print(f"{self.cfg.train.resume}: training already finished {self.cfg.train.epochs} epochs; nothing to resume")
 
     # ------------------------------------------------------------------ one epoch
     def _train_epoch(self, epoch: int) -> EpochResult:
@@ -269,7 +267,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         self._begin_epoch(epoch)
-        progress = EpochProgress(epoch, cfg.epochs, self.nb, LOSS_NAMES) if self.main else None
+        progress = EpochProgress(epoch, cfg.train.epochs, self.nb, LOSS_NAMES) if self.main else None
         first, mean_items, n_images = self.mid.begin_epoch(self.train_loader)  # (0, zeros, 0) but after mid.pt
         n_warmup = optim.warmup_iterations(cfg, self.nb)
         step_times: list[float] = []
@@ -278,7 +276,7 @@ class Trainer:
             items, imgsz = self._train_batch(epoch, i, batch, n_warmup)
             mean_items = (mean_items * i + items) / (i + 1)
             n_images += int(batch["img"].shape[0])
-            if self.main and cfg.plots and epoch == self.start_epoch and i < 3:
+            if self.main and cfg.output.plots and epoch == self.start_epoch and i < 3:
                 plot_train_batch(batch, self.names, self.save_dir / f"train_batch{i}.jpg")
             step_times.append(time.perf_counter() - ts)
             if progress is not None:
@@ -298,8 +296,8 @@ class Trainer:
         _set_sampler_epoch(self.train_loader, epoch)
         if self.budget is not None:
             time_budget.close_mosaic_when_due(self.train_loader.dataset, cfg, epoch, self.main)
-        elif cfg.close_mosaic and epoch == cfg.epochs - cfg.close_mosaic:
-            self._say(f"closing mosaic for the last {cfg.close_mosaic} epochs")
+        elif cfg.train.close_mosaic and epoch == cfg.train.epochs - cfg.train.close_mosaic:
+            self._say(f"closing mosaic for the last {cfg.train.close_mosaic} epochs")
         self.model.train()
 
     def _train_batch(self, epoch: int, i: int, batch: dict[str, Any], n_warmup: int) -> tuple[torch.Tensor, int]:
@@ -326,7 +324,7 @@ class Trainer:
         only when ``will_step`` (the batches before an update keep theirs: ``no_sync``)."""
         imgs = batch["img"].to(self.device, non_blocking=True)
         imgs = imgs.contiguous(memory_format=torch.channels_last).float().div_(255)
-        if self.cfg.multi_scale:
+        if self.cfg.train.multi_scale:
             imgs = self._multi_scale(imgs)
         ddp = cast(nn.parallel.DistributedDataParallel, self.model)
         sync_ctx = ddp.no_sync() if (self.world.distributed and not will_step) else contextlib.nullcontext()
@@ -344,7 +342,7 @@ class Trainer:
 
     def _multi_scale(self, imgs: torch.Tensor) -> torch.Tensor:
         """A size from 0.5x to 1.5x imgsz, a multiple of 32, chosen on rank 0 and shared."""
-        base = self.cfg.imgsz
+        base = self.cfg.inputs.imgsz
         size = dist.broadcast_object(random.randrange(int(base * 0.5), int(base * 1.5) + 32) // 32 * 32
                                      if self.main else None)  # collective: rank 0's size on every rank
         factor = size / max(imgs.shape[2:])
@@ -355,8 +353,8 @@ class Trainer:
 
     def _optimizer_step(self) -> None:
         self.scaler.unscale_(self.optimizer)
-        if self.cfg.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.cfg.clip_grad)
+        if self.cfg.train.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.cfg.train.clip_grad)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -391,7 +389,7 @@ class Trainer:
     # ------------------------------------------------------------------ the end of an epoch
     def _validate_epoch(self, epoch: int) -> None:
         """Score the EMA weights after ``epoch`` when ``val`` is on, and after the last epoch in any case."""
-        if self.cfg.val or epoch + 1 == self.cfg.epochs:
+        if self.cfg.train.val or epoch + 1 == self.cfg.train.epochs:
             self.metrics = self._validate(epoch)
 
     def _validate(self, epoch: int) -> dict[str, Any]:
@@ -415,7 +413,7 @@ class Trainer:
             self.epochs_without_improvement = 0
         else:
             self.epochs_without_improvement += 1
-        patience = self.cfg.patience
+        patience = self.cfg.train.patience
         stop = bool(dist.agree(patience > 0 and self.epochs_without_improvement >= patience))  # collective: rank 0's
         return improved, stop
 
@@ -426,12 +424,12 @@ class Trainer:
         if self.budget is None:
             return
         epochs = self.budget.epochs_that_fit(epoch + 1)
-        if epochs != self.cfg.epochs:
+        if epochs != self.cfg.train.epochs:
             self.cfg = time_budget.replanned(self.cfg, epochs)
             self.lf = optim.lr_lambda(self.cfg)
             self.scheduler = time_budget.rescheduled(self.optimizer, self.lf, epoch + 1)
-            self._say(f"time={self.cfg.time:g} h: {epochs} epochs fit ({self.budget.spent_s / 3600:.3g} h used)")
-        if epoch + 1 == self.cfg.epochs and not self.metrics:  # val=false still scores the last epoch as now planned
+            self._say(f"time={self.cfg.train.time:g} h: {epochs} epochs fit ({self.budget.spent_s / 3600:.3g} h used)")
+        if epoch + 1 == self.cfg.train.epochs and not self.metrics:  # val=false still scores the last epoch as now planned
             self.metrics = self._validate(epoch)
 
     def _save_and_log(self, epoch: int, trained: EpochResult, improved: bool) -> None:
@@ -439,7 +437,7 @@ class Trainer:
         the callbacks after it (rank 0; every rank first gives what differs between ranks for last.pt)."""
         cfg = self.cfg
         row = {"epoch": epoch + 1, **trained.losses, **_metric_columns(self.metrics), **trained.lrs, **trained.speed}
-        if cfg.save:  # collective: what differs between ranks goes in last.pt too (an all_gather_object)
+        if cfg.output.save:  # collective: what differs between ranks goes in last.pt too (an all_gather_object)
             self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema)
         if not self.main:
             return
@@ -448,12 +446,12 @@ class Trainer:
         self.tb.log(scalars, epoch + 1)
         self._save(epoch, self.metrics, improved)
         self.mid.epoch_done()
-        if cfg.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
+        if cfg.output.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
             self.callbacks.fire("on_model_save", self, epoch + 1, scalars, improved)
         shown = "  ".join(f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items()
                           if k.startswith(("train/", "metrics/")))
         speed = trained.speed
-        console.print(f"epoch {epoch + 1}/{cfg.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
+        console.print(f"epoch {epoch + 1}/{cfg.train.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
                       f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
                       f"rank, {trained.seconds:.1f} s")
         self.callbacks.fire("on_fit_epoch_end", self, epoch + 1, scalars, improved)
@@ -469,10 +467,10 @@ class Trainer:
         if start:
             result["start_map50"], result["start_map"] = start["map50"], start["map"]
         if self.main:
-            if self.cfg.plots:
+            if self.cfg.output.plots:
                 plot_results(self.save_dir)
             if start and metrics:
-                console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {self.cfg.epochs} (started at "
+                console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {self.cfg.train.epochs} (started at "
                               f"{start['map']:.4f}); mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})")
             console.print(f"done: {self.save_dir}")
             self.callbacks.fire("on_train_end", self, None, result)
@@ -496,7 +494,7 @@ class Trainer:
         """Everything a resumed run needs, after epoch ``epoch`` (0-based); ``pending``: gradients wait for an
         update (averaged over the ranks already) and are saved too."""
         bare = self._bare()
-        meta = model_meta(bare, self.cfg.imgsz)
+        meta = model_meta(bare, self.cfg.inputs.imgsz)
         return {
             "model": {**meta, "state_dict": _cpu_state(bare)},
             "ema": {"state_dict": _cpu_state(self.ema.ema), "updates": self.ema.updates},
@@ -519,7 +517,7 @@ class Trainer:
         }
 
     def _save(self, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
-        if not self.cfg.save:
+        if not self.cfg.output.save:
             return
         state = self.checkpoint_state(epoch, metrics, self._gradients_wait(epoch))
         save_checkpoint(state, self.wdir / "last.pt")
@@ -527,7 +525,7 @@ class Trainer:
                                                              "rng_per_rank", "buffers_per_rank", "pending_grads")}
         if improved:
             save_checkpoint(light, self.wdir / "best.pt")
-        if self.cfg.save_period > 0 and (epoch + 1) % self.cfg.save_period == 0:
+        if self.cfg.output.save_period > 0 and (epoch + 1) % self.cfg.output.save_period == 0:
             save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
 
 
@@ -561,11 +559,11 @@ def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process): ``args``
-    holds the arguments (``cfg``), the launching process's :class:`detrain.run_plan.RunPlan` (``plan``) and the
-    callbacks (``callbacks``, rank 0's)."""
-    cfg = make_cfg(args["cfg"])
+    holds the Cfg the command checked (``cfg``, pickled to spawned workers, not checked again here), the launching
+    process's :class:`detrain.run_plan.RunPlan` (``plan``) and the callbacks (``callbacks``, rank 0's)."""
+    cfg: Cfg = args["cfg"]
     world = World.from_env()  # this worker's place, read once
-    dist.setup(world, timeout_s=cfg.dist_timeout)
+    dist.setup(world, timeout_s=cfg.distributed.dist_timeout)
     try:
         # after any restart, every node finds this launch's checkpoints in its run folder (resume_state.py)
         return Trainer(cfg, world, args["plan"], args.get("callbacks")).train()

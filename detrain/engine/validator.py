@@ -6,8 +6,8 @@ decimals in the original image's pixels, scores to 5), against the split's groun
 :mod:`detrain.engine.ground_truth`; so scoring that file with ``detrain val predictions=...`` (or pycocotools,
 for a COCO json dataset) gives the same numbers, and so does any number of ranks.
 
->>> metrics = validate(model, loader, data, cfg, torch.device("cpu"))  # doctest: +SKIP
->>> metrics["map"], metrics["map50"]                                    # doctest: +SKIP
+Usage: ``metrics = validate(model, loader, data, cfg, torch.device("cpu"))``, then ``metrics["map"]``,
+``metrics["map50"]`` (:func:`detrain.engine.evaluate.run_val` builds the arguments from a ``Cfg``).
 """
 
 from __future__ import annotations
@@ -110,23 +110,23 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, c
     """COCO-exact metrics of ``model`` on ``loader``'s split (the same dict on every rank).
 
     ``data`` is the split's ``SplitData``; with ``save_dir`` rank 0 writes metrics.json (and predictions.json
-    when ``cfg.save_json``), and with ``plots`` the curves, confusion matrices and the first batches drawn.
+    when ``cfg.predict.save_json``), and with ``plots`` the curves, confusion matrices and the first batches drawn.
     """
     was_training = model.training
     model.eval()
-    conf = VAL_CONF if cfg.conf is None else cfg.conf
+    conf = VAL_CONF if cfg.predict.conf is None else cfg.predict.conf
     gt = split_ground_truth(data)
     # single_cls: every detection is the one class 'item' (NMS across classes, as the merged class is one)
-    single = cfg.single_cls
-    classes = None if single or not cfg.classes else list(cfg.classes)
-    agnostic = single or cfg.agnostic_nms
-    scorer = Scorer(data.nc, keep_detections=bool(cfg.save_json) and save_dir is not None,
+    single = cfg.inputs.single_cls
+    classes = None if single or not cfg.inputs.classes else list(cfg.inputs.classes)
+    agnostic = single or cfg.predict.agnostic_nms
+    scorer = Scorer(data.nc, keep_detections=bool(cfg.predict.save_json) and save_dir is not None,
                     classes=None if classes is None else tuple(classes))
     drawn: list[dict[str, Any]] = []
     draw = plots and save_dir is not None and dist.is_main()
     try:
         for bi, batch in enumerate(loader):
-            dets = predict_batch(model, batch["img"], device, conf, cfg.iou, cfg.max_det, multi_label=True,
+            dets = predict_batch(model, batch["img"], device, conf, cfg.predict.iou, cfg.predict.max_det, multi_label=True,
                                  classes=classes, agnostic=agnostic)
             if single:
                 for det in dets:
@@ -164,7 +164,7 @@ def finish(gathered: list[tuple[Any, Any, Any]], data: Any, gt: SplitGT, cfg: Cf
         save_dir = Path(save_dir)
         save_dir.mkdir(parents=True, exist_ok=True)
         _write_metrics(save_dir / "metrics.json", metrics, data.names)
-        if cfg.save_json and not predictions_file:
+        if cfg.predict.save_json and not predictions_file:
             dets = sorted((d for part in gathered for d in part[2]), key=lambda d: d[0])
             atomic_write_text(save_dir / "predictions.json", _results_json(dets, gt.category_ids))
         if plots:

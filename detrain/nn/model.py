@@ -22,44 +22,108 @@ from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Det
 
 DEFAULT_SCALE = "n"
 DEFAULT_NC = 80
-_SCALED_NAME = re.compile(r"^(?P<stem>.*\d)(?P<scale>[nsmlx])(?P<suffix>\.ya?ml)$")
+SCALES = ("n", "s", "m", "l", "x")
+ARCHITECTURE = "yolov8.yaml"  # the packaged architecture; DetectionModel() builds it at DEFAULT_SCALE
+# The bundled scale names, and the only file names whose last letter means a scale: n.yaml ... x.yaml and
+# yolov8n.yaml ... yolov8x.yaml. A letter at the end of any other name means nothing (model.yaml is not L).
+_BUNDLED_SCALE_NAME = re.compile(r"^(?:yolov8)?(?P<scale>[nsmlx])\.ya?ml$")
 
 
 def _packaged_models_dir() -> Path:
     return asset_dir("cfg/models")
 
 
-def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
-    """Read a model yaml (a packaged name, a path, or a dict) -> (a deep copy of the dict, implied scale).
+def packaged_architecture() -> Path:
+    """The packaged YOLOv8 architecture yaml, which every bundled scale name builds (a file of the same name
+    in the working directory does not stand in for it)."""
+    return _packaged_models_dir() / ARCHITECTURE
 
-    A name like ``yolov8s.yaml`` that is not a file resolves to ``yolov8.yaml`` at scale ``s``.
+
+def bundled_scale(name: str | Path) -> str | None:
+    """The scale a bundled model name implies, else None: only the file name counts, wherever it lies.
+
+    >>> bundled_scale("yolov8s.yaml"), bundled_scale("configs/m.yaml"), bundled_scale("model.yaml")
+    ('s', 'm', None)
+    """
+    match = _BUNDLED_SCALE_NAME.match(Path(name).name)
+    return match["scale"] if match else None
+
+
+def _own_scale(d: dict, source: str) -> str | None:
+    """The scale a yaml names itself (``scale: s``), checked against its ``scales``; None when it names none."""
+    scales = d.get("scales")
+    if scales is not None and not (isinstance(scales, dict) and scales):
+        raise ConfigError(f"model yaml {source}: 'scales' must map scale names to [depth, width, max_channels], "
+                          f"got {scales!r:.80}")
+    scale = d.get("scale")
+    if scale is None or scale == "":
+        return None
+    if not isinstance(scale, str) or (scales and scale not in scales):
+        valid = ", ".join(map(str, scales or ())) or "a scale name such as n"
+        raise ConfigError(f"model yaml {source}: scale {scale!r:.40} is not one of {valid}")
+    return scale
+
+
+def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
+    """Read a model yaml (a packaged name, a path, or a dict) -> (a deep copy of the dict, the scale it names).
+
+    The scale named is the yaml's own ``scale:``, else the one a bundled name implies (:func:`bundled_scale`),
+    else None. A bundled name that is not a file (``yolov8s.yaml``, ``s.yaml``) resolves to the packaged
+    architecture; the packaged ``yolov8.yaml`` itself names DEFAULT_SCALE. A yaml whose ``scale:`` differs
+    from the scale its name implies is a ConfigError: nothing says which of the two the user meant.
 
     >>> d, scale = load_model_yaml("yolov8m.yaml"); scale, len(d["backbone"])
     ('m', 10)
     """
     if isinstance(cfg, dict):
-        return copy.deepcopy(cfg), None
+        data = copy.deepcopy(cfg)
+        return data, _own_scale(data, "(a dict)")
     path = Path(cfg)
-    implied_scale = None
-    candidates = [path] if path.is_file() else []
-    if not candidates:
-        models_dir = _packaged_models_dir()
-        candidates.append(models_dir / path.name)
-        match = _SCALED_NAME.match(path.name)
-        if match:  # yolov8n.yaml -> yolov8.yaml at scale n, the names users know
-            implied_scale = match["scale"]
-            candidates.append(models_dir / f"{match['stem']}{match['suffix']}")
-    for candidate in candidates:
-        if candidate.is_file():
-            with open(candidate, encoding="utf-8") as f:
-                data = pyyaml.safe_load(f)
-            if not isinstance(data, dict):
-                raise ConfigError(f"model yaml {candidate} is not a mapping")
-            if candidate.name == path.name:
-                implied_scale = None
-            return data, implied_scale
-    known = sorted(p.name for p in _packaged_models_dir().glob("*.yaml"))
-    raise ConfigError(f"model yaml {str(cfg)!r} not found; packaged models: {', '.join(known) or 'none'}")
+    named = bundled_scale(path)
+    if path.is_file():
+        found: Path | None = path
+    elif (_packaged_models_dir() / path.name).is_file():
+        found = _packaged_models_dir() / path.name
+        if path.name == ARCHITECTURE:
+            named = DEFAULT_SCALE
+    else:
+        found = packaged_architecture() if named is not None else None
+    if found is None:
+        known = sorted(p.name for p in _packaged_models_dir().glob("*.yaml"))
+        raise ConfigError(f"model yaml {str(cfg)!r} not found; packaged models: {', '.join(known) or 'none'}")
+    with open(found, encoding="utf-8") as f:
+        data = pyyaml.safe_load(f)
+    if not isinstance(data, dict):
+        raise ConfigError(f"model yaml {found} is not a mapping")
+    own = _own_scale(data, str(found))
+    if own is not None and named is not None and own != named:
+        raise ConfigError(f"model yaml {found} says 'scale: {own}' but its name {path.name} means scale {named}: "
+                          f"rename the file (e.g. custom.yaml) to build {own}, or make that line 'scale: {named}'")
+    return data, own or named
+
+
+def choose_scale(d: dict, scale: str | None, source: str) -> str:
+    """The scale to build ``d`` at: ``scale`` (the caller's, else the one the yaml names) checked against the
+    yaml's ``scales``. A yaml that defines several scales and names none is a ConfigError listing them:
+    building one of them silently could train a model twenty times the size the user meant (x for n), or a
+    twentieth of it.
+    A single-scale yaml (depth/width multiples) builds the same whatever the letter, which is then a label.
+
+    >>> choose_scale({"scales": {"n": [0.33, 0.25, 1024]}}, None, "custom.yaml")
+    Traceback (most recent call last):
+    ...
+    detrain.errors.ConfigError: model yaml custom.yaml defines scales n but names none: add a line such as 'scale: n' to it
+    """
+    scales = d.get("scales")
+    if scale is None:
+        if scales:
+            raise ConfigError(f"model yaml {source} defines scales {', '.join(map(str, scales))} but names none: "
+                              f"add a line such as 'scale: {next(iter(scales))}' to it")
+        return DEFAULT_SCALE
+    if not isinstance(scale, str) or (scales and scale not in scales):
+        raise ConfigError(f"model scale {scale!r:.40} is not one of {', '.join(map(str, scales or SCALES))}"
+                          + (f" (the scales of {source})" if scales else ""))
+    return scale
 
 
 def _make_divisible(x: float, divisor: int = 8) -> int:
@@ -71,7 +135,12 @@ def _scale_multiples(d: dict, scale: str) -> tuple[float, float, float]:
     if scales:
         if scale not in scales:
             raise ConfigError(f"model scale {scale!r} is not one of {', '.join(scales)}")
-        depth, width, max_channels = scales[scale]
+        multiples = scales[scale]
+        if not (isinstance(multiples, (list, tuple)) and len(multiples) == 3
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in multiples)):
+            raise ConfigError(f"model scale {scale}: expected [depth, width, max_channels] (3 positive numbers), "
+                              f"got {multiples!r:.80}")
+        depth, width, max_channels = multiples
         return float(depth), float(width), float(max_channels)
     # the older single-scale form that YOLOv8 checkpoints carry
     return float(d.get("depth_multiple", 1.0)), float(d.get("width_multiple", 1.0)), math.inf
@@ -181,8 +250,10 @@ class DetectionModel(nn.Module):
     """YOLOv8-class detector.
 
     ``cfg`` is a packaged yaml name (``"yolov8.yaml"``, or ``"yolov8s.yaml"`` meaning scale s), a path, or
-    a dict (e.g. another model's ``.yaml``). ``scale`` defaults to the yaml's ``scale`` key, else ``"n"``;
-    ``nc`` to ``len(names)``, else the yaml's ``nc``, else 80.
+    a dict (e.g. another model's ``.yaml``). ``scale`` defaults to the one the yaml names (its ``scale:``
+    key, else a bundled name's letter, ``"n"`` for the packaged ``yolov8.yaml``; see :func:`load_model_yaml`);
+    a yaml with several ``scales`` that names none needs ``scale``. ``nc`` defaults to ``len(names)``, else the
+    yaml's ``nc``, else 80.
 
     Training mode returns the raw head maps [(B, 4 * reg_max + nc, H/s, W/s)] for s in 8, 16, 32; eval mode
     returns (B, 4 + nc, N): xywh boxes in input pixels and sigmoid class scores. ``decode=`` overrides the
@@ -206,8 +277,8 @@ class DetectionModel(nn.Module):
         names: dict[int, str] | None = None,
     ) -> None:
         super().__init__()
-        d, implied_scale = load_model_yaml(cfg)
-        scale = scale or implied_scale or d.get("scale") or DEFAULT_SCALE
+        d, named_scale = load_model_yaml(cfg)
+        scale = choose_scale(d, scale or named_scale, "(a dict)" if isinstance(cfg, dict) else str(cfg))
         if names is not None:
             names = {int(k): str(v) for k, v in names.items()}
             if nc is not None and nc != len(names):

@@ -83,8 +83,8 @@ def weights_dir() -> Path:
     """The weights cache: ``$DETRAIN_WEIGHTS_DIR`` or ``~/.cache/detrain/weights``.
 
     Example:
-        >>> weights_dir().name                                   # doctest: +SKIP
-        'weights'
+        >>> weights_dir().relative_to(Path.home()).as_posix()    # without $DETRAIN_WEIGHTS_DIR
+        '.cache/detrain/weights'
     """
     env = os.environ.get("DETRAIN_WEIGHTS_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "detrain" / "weights"
@@ -94,8 +94,10 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     """The sha256 of a file, as ``sha256sum`` prints it.
 
     Example:
-        >>> file_sha256("yolov8n.pt")                            # doctest: +SKIP
-        '31e20dde3def09e2cf938c7be6fe23d9150bbbe503982af13345706515f2ef95'
+        >>> with open("abc.txt", "wb") as f:
+        ...     _ = f.write(b"abc")
+        >>> file_sha256("abc.txt")
+        'ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad'
     """
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -112,9 +114,13 @@ def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True,
     exist raises ``CheckpointError("weights file not found: <path>")``. ``sha256`` (64 hex digits), when
     given, is the hash the file must have, wherever it is found, and the one a download is checked against.
 
+    ``resolve_weights("n.pt")`` is ``~/.cache/detrain/weights/yolov8n.pt``, downloaded the first time.
+
     Example:
-        >>> resolve_weights("n.pt")                              # doctest: +SKIP
-        PosixPath('/home/me/.cache/detrain/weights/yolov8n.pt')
+        >>> resolve_weights("missing.pt")
+        Traceback (most recent call last):
+        ...
+        detrain.errors.CheckpointError: weights file not found: missing.pt
     """
     expected = _checked_sha256(sha256)
     given = Path(name_or_path).expanduser()

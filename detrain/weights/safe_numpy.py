@@ -18,7 +18,7 @@ Any other numpy name (object arrays, masked arrays, ``numpy.dtypes.*``, protocol
 the unpickler's allow-list.
 
 Example:
-    >>> rec = PendingDtype(numpy_dtype("f8", False, True))
+    >>> rec = numpy_dtype("f8", False, True)  # the PendingDtype of numpy.dtype("f8", False, True)
     >>> rec.build((3, ">", None, None, None, -1, -1, 0))
     dtype('>f8')
 """

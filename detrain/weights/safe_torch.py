@@ -9,10 +9,14 @@ storage is a persistent id ``('storage', torch.HalfStorage, key, location, numel
 - a tensor view must lie inside its storage and hold no more elements than the storage (no stride-0
   views that a later ``.float()`` would blow up), with at most ``limits.MAX_TENSOR_DIMS`` dimensions.
 
-Example:
-    >>> storages = StorageReader(tz)                                            # doctest: +SKIP
-    >>> rebuild_tensor_v2(storages.load(("storage", StorageType(torch.half), "0", "cpu", 4)), 0, (2, 2), (2, 1))
-    ...                                                                         # doctest: +SKIP
+Example (the calls a pickle of a 2 x 2 half tensor makes, by hand):
+    >>> from pathlib import Path
+    >>> torch.save(torch.arange(4, dtype=torch.half), "t.pt")
+    >>> with TorchZip(Path("t.pt")) as tz:
+    ...     storage = StorageReader(tz).load(("storage", StorageType(torch.half), "0", "cpu", 4))
+    >>> rebuild_tensor_v2(storage, 0, (2, 2), (2, 1))
+    tensor([[0., 1.],
+            [2., 3.]], dtype=torch.float16)
 """
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ def test_bare_detrain_prints_the_help_and_exits_0(capsys):
 ], ids=lambda v: str(v)[:40])
 def test_the_valid_forms_beside_the_bad_ones_still_parse(argv, expected):
     cfg = make_cfg(parse_cli_args(argv, "train"))
-    assert {key: getattr(cfg, key) for key in expected} == expected
+    assert {key: cfg.get(key) for key in expected} == expected
 
 
 def test_each_command_help_lists_exactly_its_keys():

@@ -31,8 +31,8 @@ def _cfg(yaml_file: Path, **kw: Any):
 
 def _validate(yaml_file: Path, save_dir: Path, model: nn.Module | None = None, **kw: Any) -> dict[str, Any]:
     cfg = _cfg(yaml_file, **kw)
-    data = load_split(cfg.data, "val", cfg, verbose=False)
-    loader = build_val_loader(data, cfg, cfg.batch, 0, 1)
+    data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
+    loader = build_val_loader(data, cfg, cfg.train.batch, 0, 1)
     return validate(model or ColourModel(), loader, data, cfg, torch.device("cpu"), save_dir=save_dir,
                     verbose=False)
 
@@ -43,7 +43,7 @@ def _rows(save_dir: Path) -> list[dict[str, Any]]:
 
 def _all_labels(yaml_file: Path, split: str) -> np.ndarray:
     cfg = _cfg(yaml_file)
-    return np.concatenate([r.cls for r in load_split(cfg.data, split, cfg, verbose=False).records])
+    return np.concatenate([r.cls for r in load_split(cfg.inputs.data, split, cfg, verbose=False).records])
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def plain_run(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
 # ---------------------------------------------------------------------------------------------- single_cls
 def test_single_cls_batches_carry_class_0_and_the_model_has_one_class(dataset: Path) -> None:
     cfg = _cfg(dataset, single_cls=True, mosaic=0.0)
-    data = load_split(cfg.data, "train", cfg, verbose=False)
+    data = load_split(cfg.inputs.data, "train", cfg, verbose=False)
     assert data.nc == 1 and data.names == {0: "item"}
     raw = _all_labels(dataset, "train")
     assert len(set(raw.tolist())) > 1  # the dataset has several classes ...
@@ -116,7 +116,7 @@ def test_single_cls_validation_scores_every_object_as_one_class(dataset: Path, t
 def test_single_cls_on_a_coco_json_split_keeps_its_ids_and_crowd(tmp_path: Path) -> None:
     yaml_file = make_coco_json_dataset(tmp_path / "ds")
     cfg = _cfg(yaml_file, single_cls=True)
-    data = load_split(cfg.data, "val", cfg, verbose=False)
+    data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
     gt = split_ground_truth(data)
     assert gt.category_ids.tolist() == [3]  # the first class's category id, not one the json lacks
     assert all((g.cls == 0).all() for g in gt.images.values())
@@ -128,8 +128,8 @@ def test_single_cls_on_a_coco_json_split_keeps_its_ids_and_crowd(tmp_path: Path)
 # ---------------------------------------------------------------------------------------------- classes
 def test_classes_keep_every_image_and_only_those_labels(dataset: Path) -> None:
     cfg = _cfg(dataset, classes="0,2", mosaic=0.0)
-    data = load_split(cfg.data, "train", cfg, verbose=False)
-    everything = load_split(cfg.data, "train", _cfg(dataset), verbose=False)
+    data = load_split(cfg.inputs.data, "train", cfg, verbose=False)
+    everything = load_split(cfg.inputs.data, "train", _cfg(dataset), verbose=False)
     assert [r.im_file for r in data.records] == [r.im_file for r in everything.records]  # images stay
     raw = np.concatenate([r.cls for r in everything.records])
     kept = np.concatenate([r.cls for r in data.records])
@@ -152,14 +152,14 @@ def test_classes_validation_scores_only_those_classes(dataset: Path, tmp_path: P
     assert len(rows) == sum(r["category_id"] == 1 for r in _rows(plain_run["save_dir"]))
     # scoring the full predictions file with classes=0 counts the same detections
     cfg = _cfg(dataset, classes=[0], predictions=str(plain_run["save_dir"] / "predictions.json"))
-    again = score_predictions_file(cfg, load_split(cfg.data, "val", cfg, verbose=False), tmp_path / "scored")
+    again = score_predictions_file(cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), tmp_path / "scored")
     assert again["map"] == pytest.approx(m["map"], abs=1e-12) and set(again["per_class"]) == {0}
 
 
 def test_classes_beyond_the_dataset_name_the_yaml(dataset: Path) -> None:
     cfg = _cfg(dataset, classes="1,7")
     with pytest.raises(ConfigError, match=r"'classes': \[7\] not among the 3 classes of .*data.yaml \(0 to 2\)"):
-        load_split(cfg.data, "val", cfg, verbose=False)
+        load_split(cfg.inputs.data, "val", cfg, verbose=False)
 
 
 # ---------------------------------------------------------------------------------------------- agnostic_nms
@@ -210,9 +210,9 @@ def test_agnostic_nms_in_validation(dataset: Path, tmp_path: Path, plain_run: di
 def test_the_keys_belong_to_the_right_commands() -> None:
     for command in ("train", "val"):
         cfg = make_cfg(parse_cli_args(["single_cls=true", "classes=0,2", "agnostic_nms=true"], command))
-        assert (cfg.single_cls, cfg.classes, cfg.agnostic_nms) == (True, [0, 2], True)
+        assert (cfg.inputs.single_cls, cfg.inputs.classes, cfg.predict.agnostic_nms) == (True, [0, 2], True)
     cfg = make_cfg(parse_cli_args(["cutmix=0.5", "copy_paste=0"], "train"))
-    assert (cfg.cutmix, cfg.copy_paste) == (0.5, 0.0)
+    assert (cfg.augment.cutmix, cfg.augment.copy_paste) == (0.5, 0.0)
     make_cfg(parse_cli_args(["classes=1", "agnostic_nms=true"], "predict"))
     for command, key in (("predict", "single_cls=true"), ("predict", "cutmix=0.1"), ("val", "cutmix=0.1")):
         with pytest.raises(ConfigError, match="is not used by"):

@@ -150,7 +150,7 @@ def test_hostile_interface_names_are_refused_by_the_config(hostile: str) -> None
 
 def test_socket_ifname_sets_gloo_and_exact_nccl_names() -> None:
     assert netif.ifname_env("eth1") == {"GLOO_SOCKET_IFNAME": "eth1", "NCCL_SOCKET_IFNAME": "=eth1"}
-    assert make_cfg({"socket_ifname": "eth0,ib0"}).socket_ifname == "eth0,ib0"
+    assert make_cfg({"socket_ifname": "eth0,ib0"}).distributed.socket_ifname == "eth0,ib0"
 
 
 # -------------------------------------------------------------------------------------------- run_id
@@ -162,7 +162,7 @@ def test_a_derived_run_id_ignores_what_may_differ_per_node_and_nothing_else() ->
     assert run_identity.derive("train", base) == run_identity.derive("train", same)
     assert run_identity.derive("train", base) != run_identity.derive("train", {**base, "epochs": 4})
     assert run_identity.derive("train", base) != run_identity.derive("val", base)
-    assert make_cfg({"run_id": run_identity.derive("train", base)}).run_id.startswith("auto-")
+    assert make_cfg({"run_id": run_identity.derive("train", base)}).distributed.run_id.startswith("auto-")
 
 
 @pytest.mark.parametrize("hostile", ["a b", "../x", "x" * 65, "-x", "id\nEVIL", "é"])

@@ -76,10 +76,10 @@ def global_torch_state():
 def _ultralytics_optimizer(ul, cfg, model, iterations: int, weight_decay: float):
     """``BaseTrainer.build_optimizer`` unbound: it reads ``self.args`` (and may rewrite optimizer, lr0 and
     warmup_bias_lr there, as its auto choice does) and ``self.data["nc"]``. Returns (optimizer, args after)."""
-    args = SimpleNamespace(optimizer=cfg.optimizer, lr0=cfg.lr0, warmup_bias_lr=cfg.warmup_bias_lr)
+    args = SimpleNamespace(optimizer=cfg.train.optimizer, lr0=cfg.train.lr0, warmup_bias_lr=cfg.train.warmup_bias_lr)
     stand_in = SimpleNamespace(args=args, data={"nc": NC})
-    opt = ul.BaseTrainer.build_optimizer(stand_in, model=model, name=cfg.optimizer, lr=cfg.lr0,
-                                         momentum=cfg.momentum, decay=weight_decay, iterations=iterations)
+    opt = ul.BaseTrainer.build_optimizer(stand_in, model=model, name=cfg.train.optimizer, lr=cfg.train.lr0,
+                                         momentum=cfg.train.momentum, decay=weight_decay, iterations=iterations)
     return opt, args
 
 
@@ -116,7 +116,7 @@ def test_parameter_groups_match(ul, name, iterations):
     assert u["weight"]["weight_decay"] == weight_decay and u["bn"]["weight_decay"] == u["bias"]["weight_decay"] == 0
 
     # auto starts the bias warmup at 0 in both (Ultralytics by rewriting warmup_bias_lr; detrain in apply_warmup)
-    optim.apply_warmup(dopt, cfg, 0, 10, 1.0, dlr, cfg.momentum, 1)
+    optim.apply_warmup(dopt, cfg, 0, 10, 1.0, dlr, cfg.train.momentum, 1)
     assert dopt.param_groups[0]["lr"] == uargs.warmup_bias_lr
 
 
@@ -319,4 +319,4 @@ def test_gradient_clipping_matches(ul, monkeypatch):
     # unscale, then clip the norm of all gradients to 10, then step: the same calls in the same order
     assert ours == theirs == ["scaler.unscale_", ("clip", 10.0), "scaler.step", "scaler.update",
                               "optimizer.zero_grad", "ema.update"]
-    assert make_cfg().clip_grad == 10.0
+    assert make_cfg().train.clip_grad == 10.0

@@ -220,7 +220,7 @@ def test_txt_rows_match_the_results(tmp_path: Path) -> None:
 
 def test_defaults_write_no_label_files(tmp_path: Path) -> None:
     c = make_cfg({})
-    assert (c.save_txt, c.save_conf, c.classes, c.agnostic_nms, c.half) == (False, False, None, False, False)
+    assert (c.predict.save_txt, c.predict.save_conf, c.inputs.classes, c.predict.agnostic_nms, c.predict.half) == (False, False, None, False, False)
     path = save(tmp_path / "x.png", picture({0: (20, 30, 70, 90)}))
     predict(cfg(tmp_path, save=True, name="d"), SquareFinder(), str(path))
     assert sorted(p.name for p in (tmp_path / "runs" / "d").iterdir()) == ["x.png"]

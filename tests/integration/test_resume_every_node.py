@@ -140,11 +140,11 @@ def test_a_restart_resumes_from_the_furthest_checkpoint_of_its_launch(tmp_path: 
     _ckpt(run / "weights" / "mid.pt", epoch=1, mid=3)  # 3 batches into epoch 2 (0-based 2)
     start = _agree(tmp_path, _launch(), save_dir=run)
     assert start.ckpt is not None and start.ckpt["mid_epoch"]["next_batch"] == 3
-    assert start.save_dir == run and start.cfg.resume == str(run / "weights" / "mid.pt") and start.cfg.epochs == 5
+    assert start.save_dir == run and start.cfg.train.resume == str(run / "weights" / "mid.pt") and start.cfg.train.epochs == 5
     assert f"resuming from {run / 'weights' / 'mid.pt'} at epoch 3, 3/4 batches done" in capsys.readouterr().out
     # a mid.pt that the epoch's last.pt has superseded (the run died between the two files) is behind it
     _ckpt(run / "weights" / "last.pt", epoch=2)
-    assert _agree(tmp_path, _launch(), save_dir=run).cfg.resume == str(run / "weights" / "last.pt")
+    assert _agree(tmp_path, _launch(), save_dir=run).cfg.train.resume == str(run / "weights" / "last.pt")
 
 
 def test_checkpoints_of_another_run_in_the_same_folder_are_not_resumed(tmp_path: Path) -> None:
@@ -153,7 +153,7 @@ def test_checkpoints_of_another_run_in_the_same_folder_are_not_resumed(tmp_path:
     _ckpt(run / "weights" / "last.pt", epoch=3, launch="OLD")
     _ckpt(run / "weights" / "mid.pt", epoch=3, launch=7, mid=1)  # a forged, non-text id is nobody's
     start = _agree(tmp_path, _launch("NEW"), save_dir=run)
-    assert start.ckpt is None and start.save_dir == run and not start.cfg.resume
+    assert start.ckpt is None and start.save_dir == run and not start.cfg.train.resume
     # a plain process (no launcher id) resumes nothing on its own
     assert _agree(tmp_path, _launch(None), save_dir=run).ckpt is None
 
@@ -173,9 +173,9 @@ def test_resume_last_pt_goes_on_from_a_mid_pt_of_the_same_launch_beside_it(tmp_p
     weights = tmp_path / "run" / "weights"
     last = _ckpt(weights / "last.pt", epoch=0, launch="A")
     _ckpt(weights / "mid.pt", epoch=0, launch="A", mid=2)
-    assert _agree(tmp_path, _launch("NEW"), resume=str(last)).cfg.resume == str(weights / "mid.pt")
+    assert _agree(tmp_path, _launch("NEW"), resume=str(last)).cfg.train.resume == str(weights / "mid.pt")
     _ckpt(weights / "mid.pt", epoch=0, launch="B", mid=2)  # another launch's mid.pt: not this last.pt's run
-    assert _agree(tmp_path, _launch("NEW"), resume=str(last)).cfg.resume == str(last)
+    assert _agree(tmp_path, _launch("NEW"), resume=str(last)).cfg.train.resume == str(last)
 
 
 def test_a_restart_after_an_explicit_resume_continues_from_what_it_wrote(tmp_path: Path) -> None:

@@ -119,7 +119,7 @@ def test_frozen_layers_stay_identical_on_two_ddp_workers(data: Path, start: Path
 ])
 def test_freeze_names_the_first_layers_or_the_ones_listed(value, expected) -> None:
     model = DetectionModel(nc=2)
-    assert freeze.freeze_layers(model, make_cfg({"freeze": value}).freeze) == expected
+    assert freeze.freeze_layers(model, make_cfg({"freeze": value}).train.freeze) == expected
     fixed = sorted({int(n.split(".")[1]) for n, p in model.named_parameters()
                     if not p.requires_grad and ".dfl." not in n})  # the DFL's fixed kernel never trains
     assert fixed == [i for i in expected if any(True for _ in model.model[i].parameters())]

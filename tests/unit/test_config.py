@@ -11,27 +11,27 @@ from detrain.errors import ConfigError
 
 
 def test_every_field_has_a_default_and_a_comment():
-    fields = {f.name for f in dataclasses.fields(Cfg)}
+    fields = {f.name for section in dataclasses.fields(Cfg) for f in dataclasses.fields(getattr(Cfg(), section.name))}
     assert fields == set(defaults())
     assert all(comments()[k] for k in fields), [k for k in fields if not comments().get(k)]
 
 
 def test_defaults_validate_and_freeze():
     cfg = make_cfg()
-    assert cfg.model == "n.yaml" and cfg.data == "shapes.yaml" and cfg.batch == 16
+    assert cfg.inputs.model == "n.yaml" and cfg.inputs.data == "shapes.yaml" and cfg.train.batch == 16
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.epochs = 3  # type: ignore[misc]
+        cfg.train.epochs = 3  # type: ignore[misc]
 
 
 def test_cli_strings_are_coerced():
     cfg = make_cfg(parse_cli_args(["epochs=3", "--imgsz", "320", "device=0,1", "amp=false", "conf=null",
                                    "--cos-lr", "resume=runs/x/weights/last.pt", "cache=true"]))
-    assert (cfg.epochs, cfg.imgsz, cfg.device, cfg.amp, cfg.conf, cfg.cos_lr) == (3, 320, "0,1", False, None, True)
-    assert cfg.resume == "runs/x/weights/last.pt" and cfg.cache == "ram"
-    assert make_cfg({"device": [0, 1]}).device == [0, 1]
-    assert make_cfg({"device": "0"}).device == 0
-    assert make_cfg({"resume": "true"}).resume is True
-    assert make_cfg({"optimizer": "sgd"}).optimizer == "SGD"
+    assert (cfg.train.epochs, cfg.inputs.imgsz, cfg.distributed.device, cfg.train.amp, cfg.predict.conf, cfg.train.cos_lr) == (3, 320, "0,1", False, None, True)
+    assert cfg.train.resume == "runs/x/weights/last.pt" and cfg.inputs.cache == "ram"
+    assert make_cfg({"device": [0, 1]}).distributed.device == [0, 1]
+    assert make_cfg({"device": "0"}).distributed.device == 0
+    assert make_cfg({"resume": "true"}).train.resume is True
+    assert make_cfg({"optimizer": "sgd"}).train.optimizer == "SGD"
 
 
 @pytest.mark.parametrize(
@@ -61,6 +61,6 @@ def test_parse_cli_args_rejects_positional_words():
 
 def test_replace_validates():
     cfg = make_cfg()
-    assert cfg.replace(epochs=5).epochs == 5
+    assert cfg.replace(epochs=5).train.epochs == 5
     with pytest.raises(ConfigError):
         cfg.replace(batch=0)

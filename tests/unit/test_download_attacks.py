@@ -366,5 +366,5 @@ def test_the_cfg_caps_reach_the_download(served, tmp_path):
     cfg = make_cfg({"data": str(tmp_path / "data.yaml"), "download_max_unpacked_gb": 1e-6})
     with pytest.raises(DatasetError,
                        match=r"unpack to at least 40\d\d bytes, over download_max_unpacked_gb \(1e-06 GB"):
-        load_split(cfg.data, "train", cfg, verbose=False)
+        load_split(cfg.inputs.data, "train", cfg, verbose=False)
     assert not (tmp_path / "toy").exists()

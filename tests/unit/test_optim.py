@@ -62,8 +62,8 @@ def test_warmup_ramps_lr_momentum_and_accumulation():
     cfg = make_cfg({"optimizer": "SGD"})
     opt, _, _ = optim.build_optimizer(_net(), cfg, nc=2, total_iterations=10, weight_decay=0.0)
     acc0 = optim.apply_warmup(opt, cfg, 0, 100, 1.0, 0.01, 0.937, 4)
-    assert acc0 == 1 and opt.param_groups[0]["lr"] == cfg.warmup_bias_lr and opt.param_groups[1]["lr"] == 0
-    assert opt.param_groups[1]["momentum"] == cfg.warmup_momentum
+    assert acc0 == 1 and opt.param_groups[0]["lr"] == cfg.train.warmup_bias_lr and opt.param_groups[1]["lr"] == 0
+    assert opt.param_groups[1]["momentum"] == cfg.train.warmup_momentum
     acc1 = optim.apply_warmup(opt, cfg, 100, 100, 1.0, 0.01, 0.937, 4)
     assert acc1 == 4 and all(abs(g["lr"] - 0.01) < 1e-12 for g in opt.param_groups)
     auto = make_cfg()  # optimizer=auto: no bias-lr kick at the start (it would wreck pretrained weights)
@@ -76,8 +76,8 @@ def test_warmup_leaves_adam_betas_alone():
         cfg = make_cfg({"optimizer": name})
         opt, _, _ = optim.build_optimizer(_net(), cfg, nc=2, total_iterations=10, weight_decay=0.0)
         for ni in (0, 50, 100):
-            optim.apply_warmup(opt, cfg, ni, 100, 1.0, 0.01, cfg.momentum, 4)
-            assert all(g["betas"] == (cfg.momentum, 0.999) for g in opt.param_groups)
+            optim.apply_warmup(opt, cfg, ni, 100, 1.0, 0.01, cfg.train.momentum, 4)
+            assert all(g["betas"] == (cfg.train.momentum, 0.999) for g in opt.param_groups)
         assert all(abs(g["lr"] - 0.01) < 1e-12 for g in opt.param_groups)  # the lr is still warmed
 
 

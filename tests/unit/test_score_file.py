@@ -21,7 +21,7 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("score_file")
     yaml_file = make_dataset(root / "ds", n_val=4)
     cfg = make_cfg({"data": str(yaml_file), "imgsz": 64, "workers": 0, "verbose": False, "plots": False})
-    data = load_split(cfg.data, "val", cfg, verbose=False)
+    data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
     first_id = min(split_ground_truth(data).all_image_ids())
     return {"root": root, "yaml": yaml_file, "data": data, "image_id": first_id}
 

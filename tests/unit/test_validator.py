@@ -33,8 +33,8 @@ def _cfg(yaml_file: Path, **kw: Any):
 
 def _validate(yaml_file: Path, save_dir: Path, plots: bool = False, **kw: Any) -> tuple[dict[str, Any], Any]:
     cfg = _cfg(yaml_file, save_json=True, plots=plots, **kw)
-    data = load_split(cfg.data, "val", cfg, verbose=False)
-    loader = build_val_loader(data, cfg, cfg.batch, 0, 1)
+    data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
+    loader = build_val_loader(data, cfg, cfg.train.batch, 0, 1)
     metrics = validate(ColourModel(), loader, data, cfg, torch.device("cpu"), save_dir=save_dir, plots=plots,
                        verbose=False)
     return metrics, data
@@ -42,7 +42,7 @@ def _validate(yaml_file: Path, save_dir: Path, plots: bool = False, **kw: Any) -
 
 def _rescore(yaml_file: Path, predictions: Path, save_dir: Path) -> dict[str, Any]:
     cfg = _cfg(yaml_file, predictions=str(predictions), plots=False)
-    return score_predictions_file(cfg, load_split(cfg.data, "val", cfg, verbose=False), save_dir)
+    return score_predictions_file(cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), save_dir)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_full_coco_in_yolo_layout_writes_the_91_id_categories(tmp_path: Path, ya
     target.write_text(yaml_file.read_text().replace(f"names: {NAMES}", f"names: {list(COCO80_NAMES)}")
                       .replace("val: images/val", f"val: {val}"))
     cfg = _cfg(target)
-    gt = split_ground_truth(load_split(cfg.data, "val", cfg, verbose=False))
+    gt = split_ground_truth(load_split(cfg.inputs.data, "val", cfg, verbose=False))
     assert gt.category_ids.tolist() == expected and gt.source == "YOLO labels"
     assert sorted(gt.all_image_ids())[0] == 100  # numeric stems
 
@@ -194,7 +194,7 @@ def test_annotations_json_beside_yolo_images_is_used_for_evaluation(tmp_path: Pa
     yaml_file = tmp_path / "ds" / "folder.yaml"  # val is the image folder; annotations/instances_val.json is found
     yaml_file.write_text(f"path: {tmp_path / 'ds'}\ntrain: images/val\nval: images/val\nnames: {NAMES}\n")
     cfg = _cfg(yaml_file)
-    data = load_split(cfg.data, "val", cfg, verbose=False)
+    data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
     gt = split_ground_truth(data)
     assert gt.json_file is not None and gt.category_ids.tolist() == [3, 7, 11]
     assert min(gt.all_image_ids()) == 500
@@ -207,5 +207,5 @@ def test_annotations_json_that_does_not_fit_falls_back_to_yolo_labels(tmp_path: 
         {"images": [{"id": 1, "file_name": "other.jpg"}], "annotations": [],
          "categories": [{"id": 1, "name": "x"}, {"id": 2, "name": "y"}, {"id": 3, "name": "z"}]}))
     cfg = _cfg(yaml_file)
-    gt = split_ground_truth(load_split(cfg.data, "val", cfg, verbose=False))
+    gt = split_ground_truth(load_split(cfg.inputs.data, "val", cfg, verbose=False))
     assert gt.json_file is None and gt.source == "YOLO labels"
