@@ -27,6 +27,7 @@ from detrain.data.synthetic import generate_shapes
 from detrain.distributed import dist, netif, run_identity
 from detrain.distributed.launch import launch, parse_device
 from detrain.distributed.master_store import host_store
+from detrain.distributed.world import World
 from detrain.errors import ConfigError, DistributedError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,13 +72,11 @@ def test_a_single_machine_run_listens_on_loopback_only(backend: str | None, ifna
 
 
 @needs_proc_net
-def test_the_env_store_of_srun_and_torchrun_listens_on_master_addr_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_env_store_of_srun_and_torchrun_listens_on_master_addr_only() -> None:
     """Without an elastic agent's store (srun, plain env://, detrain's c10d rounds) rank 0 hosts the store."""
     port = _free_port()
-    monkeypatch.setenv("MASTER_ADDR", LOOPBACK)
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    args = dist._store_args(0, 1, 0, timedelta(seconds=10), whole_world_here=True)
+    world = World(rank=0, world_size=1, master_addr=LOOPBACK, master_port=port, agent_store=False)
+    args = dist._store_args(world, timedelta(seconds=10))
     assert (args["rank"], args["world_size"]) == (0, 1)
     args["store"].set("k", "v")
     assert (LOOPBACK, port) in listening(os.getpid())
