@@ -10,7 +10,6 @@ import contextlib
 import math
 import os
 import random
-import signal
 import time
 import warnings
 from pathlib import Path
@@ -217,7 +216,6 @@ class Trainer:
             if cfg.time else None
         epoch = self.start_epoch
         while epoch < cfg.epochs:  # time= re-plans cfg.epochs after every epoch
-            _test_kill_hook(epoch, self.rank)
             self.callbacks.fire("on_train_epoch_start", self, epoch + 1)
             t0 = time.perf_counter()
             self.monitor.begin_epoch()
@@ -458,21 +456,6 @@ def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
     for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-
-
-def _test_kill_hook(epoch: int, rank: int) -> None:
-    """Test-only fault injection: ``DETRAIN_TEST_KILL_AT="EPOCH:RANK"`` makes that global rank SIGKILL itself at
-    the start of that (0-based) epoch, on the launcher's first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a
-    restarted group runs on. Unset (always, outside tests/test_train_distributed.py) it does nothing."""
-    spec = os.environ.get("DETRAIN_TEST_KILL_AT")
-    if spec and spec == f"{epoch}:{rank}" and dist.restart_count() == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    # DETRAIN_TEST_HOLD_AT="EPOCH:RANK:PATH": that rank waits at the start of that epoch until PATH exists (a test
-    # lets another node join the group there: tests/test_resume_every_node.py)
-    hold = os.environ.get("DETRAIN_TEST_HOLD_AT", "").split(":", 2)
-    if len(hold) == 3 and hold[:2] == [str(epoch), str(rank)]:
-        while not os.path.exists(hold[2]):
-            time.sleep(0.1)
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
