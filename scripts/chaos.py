@@ -16,8 +16,8 @@ c node_joins       nnodes=1:2 rdzv_backend=c10d: node 1 starts after node 0's fi
                    cannot finish before the join)
 d rank_stopped     nnodes=2: SIGSTOP of node 1's worker (rank 1) after epoch 1: every launcher ends with a last
                    line naming rank 1 within dist_timeout + 30 s, and no process of the run is left
-e launcher_sigterm device=cpu,cpu: SIGTERM of the launcher after epoch 1: every process of the run gone within 10 s,
-                   weights/last.pt loads
+e launcher_sigterm nnodes=2: SIGTERM of node 0's launcher after epoch 1: every process of both nodes gone within
+                   10 s, each node's last line says so, weights/last.pt loads
 f mid_epoch_kill   device=cpu,cpu max_restarts=1 save_interval: SIGKILL of rank 0 right after a weights/mid.pt of
                    epoch 2 or later: the restart resumes at the batch after mid.pt, each epoch once in results.csv
 g busy_port        master_port held by another socket: one line naming the port before training, exit code 2
@@ -497,26 +497,31 @@ def case_rank_stopped(work: Path, size: Size = FULL) -> Result:
 
 
 def case_launcher_sigterm(work: Path, size: Size = FULL) -> Result:
-    """(e) SIGTERM of a device=cpu,cpu launcher after epoch 1: everything gone within 10 s, last.pt loads."""
-    result = Result("e launcher_sigterm", "every process of the run gone within 10 s; one line; last.pt loads")
+    """(e) SIGTERM of node 0's launcher (nnodes=2) after epoch 1: every process of both nodes gone within 10 s,
+    each node's last line says why, last.pt loads."""
+    result = Result("e launcher_sigterm", "every process of both nodes gone within 10 s; each ends with one line "
+                                          "('stopped by SIGTERM'); last.pt loads")
     t0 = time.monotonic()
     with Cluster(work, size, "launcher_sigterm") as c:
-        n0 = c.start(0, c.common(device="cpu,cpu"))
-        if not _wait_saved(n0, size.limit_s):
-            result.problems.append(f"no epoch 1: {_describe(n0, 3)}")
+        args = c.common(nnodes=2)
+        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
+        if not _wait_saved(n0, size.limit_s, [n1]):
+            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
             return _close(_finish(result, c, n0, t0, None), "")
-        result.check(len(n0.workers()) == 2, f"workers {n0.workers()}")
         send(n0.pid, signal.SIGTERM)
         t_term = time.monotonic()
         gone = wait_until(lambda: not tagged(c.tag), 10.0, 0.1)
         took = time.monotonic() - t_term
         left = tagged(c.tag)
-        wait_until(n0.ended, 5.0)
+        c.wait_all(5.0)
         _finish(result, c, n0, t0, None)
         result.check(bool(gone), f"left after 10 s: {left}")
+        for i, n in enumerate(c.nodes):
+            result.check(n.proc.poll() == 2, f"node {i} {_describe(n)}")
+            result.check("stopped by SIGTERM" in n.last_line(), f"node {i} last line: {n.last_line()[:200]!r}")
         loads, text, _ = checkpoint_text(n0.run / "weights" / "last.pt")
         result.check(loads, f"last.pt {text}")
-        return _close(result, f"all gone after {took:.1f} s; {_describe(n0)}")
+        return _close(result, f"all gone after {took:.1f} s; " + " / ".join(_describe(n) for n in c.nodes))
 
 
 def case_mid_epoch_kill(work: Path, size: Size = FULL) -> Result:
