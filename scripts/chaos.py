@@ -7,7 +7,8 @@ descendants of the launchers in /proc; nothing in detrain knows about them.
 Cases (``--cases`` picks some, by letter or name):
 
 a worker_kill      nnodes=2 max_restarts=1: SIGKILL of node 1's worker after epoch 1 (the fault-tolerance issue's
-                   two-node command): both nodes finish every epoch, each epoch once in node 0's results.csv
+                   two-node command, with its keys only): both nodes finish every epoch, each epoch once in node 0's
+                   results.csv, and node 1 never holds a checkpoint
 b node_leaves      nnodes=1:2 rdzv_backend=c10d max_restarts=1: SIGKILL of node 1's launcher and its workers at
                    once (a machine that dies) after epoch 1: node 0 goes on alone and finishes
 c node_joins       nnodes=1:2 rdzv_backend=c10d: node 1 starts after node 0's first epoch: the group grows to two
@@ -18,8 +19,9 @@ d rank_stopped     nnodes=2: SIGSTOP of node 1's worker (rank 1) after epoch 1: 
                    line naming rank 1 within dist_timeout + 30 s, and no process of the run is left
 e launcher_sigterm nnodes=2: SIGTERM of node 0's launcher after epoch 1: every process of both nodes gone within
                    10 s, each node's last line says so, weights/last.pt loads
-f mid_epoch_kill   device=cpu,cpu max_restarts=1 save_interval: SIGKILL of rank 0 right after a weights/mid.pt of
-                   epoch 2 or later: the restart resumes at the batch after mid.pt, each epoch once in results.csv
+f mid_epoch_kill   device=cpu,cpu max_restarts=1 save_interval: SIGKILL of rank 0 right after a weights/mid.pt
+                   half-way through epoch 2 or later (rank 0 is held with SIGSTOP while mid.pt is read): the restart
+                   resumes at the batch after mid.pt, each epoch once in results.csv
 g busy_port        master_port held by another socket: one line naming the port before training, exit code 2
 h no_master        node_rank=1 and nobody at master_addr:master_port: one line after the 60 s wait for the master,
                    before training, exit code 2
@@ -30,7 +32,7 @@ and carries a tag in its environment that every descendant inherits.
 
 Example::
 
-    nice -n 19 python scripts/chaos.py                     # every case, full size (about 10 minutes on 2 cores)
+    nice -n 19 python scripts/chaos.py                     # every case, full size (about 6 minutes on 2 cores)
     python scripts/chaos.py --cases a,f --small            # the sizes tests/integration/test_chaos.py uses
 """
 
@@ -299,12 +301,15 @@ class Cluster:
         self.nodes: list[Node] = []
         self.port = free_port()
 
-    def common(self, **extra: object) -> dict[str, object]:
+    def common(self, issue: bool = False, **extra: object) -> dict[str, object]:
+        """Every node's arguments: the fault-tolerance issue's two-node command (``issue``: its keys only, with the
+        dataset and this size's epochs, batch and dist_timeout), else that with validation, plots, warmup and mosaic
+        closing off (faster; what the case checks does not depend on them)."""
         s = self.size
+        quick = {} if issue else {"warmup_epochs": 0, "close_mosaic": 0, "val": False, "plots": False, "seed": 0}
         return {"data": "data/data.yaml", "imgsz": 64, "batch": s.batch, "epochs": s.epochs, "workers": 0,
-                "device": "cpu", "warmup_epochs": 0, "close_mosaic": 0, "val": False, "plots": False, "seed": 0,
-                "dist_timeout": s.dist_timeout, "master_addr": "127.0.0.1", "master_port": self.port,
-                "project": "runs", "name": "x", "exist_ok": True, **extra}
+                "device": "cpu", **quick, "dist_timeout": s.dist_timeout, "master_addr": "127.0.0.1",
+                "master_port": self.port, "project": "runs", "name": "x", "exist_ok": True, **extra}
 
     def start(self, index: int, args: dict[str, object]) -> Node:
         """Node ``index`` in ``work/<case>/node<index>``, with its own copy of the dataset."""
@@ -388,7 +393,7 @@ def case_worker_kill(work: Path, size: Size = FULL) -> Result:
                                      "once; node 1 holds no .pt")
     t0 = time.monotonic()
     with Cluster(work, size, "worker_kill") as c:
-        args = c.common(nnodes=2, max_restarts=1)
+        args = c.common(issue=True, nnodes=2, max_restarts=1)
         n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
         if not _wait_saved(n0, size.limit_s, [n1]):
             result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
@@ -492,8 +497,9 @@ def case_rank_stopped(work: Path, size: Size = FULL) -> Result:
             result.check(n.proc.poll() not in (0, None), f"node {i} exit {n.proc.poll()}")
             result.check(bool(re.search(r"\brank 1\b", line)), f"node {i} last line: {line[:200]!r}")
         result.check(not left, f"processes left: {left}")
-        when = ", ".join(f"node {i} after {e:.0f} s" for i, e in enumerate(ends) if e is not None)
-        return _close(result, f"{when}; " + " / ".join(n.last_line()[:160] for n in c.nodes) + "; none left")
+        said = "; ".join(f"node {i} after {e:.0f} s: '{c.nodes[i].last_line()[:200]}'" for i, e in enumerate(ends)
+                         if e is not None)
+        return _close(result, f"{said}; no process left")
 
 
 def case_launcher_sigterm(work: Path, size: Size = FULL) -> Result:
@@ -525,31 +531,36 @@ def case_launcher_sigterm(work: Path, size: Size = FULL) -> Result:
 
 
 def case_mid_epoch_kill(work: Path, size: Size = FULL) -> Result:
-    """(f) SIGKILL of rank 0 right after a mid.pt (save_interval), device=cpu,cpu max_restarts=1: the restart
-    resumes at the batch after mid.pt; each epoch once."""
+    """(f) SIGKILL of rank 0 right after a mid.pt half-way through epoch 2 or later (save_interval; half this size's
+    batch, for more steps per epoch), device=cpu,cpu max_restarts=1: the restart resumes at the batch after mid.pt;
+    each epoch once."""
     result = Result("f mid_epoch_kill", "the restart resumes from mid.pt at its batch; exit 0; "
                                         f"epochs 1-{size.epochs} once; no mid.pt left")
     t0 = time.monotonic()
     with Cluster(work, size, "mid_epoch_kill") as c:
-        n0 = c.start(0, c.common(device="cpu,cpu", max_restarts=1, save_interval=1e-9))  # mid.pt after every step
+        n0 = c.start(0, c.common(device="cpu,cpu", max_restarts=1, batch=max(2, size.batch // 2),
+                                 save_interval=1e-9))  # mid.pt after every step
         mid, last = n0.run / "weights" / "mid.pt", n0.run / "weights" / "last.pt"
         if not _wait_saved(n0, size.limit_s):
             result.problems.append(f"no epoch 1: {_describe(n0, 3)}")
             return _close(_finish(result, c, n0, t0, None), "")
-        where = None
+        where, seen = None, None
         deadline = time.monotonic() + size.limit_s
         while where is None and time.monotonic() < deadline and not n0.ended():
-            if not mid.exists():
-                time.sleep(0.01)
+            if _identity(mid) in (None, seen):  # no mid.pt, or the one already looked at
+                time.sleep(0.005)
                 continue
             rank0 = n0.workers()[:1]
             send(rank0, signal.SIGSTOP)  # only rank 0 writes: mid.pt and last.pt stand still now
+            seen = _identity(mid)
             _, _, m = checkpoint_text(mid)
             _, _, done = checkpoint_text(last)
-            if m is not None and done is not None and int(m["epoch"]) == int(done["epoch"]):
+            # a mid.pt of the epoch after last.pt's (not one the epoch's last.pt already superseded), half-way
+            if m is not None and done is not None and int(m["epoch"]) == int(done["epoch"]) and \
+                    int(m["mid_epoch"]["next_batch"]) >= max(1, int(m["batches_per_epoch"]) // 2):
                 where = (int(m["epoch"]) + 2, int(m["mid_epoch"]["next_batch"]), int(m["batches_per_epoch"]))
                 send(rank0, signal.SIGKILL)
-            else:  # mid.pt just superseded by the epoch's last.pt: try the next one
+            else:
                 send(rank0, signal.SIGCONT)
         result.check(where is not None, "no mid.pt within an epoch to kill at")
         result.check(c.wait_all(size.limit_s), "the launcher did not end")
@@ -562,6 +573,15 @@ def case_mid_epoch_kill(work: Path, size: Size = FULL) -> Result:
         result.check(not mid.exists(), "mid.pt left after the run")
         return _close(result, f"killed rank 0 after mid.pt at epoch {where[0]}, batch {where[1]}/{where[2]}; "
                               f"resumed there; exit 0" if where else "")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(inode, modification time) of a file: a new one replaced atomically has another."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 def case_busy_port(work: Path, size: Size = FULL) -> Result:

@@ -93,6 +93,20 @@ def test_the_silent_rank_is_named_in_one_line(server, monkeypatch) -> None:
     assert dist.silent_peers_error(RuntimeError("gloo: Connection reset by peer")) is None  # all alive: keep it
 
 
+def test_the_launcher_report_leads_with_the_silent_rank() -> None:
+    from types import SimpleNamespace
+
+    from detrain.distributed.launch_failures import describe_failure, explained
+
+    text = str(DistributedError(f"rank 1 stopped responding: no heartbeat for 3s {dist.PEER_LOST_MARK} [Timed out]"))
+    message = f"DistributedError: {text}"
+    failure = SimpleNamespace(message={"message": message}, timestamp=1, exitcode=1,
+                              error_file_data={"message": {"message": message}})
+    error = SimpleNamespace(failures={0: failure})
+    assert describe_failure(error, 0) == "rank 1 stopped responding (no heartbeat for 3s, seen by worker rank 0)"
+    assert explained(error)  # one of detrain's own errors: elastic's traceback adds nothing
+
+
 # ------------------------------------------------------------------ the end of the run reaches every node
 
 
