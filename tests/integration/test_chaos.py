@@ -105,3 +105,17 @@ def test_h_an_unreachable_master_is_one_line_before_training(no_master_in_backgr
     box, thread = no_master_in_background
     thread.join()
     _ok(box["result"])
+
+
+def test_cases_are_picked_by_letter_or_name_and_anything_else_is_refused() -> None:
+    assert chaos.pick("a,f") == ["a", "f"] and chaos.pick("abcdefgh") == list("abcdefgh")
+    assert chaos.pick("worker_kill, no_master") == ["a", "h"]
+    with pytest.raises(SystemExit, match="'z' is not a case"):
+        chaos.pick("a,z")
+
+
+def test_the_epoch_column_shows_a_run_of_each_epoch_once_or_the_rows_as_they_are() -> None:
+    assert chaos.epochs_text(["1", "2", "3"]) == "1-3"
+    assert chaos.epochs_text(["1", "2", "2", "3"]) == "1,2,2,3" and chaos.epochs_text([]) == "-"
+    row = chaos.Result("a x", "expected | piped", "seen", ok=True, seconds=3.2)
+    assert chaos.table([row]).splitlines()[-1] == "| a x | expected \\| piped | seen | yes | 3 | - | - |"
