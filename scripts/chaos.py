@@ -431,6 +431,8 @@ def case_node_leaves(work: Path, size: Size = FULL) -> Result:
         result.check(rows == [str(e) for e in range(1, size.epochs + 1)], f"results.csv epochs {rows}")
         loads, text, ckpt = checkpoint_text(n0.run / "weights" / "last.pt")
         result.check(loads and ckpt is not None and int(ckpt["epoch"]) == size.epochs - 1, f"last.pt {text}")
+        result.check("1 worker(s) on cpu" in n0.out().split("2 worker(s) on cpu", 1)[-1],
+                     "node 0 did not go on with 1 worker")
         resumed = re.search(r"(restart \d+|group restarted): resuming from \S+ at epoch \d+", n0.out())
         return _close(result, f"node 1 SIGKILLed (launcher + worker); node 0: "
                               f"{resumed.group(0) if resumed else 'no resume line'}; exit 0")

@@ -4,8 +4,9 @@ rank, a SIGTERMed node 0 launcher, a kill right after a mid-epoch checkpoint, a 
 
 Every node is a real ``detrain train`` launcher on 127.0.0.1 with its own folder; faults are real signals. The only
 time bounds checked are the behaviour under test (a stopped rank: every node ends within dist_timeout + 30 s; a
-SIGTERM: every process gone within 10 s); the rest run under the case's hang guard (``Size.limit_s``). The
-unreachable-master case spends most of its minute waiting for the master, so it runs in a thread beside the others.
+SIGTERM: every process gone within 10 s); the rest run under the case's hang guard (``Size.limit_s``). Two cases
+spend most of their minute waiting (the unreachable master: 60 s for the master; a node leaving: about 30 s of
+torch's c10d rendezvous), so they start at once in threads and run beside the others.
 """
 
 from __future__ import annotations
@@ -41,20 +42,31 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("chaos")
 
 
+BACKGROUND = {"b": "test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish",
+              "h": "test_h_an_unreachable_master_is_one_line_before_training"}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def no_master_in_background(request: pytest.FixtureRequest, work: Path):
-    """Start case h at once when it is selected (it mostly waits); its test collects the result."""
-    box: dict[str, object] = {}
-    selected = any(item.name == "test_h_an_unreachable_master_is_one_line_before_training"
-                   for item in request.session.items)
-    thread = None
-    if selected:
-        thread = threading.Thread(target=lambda: box.update(result=chaos.run_case("h", work, chaos.SMALL)),
-                                  daemon=True)
+def background(request: pytest.FixtureRequest, work: Path):
+    """Start the cases that mostly wait at once, each in a thread, when their test is selected; the test collects
+    the result (a case kills every process it started however it ends)."""
+    results: dict[str, object] = {}
+    selected = {item.name for item in request.session.items}
+    threads = {letter: threading.Thread(target=lambda x=letter: results.update({x: chaos.run_case(x, work,
+                                                                                                 chaos.SMALL)}),
+                                        daemon=True)
+               for letter, test in BACKGROUND.items() if test in selected}
+    for thread in threads.values():
         thread.start()
-    yield box, thread
-    if thread is not None:
+    yield results, threads
+    for thread in threads.values():
         thread.join()
+
+
+def _collected(background, letter: str):
+    results, threads = background
+    threads[letter].join()
+    return results[letter]
 
 
 def _ok(result) -> None:
@@ -67,8 +79,8 @@ def test_a_a_killed_worker_on_node_1_resumes_on_both_nodes(work: Path) -> None:
     assert result.epochs == "1-3" and result.checkpoint == "loads (epoch 3)"
 
 
-def test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish(work: Path) -> None:
-    result = chaos.run_case("b", work, chaos.SMALL)
+def test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish(background) -> None:
+    result = _collected(background, "b")
     _ok(result)
     assert result.epochs == "1-3" and result.checkpoint == "loads (epoch 3)"
 
@@ -101,10 +113,8 @@ def test_g_a_busy_master_port_is_one_line_before_training(work: Path) -> None:
     _ok(chaos.run_case("g", work, chaos.SMALL))
 
 
-def test_h_an_unreachable_master_is_one_line_before_training(no_master_in_background) -> None:
-    box, thread = no_master_in_background
-    thread.join()
-    _ok(box["result"])
+def test_h_an_unreachable_master_is_one_line_before_training(background) -> None:
+    _ok(_collected(background, "h"))
 
 
 def test_cases_are_picked_by_letter_or_name_and_anything_else_is_refused() -> None:
