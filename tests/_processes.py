@@ -41,8 +41,7 @@ def run_together(commands: Sequence[Sequence[str]], env: dict[str, str], cwd: st
 
 REPO = Path(__file__).resolve().parents[1]
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "DETRAIN_TEST_KILL_AT",
-                "DETRAIN_TEST_KILL_AFTER_MID", "DETRAIN_TEST_HOLD_AT")
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TEST_FAULT")
 
 
 def free_port() -> int:

@@ -27,6 +27,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from detrain.distributed import dist, netif, run_identity
+from detrain.distributed.job_watch import ended_together
 from detrain.distributed.devices import DeviceKind, DevicePlan, parse_device
 from detrain.errors import DistributedError
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
@@ -174,7 +175,8 @@ def launch(
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
-    with log_dir, _restore_signal_handlers(), _environ(env), _held_elastic_logs() as held:
+    with log_dir, _restore_signal_handlers(), _environ(env), _held_elastic_logs() as held, \
+            ended_together(master_addr, master_port, node_rank, lo, hi):  # several nodes end as one
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
         except ChildFailedError as e:
@@ -238,10 +240,13 @@ def _worker(entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: De
     except KeyboardInterrupt:
         raise SystemExit(130) from None  # the agent reports the stop; no traceback per worker
     except Exception as e:
-        if is_consequence(f"{type(e).__name__}: {e}"):
+        blamed = dist.silent_peers_error(e)  # a wait in vain: name the rank whose heartbeat stopped (a few seconds)
+        if blamed is not None or is_consequence(f"{type(e).__name__}: {e}"):
             # This rank only noticed that a peer is gone. The agent reports whichever worker it sees
             # exit first and stops the rest, so give the peer that failed on its own time to be seen.
             time.sleep(_CONSEQUENCE_GRACE_S)
+        if blamed is not None:
+            raise blamed from None
         raise
     finally:
         dist.cleanup()

@@ -10,7 +10,6 @@ import contextlib
 import math
 import os
 import random
-import signal
 import time
 import warnings
 from pathlib import Path
@@ -20,13 +19,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from detrain.distributed import dist
 from detrain.callbacks import CallbackFn, Callbacks
 from detrain.checkpoint import model_meta, save_checkpoint
 from detrain.config import Cfg
 from detrain.data.batch_memory import release_batch
-from detrain.engine import (accumulation, epoch_stats, freeze, optim, pretrained, resume_state, run_trace,
-                            time_budget)
+from detrain.distributed import dist
+from detrain.distributed.world_layout import number_nodes
+from detrain.engine import accumulation, epoch_stats, freeze, optim, pretrained, resume_state, run_trace, time_budget
 from detrain.engine.batch_plan import batch_plan, planned_world_size
 from detrain.engine.build import build_model, cpu_threads_per_worker, increment_run_dir, select_device
 from detrain.engine.data import build_train_loader, build_val_loader, load_split
@@ -36,7 +35,6 @@ from detrain.engine.mid_epoch import MidEpoch
 from detrain.engine.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.engine.train_plots import plot_results, plot_train_batch
 from detrain.engine.validator import validate
-from detrain.distributed.world_layout import number_nodes
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.loss import DetectionLoss
 
@@ -217,7 +215,6 @@ class Trainer:
             if cfg.train.time else None
         epoch = self.start_epoch
         while epoch < cfg.train.epochs:  # time= re-plans cfg.train.epochs after every epoch
-            _test_kill_hook(epoch, self.rank)
             self.callbacks.fire("on_train_epoch_start", self, epoch + 1)
             t0 = time.perf_counter()
             self.monitor.begin_epoch()
@@ -458,21 +455,6 @@ def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
     for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
-
-
-def _test_kill_hook(epoch: int, rank: int) -> None:
-    """Test-only fault injection: ``DETRAIN_TEST_KILL_AT="EPOCH:RANK"`` makes that global rank SIGKILL itself at
-    the start of that (0-based) epoch, on the launcher's first attempt only (TORCHELASTIC_RESTART_COUNT 0), so a
-    restarted group runs on. Unset (always, outside tests/integration/test_train_distributed.py) it does nothing."""
-    spec = os.environ.get("DETRAIN_TEST_KILL_AT")
-    if spec and spec == f"{epoch}:{rank}" and dist.restart_count() == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    # DETRAIN_TEST_HOLD_AT="EPOCH:RANK:PATH": that rank waits at the start of that epoch until PATH exists (a test
-    # lets another node join the group there: tests/integration/test_resume_every_node.py)
-    hold = os.environ.get("DETRAIN_TEST_HOLD_AT", "").split(":", 2)
-    if len(hold) == 3 and hold[:2] == [str(epoch), str(rank)]:
-        while not os.path.exists(hold[2]):
-            time.sleep(0.1)
 
 
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:

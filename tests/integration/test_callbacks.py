@@ -188,7 +188,7 @@ def _two_workers(data: Path, tmp_path: Path, events: list[str], failing: str = "
     log = tmp_path / "callbacks.jsonl"
     args = {**TINY, "epochs": 1, "data": str(data), "device": "cpu,cpu", "project": str(tmp_path / "runs")}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                            "MASTER_ADDR", "MASTER_PORT", "DETRAIN_TEST_KILL_AT")}
+                                                            "MASTER_ADDR", "MASTER_PORT", "TEST_FAULT")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     try:
