@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `detrain`: the help, as `yolo` and click < 8.2 give it
             typer.echo(ctx.get_help() if ctx else "run 'detrain --help'")
             sys.exit(0)
-        message = " ".join(e.format_message().split()).rstrip(".")
+        format_message = getattr(e, "format_message", None)  # every click UsageError has it
+        message = " ".join(str(format_message() if callable(format_message) else e).split()).rstrip(".")
         typer.echo(f"error: {_one_line(message)}; run '{ctx.command_path if ctx else 'detrain'} --help'", err=True)
         sys.exit(2)
 

@@ -40,7 +40,8 @@ _MAX_RECORD = 1 << 16  # bytes: a record from the network larger than any detrai
 def shared_args(task: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The arguments every node of one job must give alike, as JSON values."""
     shared = {"task": task, **{k: v for k, v in cfg.items() if k not in PER_NODE_KEYS}}
-    return json.loads(json.dumps(shared, sort_keys=True, default=str))  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(json.dumps(shared, sort_keys=True, default=str))
+    return result
 
 
 def derive(task: str, cfg: dict[str, Any]) -> str:
