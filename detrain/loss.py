@@ -1,19 +1,22 @@
 """Detection loss: BCE classification + CIoU box + distribution focal loss, on task-aligned targets.
 
 The three components are normalised by the sum of the soft target scores. Under DDP that sum is
-all-reduced (``normalizer_reduce``) so that W ranks holding B/W images each produce, after DDP's gradient
-averaging, exactly the gradient one process would get on all B images.
+all-reduced so that W ranks holding B/W images each produce, after DDP's gradient averaging, exactly the gradient
+one process would get on all B images. The trainer calls the two halves itself, with the all-reduce between them in
+plain sight (``assign``, then ``dist.all_reduce_sum`` of the scores' sum, then ``score``); calling the loss does
+both, with ``normalizer_reduce`` as the all-reduce.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from detrain.assigner import TaskAlignedAssigner
+from detrain.assigner import SparseAssignment, TaskAlignedAssigner
 from detrain.boxes import bbox2dist, bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
 from detrain.nn.modules import memory_format_of
 
@@ -151,6 +154,22 @@ def bce_with_logits_sum_sparse(logits: Tensor, img: Tensor, anchor: Tensor, labe
     return _SparseTargetBCE.apply(logits, img, anchor, label, target.to(logits.dtype))
 
 
+@dataclass(frozen=True)
+class Targets:
+    """What ``DetectionLoss.assign`` decided for one batch: the predictions as the loss reads them, which anchor
+    learns which box (``target``), and ``score_sum``, this rank's sum of the soft target scores: the loss's
+    normaliser before it is summed over the ranks."""
+
+    batch: int
+    pred_distri: Tensor
+    pred_logits: Tensor
+    anchors: Tensor
+    stride_per_anchor: Tensor
+    proj: Tensor
+    target: SparseAssignment
+    score_sum: Tensor
+
+
 class DetectionLoss:
     """YOLOv8-style detection loss over raw head maps.
 
@@ -158,12 +177,12 @@ class DetectionLoss:
     [box, cls, dfl], each times its gain; ``loss`` is their sum times the global batch size, with gradient.
     Class ids must lie in [0, nc).
 
-    Distributed: give ``normalizer_reduce`` (an all-reduce SUM of a scalar tensor, called on every rank at
-    every step) and ``world_size``. Each rank's items are then its share of the global sums times
-    ``world_size``, so their mean over ranks is the single-process value, and ``global_batch`` (default
-    local batch * ``world_size``) makes DDP's gradient average equal the single-process gradient. Without
-    ``normalizer_reduce`` each rank normalises by its own target sum and ``world_size`` only sets the
-    default ``global_batch``.
+    Distributed: give ``world_size`` and either call ``assign``, all-reduce (SUM) its ``score_sum`` on every rank
+    at every step, and give the result to ``score`` (as the trainer does), or give ``normalizer_reduce`` (that
+    all-reduce) and call the loss. Each rank's items are then its share of the global sums times ``world_size``,
+    so their mean over ranks is the single-process value, and ``global_batch`` (default local batch *
+    ``world_size``) makes DDP's gradient average equal the single-process gradient. Without a summed normaliser
+    each rank normalises by its own target sum and ``world_size`` only sets the default ``global_batch``.
 
     >>> criterion = DetectionLoss(nc=2, strides=[8.0], reg_max=4)
     >>> maps = [torch.zeros(1, 4 * 4 + 2, 4, 4, requires_grad=True)]
@@ -203,14 +222,27 @@ class DetectionLoss:
         global_batch: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Loss for head maps (B, 4*reg_max + nc, H_i, W_i) and flat labels; see the class docstring."""
+        targets = self.assign(head_maps, batch_idx, cls, bboxes_xywhn)
+        # every rank must reach this collective, with or without boxes of its own
+        summed = None if self.normalizer_reduce is None else self.normalizer_reduce(targets.score_sum.detach().clone())
+        return self.score(targets, summed, global_batch)
+
+    def assign(self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> Targets:
+        """Which anchors learn which boxes, for head maps (B, 4*reg_max + nc, H_i, W_i) and flat labels (in float32,
+        whatever autocast the caller runs under)."""
         # a caller's autocast would run the DFL expectation (a matmul) in half precision: boxes off by
         # ~0.1 px and a noisy CIoU; the loss is cheap next to the model, so it always runs in float32
         with torch.autocast(head_maps[0].device.type, enabled=False):
-            return self._loss(head_maps, batch_idx, cls, bboxes_xywhn, global_batch)
+            return self._assign(head_maps, batch_idx, cls, bboxes_xywhn)
 
-    def _loss(
-        self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor, global_batch: int | None
-    ) -> tuple[Tensor, Tensor]:
+    def score(self, targets: Targets, summed_scores: Tensor | None = None,
+              global_batch: int | None = None) -> tuple[Tensor, Tensor]:
+        """``(loss, items)`` of ``assign``'s ``targets``, normalised by ``summed_scores`` (the target scores summed
+        over every rank: an all-reduce of each rank's ``score_sum``), or by this rank's own sum when None."""
+        with torch.autocast(targets.pred_logits.device.type, enabled=False):
+            return self._score(targets, summed_scores, global_batch)
+
+    def _assign(self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> Targets:
         batch = head_maps[0].shape[0]
         # box logits (B, N, 4 * reg_max) are only ever read at a few rows; the class logits (B, N, nc) go
         # through a dense softplus, several times faster on contiguous memory than on a strided view
@@ -233,12 +265,14 @@ class DetectionLoss:
         target = self.assigner.assign_sparse(
             pred_logits.detach(), boxes_at, anchors * stride_per_anchor, gt_cls, gt_boxes, mask_gt, logits=True
         )
+        return Targets(batch, pred_distri, pred_logits, anchors, stride_per_anchor, proj, target, target.score.sum())
 
-        normalizer = target.score.sum()
-        if self.normalizer_reduce is not None:
-            # every rank must reach this collective, with or without boxes of its own
-            normalizer = self.normalizer_reduce(normalizer.detach().clone())
-        normalizer = normalizer.clamp(min=1.0)
+    def _score(self, targets: Targets, summed_scores: Tensor | None, global_batch: int | None
+               ) -> tuple[Tensor, Tensor]:
+        t = targets
+        target, pred_distri, pred_logits = t.target, t.pred_distri, t.pred_logits
+        anchors, stride_per_anchor, proj = t.anchors, t.stride_per_anchor, t.proj
+        normalizer = (t.score_sum if summed_scores is None else summed_scores).clamp(min=1.0)
 
         fg_img, fg_anchor = target.fg_mask.nonzero(as_tuple=True)
         weight = target.score[fg_img, fg_anchor]
@@ -258,11 +292,11 @@ class DetectionLoss:
             # zero but still attached to the box channels, so DDP sees every parameter take part
             loss_box = loss_dfl = pred_distri.sum() * 0.0
 
-        scale_items = self.world_size if self.normalizer_reduce is not None else 1
+        scale_items = self.world_size if summed_scores is not None else 1
         gains = pred_logits.new_tensor(self.gains) * scale_items
         items = torch.stack((loss_box, loss_cls, loss_dfl)) / normalizer * gains
         if global_batch is None:
-            global_batch = batch * self.world_size
+            global_batch = t.batch * self.world_size
         return items.sum() * global_batch, items.detach()
 
     def _decode(self, distri: Tensor, proj: Tensor) -> Tensor:

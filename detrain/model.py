@@ -108,7 +108,7 @@ class Model:
         cfg = make_cfg({"model": self.source, "source": "" if text is None else str(text), **kwargs})
         device, half = inference_device(cfg, note=False)
         results = stream_predict(cfg, self._inference_net(device, half), None if text is not None else source,
-                                 prepared=True, collecting=not stream)
+                                 prepared=True, collecting=not stream, device=device)
         return results if stream else list(results)
 
     def _inference_net(self, device: torch.device, half: bool) -> torch.nn.Module:

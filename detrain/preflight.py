@@ -15,6 +15,7 @@ from pathlib import Path
 
 from detrain.config import Cfg
 from detrain.data.dataset_yaml import find_dataset_yaml
+from detrain.distributed.world import World
 from detrain.engine.build import check_model
 from detrain.engine.freeze import check_freeze
 from detrain.engine.pretrained import check_pretrained
@@ -23,11 +24,12 @@ from detrain.engine.resume_state import may_host_rank0
 from detrain.errors import ConfigError
 
 
-def check_inputs(task: str, cfg: Cfg) -> None:
+def check_inputs(task: str, cfg: Cfg, world: World | None = None) -> None:
     """Raise the error the ``task`` (train, val, predict) would meet later for a path in ``cfg`` that names no
-    usable file, and for a run folder that cannot be made."""
+    usable file, and for a run folder that cannot be made. ``world``: this process's (None: a plain one)."""
     if task == "train" and cfg.train.resume:
-        if may_host_rank0(cfg.distributed.node_rank):  # rank 0 alone reads it and sends it to the others (resume_state.py)
+        # rank 0 alone reads it and sends it to the others (resume_state.py)
+        if may_host_rank0(world or World(), cfg.distributed.node_rank):
             find_resume_checkpoint(cfg)  # a resumed run takes its model and data from the checkpoint
         return
     if task in ("train", "val"):

@@ -11,48 +11,57 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from detrain.distributed import launch, netif, run_identity
 from detrain.callbacks import CallbackFn, check_sendable
 from detrain.config import Cfg
-from detrain.engine.batch_plan import batch_plan
+from detrain.distributed import launch, netif, run_identity
+from detrain.distributed.world import World
+from detrain.engine.batch_plan import check_split
 from detrain.engine.build import increment_run_dir
 from detrain.preflight import check_inputs
+from detrain.run_plan import RunPlan
 
 
 def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | None = None) -> dict[str, Any]:
     """Train or validate; returns rank 0's result in the calling process.
 
-    ``callbacks`` (train only; see :mod:`detrain.callbacks`) run on rank 0: here, or pickled by reference into
-    the spawned workers, which is checked before anything starts."""
+    The run is planned here, once, for every worker: this process's world (read from the environment), the
+    devices, the node count, the run folder and the launch's id (:class:`detrain.run_plan.RunPlan`), each checked
+    before a process starts or a folder is made. ``callbacks`` (train only; see :mod:`detrain.callbacks`) run on
+    rank 0: here, or pickled by reference into the spawned workers, which is checked before anything starts."""
     from detrain.engine.evaluate import val_worker
     from detrain.engine.trainer import train_worker
 
     entry = {"train": train_worker, "val": val_worker}[task]
+    world = World.from_env()  # this process: a plain one, or already a rank of torchrun's or srun's world
     if cfg.distributed.socket_ifname:
         netif.check_ifname(cfg.distributed.socket_ifname)  # before anything is planned or created
-    plan = launch.parse_device(cfg.distributed.device)
-    check_inputs(task, cfg)  # every named file, before a process starts or a folder is made
+    devices = launch.parse_device(cfg.distributed.device)
+    check_inputs(task, cfg, world)  # every named file, before a process starts or a folder is made
+    nodes = cfg.distributed.node_range  # (MIN, MAX), parsed when the config was checked
     args: dict[str, Any] = {"cfg": cfg}  # checked once, by make_cfg: the workers take it as it is
-    spawning = not launch.in_launcher_env() and (plan.nprocs > 1 or str(cfg.distributed.nnodes) != "1")
+    spawning = not world.launched and (devices.nprocs > 1 or nodes[1] > 1)
     if callbacks:
         if spawning:
-            check_sendable(callbacks, f"the {plan.nprocs} workers of device={cfg.distributed.device!r}" if plan.nprocs > 1
+            check_sendable(callbacks, f"the {devices.nprocs} workers of device={cfg.distributed.device!r}" if devices.nprocs > 1
                            else f"the workers of nnodes={cfg.distributed.nnodes!r}")
         args["callbacks"] = {event: list(fns) for event, fns in callbacks.items()}
-    if task == "train" and not cfg.train.resume and not launch.in_launcher_env():
-        # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting
-        planned = plan.nprocs * cfg.distributed.node_range[1]
-        batch_plan(cfg.train.batch, cfg.train.batch, planned, planned)
+    if task == "train" and not cfg.train.resume and not world.launched:
+        # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting; each
+        # rank checks again once the world has formed (nodes may run different numbers of workers)
+        check_split(cfg.train.batch, devices.nprocs * nodes[1])
+    save_dir = None
     if spawning and cfg.distributed.node_rank == 0 and not (task == "train" and cfg.train.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder
-        args["save_dir"] = str(increment_run_dir(cfg.output.project, cfg.output.name, task, cfg.output.exist_ok))
-    if task == "train" and not launch.in_launcher_env() and cfg.distributed.node_rank == 0:
+        save_dir = str(increment_run_dir(cfg.output.project, cfg.output.name, task, cfg.output.exist_ok))
+    launch_id = None
+    if task == "train" and not world.launched and cfg.distributed.node_rank == 0:
         # this launch's id goes into its checkpoints: after any restart, rank 0 resumes from those and not from an
         # older run's in the same folder (engine/resume_state.py); a requeued SLURM job finds them by its job id
-        args["launch_id"] = uuid.uuid4().hex
+        launch_id = uuid.uuid4().hex
+    args["plan"] = RunPlan(nodes, save_dir, launch_id)
     # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
     run_args = None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict())
-    return launch.launch(entry, args, plan, nnodes=str(cfg.distributed.nnodes), node_rank=cfg.distributed.node_rank,
+    return launch.launch(entry, args, devices, world=world, nnodes=nodes, node_rank=cfg.distributed.node_rank,
                          master_addr=cfg.distributed.master_addr, master_port=cfg.distributed.master_port, max_restarts=cfg.distributed.max_restarts,
                          rdzv_backend=cfg.distributed.rdzv_backend, run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
                          run_args=run_args, socket_ifname=cfg.distributed.socket_ifname)

@@ -130,8 +130,12 @@ def listeners(args: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def device_env(args: dict[str, Any]) -> dict[str, str]:
-    """The device the launcher assigned to this worker."""
-    return {k: os.environ.get(k, "") for k in ("DETRAIN_DEVICE", "DETRAIN_DEVICE_KIND", "OMP_NUM_THREADS")}
+    """The device the launcher assigned to this worker, and who this worker's World says launched it."""
+    from detrain.distributed.world import World
+
+    seen = {k: os.environ.get(k, "") for k in ("DETRAIN_DEVICE", "DETRAIN_DEVICE_KIND", "OMP_NUM_THREADS")}
+    world = World.from_env()
+    return {**seen, "world_device": world.device, "launcher": world.launcher}
 
 
 def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -240,5 +244,5 @@ def pending_grads(args: dict[str, Any]) -> dict[str, Any]:
     net = torch.nn.Linear(3, 2)
     net.weight.grad = torch.full_like(net.weight, float(dist.rank() + 1))
     net.bias.grad = None if dist.rank() == 1 else torch.full_like(net.bias, 4.0)
-    accumulation.average_over_ranks(net)
+    accumulation.load_flat_gradients(net, dist.reduce_mean(accumulation.flat_gradients(net)))  # as the trainer does
     return {k: v.tolist() for k, v in accumulation.saved(net).items()}

@@ -19,6 +19,7 @@ def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
     """``train_worker(args)``, with rank ``args["slow_rank"]``'s loader sleeping ``args["sleep_s"]`` per batch."""
     from detrain.config import make_cfg
     from detrain.engine import trainer
+    from detrain.run_plan import RunPlan
 
     real = trainer.build_train_loader
 
@@ -35,7 +36,10 @@ def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
         return loader
 
     trainer.build_train_loader = build
-    return trainer.train_worker({**args, "cfg": make_cfg(args["cfg"])})  # the JSON's keys, checked as a command would
+    # the JSON's keys, checked as a command would; what detrain's runner would have planned: two nodes, the run folder
+    # the test names
+    return trainer.train_worker({**args, "cfg": make_cfg(args["cfg"]),
+                                 "plan": RunPlan(nodes=(2, 2), save_dir=args["save_dir"])})
 
 
 def _main(argv: list[str]) -> int:

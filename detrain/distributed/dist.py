@@ -41,15 +41,14 @@ import torch
 import torch.distributed as tdist
 
 from detrain.distributed import heartbeat, netif
-from detrain.distributed.env import env_int
-from detrain.errors import DistributedError
 from detrain.distributed.master_store import host_store
 from detrain.distributed.slurm import map_slurm_env
 from detrain.distributed.store_barrier import Absent, StoreBarrier
+from detrain.distributed.world import World
+from detrain.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
-DEVICE_ENV = "DETRAIN_DEVICE"  # set by detrain.distributed.launch for each worker: "cpu", "cuda:1", "mps"
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -81,19 +80,21 @@ _barriers: StoreBarrier | None = None  # barrier() on gloo: every rank's wait is
 
 
 def setup(
+    world: World | None = None,
     backend: str | None = None,
     timeout_s: float | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
 ) -> DistInfo:
-    """Join the process group described by the environment (or stay single-process).
+    """Join the process group of ``world`` (read from the environment when not given), or stay single-process.
 
-    Reads RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT (set by torch's
-    elastic launcher or torchrun), or maps SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID when those are
-    absent. The device comes from ``$DETRAIN_DEVICE`` (set by ``detrain.distributed.launch``), else
-    ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU. Backend: nccl for CUDA, gloo otherwise.
+    ``world`` (:class:`detrain.distributed.world.World`) gives the ranks, MASTER_ADDR / MASTER_PORT (set by torch's
+    elastic launcher or torchrun, or mapped from SLURM's variables under ``srun``) and the device (chosen by
+    ``detrain.distributed.launch``, else ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU). Backend: nccl
+    for CUDA, gloo otherwise. Under ``srun`` torch's variables are also put into the environment, for libraries that
+    read them there.
 
     Example:
-        >>> info = setup()            # in a plain Python process: no group, rank 0 of 1
+        >>> info = setup(World())     # a plain process: no group, rank 0 of 1
         >>> info.world_size, info.distributed
         (1, False)
         >>> cleanup()
@@ -101,41 +102,39 @@ def setup(
     global _info, _barriers
     if _info is not None and (not _info.distributed or tdist.is_initialized()):
         return _info
+    world = World.from_env() if world is None else world
     map_slurm_env()
-    world = env_int("WORLD_SIZE", 1)
-    rank_ = env_int("RANK", 0)
-    local = env_int("LOCAL_RANK", 0)
-    local_world = env_int("LOCAL_WORLD_SIZE", 1)
-    device = _pick_device(local)
+    device = world.device
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-    restarts = env_int("TORCHELASTIC_RESTART_COUNT", 0)
-    if world <= 1:
+    restarts = world.restart_count
+    if not world.distributed:
         _info = DistInfo(0, 0, 1, 1, device, None, timeout, restarts)
         return _info
 
-    for key in ("MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(key):
-            raise DistributedError(f"WORLD_SIZE={world} is set but {key} is not; start through detrain or torchrun")
+    rank_, size = world.rank, world.world_size
+    missing = "MASTER_ADDR" if not world.master_addr else "MASTER_PORT" if world.master_port is None else None
+    if missing:
+        raise DistributedError(f"WORLD_SIZE={size} is set but {missing} is not; start through detrain or torchrun")
+    addr, port = world.master_addr, int(world.master_port or 0)
     backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
-    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    where = f"{addr}:{port}"
     startup = timedelta(seconds=startup_timeout_s)
-    whole_world_here = world == local_world
-    _keep_transport_on_master_interface(whole_world_here)
+    _keep_transport_on_master_interface(addr, world.whole_world_here)
     try:
         tdist.init_process_group(
             backend=backend,
             timeout=startup,
             device_id=torch.device(device) if device.startswith("cuda") else None,
-            **_store_args(rank_, world, restarts, startup, whole_world_here),
+            **_store_args(world, startup),
         )
     except Exception as e:  # a dead master, a bad address: say which rank could not join where
-        msg = f"rank {rank_} of {world} could not join the process group at {where}: {_cause(e)}"
+        msg = f"rank {rank_} of {size} could not join the process group at {where}: {_cause(e)}"
         raise DistributedError(msg) from e
-    _info = DistInfo(rank_, local, world, local_world, device, backend, timeout, restarts)
-    _barriers = StoreBarrier.connect(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), restarts, startup)
-    heartbeat.start(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), restarts, rank_, world)
+    _info = DistInfo(rank_, world.local_rank, size, world.local_world_size, device, backend, timeout, restarts)
+    _barriers = StoreBarrier.connect(addr, port, restarts, startup)
+    heartbeat.start(addr, port, restarts, rank_, size)
     # Every rank has reached this point before training begins: a slow start is not a hang.
     barrier("setup", timeout_s=startup_timeout_s)
     _set_group_timeout(timeout)
@@ -224,7 +223,7 @@ def restart_count() -> int:
         >>> restart_count()
         0
     """
-    return env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    return _info.restart_count if _info is not None else 0
 
 
 def rank_zero_only(fn: Callable[P, R]) -> Callable[P, R | None]:
@@ -409,7 +408,7 @@ def _cause(e: BaseException, timeout_s: float | None = None) -> str:
     return f"{type(e).__name__}: {first}"
 
 
-def _store_args(rank_: int, world: int, restarts: int, timeout: timedelta, whole_world_here: bool) -> dict[str, Any]:
+def _store_args(world: World, timeout: timedelta) -> dict[str, Any]:
     """How ``init_process_group`` finds its peers.
 
     Under torch's elastic agent the workers share the agent's TCPStore, which outlives a restart; the
@@ -419,29 +418,30 @@ def _store_args(rank_: int, world: int, restarts: int, timeout: timedelta, whole
     Otherwise (srun, plain env://, detrain's c10d rounds) rank 0 hosts the store as env:// would, but listening
     only on MASTER_ADDR (see ``netif.listen_address``), where binding that address is possible here.
     """
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        client = tdist.TCPStore(addr, port, world_size=world, is_master=False, timeout=timeout)
-        return {"store": tdist.PrefixStore(f"detrain/attempt_{restarts}", client), "rank": rank_, "world_size": world}
-    if rank_ == 0:
+    addr, port, size = world.master_addr, int(world.master_port or 0), world.world_size
+    if world.agent_store:
+        client = tdist.TCPStore(addr, port, world_size=size, is_master=False, timeout=timeout)
+        prefixed = tdist.PrefixStore(f"detrain/attempt_{world.restart_count}", client)
+        return {"store": prefixed, "rank": world.rank, "world_size": size}
+    if world.rank == 0:
         try:
-            ip = netif.listen_address(addr, whole_world_here)
+            ip = netif.listen_address(addr, world.whole_world_here)
         except DistributedError:  # does not resolve: the store below says so, and setup names the rank
             ip = None
         if ip is not None and netif.interface_of(ip) is None:  # e.g. a NAT or floating address: bind everything
             ip = None
-        store = host_store(addr, port, bind=ip, timeout=timeout, world_size=world)
+        store = host_store(addr, port, bind=ip, timeout=timeout, world_size=size)
     else:
-        store = tdist.TCPStore(addr, port, world_size=world, is_master=False, timeout=timeout)
+        store = tdist.TCPStore(addr, port, world_size=size, is_master=False, timeout=timeout)
     # the prefix env:// gives its store, so that keys stay where torch's own tools expect them
-    return {"store": tdist.PrefixStore("default_pg", store), "rank": rank_, "world_size": world}
+    return {"store": tdist.PrefixStore("default_pg", store), "rank": world.rank, "world_size": size}
 
 
-def _keep_transport_on_master_interface(whole_world_here: bool) -> None:
+def _keep_transport_on_master_interface(master_addr: str, whole_world_here: bool) -> None:
     """Point gloo (and NCCL on one machine) at the interface that reaches MASTER_ADDR, where the user (or
     ``socket_ifname``) has not chosen one; gloo would otherwise listen where the host name resolves."""
     try:
-        chosen = netif.transport_env(os.environ["MASTER_ADDR"], whole_world_here)
+        chosen = netif.transport_env(master_addr, whole_world_here)
     except DistributedError:  # an address that does not resolve: init_process_group says so, with the rank
         return
     for key, value in chosen.items():
@@ -467,9 +467,3 @@ def _group_timeout(timeout_s: float) -> Iterator[None]:
         if _info is not None:
             _set_group_timeout(_info.timeout_s)
 
-
-def _pick_device(local: int) -> str:
-    device = os.environ.get(DEVICE_ENV, "")
-    if device:
-        return device
-    return f"cuda:{local}" if torch.cuda.is_available() else "cpu"

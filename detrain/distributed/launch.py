@@ -6,8 +6,10 @@ rendezvous, restarts (``max_restarts``), failure reports and signal handling. Wh
 already one rank of a world (torchrun, or ``srun`` with several tasks) it joins that world instead of
 spawning again; a single device is a plain function call with no process group.
 
-Devices are parsed in :mod:`detrain.distributed.devices`, the pre-flight checks are in :mod:`detrain.distributed.launch_checks` and
-failures are worded by :mod:`detrain.distributed.launch_failures`.
+Devices are parsed in :mod:`detrain.distributed.devices`, the pre-flight checks are in
+:mod:`detrain.distributed.launch_checks` and failures are worded by :mod:`detrain.distributed.launch_failures`.
+Each worker is told its device (from its local rank) and that detrain's launcher started it through the
+environment, which it reads once, into :class:`detrain.distributed.world.World`.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from detrain.distributed import dist, netif, run_identity
-from detrain.distributed.job_watch import ended_together
 from detrain.distributed.devices import DeviceKind, DevicePlan, parse_device
-from detrain.errors import DistributedError
+from detrain.distributed.job_watch import ended_together
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence
 from detrain.distributed.master_store import host_store
-from detrain.distributed.slurm import slurm_tasks
+from detrain.distributed.world import DEVICE_ENV, LAUNCHER_ENV, World
+from detrain.errors import DistributedError
 
 __all__ = ["DeviceKind", "DevicePlan", "check_batch", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
 
@@ -60,17 +62,13 @@ def check_batch(batch: int, world: int) -> int:
 
 
 def in_launcher_env() -> bool:
-    """True when this process is already one rank of a world started by torchrun or srun.
+    """True when this process is already one rank of a world started by torchrun or srun (``World.launched``).
 
     Example:
-        >>> import os
         >>> in_launcher_env()   # a plain `python` process
         False
     """
-    env = os.environ
-    return all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) or slurm_tasks()
-
-
+    return World.from_env().launched
 
 
 def launch(
@@ -78,7 +76,7 @@ def launch(
     args: dict[str, Any],
     plan: DevicePlan,
     *,
-    nnodes: str | int = "1",
+    nnodes: str | int | tuple[int, int] = "1",
     node_rank: int = 0,
     master_addr: str = "127.0.0.1",
     master_port: int = 0,
@@ -90,6 +88,7 @@ def launch(
     monitor_interval: float = 0.2,
     start_timeout: float = 600.0,
     connect_timeout: float = 60.0,
+    world: World | None = None,
 ) -> T | None:
     """Run ``entry(args)`` on every worker of ``plan`` (times ``nnodes``) and return rank 0's result.
 
@@ -98,6 +97,9 @@ def launch(
     * otherwise torch's ``elastic_launch`` starts ``plan.nprocs`` workers here (spawned, so ``entry``
       must be an importable top-level function and ``args`` picklable); rank 0's return value comes
       back to this process. On a node that does not host rank 0 (``node_rank > 0``) it returns None.
+
+    ``nnodes`` is torchrun's spelling (``2``, ``"1:4"``) or the (MIN, MAX) pair already parsed from it; ``world``
+    is this process's place as the caller read it (read here when not given).
 
     ``master_port=0`` on one node picks a free port. Several nodes need the same ``master_addr``/``master_port``
     /``run_id`` on each and ``node_rank`` 0..N-1; ``nnodes="MIN:MAX"`` uses torch's c10d rendezvous (node_rank 0
@@ -116,11 +118,12 @@ def launch(
         >>> launch(len, {"a": 1}, parse_device("cpu"))   # one CPU: a plain call
         1
     """
-    lo, hi = parse_nnodes(nnodes)
+    lo, hi = nnodes if isinstance(nnodes, tuple) else parse_nnodes(nnodes)
+    world = World.from_env() if world is None else world
     transport = netif.ifname_env(netif.check_ifname(socket_ifname)) if socket_ifname else {}
-    if in_launcher_env() or (plan.nprocs == 1 and hi == 1):
+    if world.launched or (plan.nprocs == 1 and hi == 1):
         try:
-            with _worker_env(plan, joined=in_launcher_env()), _environ(transport):
+            with _worker_env(plan, world), _environ(transport):
                 return entry(args)
         finally:
             dist.cleanup()  # launch owns the group's lifetime, as it does in spawned workers
@@ -175,6 +178,7 @@ def launch(
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
+    env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
     with log_dir, _restore_signal_handlers(), _environ(env), _held_elastic_logs() as held, \
             ended_together(master_addr, master_port, node_rank, lo, hi):  # several nodes end as one
         try:
@@ -235,7 +239,7 @@ def _worker(entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: De
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
     try:
-        with _worker_env(plan, joined=True):
+        with _worker_env(plan, World.from_env()):  # the agent's variables: this worker's local rank picks its device
             return entry(args)
     except KeyboardInterrupt:
         raise SystemExit(130) from None  # the agent reports the stop; no traceback per worker
@@ -252,13 +256,15 @@ def _worker(entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: De
         dist.cleanup()
 
 
-def _worker_env(plan: DevicePlan, joined: bool) -> contextlib.AbstractContextManager[None]:
-    """Tell ``dist.setup`` this process's device through the environment, and tidy up afterwards."""
-    local = int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0) if joined else 0
-    local_world = (int(os.environ.get("LOCAL_WORLD_SIZE") or 0) or None) if joined else None
+def _worker_env(plan: DevicePlan, world: World) -> contextlib.AbstractContextManager[None]:
+    """Tell the worker its device (``plan``'s for its local rank in ``world``) through the environment, which it
+    reads into its ``World``, and tidy up afterwards. The number of processes on the node is checked against the
+    listed GPUs where torch's agent gives it (SLURM's tasks per node may differ from node to node)."""
+    local = world.local_rank if world.launched else 0
+    local_world = world.local_world_size if world.launcher in ("detrain", "torchrun") else None
     return _environ(
         {
-            dist.DEVICE_ENV: plan.device_for(local, local_world),
+            DEVICE_ENV: plan.device_for(local, local_world),
             "DETRAIN_DEVICE_KIND": plan.kind,
             "DETRAIN_DEVICE_IDS": ",".join(map(str, plan.ids)),
         }

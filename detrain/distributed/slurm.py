@@ -1,5 +1,6 @@
 """SLURM: a task started by ``srun`` (several tasks, no torchrun variables) is one rank of a world SLURM has
-already launched; its variables are translated to the ones torch.distributed reads.
+already launched; its variables are translated to the ones torch.distributed reads (``torch_variables``), which
+:class:`detrain.distributed.world.World` is read from.
 
 >>> first_slurm_host("gpu[07-09,12],cpu01")
 'gpu07'
@@ -9,37 +10,53 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 
 from detrain.distributed.env import env_int
 
 
-def map_slurm_env() -> None:
-    """Under ``srun`` (several tasks, no torchrun variables) translate SLURM's variables to torch's."""
-    if "RANK" in os.environ or not slurm_tasks():
-        return
-    env = os.environ
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+def torch_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """The torch variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) a task of
+    ``srun`` stands for, from SLURM's; nothing where torch's own are there or this is no such task. MASTER_ADDR and
+    MASTER_PORT given by the user are kept.
+
+    >>> torch_variables({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+    ...                  "SLURM_TASKS_PER_NODE": "2", "SLURM_NODELIST": "n[3-4]", "MASTER_PORT": "29500"})
+    {'RANK': '1', 'WORLD_SIZE': '2', 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '2', 'MASTER_ADDR': 'n3'}
+    """
+    if "RANK" in env or not slurm_tasks(env):
+        return {}
     per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1")
-    env["LOCAL_WORLD_SIZE"] = re.split(r"[(,]", per_node)[0]  # "4(x2),3" -> "4"
+    out = {
+        "RANK": env["SLURM_PROCID"],
+        "WORLD_SIZE": env["SLURM_NTASKS"],
+        "LOCAL_RANK": env.get("SLURM_LOCALID", "0"),
+        "LOCAL_WORLD_SIZE": re.split(r"[(,]", per_node)[0],  # "4(x2),3" -> "4"
+    }
     if not env.get("MASTER_ADDR"):
         nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
-        env["MASTER_ADDR"] = first_slurm_host(nodes) or "127.0.0.1"
+        out["MASTER_ADDR"] = first_slurm_host(nodes) or "127.0.0.1"
     if not env.get("MASTER_PORT"):
         # Every task of the job derives the same port; different jobs on one node rarely collide.
-        env["MASTER_PORT"] = str(15000 + env_int("SLURM_JOB_ID", 0) % 20000)
+        out["MASTER_PORT"] = str(15000 + env_int("SLURM_JOB_ID", 0, env) % 20000)
+    return out
 
 
-def slurm_tasks() -> bool:
+def map_slurm_env() -> None:
+    """Under ``srun`` (several tasks, no torchrun variables) put torch's variables into this process's environment
+    too, for the libraries (and the data loader's caches) that read them there."""
+    os.environ.update(torch_variables(os.environ))
+
+
+def slurm_tasks(env: Mapping[str, str] | None = None) -> bool:
     """True inside a task started by ``srun`` with more than one task (a world SLURM already launched)."""
-    env = os.environ
+    env = os.environ if env is None else env
     return (
         env.get("DETRAIN_IGNORE_SLURM", "") not in ("1", "true")
         and "SLURM_PROCID" in env
         and "SLURM_LOCALID" in env
         and "SLURM_STEP_ID" in env
-        and env_int("SLURM_NTASKS", 1) > 1
+        and env_int("SLURM_NTASKS", 1, env) > 1
     )
 
 
@@ -58,4 +75,3 @@ def first_slurm_host(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return prefix + first
-

@@ -1,10 +1,10 @@
 """Which host, node and device each rank runs on, and how the world changed since a previous start.
 
-A node is the launcher's group (``GROUP_RANK``, set by torch's elastic agent and torchrun), else SLURM's node id,
-else the host name, numbered in the order of the lowest rank on it. Two launchers on one machine are two
-nodes, as the rendezvous sees them. Between starts a node is known by its host and its launcher's pid (the
-worker's parent: detrain's launcher, torchrun's agent, slurmstepd), which its restarts keep, while the numbers
-torch gives nodes change when the group re-forms.
+A node is the launcher's group (``GROUP_RANK``, set by torch's elastic agent and torchrun), else SLURM's node id
+(both as :class:`detrain.distributed.world.World` read them), else the host name, numbered in the order of the
+lowest rank on it. Two launchers on one machine are two nodes, as the rendezvous sees them. Between starts a node
+is known by its host and its launcher's pid (the worker's parent: detrain's launcher, torchrun's agent,
+slurmstepd), which its restarts keep, while the numbers torch gives nodes change when the group re-forms.
 
 >>> change = membership_change([{"host": "a", "launcher_pid": 7}, {"host": "b", "launcher_pid": 9}],
 ...                            [{"host": "a", "launcher_pid": 7}])
@@ -22,20 +22,13 @@ from typing import Any
 import torch
 
 from detrain.distributed import dist
+from detrain.distributed.world import World
 
 
-def node_key() -> str | None:
-    """This process's node as its launcher numbers it (None outside a launcher that says)."""
-    for var in ("GROUP_RANK", "SLURM_NODEID"):
-        value = os.environ.get(var, "")
-        if value.isdigit():
-            return value
-    return None
-
-
-def place(device: torch.device) -> dict[str, Any]:
-    """Where this rank runs: rank, local rank, node key, host, device (and the CUDA device's name), pid."""
-    where: dict[str, Any] = {"rank": dist.rank(), "local_rank": dist.local_rank(), "node_key": node_key(),
+def place(world: World, device: torch.device) -> dict[str, Any]:
+    """Where this rank of ``world`` runs: rank, local rank, node key (the node's number as its launcher gives it,
+    None where it does not), host, device (and the CUDA device's name), pid, its launcher's pid."""
+    where: dict[str, Any] = {"rank": world.rank, "local_rank": world.local_rank, "node_key": world.node_rank,
                              "host": socket.gethostname(), "device": str(device), "pid": os.getpid(),
                              "launcher_pid": os.getppid()}
     if device.type == "cuda":
@@ -54,10 +47,10 @@ def number_nodes(places: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def gather_layout(device: torch.device) -> list[dict[str, Any]]:
-    """Every rank's place, numbered by node, on every rank."""
+def gather_layout(world: World, device: torch.device) -> list[dict[str, Any]]:
+    """Every rank's place, numbered by node, on every rank (a collective: call on every rank)."""
     # collective: one all_gather_object of every rank's host and device, once at start
-    return number_nodes(dist.all_gather_object(place(device)))
+    return number_nodes(dist.all_gather_object(place(world, device)))
 
 
 def membership_change(previous: list[dict[str, Any]], world: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -8,17 +8,16 @@ built from only 2 batches) if every epoch ended with an update of whatever had g
 
 So that ``resume`` still continues exactly, the waiting gradients go into ``last.pt``. Under DDP they are local
 to each rank until the update's all-reduce (the batches before it run under ``no_sync``), so at the end of an
-epoch they are first averaged over the ranks (:func:`average_over_ranks`): every rank then holds the same
-partial sum, and the update's all-reduce later averages ``partial + local`` to the same result. A resumed run
-adds them to its first batch's gradients (:func:`add_saved`), wherever DDP keeps its gradient buckets.
+epoch the trainer first averages them over the ranks, with one all-reduce of :func:`flat_gradients` put back by
+:func:`load_flat_gradients`: every rank then holds the same partial sum, and the update's all-reduce later
+averages ``partial + local`` to the same result. A resumed run adds them to its first batch's gradients
+(:func:`add_saved`), wherever DDP keeps its gradient buckets.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-
-from detrain.distributed import dist
 
 
 def pending_batches(last_batch: int, last_update: int) -> int:
@@ -34,20 +33,30 @@ def _trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
-def average_over_ranks(model: nn.Module) -> None:
-    """Replace every rank's waiting gradients with their mean over the ranks, in place (one all-reduce of all
-    of them, flattened). A parameter without a gradient counts as zeros. No-op in a single process."""
-    if not dist.is_distributed():
-        return
+def flat_gradients(model: nn.Module) -> torch.Tensor:
+    """Every trainable parameter's gradient (zeros where a parameter has none), flattened into one tensor: what one
+    all-reduce averages over the ranks (see the module).
+
+    >>> net = nn.Linear(2, 1); net(torch.ones(1, 2)).sum().backward(); flat_gradients(net)
+    tensor([1., 1., 1.])
+    """
     params = [p for _, p in _trainable(model)]
     if not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    mean = dist.reduce_mean(torch.cat([g.reshape(-1) for g in grads]))
+        return torch.zeros(0)
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+
+
+def load_flat_gradients(model: nn.Module, flat: torch.Tensor) -> None:
+    """Make ``flat`` (laid out as :func:`flat_gradients` lays it) the gradients, in place; a parameter without a
+    gradient gets one.
+
+    >>> net = nn.Linear(2, 1); load_flat_gradients(net, torch.tensor([1.0, 2.0, 3.0])); net.bias.grad
+    tensor([3.])
+    """
     offset = 0
-    for p, g in zip(params, grads):
-        part = mean[offset: offset + g.numel()].view_as(g)
-        offset += g.numel()
+    for _, p in _trainable(model):
+        part = flat[offset: offset + p.numel()].view_as(p)
+        offset += p.numel()
         if p.grad is None:
             p.grad = part.clone()
         else:

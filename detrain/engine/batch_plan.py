@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from detrain.distributed.launch_checks import parse_nnodes
 from detrain.errors import ConfigError
 
 
@@ -35,27 +34,36 @@ class BatchPlan:
     planned_world: int
 
 
-def planned_world_size(nnodes: str | int, world: int, local_world: int) -> int:
-    """The world the batch is planned for: ``MAX * local_world`` for ``nnodes=MIN:MAX``, else ``world``.
+def planned_world_size(nodes: tuple[int, int], world: int, local_world: int) -> int:
+    """The world the batch is planned for: ``MAX * local_world`` for ``nnodes=MIN:MAX`` (``nodes``: (MIN, MAX), as
+    parsed from it), else ``world``.
 
-    >>> planned_world_size("1:4", world=2, local_world=2), planned_world_size("2", world=4, local_world=2)
+    >>> planned_world_size((1, 4), world=2, local_world=2), planned_world_size((2, 2), world=4, local_world=2)
     (8, 4)
     """
-    lo, hi = parse_nnodes(nnodes)
+    lo, hi = nodes
     return world if lo == hi else max(world, hi * local_world)
 
 
-def batch_plan(batch: int, nbs: int, world: int, planned_world: int) -> BatchPlan:
-    """The plan for ``world`` ranks of a run planned for ``planned_world``; ``ConfigError`` if ``batch`` does not
-    split evenly over the planned world.
+def check_split(batch: int, planned_world: int) -> None:
+    """``ConfigError`` if ``batch`` does not split evenly over the ``planned_world`` ranks.
 
-    >>> batch_plan(batch=16, nbs=64, world=2, planned_world=2)
-    BatchPlan(local_batch=8, step_images=16, accumulate=4, update_images=64, planned_world=2)
+    >>> check_split(16, 4)
     """
     if batch < 1 or batch % planned_world:
         up = max(planned_world, -(-batch // planned_world) * planned_world)
         raise ConfigError(f"batch={batch} does not split evenly over the {planned_world} workers this run is planned "
                           f"for; use a multiple of {planned_world}, e.g. {up}")
+
+
+def batch_plan(batch: int, nbs: int, world: int, planned_world: int) -> BatchPlan:
+    """The plan for ``world`` ranks of a run planned for ``planned_world``; ``ConfigError`` if ``batch`` does not
+    split evenly over the planned world (:func:`check_split`).
+
+    >>> batch_plan(batch=16, nbs=64, world=2, planned_world=2)
+    BatchPlan(local_batch=8, step_images=16, accumulate=4, update_images=64, planned_world=2)
+    """
+    check_split(batch, planned_world)
     local = batch // planned_world
     update_images = batch * max(round(nbs / batch), 1)
     step_images = local * world

@@ -1,4 +1,4 @@
-"""Turning arguments into objects: the device, the run folder, the model and the data loaders."""
+"""Turning arguments into objects: the run folder, the model, and the CPU threads of a worker."""
 
 from __future__ import annotations
 
@@ -12,31 +12,6 @@ from detrain.errors import ConfigError
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
-
-
-def select_device(device: Any, local_rank: int = 0) -> torch.device:
-    """The torch device of this worker: ``cpu``, ``cpu,cpu`` -> cpu; ``0,1`` -> cuda:<ids[local_rank]>."""
-    assigned = os.environ.get("DETRAIN_DEVICE")  # set per worker by detrain.distributed.launch
-    if assigned:
-        return torch.device(assigned)
-    if isinstance(device, (list, tuple)):
-        parts = [str(d).strip() for d in device]
-    else:
-        parts = [p.strip() for p in str(device).split(",") if p.strip()]
-    if not parts:
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    part = parts[local_rank % len(parts)]
-    if part.lower() in ("cpu", "mps"):
-        return torch.device(part.lower())
-    if part.lower().startswith("cuda"):
-        part = part.split(":")[-1] if ":" in part else "0"
-    if not part.isdigit():
-        raise ConfigError(f"invalid device '{part}'; use cpu, a GPU index such as 0, or a list such as 0,1")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device={device} asks for CUDA but no CUDA GPU is available; use device=cpu")
-    if int(part) >= torch.cuda.device_count():
-        raise ConfigError(f"device {part} does not exist: {torch.cuda.device_count()} CUDA GPU(s) visible")
-    return torch.device("cuda", int(part))
 
 
 def increment_run_dir(project: str, name: str, task: str, exist_ok: bool) -> Path:
@@ -126,6 +101,13 @@ def architecture(model: str) -> tuple[str, str]:
         f"model '{model}' not found; use a scale yaml (n.yaml, s.yaml, m.yaml, l.yaml, x.yaml, yolov8n.yaml), "
         "a path to an architecture yaml, or weights (.pt)"
     )
+
+
+def set_cpu_threads(device: torch.device, workers_on_node: int) -> None:
+    """On the CPU, unless the user set OMP_NUM_THREADS: this worker's share of the cores
+    (:func:`cpu_threads_per_worker`)."""
+    if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(cpu_threads_per_worker(workers_on_node))
 
 
 def cpu_threads_per_worker(world_size_on_node: int) -> int:

@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from detrain.distributed import dist
-from detrain.distributed.world_layout import node_key
 from detrain.engine.gpu_usage import GpuUsage
 from detrain.engine.proc_usage import ProcessUsage
 from detrain.engine.step_clock import StepClock
@@ -32,7 +31,8 @@ class EpochMonitor:
     """This rank's data wait and forward time per step (:class:`StepClock`), its process's CPU and memory
     (:class:`ProcessUsage`) and its GPU's memory peak and utilisation (:class:`GpuUsage`), per epoch."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, node_key: int | None = None) -> None:
+        self.node_key = node_key  # this rank's node as its launcher numbers it (World.node_rank)
         self.usage = ProcessUsage()
         self.gpu = GpuUsage(device)
         self.clock = StepClock(model, device, on_step=self.gpu.poll)
@@ -52,7 +52,7 @@ class EpochMonitor:
         wait_s, forward_s = self.clock.epoch_means()
         usage = self.usage.sample()
         gpu_mem, gpu_util = self.gpu.sample()
-        return {"rank": dist.rank(), "node_key": node_key(), "host": self.host, "pid": os.getpid(),
+        return {"rank": dist.rank(), "node_key": self.node_key, "host": self.host, "pid": os.getpid(),
                 "images": int(n_images), "epoch_s": float(epoch_s),
                 "step_s": sum(step_times) / len(step_times) if step_times else 0.0,
                 "wait_s": wait_s, "forward_s": forward_s, "cpu_pct": usage.cpu_pct, "rss_bytes": usage.rss_bytes,

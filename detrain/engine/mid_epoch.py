@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from detrain.distributed import dist
 from detrain.checkpoint import save_checkpoint
+from detrain.distributed import dist
 from detrain.engine import accumulation
 from detrain.engine.ema import unwrap
 from detrain.engine.resume_state import MID, gather_per_rank
@@ -81,8 +81,9 @@ class MidEpoch:
     def save(self, trainer: Trainer, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
         """Write ``mid.pt`` for the state after batch ``i`` of ``epoch`` (a collective: call on every rank)."""
         pending = accumulation.pending_batches(epoch * trainer.nb + i, trainer.last_update) > 0
-        if pending:
-            accumulation.average_over_ranks(unwrap(trainer.model))  # collective, as at an epoch's end
+        if pending and dist.is_distributed():
+            bare = unwrap(trainer.model)  # collective: one all-reduce of the waiting gradients, as at an epoch's end
+            accumulation.load_flat_gradients(bare, dist.reduce_mean(accumulation.flat_gradients(bare)))
         trainer.per_rank = gather_per_rank(trainer.model, trainer.ema.ema)  # collective: what differs by rank
         if dist.is_main():
             state = trainer.checkpoint_state(epoch - 1, {}, pending)

@@ -38,7 +38,7 @@ from detrain.data.augment import letterbox
 from detrain.data.frames import Frame, read_frames
 from detrain.data.sources import Source, parse_source, shown
 from detrain.distributed.devices import parse_device
-from detrain.engine.build import build_model, increment_run_dir, select_device
+from detrain.engine.build import build_model, increment_run_dir
 from detrain.engine.predict_output import PredictionWriter
 from detrain.engine.results import Results
 from detrain.errors import ConfigError, DatasetError
@@ -61,11 +61,17 @@ def project_dir(cfg: Cfg) -> Path:
 
 
 def inference_device(cfg: Cfg, note: bool = True) -> tuple[torch.device, bool]:
-    """(device, half): the first device ``device`` names; half precision only on CUDA (else a ``note``)."""
-    device = select_device(cfg.distributed.device[0] if isinstance(cfg.distributed.device, list) and cfg.distributed.device else cfg.distributed.device)
+    """(device, half): the first device ``device`` names (the same rules as train and val: one clear line for a bad
+    value); half precision only on CUDA (else a ``note``)."""
+    device = torch.device(parse_device(cfg.distributed.device).device_for(0))
+    return device, use_half(cfg, device, note)
+
+
+def use_half(cfg: Cfg, device: torch.device, note: bool = True) -> bool:
+    """Whether to predict in half precision on ``device``: ``half=True`` on CUDA only (elsewhere a ``note``)."""
     if cfg.predict.half and device.type != "cuda" and note:
         say(f"half=True runs on CUDA only; predicting in float32 on {device.type}")
-    return device, cfg.predict.half and device.type == "cuda"
+    return cfg.predict.half and device.type == "cuda"
 
 
 def prepare_model(model: nn.Module, device: torch.device, half: bool, copy_first: bool = True) -> nn.Module:
@@ -125,17 +131,19 @@ def infer(net: nn.Module, images: list[np.ndarray], device: torch.device, half: 
 
 
 def stream_predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None, *, prepared: bool = False,
-                   collecting: bool = False) -> Generator[Results, None, None]:
+                   collecting: bool = False, device: torch.device | None = None) -> Generator[Results, None, None]:
     """Results one picture at a time for ``cfg`` (``source`` overrides ``cfg.predict.source``: a path, a list of them,
     image arrays). ``model``: a module to use instead of building ``cfg.inputs.model`` (copied first unless
-    ``prepared``, see :func:`prepare_model`). Arguments are checked here; pictures are read as the caller asks
-    for results. Outputs go to ``runs/predict/<name>/`` when ``save`` or ``save_txt``."""
+    ``prepared``, see :func:`prepare_model`); ``device``: where it runs, as :func:`inference_device` resolved it
+    (resolved here from ``cfg.distributed.device`` when not given). Arguments are checked here; pictures are read as the
+    caller asks for results. Outputs go to ``runs/predict/<name>/`` when ``save`` or ``save_txt``."""
     project = project_dir(cfg)
-    parse_device(cfg.distributed.device)  # the same device rules as train and val: one clear line for a bad value
+    if device is None:
+        device = inference_device(cfg, note=False)[0]  # the same device rules as train and val
     if model is None:
         check_inputs("predict", cfg)
     src = parse_source(cfg.predict.source if source is None else source, exclude=project)
-    device, half = inference_device(cfg)
+    half = use_half(cfg, device)
     if model is None:
         net = prepare_model(build_model(cfg.inputs.model, verbose=False, weights_sha256=cfg.inputs.weights_sha256)[0], device, half,
                             copy_first=False)

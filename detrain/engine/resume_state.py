@@ -42,14 +42,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain.distributed import dist
 from detrain.checkpoint import load_checkpoint
 from detrain.config import Cfg, make_cfg
 from detrain.data.process_owner import start_ticks
+from detrain.distributed import dist
+from detrain.distributed.world import World
 from detrain.engine import run_record
 from detrain.engine.ema import unwrap
 from detrain.engine.reproduce import find_resume_checkpoint, rng_state
-from detrain.distributed.env import env_int
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
 
@@ -70,14 +70,14 @@ class Launch:
     search_series: bool  # the run folder was not handed over: look in project/name's newest folders
 
     @classmethod
-    def here(cls, given: str | None = None) -> Launch:
-        """The identity of this process's launch: ``given`` by detrain's launcher, else its elastic agent's."""
-        env = os.environ
-        job = f"slurm:{env['SLURM_JOB_ID']}" if env.get("SLURM_JOB_ID") else None
-        requeued = env_int("SLURM_RESTART_COUNT", 0) if job else 0
-        agent = given is None and "TORCHELASTIC_RUN_ID" in env  # torchrun: no launcher of ours picked a folder
+    def here(cls, world: World, given: str | None = None) -> Launch:
+        """The identity of this process's launch in ``world``: ``given`` by detrain's launcher, else its elastic
+        agent's."""
+        job = f"slurm:{world.slurm_job_id}" if world.slurm_job_id else None
+        requeued = world.slurm_requeues if job else 0
+        agent = given is None and world.run_id is not None  # torchrun: no launcher of ours picked a folder
         launch_id = given if given is not None else (_agent_identity() if agent else None)
-        return cls(launch_id, job, requeued, env_int("TORCHELASTIC_RESTART_COUNT", 0), agent or requeued > 0)
+        return cls(launch_id, job, requeued, world.restart_count, agent or requeued > 0)
 
     def owns(self, ckpt: dict[str, Any]) -> bool:
         """Whether ``ckpt`` was written by this launch (or, after a requeue, by this job).
@@ -235,14 +235,10 @@ def restore_rank_state(model: nn.Module, ema: nn.Module, ckpt: dict[str, Any], r
         model.require_forward_param_sync = _updated_last(ckpt)
 
 
-def may_host_rank0(node_rank: int) -> bool:
+def may_host_rank0(world: World, node_rank: int) -> bool:
     """Whether this process may become global rank 0, which alone reads ``resume``'s checkpoint: the ranks of
     torchrun or srun know their rank; a launcher's node has rank 0 when it is node_rank 0."""
-    if "RANK" in os.environ:
-        return env_int("RANK", 0) == 0
-    if "SLURM_PROCID" in os.environ and env_int("SLURM_NTASKS", 1) > 1:
-        return env_int("SLURM_PROCID", 0) == 0
-    return node_rank == 0
+    return world.is_main if world.launched else node_rank == 0
 
 
 # ------------------------------------------------------------------------------------------------ internals

@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
-from detrain.distributed import dist
 from detrain.config import Cfg
+from detrain.distributed import dist
+from detrain.distributed.world import World
+from detrain.distributed.world_layout import describe_nodes, gather_layout, membership_change
 from detrain.engine.epoch_stats import stragglers
 from detrain.engine.events import EventLog
 from detrain.engine.manifest import split_fingerprint, write_start
-from detrain.distributed.world_layout import describe_nodes, gather_layout, membership_change
 from detrain.log import console
 
 ERROR_CHARS = 1000  # an end event's error line is cut to this length
@@ -44,10 +45,11 @@ class RunTrace:
     """The events of one start of a run; every method is a no-op on ranks other than 0."""
 
     def __init__(self, save_dir: str | Path, main: bool, epochs: int, first_epoch: int,
-                 world: list[dict[str, Any]]) -> None:
+                 world: list[dict[str, Any]], restarts: int = 0) -> None:
         self.save_dir = Path(save_dir)
         self.events = EventLog(self.save_dir / "events.jsonl", main)
         self.main, self.epochs, self.first_epoch, self.world = main, epochs, first_epoch, world
+        self.restarts = restarts  # the launcher's restart count (World.restart_count)
         self.last_epoch: int | None = None  # 0-based, the last epoch whose numbers came in
         self.ended = False
 
@@ -56,7 +58,7 @@ class RunTrace:
         if not self.main:
             return
         previous = self.events.last("start")
-        restarts = dist.restart_count()
+        restarts = self.restarts
         restarted = restarts > 0 or resumed_from is not None
         self.events.write("start", world_size=len(self.world), epochs=self.epochs, first_epoch=self.first_epoch + 1,
                           world=self.world)
@@ -115,10 +117,11 @@ class RunTrace:
         self.events.write("end", status=status, **fields)
 
 
-def start(save_dir: str | Path, cfg: Cfg, device: torch.device, *, first_epoch: int, step: int,
+def start(save_dir: str | Path, cfg: Cfg, world: World, device: torch.device, *, first_epoch: int, step: int,
           resumed_from: str | None, datasets: Iterable[Any]) -> RunTrace:
     """Gather the world's layout (every rank calls this) and record the start on rank 0 (see the module)."""
-    trace = RunTrace(save_dir, dist.is_main(), cfg.train.epochs, first_epoch, gather_layout(device))
+    layout = gather_layout(world, device)  # collective: every rank's place
+    trace = RunTrace(save_dir, world.is_main, cfg.train.epochs, first_epoch, layout, world.restart_count)
     trace.record_start(cfg, step, resumed_from, datasets)
     # listing a large dataset's files for the fingerprint can outlast a training collective's timeout
     dist.barrier("run manifest written", cfg.distributed.prepare_timeout)

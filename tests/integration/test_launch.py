@@ -201,6 +201,7 @@ def test_workers_get_their_device_and_threads() -> None:
     result = launch(workers.device_env, {}, parse_device("cpu,cpu"))
     assert result is not None
     assert result["DETRAIN_DEVICE"] == "cpu" and result["DETRAIN_DEVICE_KIND"] == "cpu"
+    assert (result["world_device"], result["launcher"]) == ("cpu", "detrain")  # read once, into the worker's World
     cores = len(os.sched_getaffinity(0))
     assert result["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
     assert signal.getsignal(signal.SIGINT) is before  # elastic's handler does not outlive the launch

@@ -29,11 +29,13 @@ import torch
 from _ultralytics import offline_ultralytics
 
 from detrain.config import make_cfg
+from detrain.distributed.world import World
 from detrain.engine import optim
 from detrain.engine import trainer as trainer_module
 from detrain.engine.build import build_model
 from detrain.engine.ema import ModelEMA
 from detrain.engine.trainer import Trainer
+from detrain.run_plan import RunPlan
 
 COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
 NC = 3
@@ -213,7 +215,7 @@ def _record_detrain(data: Path, project: Path, args: dict[str, Any], monkeypatch
     monkeypatch.setattr(Trainer, "_optimizer_step", recording_optimizer_step)
     cfg = make_cfg({"model": "n.yaml", "data": str(data), "project": str(project), "name": "detrain",
                     **COMMON, **args})
-    Trainer(cfg, save_dir=project / "detrain").train()
+    Trainer(cfg, World(device="cpu"), RunPlan(save_dir=str(project / "detrain"))).train()
     return records
 
 

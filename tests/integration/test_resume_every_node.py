@@ -27,6 +27,7 @@ from detrain.checkpoint import save_checkpoint
 from detrain.config import make_cfg
 from detrain.data.loader import GlobalBatchSampler
 from detrain.data.synthetic import generate_shapes
+from detrain.distributed.world import World
 from detrain.engine import resume_state
 from detrain.engine.resume_state import Launch
 from detrain.errors import CheckpointError, ConfigError
@@ -230,15 +231,15 @@ def test_the_launch_identity_under_an_agent_is_kept_by_its_restarts(monkeypatch)
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
-    here = Launch.here()
-    assert here.id is not None and here.id == Launch.here().id and here.search_series  # torchrun: find the folder
-    assert Launch.here("given") == Launch("given", None, 0, 0, False)  # detrain's launcher handed over both
+    here = Launch.here(World.from_env())
+    assert here.id is not None and here.id == Launch.here(World.from_env()).id and here.search_series  # torchrun
+    assert Launch.here(World.from_env(), "given") == Launch("given", None, 0, 0, False)  # detrain's launcher's id
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
-    assert Launch.here("given") == Launch("given", "slurm:77", 2, 0, True)
+    assert Launch.here(World.from_env(), "given") == Launch("given", "slurm:77", 2, 0, True)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "two")
     with pytest.raises(Exception, match="SLURM_RESTART_COUNT='two' is not an integer"):
-        Launch.here("given")
+        World.from_env()
 
 
 def test_only_the_node_that_hosts_rank_0_needs_the_resume_file(tmp_path: Path, monkeypatch) -> None:
@@ -248,8 +249,7 @@ def test_only_the_node_that_hosts_rank_0_needs_the_resume_file(tmp_path: Path, m
     check_inputs("train", make_cfg({"resume": missing, "nnodes": 2, "node_rank": 1}))
     with pytest.raises(ConfigError, match="checkpoint not found"):
         check_inputs("train", make_cfg({"resume": missing, "nnodes": 2, "node_rank": 0}))
-    monkeypatch.setenv("RANK", "3")  # a torchrun rank other than 0
-    check_inputs("train", make_cfg({"resume": missing}))
+    check_inputs("train", make_cfg({"resume": missing}), World(rank=3, world_size=4, launcher="torchrun"))
 
 
 @pytest.mark.parametrize(("value", "message"), [("-1", "a value from 0.0 to 10080.0"), ("nan", "a finite number"),

@@ -42,10 +42,10 @@ def test_the_error_names_the_planned_world_and_a_valid_batch() -> None:
 
 
 def test_planned_world_size() -> None:
-    assert planned_world_size("1", world=2, local_world=2) == 2
-    assert planned_world_size(2, world=4, local_world=2) == 4
-    assert planned_world_size("1:4", world=2, local_world=2) == 8  # all 4 nodes of 2 workers
-    assert planned_world_size("2:3", world=6, local_world=2) == 6
+    assert planned_world_size((1, 1), world=2, local_world=2) == 2
+    assert planned_world_size((2, 2), world=4, local_world=2) == 4
+    assert planned_world_size((1, 4), world=2, local_world=2) == 8  # all 4 nodes of 2 workers
+    assert planned_world_size((2, 3), world=6, local_world=2) == 6
 
 
 def test_steps_of_a_smaller_world_hold_exactly_the_images_of_the_planned_worlds_steps() -> None:

@@ -19,6 +19,7 @@ from detrain import cli, config_yaml
 from detrain.config import COMMAND_KEYS, Cfg, make_cfg, parse_cli_args, parse_value
 from detrain.config_keys import SECTION_OF, SECTIONS, SPECS, TYPES, comments, defaults
 from detrain.errors import ConfigError
+from detrain.run_plan import RunPlan
 
 
 def _squeezed(text: str) -> str:
@@ -227,10 +228,10 @@ def test_the_workers_take_the_checked_config_as_it_is(monkeypatch) -> None:
             return {}
 
     monkeypatch.setattr(trainer, "Trainer", Recorder)
-    monkeypatch.setattr(evaluate, "run_val", lambda cfg, save_dir: seen.append(cfg) or {})
+    monkeypatch.setattr(evaluate, "run_val", lambda cfg, world, save_dir: seen.append(cfg) or {})
     cfg = make_cfg({"epochs": 2, "dist_timeout": 30})
-    trainer.train_worker({"cfg": cfg})
-    evaluate.val_worker({"cfg": cfg})
+    trainer.train_worker({"cfg": cfg, "plan": RunPlan()})
+    evaluate.val_worker({"cfg": cfg, "plan": RunPlan()})
     assert seen[0] is cfg and seen[1] is cfg
 
 

@@ -48,12 +48,13 @@ def _missing(name: str) -> list[Path]:
 def _run(name: str, out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``detrain val`` on the real path: (metrics, the rows of its predictions.json)."""
     from detrain.config import make_cfg
+    from detrain.distributed.world import World
     from detrain.engine.evaluate import run_val
 
     cfg = make_cfg({"model": str(WEIGHTS), "data": str(SHARED / "data" / CASES[name][0]), "imgsz": 640,
                     "batch": 8, "save_json": True, "device": "cpu", "project": str(out), "plots": False,
                     "workers": 0, "verbose": False})
-    metrics = run_val(cfg)
+    metrics = run_val(cfg, World(device="cpu"))
     rows = json.loads((Path(metrics["save_dir"]) / "predictions.json").read_text())
     return metrics, rows
 
