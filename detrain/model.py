@@ -67,24 +67,28 @@ class Model:
                               "argument, the TrainEvent)")
         self.callbacks.setdefault(event, []).append(fn)
 
-    def train(self, **kwargs: Any) -> dict[str, Any]:
+    def train(self, **kwargs: Any) -> dict[str, Any] | None:
         """Train with the CLI's keys; ``device=[0, 1]`` or ``"cpu,cpu"`` trains on several workers.
 
         Returns the final validation metrics; afterwards this Model holds the best weights. The callbacks of
-        :meth:`add_callback` fire on rank 0 during the run.
+        :meth:`add_callback` fire on rank 0 during the run. On a node other than node 0 of a multi-node run
+        (``node_rank > 0``), which holds neither the metrics nor the run folder, it returns None.
         """
         cfg = make_cfg({"model": self.source, **kwargs})
         from detrain.runner import run_task
 
         result = run_task("train", cfg, self.callbacks)
+        if result is None:
+            return None
         best = Path(result["save_dir"]) / "weights" / "best.pt"
         if best.is_file():
             self.source = str(best)
             self.net, self.ckpt = build_model(self.source, verbose=False)
         return result
 
-    def val(self, **kwargs: Any) -> dict[str, Any]:
-        """Validate (COCO-exact metrics) with the CLI's keys; returns the metrics dict."""
+    def val(self, **kwargs: Any) -> dict[str, Any] | None:
+        """Validate (COCO-exact metrics) with the CLI's keys; returns the metrics dict (None on a node other than
+        node 0 of a multi-node run)."""
         cfg = make_cfg({"model": self.source, **kwargs})
         from detrain.runner import run_task
 

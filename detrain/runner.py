@@ -21,7 +21,8 @@ from detrain.preflight import check_inputs
 from detrain.run_plan import RunPlan
 
 
-def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | None = None) -> dict[str, Any]:
+def run_task(task: str, cfg: Cfg,
+             callbacks: Mapping[str, list[CallbackFn]] | None = None) -> dict[str, Any] | None:
     """Train or validate; returns rank 0's result in the calling process.
 
     The run is planned here, once, for every worker: this process's world (read from the environment), the

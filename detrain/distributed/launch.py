@@ -81,7 +81,7 @@ def launch(
     master_addr: str = "127.0.0.1",
     master_port: int = 0,
     max_restarts: int = 0,
-    rdzv_backend: Literal["static", "c10d"] | None = None,
+    rdzv_backend: str | None = None,  # static or c10d (checked by rendezvous_settings)
     run_id: str = "detrain",
     run_args: dict[str, Any] | None = None,
     socket_ifname: str = "",
@@ -197,7 +197,8 @@ def launch(
                 # the store was there when this node joined (run_identity.join): its host, node 0, is gone
                 raise DistributedError(lost_master(endpoint, node_rank, cause)) from None
             raise DistributedError(f"could not form the group at {endpoint} (node_rank={node_rank}): {cause}") from None
-    return results.get(0)  # type: ignore[no-any-return]
+    result: T | None = results.get(0)
+    return result
 
 
 def rendezvous_address(local_addr: str | None, node_rank: int, max_nodes: int) -> str:

@@ -184,8 +184,8 @@ def position(ckpt: dict[str, Any], path: str | Path = "checkpoint") -> tuple[int
 def check_mid(ckpt: dict[str, Any], path: str | Path) -> None:
     """A mid-epoch checkpoint's position fields have their types and ranges (see :mod:`detrain.engine.mid_epoch`)."""
     mid, per = ckpt.get("mid_epoch"), ckpt.get("batches_per_epoch")
-    ok = isinstance(mid, dict) and type(per) is int and per >= 1
-    if ok:
+    ok = False
+    if isinstance(mid, dict) and type(per) is int and per >= 1:
         batch, step, items, images = (mid.get(k) for k in ("next_batch", "step_images", "mean_items", "n_images"))
         ok = (type(batch) is int and 1 <= batch <= per and type(step) is int and step >= 1 and type(images) is int
               and images >= 0 and isinstance(items, torch.Tensor) and items.shape == (3,)
@@ -231,7 +231,7 @@ def restore_rank_state(model: nn.Module, ema: nn.Module, ckpt: dict[str, Any], r
     mine = (ckpt.get("buffers_per_rank") or {}).get(str(rank)) or {}
     _copy_into(unwrap(model), mine.get("model") or {})
     _copy_into(ema, mine.get("ema") or {})
-    if hasattr(model, "require_forward_param_sync"):
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         model.require_forward_param_sync = _updated_last(ckpt)
 
 

@@ -192,7 +192,7 @@ def _results_json(dets: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], ca
 
 
 def _write_metrics(path: Path, metrics: dict[str, Any], names: dict[int, str]) -> None:
-    plain = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list))}
+    plain: dict[str, Any] = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list))}
     plain["per_class"] = {names.get(int(c), str(c)): v for c, v in metrics.get("per_class", {}).items()}
     atomic_write_text(path, json.dumps(plain, indent=2, default=float))
 
