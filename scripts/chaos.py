@@ -211,8 +211,17 @@ def make_data(root: Path, n_train: int) -> Path:
 
 def child_env(tag: str) -> dict[str, str]:
     """This checkout's detrain, one thread per process, outside any launcher or SLURM job, tagged."""
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TEST_FAULT")
+    drop = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+        "TEST_FAULT",
+    )
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
@@ -229,8 +238,9 @@ class Node:
         home.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "detrain.cli", "train", *(f"{k}={v}" for k, v in args.items())]
         with open(home / "out.txt", "w") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         self.pid = self.proc.pid
 
     @property
@@ -308,9 +318,22 @@ class Cluster:
         closing off (faster; what the case checks does not depend on them)."""
         s = self.size
         quick = {} if issue else {"warmup_epochs": 0, "close_mosaic": 0, "val": False, "plots": False, "seed": 0}
-        return {"data": "data/data.yaml", "imgsz": 64, "batch": s.batch, "epochs": s.epochs, "workers": 0,
-                "device": "cpu", **quick, "dist_timeout": s.dist_timeout, "master_addr": "127.0.0.1",
-                "master_port": self.port, "project": "runs", "name": "x", "exist_ok": True, **extra}
+        return {
+            "data": "data/data.yaml",
+            "imgsz": 64,
+            "batch": s.batch,
+            "epochs": s.epochs,
+            "workers": 0,
+            "device": "cpu",
+            **quick,
+            "dist_timeout": s.dist_timeout,
+            "master_addr": "127.0.0.1",
+            "master_port": self.port,
+            "project": "runs",
+            "name": "x",
+            "exist_ok": True,
+            **extra,
+        }
 
     def start(self, index: int, args: dict[str, object]) -> Node:
         """Node ``index`` in ``work/<case>/node<index>``, with its own copy of the dataset."""
@@ -357,8 +380,9 @@ def _wait_saved(node: Node, limit_s: float, others: list[Node] = ()) -> bool:
     """Node's first epoch is saved (weights/last.pt is written whole, after the epoch's results.csv row), before
     any node of the case ended."""
     last = node.run / "weights" / "last.pt"
-    return bool(wait_until(lambda: last.exists() or node.ended() or any(o.ended() for o in others), limit_s)
-                and last.exists())
+    return bool(
+        wait_until(lambda: last.exists() or node.ended() or any(o.ended() for o in others), limit_s) and last.exists()
+    )
 
 
 def _finish(result: Result, cluster: Cluster, main: Node, t0: float, epochs: int | None) -> Result:
@@ -390,8 +414,10 @@ def _close(result: Result, observed: str) -> Result:
 
 def case_worker_kill(work: Path, size: Size = FULL) -> Result:
     """(a) SIGKILL of node 1's worker after epoch 1, nnodes=2 max_restarts=1: both nodes resume and finish."""
-    result = Result("a worker_kill", f"both nodes exit 0; node 0 resumes ('restart 1'); epochs 1-{size.epochs} "
-                                     "once; node 1 holds no .pt")
+    result = Result(
+        "a worker_kill",
+        f"both nodes exit 0; node 0 resumes ('restart 1'); epochs 1-{size.epochs} once; node 1 holds no .pt",
+    )
     t0 = time.monotonic()
     with Cluster(work, size, "worker_kill") as c:
         args = c.common(issue=size.issue_keys, nnodes=2, max_restarts=1)
@@ -406,8 +432,9 @@ def case_worker_kill(work: Path, size: Size = FULL) -> Result:
         _finish(result, c, n0, t0, size.epochs)
         resumed = re.search(r"restart 1: resuming from \S+last\.pt at epoch (\d+)", n0.out())
         result.check(resumed is not None, "node 0 did not say 'restart 1: resuming from ...last.pt'")
-        return _close(result, "killed node 1's worker after epoch 1; "
-                              f"{resumed.group(0) if resumed else ''}; both exit 0")
+        return _close(
+            result, f"killed node 1's worker after epoch 1; {resumed.group(0) if resumed else ''}; both exit 0"
+        )
 
 
 def case_node_leaves(work: Path, size: Size = FULL) -> Result:
@@ -431,17 +458,24 @@ def case_node_leaves(work: Path, size: Size = FULL) -> Result:
         result.check(rows == [str(e) for e in range(1, size.epochs + 1)], f"results.csv epochs {rows}")
         loads, text, ckpt = checkpoint_text(n0.run / "weights" / "last.pt")
         result.check(loads and ckpt is not None and int(ckpt["epoch"]) == size.epochs - 1, f"last.pt {text}")
-        result.check("1 worker(s) on cpu" in n0.out().split("2 worker(s) on cpu", 1)[-1],
-                     "node 0 did not go on with 1 worker")
+        result.check(
+            "1 worker(s) on cpu" in n0.out().split("2 worker(s) on cpu", 1)[-1], "node 0 did not go on with 1 worker"
+        )
         resumed = re.search(r"(restart \d+|group restarted): resuming from \S+ at epoch \d+", n0.out())
-        return _close(result, f"node 1 SIGKILLed (launcher + worker); node 0: "
-                              f"{resumed.group(0) if resumed else 'no resume line'}; exit 0")
+        return _close(
+            result,
+            f"node 1 SIGKILLed (launcher + worker); node 0: "
+            f"{resumed.group(0) if resumed else 'no resume line'}; exit 0",
+        )
 
 
 def case_node_joins(work: Path, size: Size = FULL) -> Result:
     """(c) node 1 starts after node 0's first epoch under nnodes=1:2 c10d: the group grows and finishes."""
-    result = Result("c node_joins", "the group grows to 2 workers, resumes from last.pt ('group restarted'); both "
-                                    f"exit 0; epochs 1-{size.epochs} once")
+    result = Result(
+        "c node_joins",
+        "the group grows to 2 workers, resumes from last.pt ('group restarted'); both "
+        f"exit 0; epochs 1-{size.epochs} once",
+    )
     t0 = time.monotonic()
     with Cluster(work, size, "node_joins") as c:
         args = c.common(nnodes="1:2", rdzv_backend="c10d")
@@ -453,8 +487,9 @@ def case_node_joins(work: Path, size: Size = FULL) -> Result:
         send(held, signal.SIGSTOP)  # hold node 0's training while node 1 starts (released below)
         n1 = c.start(1, {**args, "node_rank": 1})
         # node 0's agent sees node 1 waiting and stops its worker (SIGTERM, pending while it is stopped)
-        asked = wait_until(lambda: all(pending(p, signal.SIGTERM) or not alive(p) for p in held) or n1.ended(),
-                           size.limit_s)
+        asked = wait_until(
+            lambda: all(pending(p, signal.SIGTERM) or not alive(p) for p in held) or n1.ended(), size.limit_s
+        )
         send(held, signal.SIGCONT)
         result.check(bool(asked) and not n1.ended(), f"node 0's agent did not restart for node 1: {_describe(n1)}")
         result.check(c.wait_all(size.limit_s), "the nodes did not end")
@@ -462,15 +497,19 @@ def case_node_joins(work: Path, size: Size = FULL) -> Result:
         resumed = re.search(r"group restarted: resuming from \S+last\.pt at epoch (\d+)", n0.out())
         result.check(resumed is not None, "node 0 did not say 'group restarted: resuming from ...last.pt'")
         result.check(n0.out().count("2 worker(s) on cpu") >= 1, "node 0 never trained with 2 workers")
-        return _close(result, f"node 1 joined after epoch 1; {resumed.group(0) if resumed else ''}; 2 workers; "
-                              "both exit 0")
+        return _close(
+            result, f"node 1 joined after epoch 1; {resumed.group(0) if resumed else ''}; 2 workers; both exit 0"
+        )
 
 
 def case_rank_stopped(work: Path, size: Size = FULL) -> Result:
     """(d) SIGSTOP of rank 1 (node 1's worker) after epoch 1: every launcher ends naming rank 1, no orphans."""
     bound = size.dist_timeout + 30
-    result = Result("d rank_stopped", f"every launcher ends, its last line naming rank 1, within dist_timeout + 30 s "
-                                      f"({bound:g} s) of the stop; no process left")
+    result = Result(
+        "d rank_stopped",
+        f"every launcher ends, its last line naming rank 1, within dist_timeout + 30 s "
+        f"({bound:g} s) of the stop; no process left",
+    )
     t0 = time.monotonic()
     with Cluster(work, size, "rank_stopped") as c:
         args = c.common(nnodes=2)
@@ -495,21 +534,26 @@ def case_rank_stopped(work: Path, size: Size = FULL) -> Result:
         _finish(result, c, n0, t0, None)
         for i, n in enumerate(c.nodes):
             line = n.last_line()
-            result.check(ends[i] is not None and ends[i] <= bound,
-                         f"node {i} {'still running' if ends[i] is None else f'ended after {ends[i]:.0f} s'}")
+            result.check(
+                ends[i] is not None and ends[i] <= bound,
+                f"node {i} {'still running' if ends[i] is None else f'ended after {ends[i]:.0f} s'}",
+            )
             result.check(n.proc.poll() not in (0, None), f"node {i} exit {n.proc.poll()}")
             result.check(bool(re.search(r"\brank 1\b", line)), f"node {i} last line: {line[:200]!r}")
         result.check(not left, f"processes left: {left}")
-        said = "; ".join(f"node {i} after {e:.0f} s: '{c.nodes[i].last_line()[:200]}'" for i, e in enumerate(ends)
-                         if e is not None)
+        said = "; ".join(
+            f"node {i} after {e:.0f} s: '{c.nodes[i].last_line()[:200]}'" for i, e in enumerate(ends) if e is not None
+        )
         return _close(result, f"{said}; no process left")
 
 
 def case_launcher_sigterm(work: Path, size: Size = FULL) -> Result:
     """(e) SIGTERM of node 0's launcher (nnodes=2) after epoch 1: every process of both nodes gone within 10 s,
     each node's last line says why, last.pt loads."""
-    result = Result("e launcher_sigterm", "every process of both nodes gone within 10 s; each ends with one line "
-                                          "('stopped by SIGTERM'); last.pt loads")
+    result = Result(
+        "e launcher_sigterm",
+        "every process of both nodes gone within 10 s; each ends with one line ('stopped by SIGTERM'); last.pt loads",
+    )
     t0 = time.monotonic()
     with Cluster(work, size, "launcher_sigterm") as c:
         args = c.common(nnodes=2)
@@ -537,12 +581,15 @@ def case_mid_epoch_kill(work: Path, size: Size = FULL) -> Result:
     """(f) SIGKILL of rank 0 right after a mid.pt half-way through epoch 2 or later (save_interval; half this size's
     batch, for more steps per epoch), device=cpu,cpu max_restarts=1: the restart resumes at the batch after mid.pt;
     each epoch once."""
-    result = Result("f mid_epoch_kill", "the restart resumes from mid.pt at its batch; exit 0; "
-                                        f"epochs 1-{size.epochs} once; no mid.pt left")
+    result = Result(
+        "f mid_epoch_kill",
+        f"the restart resumes from mid.pt at its batch; exit 0; epochs 1-{size.epochs} once; no mid.pt left",
+    )
     t0 = time.monotonic()
     with Cluster(work, size, "mid_epoch_kill") as c:
-        n0 = c.start(0, c.common(device="cpu,cpu", max_restarts=1, batch=max(2, size.batch // 2),
-                                 save_interval=1e-9))  # mid.pt after every step
+        n0 = c.start(
+            0, c.common(device="cpu,cpu", max_restarts=1, batch=max(2, size.batch // 2), save_interval=1e-9)
+        )  # mid.pt after every step
         mid, last = n0.run / "weights" / "mid.pt", n0.run / "weights" / "last.pt"
         if not _wait_saved(n0, size.limit_s):
             result.problems.append(f"no epoch 1: {_describe(n0, 3)}")
@@ -559,8 +606,12 @@ def case_mid_epoch_kill(work: Path, size: Size = FULL) -> Result:
             _, _, m = checkpoint_text(mid)
             _, _, done = checkpoint_text(last)
             # a mid.pt of the epoch after last.pt's (not one the epoch's last.pt already superseded), half-way
-            if m is not None and done is not None and int(m["epoch"]) == int(done["epoch"]) and \
-                    int(m["mid_epoch"]["next_batch"]) >= max(1, int(m["batches_per_epoch"]) // 2):
+            if (
+                m is not None
+                and done is not None
+                and int(m["epoch"]) == int(done["epoch"])
+                and int(m["mid_epoch"]["next_batch"]) >= max(1, int(m["batches_per_epoch"]) // 2)
+            ):
                 where = (int(m["epoch"]) + 2, int(m["mid_epoch"]["next_batch"]), int(m["batches_per_epoch"]))
                 send(rank0, signal.SIGKILL)
             else:
@@ -570,12 +621,19 @@ def case_mid_epoch_kill(work: Path, size: Size = FULL) -> Result:
         _finish(result, c, n0, t0, size.epochs)
         if where is not None:
             epoch, batch, nb = where
-            line = f"restart 1: resuming from {Path('runs/x/weights/mid.pt')} at epoch {epoch}, {batch}/{nb} batches done"
-            result.check(line in n0.out() or line.replace("runs/x", str(n0.run)) in n0.out(),
-                         f"no '{line}' in the output")
+            line = (
+                f"restart 1: resuming from {Path('runs/x/weights/mid.pt')} at epoch {epoch}, {batch}/{nb} batches done"
+            )
+            result.check(
+                line in n0.out() or line.replace("runs/x", str(n0.run)) in n0.out(), f"no '{line}' in the output"
+            )
         result.check(not mid.exists(), "mid.pt left after the run")
-        return _close(result, f"killed rank 0 after mid.pt at epoch {where[0]}, batch {where[1]}/{where[2]}; "
-                              f"resumed there; exit 0" if where else "")
+        return _close(
+            result,
+            f"killed rank 0 after mid.pt at epoch {where[0]}, batch {where[1]}/{where[2]}; resumed there; exit 0"
+            if where
+            else "",
+        )
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -608,8 +666,9 @@ def case_busy_port(work: Path, size: Size = FULL) -> Result:
 
 def case_no_master(work: Path, size: Size = FULL) -> Result:
     """(h) node_rank=1 with nobody at master_addr:master_port: one line before training, exit code 2."""
-    result = Result("h no_master", "exit 2; one line 'cannot reach the master at 127.0.0.1:P within 60s'; "
-                                   "no run folder")
+    result = Result(
+        "h no_master", "exit 2; one line 'cannot reach the master at 127.0.0.1:P within 60s'; no run folder"
+    )
     t0 = time.monotonic()
     with Cluster(work, size, "no_master") as c:
         n1 = c.start(1, c.common(nnodes=2, node_rank=1))
@@ -617,18 +676,34 @@ def case_no_master(work: Path, size: Size = FULL) -> Result:
         _finish(result, c, n1, t0, None)
         lines = [x for x in n1.out().splitlines() if x.strip()]
         result.check(n1.proc.poll() == 2, f"exit {n1.proc.poll()}")
-        result.check(len(lines) == 1 and lines[0].startswith(f"error: cannot reach the master at 127.0.0.1:{c.port} "
-                                                             "within 60s"), f"output {lines[-5:]}")
+        result.check(
+            len(lines) == 1 and lines[0].startswith(f"error: cannot reach the master at 127.0.0.1:{c.port} within 60s"),
+            f"output {lines[-5:]}",
+        )
         result.check(not (n1.home / "runs").exists(), "a run folder was made")
         return _close(result, f"{_describe(n1)[:150]}")
 
 
 CASES: dict[str, Callable[[Path, Size], Result]] = {
-    "a": case_worker_kill, "b": case_node_leaves, "c": case_node_joins, "d": case_rank_stopped,
-    "e": case_launcher_sigterm, "f": case_mid_epoch_kill, "g": case_busy_port, "h": case_no_master,
+    "a": case_worker_kill,
+    "b": case_node_leaves,
+    "c": case_node_joins,
+    "d": case_rank_stopped,
+    "e": case_launcher_sigterm,
+    "f": case_mid_epoch_kill,
+    "g": case_busy_port,
+    "h": case_no_master,
 }
-NAMES = {"worker_kill": "a", "node_leaves": "b", "node_joins": "c", "rank_stopped": "d", "launcher_sigterm": "e",
-         "mid_epoch_kill": "f", "busy_port": "g", "no_master": "h"}
+NAMES = {
+    "worker_kill": "a",
+    "node_leaves": "b",
+    "node_joins": "c",
+    "rank_stopped": "d",
+    "launcher_sigterm": "e",
+    "mid_epoch_kill": "f",
+    "busy_port": "g",
+    "no_master": "h",
+}
 
 
 def run_case(letter: str, work: Path, size: Size) -> Result:
@@ -644,11 +719,14 @@ def run_case(letter: str, work: Path, size: Size) -> Result:
 def table(results: list[Result]) -> str:
     """A Markdown table of the results."""
     head = ["case", "expected", "observed", "ok", "seconds", "epochs in results.csv", "last.pt"]
-    rows = [[r.case, r.expected, r.observed, "yes" if r.ok else "NO", f"{r.seconds:.0f}", r.epochs, r.checkpoint]
-            for r in results]
+    rows = [
+        [r.case, r.expected, r.observed, "yes" if r.ok else "NO", f"{r.seconds:.0f}", r.epochs, r.checkpoint]
+        for r in results
+    ]
     clean = [[c.replace("|", "\\|").replace("\n", " ") for c in row] for row in rows]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                     + ["| " + " | ".join(row) + " |" for row in clean])
+    return "\n".join(
+        ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(row) + " |" for row in clean]
+    )
 
 
 def pick(text: str) -> list[str]:
@@ -660,8 +738,7 @@ def pick(text: str) -> list[str]:
         elif all(ch in CASES for ch in part):
             picked += list(part)
         else:
-            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-h or the names "
-                             f"{', '.join(NAMES)}")
+            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-h or the names {', '.join(NAMES)}")
     return picked
 
 
@@ -670,8 +747,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", default="abcdefgh", help="letters or names, comma-separated (default: all)")
     parser.add_argument("--small", action="store_true", help="the smallest runs that exercise each case")
     parser.add_argument("--work", type=Path, default=None, help="folder for the nodes (default: a temporary one)")

@@ -33,8 +33,9 @@ descendants = chaos.descendants
 send = chaos.send
 
 
-def fault_env(after: str, epoch: int, then: str, next_batch: int | None = None, until: Path | None = None,
-              **extra: str) -> dict[str, str]:
+def fault_env(
+    after: str, epoch: int, then: str, next_batch: int | None = None, until: Path | None = None, **extra: str
+) -> dict[str, str]:
     """A child environment (:func:`_processes.child_env`) whose rank 0, on the launcher's first attempt, kills
     itself (``then="kill"``) or waits for the file ``until`` (``then="hold"``, after writing ``<until>.held``)
     right after it wrote ``weights/<after>`` (``"last.pt"`` or ``"mid.pt"``) holding ``epoch`` (and, for mid.pt,

@@ -382,8 +382,9 @@ def silent_peers_error(e: BaseException) -> DistributedError | None:
         return None
     who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
     first = re.sub(r"^(\[[^\]]*\]:?\s*)+", "", str(e).strip().splitlines()[0] if str(e).strip() else "")[:160]
-    return DistributedError(f"{who} stopped responding: no heartbeat for {3 * heartbeat.EVERY_S:g}s "
-                            f"{PEER_LOST_MARK} [{first}]")
+    return DistributedError(
+        f"{who} stopped responding: no heartbeat for {3 * heartbeat.EVERY_S:g}s {PEER_LOST_MARK} [{first}]"
+    )
 
 
 def _cause(e: BaseException, timeout_s: float | None = None) -> str:
@@ -466,4 +467,3 @@ def _group_timeout(timeout_s: float) -> Iterator[None]:
     finally:
         if _info is not None:
             _set_group_timeout(_info.timeout_s)
-

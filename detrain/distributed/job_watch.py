@@ -7,8 +7,9 @@ run with several nodes keeps a :class:`JobWatch`: a daemon thread that reads the
 (``master_addr:master_port``, kept by node 0's launcher for the whole launch) every ``poll_s`` seconds.
 
 * A launcher that gives up writes its one-line reason there (:meth:`JobWatch.publish`) and waits a moment for the
-  other launchers to read it (:func:`ended_together` does both sides around the launch). With a fixed node count any node's end ends the run; with ``nnodes=MIN:MAX`` only
-  node 0's does (the others may leave: the group re-forms without them).
+  other launchers to read it (:func:`ended_together` does both sides around the launch). With a fixed node
+  count any node's end ends the run; with ``nnodes=MIN:MAX`` only node 0's does (the others may leave: the
+  group re-forms without them).
 * A launcher that reads a reason, or cannot reach node 0's store for ``lost_after_s`` seconds (node 0's launcher
   ended or its machine is gone), interrupts its own main thread (the agent then stops its workers, as on Ctrl-C)
   and, ``kill_after_s`` later, SIGKILLs the workers still alive: a stopped process never acts on SIGTERM.
@@ -48,8 +49,16 @@ def _client(addr: str, port: int, timeout_s: float) -> Any:
 class JobWatch:
     """Watches node 0's store for the end of the run; see the module's docstring."""
 
-    def __init__(self, addr: str, port: int, node_rank: int, nnodes: int = 2, poll_s: float = 0.5,
-                 lost_after_s: float = 10.0, kill_after_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        node_rank: int,
+        nnodes: int = 2,
+        poll_s: float = 0.5,
+        lost_after_s: float = 10.0,
+        kill_after_s: float = 2.0,
+    ) -> None:
         self.addr, self.port, self.node_rank, self.nnodes = addr, port, node_rank, nnodes
         self.poll_s, self.lost_after_s, self.kill_after_s = poll_s, lost_after_s, kill_after_s
         self.reason: str | None = None
@@ -93,8 +102,10 @@ class JobWatch:
                 now = time.monotonic()
                 unreachable_since = unreachable_since or now
                 if now - unreachable_since >= self.lost_after_s:
-                    self._end(f"lost node 0's launcher at {self.addr}:{self.port} for {self.lost_after_s:g}s (it "
-                              "ended, or its machine or the network is gone)")
+                    self._end(
+                        f"lost node 0's launcher at {self.addr}:{self.port} for {self.lost_after_s:g}s (it "
+                        "ended, or its machine or the network is gone)"
+                    )
                     return
                 continue
             unreachable_since = None

@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -143,8 +143,16 @@ def launch(
             run_identity.wait_for_nodes(store, run_id, run_args, hi - 1, start_timeout, f"{master_addr}:{master_port}")
     else:
         wait_reachable(master_addr, master_port, connect_timeout)
-        run_identity.join(master_addr, master_port, run_id, node_rank, run_args, wait_go=lo == hi,
-                          connect_timeout_s=connect_timeout, start_timeout_s=start_timeout)
+        run_identity.join(
+            master_addr,
+            master_port,
+            run_id,
+            node_rank,
+            run_args,
+            wait_go=lo == hi,
+            connect_timeout_s=connect_timeout,
+            start_timeout_s=start_timeout,
+        )
         local_addr = netif.route_source(where) if where else None
     backend, endpoint, rdzv_configs = rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)
     if backend == "c10d":
@@ -179,8 +187,13 @@ def launch(
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
     env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
-    with log_dir, _restore_signal_handlers(), _environ(env), _held_elastic_logs() as held, \
-            ended_together(master_addr, master_port, node_rank, lo, hi):  # several nodes end as one
+    with (
+        log_dir,
+        _restore_signal_handlers(),
+        _environ(env),
+        _held_elastic_logs() as held,
+        ended_together(master_addr, master_port, node_rank, lo, hi),
+    ):  # several nodes end as one
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
         except ChildFailedError as e:
@@ -227,9 +240,11 @@ def lost_master(endpoint: str, node_rank: int, cause: str) -> str:
         >>> lost_master("10.0.0.1:29500", 2, "The connection to the C10d store has failed.")[:54]
         'lost the rendezvous at 10.0.0.1:29500 (node_rank=2): n'
     """
-    return (f"lost the rendezvous at {endpoint} (node_rank={node_rank}): node_rank=0, which hosts it, has stopped "
-            f"or cannot be reached, and the group cannot go on without node 0 (other nodes may leave); start the "
-            f"nodes again with resume= naming node 0's weights/last.pt [{cause}]")
+    return (
+        f"lost the rendezvous at {endpoint} (node_rank={node_rank}): node_rank=0, which hosts it, has stopped "
+        f"or cannot be reached, and the group cannot go on without node 0 (other nodes may leave); start the "
+        f"nodes again with resume= naming node 0's weights/last.pt [{cause}]"
+    )
 
 
 @record
@@ -285,8 +300,6 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
 
 
 class _HeldRecords(logging.Handler):

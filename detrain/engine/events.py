@@ -52,7 +52,7 @@ class EventLog:
                     line = b"\n" + line  # an earlier writer died mid-line: ours starts on a line of its own
                 view = memoryview(line)
                 while view:  # one write on a regular file; a short write (disk full) is finished, not split
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
                 if kind == "end":
                     os.fsync(fd)
             finally:

@@ -87,8 +87,12 @@ class MidEpoch:
         trainer.per_rank = gather_per_rank(trainer.model, trainer.ema.ema)  # collective: what differs by rank
         if dist.is_main():
             state = trainer.checkpoint_state(epoch - 1, {}, pending)
-            state["mid_epoch"] = {"next_batch": i + 1, "step_images": int(trainer.plan.step_images),
-                                  "mean_items": mean_items.detach().float().cpu(), "n_images": int(n_images)}
+            state["mid_epoch"] = {
+                "next_batch": i + 1,
+                "step_images": int(trainer.plan.step_images),
+                "mean_items": mean_items.detach().float().cpu(),
+                "n_images": int(n_images),
+            }
             save_checkpoint(state, self.path)
 
     def epoch_done(self) -> None:

@@ -80,5 +80,5 @@ def _read(path: Path, limit: int, tail: bool) -> bytes | None:
     finally:
         os.close(fd)
     if start:
-        data = data[data.find(b"\n") + 1:] if b"\n" in data else b""  # from the first whole line
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""  # from the first whole line
     return data

@@ -42,8 +42,10 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("chaos")
 
 
-BACKGROUND = {"b": "test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish",
-              "h": "test_h_an_unreachable_master_is_one_line_before_training"}
+BACKGROUND = {
+    "b": "test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish",
+    "h": "test_h_an_unreachable_master_is_one_line_before_training",
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,10 +54,13 @@ def background(request: pytest.FixtureRequest, work: Path):
     the result (a case kills every process it started however it ends)."""
     results: dict[str, object] = {}
     selected = {item.name for item in request.session.items}
-    threads = {letter: threading.Thread(target=lambda x=letter: results.update({x: chaos.run_case(x, work,
-                                                                                                 chaos.SMALL)}),
-                                        daemon=True)
-               for letter, test in BACKGROUND.items() if test in selected}
+    threads = {
+        letter: threading.Thread(
+            target=lambda x=letter: results.update({x: chaos.run_case(x, work, chaos.SMALL)}), daemon=True
+        )
+        for letter, test in BACKGROUND.items()
+        if test in selected
+    }
     for thread in threads.values():
         thread.start()
     yield results, threads

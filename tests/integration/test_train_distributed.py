@@ -27,11 +27,29 @@ REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-30 s on an idle 2-core machine)
 
 # augmentation off, one optimizer step per batch, no warmup: 1 and 2 workers must take the same steps
-EXACT = dict(imgsz=64, batch=16, nbs=16, workers=0, warmup_epochs=0, close_mosaic=0, optimizer="SGD", seed=0,
-             deterministic=True, mosaic=0.0, fliplr=0.0, hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, translate=0.0, scale=0.0,
-             val=False, plots=False, verbose=False, sync_bn=True, exist_ok=True)
-
-
+EXACT = dict(
+    imgsz=64,
+    batch=16,
+    nbs=16,
+    workers=0,
+    warmup_epochs=0,
+    close_mosaic=0,
+    optimizer="SGD",
+    seed=0,
+    deterministic=True,
+    mosaic=0.0,
+    fliplr=0.0,
+    hsv_h=0.0,
+    hsv_s=0.0,
+    hsv_v=0.0,
+    translate=0.0,
+    scale=0.0,
+    val=False,
+    plots=False,
+    verbose=False,
+    sync_bn=True,
+    exist_ok=True,
+)
 
 
 def _kv(args: dict) -> list[str]:
@@ -44,8 +62,21 @@ def _cli(*args: str) -> list[str]:
 
 def _torchrun(args: dict) -> list[str]:
     """``detrain train`` as 2 ranks of torchrun on one node."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), "-m", "detrain.cli", "train", *_kv(args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "detrain.cli",
+        "train",
+        *_kv(args),
+    ]
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float = LIMIT_S, **kw) -> subprocess.CompletedProcess:
@@ -131,8 +162,18 @@ def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data
 
 # ------------------------------------------------------------------ multi-node, torchrun, faults
 
-FAST = dict(imgsz=64, batch=8, workers=0, warmup_epochs=0, close_mosaic=0, val=False, plots=False, verbose=False,
-            exist_ok=True, name="run")
+FAST = dict(
+    imgsz=64,
+    batch=8,
+    workers=0,
+    warmup_epochs=0,
+    close_mosaic=0,
+    val=False,
+    plots=False,
+    verbose=False,
+    exist_ok=True,
+    name="run",
+)
 
 
 def _no_orphans(tag: str) -> None:
@@ -157,14 +198,23 @@ def _end(proc: subprocess.Popen, logs: Path, timeout: float = LIMIT_S) -> subpro
         proc.kill()
         proc.wait()
         pytest.fail(f"the launcher did not end within {timeout} s; output:\n{(logs / 'err.txt').read_text()}")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, (logs / "out.txt").read_text(),
-                                       (logs / "err.txt").read_text())
+    return subprocess.CompletedProcess(
+        proc.args, proc.returncode, (logs / "out.txt").read_text(), (logs / "err.txt").read_text()
+    )
 
 
 def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path) -> None:
     port = free_port()
-    common = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nnodes": 2, "master_addr": "127.0.0.1",
-              "master_port": port, "project": str(tmp_path / "runs")}
+    common = {
+        **FAST,
+        "data": str(data),
+        "epochs": 1,
+        "device": "cpu",
+        "nnodes": 2,
+        "master_addr": "127.0.0.1",
+        "master_port": port,
+        "project": str(tmp_path / "runs"),
+    }
     ends = run_together([_cli(*_kv({**common, "node_rank": r})) for r in (0, 1)], child_env(), REPO, LIMIT_S)
     for r, (code, out) in enumerate(ends):
         assert code == 0, f"node {r} exit {code}\n{out[-3000:]}"
@@ -190,34 +240,58 @@ def test_fewer_workers_than_planned_keep_their_batch_and_accumulate(data: Path, 
     """Elastic membership: 2 ranks of a run planned for 2 nodes x 2 (nnodes=1:2; here one node under torchrun)
     keep the per-rank batch of 4 ranks (8 / 4 = 2) and take 2 steps of 4 images per update of 8, so a
     16-image epoch is 4 steps and 2 updates, as it would be with all 4 ranks."""
-    args = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nbs": 8, "nnodes": "1:2",
-            "project": str(tmp_path / "runs")}
+    args = {
+        **FAST,
+        "data": str(data),
+        "epochs": 1,
+        "device": "cpu",
+        "nbs": 8,
+        "nnodes": "1:2",
+        "project": str(tmp_path / "runs"),
+    }
     proc = _run(_torchrun(args), child_env())
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "accumulate to 8 images; 2 worker(s) on cpu" in out
-    assert ("elastic: 2 of the 4 planned workers; each keeps its batch of 2 and 2 steps of 4 images make an update "
-            "(planned: 8)") in " ".join(out.split())
+    assert (
+        "elastic: 2 of the 4 planned workers; each keeps its batch of 2 and 2 steps of 4 images make an update "
+        "(planned: 8)"
+    ) in " ".join(out.split())
     ckpt = torch.load(tmp_path / "runs" / "run" / "weights" / "last.pt", map_location="cpu", weights_only=True)
     assert ckpt["ema"]["updates"] == 2
 
 
 def test_a_batch_the_planned_world_cannot_split_stops_before_starting(data: Path, tmp_path: Path) -> None:
-    args = {**FAST, "data": str(data), "batch": 6, "device": "cpu,cpu", "nnodes": "1:2", "master_port": free_port(),
-            "project": str(tmp_path / "runs")}
+    args = {
+        **FAST,
+        "data": str(data),
+        "batch": 6,
+        "device": "cpu,cpu",
+        "nnodes": "1:2",
+        "master_port": free_port(),
+        "project": str(tmp_path / "runs"),
+    }
     proc = _run(_cli(*_kv(args)), child_env(), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: batch=6 does not split evenly over the 4 workers this run is planned for; use a multiple of 4, e.g. 8"]
+        "error: batch=6 does not split evenly over the 4 workers this run is planned for; use a multiple of 4, e.g. 8"
+    ]
     assert not (tmp_path / "runs").exists()
 
 
 def test_a_killed_worker_is_restarted_and_the_run_completes(data: Path, tmp_path: Path) -> None:
-    args = {**FAST, "data": str(data), "epochs": 2, "device": "cpu,cpu", "max_restarts": 1,
-            "project": str(tmp_path / "runs")}
+    args = {
+        **FAST,
+        "data": str(data),
+        "epochs": 2,
+        "device": "cpu,cpu",
+        "max_restarts": 1,
+        "project": str(tmp_path / "runs"),
+    }
     tag, go = uuid.uuid4().hex, tmp_path / "go"  # go is never made: the launcher stops the held rank 0
-    launcher = _popen(_cli(*_kv(args)), fault_env("last.pt", 0, "hold", until=go, **{chaos.TAG_ENV: tag}),
-                      tmp_path / "logs")
+    launcher = _popen(
+        _cli(*_kv(args)), fault_env("last.pt", 0, "hold", until=go, **{chaos.TAG_ENV: tag}), tmp_path / "logs"
+    )
     try:
         rank0 = held(go, LIMIT_S)  # right after epoch 1's last.pt
         workers = workers_of(launcher.pid)

@@ -49,8 +49,9 @@ def _interrupted() -> bool:
 
 
 def test_a_rank_whose_heartbeat_stopped_is_named_and_a_beating_one_is_not(server) -> None:
-    beats = [heartbeat.Heartbeat(tdist.PrefixStore("hb", _client(server)), r, 3, every_s=0.02).start()
-             for r in range(3)]
+    beats = [
+        heartbeat.Heartbeat(tdist.PrefixStore("hb", _client(server)), r, 3, every_s=0.02).start() for r in range(3)
+    ]
     try:
         assert beats[0].silent(watch_s=0.3) == []
         beats[2].stop()  # as a SIGSTOPped or dead process: its counter stands still
@@ -67,17 +68,28 @@ def test_without_a_store_nobody_is_named(server) -> None:
     assert beat.counts() is None and beat.silent(watch_s=0.01) == []
 
 
-@pytest.mark.parametrize("message, waited", [
-    ("RuntimeError: [/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send operation", True),
-    ("RuntimeError: [/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:50379", True),
-    ((f"DistributedError: all_reduce_sum failed on rank 0 of 2: timed out after 5s waiting for the other ranks "
-      f"{dist.PEER_LOST_MARK} [x]"), True),
-    ("RuntimeError: Application timeout caused pair closure", True),
-    ("DistBackendError: [/gloo/pair.cc:1] Connection reset by peer", True),
-    ("DistributedError: batch=6 does not split evenly", False),
-    ("RuntimeError: CUDA out of memory", False),
-    ("ValueError: timed out reading a label file", False),  # not gloo's words: this rank's own failure
-])
+@pytest.mark.parametrize(
+    ("message", "waited"),
+    [
+        (
+            "RuntimeError: [/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send operation",
+            True,
+        ),
+        ("RuntimeError: [/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:50379", True),
+        (
+            (
+                "DistributedError: all_reduce_sum failed on rank 0 of 2: timed out after 5s waiting for the "
+                f"other ranks {dist.PEER_LOST_MARK} [x]"
+            ),
+            True,
+        ),
+        ("RuntimeError: Application timeout caused pair closure", True),
+        ("DistBackendError: [/gloo/pair.cc:1] Connection reset by peer", True),
+        ("DistributedError: batch=6 does not split evenly", False),
+        ("RuntimeError: CUDA out of memory", False),
+        ("ValueError: timed out reading a label file", False),  # not gloo's words: this rank's own failure
+    ],
+)
 def test_only_a_wait_for_a_peer_asks_the_heartbeats(message: str, waited: bool) -> None:
     assert dist.waited_for_a_peer(message) is waited
 
@@ -86,8 +98,9 @@ def test_the_silent_rank_is_named_in_one_line(server, monkeypatch) -> None:
     monkeypatch.setattr(heartbeat, "silent_ranks", lambda watch_s=None: [1])
     error = dist.silent_peers_error(RuntimeError("[/gloo/tcp/pair.cc:1] Timed out waiting 10000ms for recv\nmore"))
     assert isinstance(error, DistributedError)
-    assert str(error) == (f"rank 1 stopped responding: no heartbeat for 3s {dist.PEER_LOST_MARK} "
-                          "[Timed out waiting 10000ms for recv]")
+    assert str(error) == (
+        f"rank 1 stopped responding: no heartbeat for 3s {dist.PEER_LOST_MARK} [Timed out waiting 10000ms for recv]"
+    )
     assert dist.silent_peers_error(ValueError("Timed out")) is None  # not a wait for a peer
     monkeypatch.setattr(heartbeat, "silent_ranks", lambda watch_s=None: [])
     assert dist.silent_peers_error(RuntimeError("gloo: Connection reset by peer")) is None  # all alive: keep it
@@ -100,8 +113,9 @@ def test_the_launcher_report_leads_with_the_silent_rank() -> None:
 
     text = str(DistributedError(f"rank 1 stopped responding: no heartbeat for 3s {dist.PEER_LOST_MARK} [Timed out]"))
     message = f"DistributedError: {text}"
-    failure = SimpleNamespace(message={"message": message}, timestamp=1, exitcode=1,
-                              error_file_data={"message": {"message": message}})
+    failure = SimpleNamespace(
+        message={"message": message}, timestamp=1, exitcode=1, error_file_data={"message": {"message": message}}
+    )
     error = SimpleNamespace(failures={0: failure})
     assert describe_failure(error, 0) == "rank 1 stopped responding (no heartbeat for 3s, seen by worker rank 0)"
     assert explained(error)  # one of detrain's own errors: elastic's traceback adds nothing
@@ -114,8 +128,9 @@ def test_a_reason_published_by_one_node_stops_the_others(server) -> None:
     watch = JobWatch("127.0.0.1", server.port, node_rank=1, poll_s=0.02).start()
     node0 = JobWatch("127.0.0.1", server.port, node_rank=0)
     # node 0 publishes from another thread: the interrupt goes to the main thread, as in node 1's launcher
-    publisher = threading.Thread(target=node0.publish, args=("node 0: worker rank 0 failed:\nrank 1 stopped",),
-                                 kwargs={"wait_s": LIMIT_S})
+    publisher = threading.Thread(
+        target=node0.publish, args=("node 0: worker rank 0 failed:\nrank 1 stopped",), kwargs={"wait_s": LIMIT_S}
+    )
     try:
         publisher.start()
         assert _interrupted()
