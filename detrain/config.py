@@ -62,7 +62,7 @@ __all__ = [
 CHOICES: dict[str, tuple[Any, ...]] = {name: spec.choices for name, spec in SPECS.items() if spec.choices}
 
 # The keys each command reads; the others belong to another command, and naming one is an error.
-_LAUNCH_KEYS = (
+LAUNCH_KEYS = (  # where and how the workers run: a node's own, kept over a resumed checkpoint's
     "device",
     "workers",
     "nnodes",
@@ -89,7 +89,7 @@ COMMAND_KEYS: dict[str, tuple[str, ...]] = {
         "data",
         "imgsz",
         "batch",
-        *_LAUNCH_KEYS,
+        *LAUNCH_KEYS,
         "split",
         "conf",
         "iou",

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from detrain.checkpoint import load_checkpoint
-from detrain.config import Cfg, make_cfg
+from detrain.config import LAUNCH_KEYS, Cfg, make_cfg
 from detrain.data.process_owner import start_ticks
 from detrain.distributed import dist
 from detrain.distributed.world import World
@@ -53,21 +53,6 @@ from detrain.engine.reproduce import find_resume_checkpoint, rng_state
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
 
-# a resumed run keeps its own arguments; only the devices and the process layout may change
-KEEP_KEYS = (
-    "device",
-    "workers",
-    "nnodes",
-    "node_rank",
-    "master_addr",
-    "master_port",
-    "max_restarts",
-    "dist_timeout",
-    "prepare_timeout",
-    "rdzv_backend",
-    "run_id",
-    "socket_ifname",
-)
 MID, LAST = "mid.pt", "last.pt"
 
 
@@ -168,7 +153,8 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
     folder = Path(save_dir) if save_dir and holder != 0 else path.parent.parent
     if dist.is_main() and holder != 0:
         run_record.restore(folder, record)
-    keep = {k: cfg.get(k) for k in KEEP_KEYS}  # this rank's own devices and layout
+    # a resumed run keeps its own arguments; only the devices and the process layout (this rank's) may change
+    keep = {k: cfg.get(k) for k in LAUNCH_KEYS}
     resumed = make_cfg({**ckpt["train_args"], **keep, "resume": str(path)})
     return Start(resumed, folder, ckpt, launch)
 
