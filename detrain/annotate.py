@@ -19,15 +19,22 @@ def line_width_for(shape_hw: tuple[int, ...]) -> int:
     return max(round(sum(shape_hw[:2]) / 2 * 0.003), 2)
 
 
-def draw_detections(img_bgr: np.ndarray, boxes_xyxy: np.ndarray, conf: np.ndarray, cls: np.ndarray,
-                    names: dict[int, str], line_width: int = 0) -> np.ndarray:
+def draw_detections(
+    img_bgr: np.ndarray,
+    boxes_xyxy: np.ndarray,
+    conf: np.ndarray,
+    cls: np.ndarray,
+    names: dict[int, str],
+    line_width: int = 0,
+) -> np.ndarray:
     """A copy of ``img_bgr`` with the boxes (pixels, x1 y1 x2 y2) and their labels drawn; ``line_width`` 0 =
     from the picture's size. Labels sit above the box, or inside it at the top edge, always inside the picture."""
     out = img_bgr.copy()
     lw = line_width or line_width_for(out.shape)
     scale, thickness = lw / 3, max(lw - 1, 1)
-    for (x1, y1, x2, y2), score, c in zip(np.asarray(boxes_xyxy).tolist(), np.asarray(conf).tolist(),
-                                          np.asarray(cls).tolist()):
+    for (x1, y1, x2, y2), score, c in zip(
+        np.asarray(boxes_xyxy).tolist(), np.asarray(conf).tolist(), np.asarray(cls).tolist()
+    ):
         color = class_color(int(c))
         p1, p2 = (int(x1), int(y1)), (int(x2), int(y2))
         cv2.rectangle(out, p1, p2, color, lw, cv2.LINE_AA)
@@ -37,6 +44,14 @@ def draw_detections(img_bgr: np.ndarray, boxes_xyxy: np.ndarray, conf: np.ndarra
         x0 = max(0, min(p1[0], out.shape[1] - tw))  # keep the label inside the picture
         q2 = (x0 + tw, p1[1] - th - 3 if above else p1[1] + th + 3)
         cv2.rectangle(out, (x0, p1[1]), q2, color, -1, cv2.LINE_AA)
-        cv2.putText(out, label, (x0, p1[1] - 2 if above else p1[1] + th + 2), cv2.FONT_HERSHEY_SIMPLEX, scale,
-                    (255, 255, 255), thickness, cv2.LINE_AA)
+        cv2.putText(
+            out,
+            label,
+            (x0, p1[1] - 2 if above else p1[1] + th + 2),
+            cv2.FONT_HERSHEY_SIMPLEX,
+            scale,
+            (255, 255, 255),
+            thickness,
+            cv2.LINE_AA,
+        )
     return out

@@ -118,7 +118,12 @@ class TaskAlignedAssigner:
     """
 
     def __init__(
-        self, topk: int = 10, num_classes: int = 80, alpha: float = 0.5, beta: float = 6.0, eps: float = 1e-9,
+        self,
+        topk: int = 10,
+        num_classes: int = 80,
+        alpha: float = 0.5,
+        beta: float = 6.0,
+        eps: float = 1e-9,
         min_side: float = 0.0,
     ) -> None:
         self.topk = topk

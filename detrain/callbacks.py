@@ -115,7 +115,8 @@ def check_sendable(callbacks: Mapping[str, list[CallbackFn]], where: str) -> Non
             if reason:
                 raise ConfigError(
                     f"callback {describe(fn)} for {event} cannot be sent to {where}: {reason}; define it with def "
-                    "at the top level of an importable module (a .py file), or train on one device")
+                    "at the top level of an importable module (a .py file), or train on one device"
+                )
 
 
 class Callbacks:
@@ -130,8 +131,14 @@ class Callbacks:
     def fns(self, event: str) -> list[CallbackFn]:
         return list(self._fns.get(event, ()))
 
-    def fire(self, event: str, trainer: Any, epoch: int | None = None, metrics: Mapping[str, Any] | None = None,
-             improved: bool = False) -> None:
+    def fire(
+        self,
+        event: str,
+        trainer: Any,
+        epoch: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        improved: bool = False,
+    ) -> None:
         """Call ``event``'s callbacks in the order they were added, on rank 0 only (``trainer.main``).
 
         ``epoch`` None means the last finished epoch. A callback that raises stops the run with its own exception
@@ -147,17 +154,29 @@ class Callbacks:
             return
         wdir = Path(trainer.wdir)
         last, best = wdir / "last.pt", wdir / "best.pt"
-        info = TrainEvent(event=event, epoch=self.finished if epoch is None else epoch, epochs=trainer.cfg.train.epochs,
-                          metrics=MappingProxyType(dict(metrics or {})), save_dir=Path(trainer.save_dir),
-                          last=last if last.is_file() else None, best=best if best.is_file() else None,
-                          improved=improved, trainer=trainer)
+        info = TrainEvent(
+            event=event,
+            epoch=self.finished if epoch is None else epoch,
+            epochs=trainer.cfg.train.epochs,
+            metrics=MappingProxyType(dict(metrics or {})),
+            save_dir=Path(trainer.save_dir),
+            last=last if last.is_file() else None,
+            best=best if best.is_file() else None,
+            improved=improved,
+            trainer=trainer,
+        )
         for fn in fns:
             try:
                 fn(info)
             except Exception as e:
-                saved = (f"; {last} holds epoch {self.finished}: train resume={last} continues from there"
-                         if info.last is not None and 0 < self.finished < info.epochs else "")
+                saved = (
+                    f"; {last} holds epoch {self.finished}: train resume={last} continues from there"
+                    if info.last is not None and 0 < self.finished < info.epochs
+                    else ""
+                )
                 if hasattr(e, "add_note"):  # Python >= 3.11
-                    e.add_note(f"detrain: raised by the {event} callback {describe(fn)} at epoch {info.epoch}; "
-                               f"the run stopped{saved}")
+                    e.add_note(
+                        f"detrain: raised by the {event} callback {describe(fn)} at epoch {info.epoch}; "
+                        f"the run stopped{saved}"
+                    )
                 raise

@@ -37,8 +37,12 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"format": FORMAT, "version": __version__, "date": _dt.datetime.now().isoformat(timespec="seconds"),
-             **state}
+    state = {
+        "format": FORMAT,
+        "version": __version__,
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        **state,
+    }
     fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -79,8 +83,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     elif ul.is_ultralytics_record(vetted):  # pickled Ultralytics classes, as inert records
         return from_ultralytics(ul.ultralytics_info(vetted, path))
     raise CheckpointError(
-        f"{path} is not a detrain checkpoint (nor a YOLOv8 one); make one with 'detrain train' or "
-        "'detrain convert'"
+        f"{path} is not a detrain checkpoint (nor a YOLOv8 one); make one with 'detrain train' or 'detrain convert'"
     )
 
 
@@ -90,8 +93,9 @@ def _is_detrain(ckpt: Any) -> bool:
 
 def _check_weights(entry: Any, where: str, path: Path) -> None:
     state = entry.get("state_dict") if isinstance(entry, dict) else None
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                              for k, v in state.items()):
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
         raise CheckpointError(f"{path} says it is a detrain checkpoint but its {where} has no state_dict of tensors")
 
 
@@ -100,10 +104,18 @@ def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
     _check_weights(ckpt.get("model"), "'model'", path)
     meta = ckpt["model"]
     nc, imgsz, yaml = meta.get("nc"), meta.get("imgsz"), meta.get("yaml")
-    if not (isinstance(meta.get("scale"), str) and type(nc) is int and nc > 0 and isinstance(meta.get("names"), dict)
-            and (imgsz is None or type(imgsz) is int) and (yaml is None or isinstance(yaml, (str, dict)))):
-        raise CheckpointError(f"{path} says it is a detrain checkpoint but its model description (scale, nc, names, "
-                              "imgsz, yaml) has the wrong types")
+    if not (
+        isinstance(meta.get("scale"), str)
+        and type(nc) is int
+        and nc > 0
+        and isinstance(meta.get("names"), dict)
+        and (imgsz is None or type(imgsz) is int)
+        and (yaml is None or isinstance(yaml, (str, dict)))
+    ):
+        raise CheckpointError(
+            f"{path} says it is a detrain checkpoint but its model description (scale, nc, names, "
+            "imgsz, yaml) has the wrong types"
+        )
     if ckpt.get("ema") is not None:
         _check_weights(ckpt["ema"], "'ema'", path)
 
@@ -133,12 +145,14 @@ def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True) -> Detecti
     from detrain.nn.model import DetectionModel
 
     meta = ckpt["model"]
-    model = DetectionModel(cfg=meta.get("yaml") or "yolov8.yaml", scale=meta["scale"], nc=meta["nc"],
-                           names=meta["names"])
+    model = DetectionModel(
+        cfg=meta.get("yaml") or "yolov8.yaml", scale=meta["scale"], nc=meta["nc"], names=meta["names"]
+    )
     ema = ckpt.get("ema")
     state = ema["state_dict"] if (use_ema and ema) else meta["state_dict"]
-    missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                 for k, v in state.items()}, strict=False)
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
+    )
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint does not fit the {meta['scale']} model: missing {missing[:3]}, unexpected {unexpected[:3]}"
@@ -149,5 +163,10 @@ def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True) -> Detecti
 
 def model_meta(model: DetectionModel, imgsz: int) -> dict[str, Any]:
     """What a checkpoint records about a model besides its weights."""
-    return {"yaml": getattr(model, "yaml", None), "scale": model.scale, "nc": model.nc,
-            "names": dict(model.names), "imgsz": int(imgsz)}
+    return {
+        "yaml": getattr(model, "yaml", None),
+        "scale": model.scale,
+        "nc": model.nc,
+        "names": dict(model.names),
+        "imgsz": int(imgsz),
+    }

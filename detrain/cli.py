@@ -38,9 +38,14 @@ def _keys_help(command: str) -> str:
     return "\n\n".join(lines)
 
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, pretty_exceptions_enable=False,
-                  help="Train YOLO-style object detectors on one or many devices and machines. "
-                       "Arguments are key=value (or --key value); see 'detrain train --help' for every key.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+    help="Train YOLO-style object detectors on one or many devices and machines. "
+    "Arguments are key=value (or --key value); see 'detrain train --help' for every key.",
+)
 
 
 def _args(ctx: typer.Context) -> dict[str, Any]:
@@ -103,8 +108,10 @@ def info(ctx: typer.Context) -> None:
 
 
 @app.command()
-def convert(src: str = typer.Argument(..., help="a YOLOv8 (Ultralytics) or detrain .pt"),
-            dst: str = typer.Argument(..., help="the detrain checkpoint to write")) -> None:
+def convert(
+    src: str = typer.Argument(..., help="a YOLOv8 (Ultralytics) or detrain .pt"),
+    dst: str = typer.Argument(..., help="the detrain checkpoint to write"),
+) -> None:
     """Convert a YOLOv8 checkpoint into a detrain one that loads with torch.load(weights_only=True)."""
     from detrain.checkpoint import load_checkpoint, save_checkpoint
 
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # bare `detrain`: the help, as `yolo` and click < 8.2 give it
             typer.echo(ctx.get_help() if ctx else "run 'detrain --help'")
             sys.exit(0)
-        message = " ".join(e.format_message().split()).rstrip(".")
+        format_message = getattr(e, "format_message", None)  # every click UsageError has it
+        message = " ".join(str(format_message() if callable(format_message) else e).split()).rstrip(".")
         typer.echo(f"error: {_one_line(message)}; run '{ctx.command_path if ctx else 'detrain'} --help'", err=True)
         sys.exit(2)
 

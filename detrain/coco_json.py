@@ -20,9 +20,86 @@ from detrain.metrics import DetMetrics, coco_summary, match_image_coco
 
 # Category id of each of the 80 YOLO COCO classes in the 91-id COCO annotation files.
 COCO80_TO_91: tuple[int, ...] = (
-    1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 27, 28, 31, 32,
-    33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59,
-    60, 61, 62, 63, 64, 65, 67, 70, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 84, 85, 86, 87, 88, 89, 90,
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+    8,
+    9,
+    10,
+    11,
+    13,
+    14,
+    15,
+    16,
+    17,
+    18,
+    19,
+    20,
+    21,
+    22,
+    23,
+    24,
+    25,
+    27,
+    28,
+    31,
+    32,
+    33,
+    34,
+    35,
+    36,
+    37,
+    38,
+    39,
+    40,
+    41,
+    42,
+    43,
+    44,
+    46,
+    47,
+    48,
+    49,
+    50,
+    51,
+    52,
+    53,
+    54,
+    55,
+    56,
+    57,
+    58,
+    59,
+    60,
+    61,
+    62,
+    63,
+    64,
+    65,
+    67,
+    70,
+    72,
+    73,
+    74,
+    75,
+    76,
+    77,
+    78,
+    79,
+    80,
+    81,
+    82,
+    84,
+    85,
+    86,
+    87,
+    88,
+    89,
+    90,
 )
 
 
@@ -58,8 +135,9 @@ def coco_rounded(boxes_xyxy: Any, scores: Any) -> tuple[np.ndarray, np.ndarray]:
     return ltwh, np.round(_np(scores).reshape(-1).astype(np.float64), 5)
 
 
-def predictions_to_coco(image_id: int, boxes_xyxy: Any, scores: Any, classes: Any,
-                        category_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
+def predictions_to_coco(
+    image_id: int, boxes_xyxy: Any, scores: Any, classes: Any, category_ids: Sequence[int] | None = None
+) -> list[dict[str, Any]]:
     """Rows of a COCO results file for one image; boxes rounded to 3 decimals, scores to 5.
 
     ``category_ids[c]`` is the id written for class ``c``; by default ``c + 1`` (as YOLO tools write for
@@ -71,12 +149,15 @@ def predictions_to_coco(image_id: int, boxes_xyxy: Any, scores: Any, classes: An
     ltwh, rounded_scores = coco_rounded(boxes_xyxy, scores)
     cls = _np(classes).reshape(-1).astype(np.int64)
     cat = [int(category_ids[c]) for c in cls.tolist()] if category_ids is not None else (cls + 1).tolist()
-    return [{"image_id": int(image_id), "category_id": c, "bbox": b, "score": s}
-            for c, b, s in zip(cat, ltwh.tolist(), rounded_scores.tolist())]
+    return [
+        {"image_id": int(image_id), "category_id": c, "bbox": b, "score": s}
+        for c, b, s in zip(cat, ltwh.tolist(), rounded_scores.tolist())
+    ]
 
 
-def load_predictions(path: str | Path, valid_image_ids: Collection[int], valid_category_ids: Collection[int]
-                     ) -> dict[int, CocoDetections]:
+def load_predictions(
+    path: str | Path, valid_image_ids: Collection[int], valid_category_ids: Collection[int]
+) -> dict[int, CocoDetections]:
     """Read a COCO results file (a list of {image_id, category_id, bbox, score}) grouped by image id.
 
     Raises :class:`DatasetError` naming the first entry with an unknown image or category id, a box that
@@ -104,10 +185,16 @@ def load_predictions(path: str | Path, valid_image_ids: Collection[int], valid_c
         category_ids[i] = _int(row["category_id"], f"{where}: category_id")
         boxes[i] = _box(row["bbox"], f"{where}: bbox")
         scores[i] = _number(row["score"], f"{where}: score")
-    _first_bad(~np.isin(image_ids, np.fromiter(valid_image_ids, np.int64)), image_ids,
-               f"{path}: detection {{i}}: unknown image_id {{v}} (not an image of the ground truth)")
-    _first_bad(~np.isin(category_ids, np.fromiter(valid_category_ids, np.int64)), category_ids,
-               f"{path}: detection {{i}}: unknown category_id {{v}} (valid: {sorted(valid_category_ids)})")
+    _first_bad(
+        ~np.isin(image_ids, np.fromiter(valid_image_ids, np.int64)),
+        image_ids,
+        f"{path}: detection {{i}}: unknown image_id {{v}} (not an image of the ground truth)",
+    )
+    _first_bad(
+        ~np.isin(category_ids, np.fromiter(valid_category_ids, np.int64)),
+        category_ids,
+        f"{path}: detection {{i}}: unknown category_id {{v}} (valid: {sorted(valid_category_ids)})",
+    )
     order = np.argsort(image_ids, kind="stable")  # groups by image, keeping file order inside each
     starts = np.flatnonzero(np.r_[True, np.diff(image_ids[order]) != 0]) if n else np.zeros(0, np.int64)
     grouped = {}
@@ -116,8 +203,9 @@ def load_predictions(path: str | Path, valid_image_ids: Collection[int], valid_c
     return grouped
 
 
-def load_coco_annotations(path: str | Path) -> tuple[list[dict[str, Any]], dict[int, CocoGroundTruth],
-                                                     list[dict[str, Any]]]:
+def load_coco_annotations(
+    path: str | Path,
+) -> tuple[list[dict[str, Any]], dict[int, CocoGroundTruth], list[dict[str, Any]]]:
     """Read COCO ground truth: (images with id/file_name/width/height, annotations per image id, categories).
 
     Every image gets an entry in the annotations dict (empty arrays when it has none). A missing ``area``
@@ -139,8 +227,14 @@ def load_coco_annotations(path: str | Path) -> tuple[list[dict[str, Any]], dict[
     for i, im in enumerate(data["images"]):
         if not isinstance(im, dict) or "id" not in im:
             raise DatasetError(f"{path}: images[{i}] needs an 'id', got {im!r}")
-        images.append({"id": _int(im["id"], f"{path}: images[{i}].id"), "file_name": im.get("file_name", ""),
-                       "width": im.get("width"), "height": im.get("height")})
+        images.append(
+            {
+                "id": _int(im["id"], f"{path}: images[{i}].id"),
+                "file_name": im.get("file_name", ""),
+                "width": im.get("width"),
+                "height": im.get("height"),
+            }
+        )
     categories: list[dict[str, Any]] = []
     for i, c in enumerate(data["categories"]):
         if not isinstance(c, dict) or "id" not in c:
@@ -197,8 +291,20 @@ def evaluate_coco_json(gt_path: str | Path, predictions_path: str | Path, max_de
     for img in sorted(gts):
         g, d = gts[img], preds.get(img, empty)
         det_cls, gt_cls = np.searchsorted(cat_ids, d.category_ids), np.searchsorted(cat_ids, g.category_ids)
-        stats.append(match_image_coco(d.boxes_ltwh, d.scores, det_cls, g.boxes_ltwh, gt_cls, g.area, g.iscrowd,
-                                      max_dets, image_id=img, gt_ids=g.ids))
+        stats.append(
+            match_image_coco(
+                d.boxes_ltwh,
+                d.scores,
+                det_cls,
+                g.boxes_ltwh,
+                gt_cls,
+                g.area,
+                g.iscrowd,
+                max_dets,
+                image_id=img,
+                gt_ids=g.ids,
+            )
+        )
     return coco_summary(stats, nc=len(cat_ids))
 
 

@@ -37,15 +37,45 @@ from detrain.config_keys import (
 from detrain.config_values import INT_LIMIT, WEIGHTS_SUFFIXES, coerce, fail, node_range
 from detrain.errors import ConfigError
 
-__all__ = ["COMMAND_KEYS", "CHOICES", "INT_LIMIT", "Augment", "Cfg", "Distributed", "Export", "Inputs", "Loss",
-           "Output", "Predict", "Train", "check_keys", "comments", "defaults", "make_cfg", "parse_cli_args",
-           "parse_value", "replace_cfg"]
+__all__ = [
+    "CHOICES",
+    "COMMAND_KEYS",
+    "INT_LIMIT",
+    "Augment",
+    "Cfg",
+    "Distributed",
+    "Export",
+    "Inputs",
+    "Loss",
+    "Output",
+    "Predict",
+    "Train",
+    "check_keys",
+    "comments",
+    "defaults",
+    "make_cfg",
+    "parse_cli_args",
+    "parse_value",
+    "replace_cfg",
+]
 
 CHOICES: dict[str, tuple[Any, ...]] = {name: spec.choices for name, spec in SPECS.items() if spec.choices}
 
 # The keys each command reads; the others belong to another command, and naming one is an error.
-_LAUNCH_KEYS = ("device", "workers", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_backend",
-                "max_restarts", "dist_timeout", "prepare_timeout", "run_id", "socket_ifname")
+LAUNCH_KEYS = (  # where and how the workers run: a node's own, kept over a resumed checkpoint's
+    "device",
+    "workers",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "rdzv_backend",
+    "max_restarts",
+    "dist_timeout",
+    "prepare_timeout",
+    "run_id",
+    "socket_ifname",
+)
 _OUTPUT_KEYS = ("project", "name", "exist_ok")
 _ONLY: dict[str, tuple[str, ...]] = {
     "val": ("split", "predictions"),
@@ -53,11 +83,49 @@ _ONLY: dict[str, tuple[str, ...]] = {
     "export": ("format", "opset", "dynamic"),
 }
 COMMAND_KEYS: dict[str, tuple[str, ...]] = {
-    "val": ("model", "weights_sha256", "data", "imgsz", "batch", *_LAUNCH_KEYS, "split", "conf", "iou", "max_det",
-            "single_cls", "classes", "agnostic_nms", "save_json", "predictions", "plots", *_OUTPUT_KEYS, "verbose",
-            "download_max_gb", "download_max_unpacked_gb", "download_max_files"),
-    "predict": ("model", "weights_sha256", "source", "imgsz", "batch", "device", "half", "conf", "iou", "max_det",
-                "classes", "agnostic_nms", "save", "save_txt", "save_conf", "line_width", *_OUTPUT_KEYS, "verbose"),
+    "val": (
+        "model",
+        "weights_sha256",
+        "data",
+        "imgsz",
+        "batch",
+        *LAUNCH_KEYS,
+        "split",
+        "conf",
+        "iou",
+        "max_det",
+        "single_cls",
+        "classes",
+        "agnostic_nms",
+        "save_json",
+        "predictions",
+        "plots",
+        *_OUTPUT_KEYS,
+        "verbose",
+        "download_max_gb",
+        "download_max_unpacked_gb",
+        "download_max_files",
+    ),
+    "predict": (
+        "model",
+        "weights_sha256",
+        "source",
+        "imgsz",
+        "batch",
+        "device",
+        "half",
+        "conf",
+        "iou",
+        "max_det",
+        "classes",
+        "agnostic_nms",
+        "save",
+        "save_txt",
+        "save_conf",
+        "line_width",
+        *_OUTPUT_KEYS,
+        "verbose",
+    ),
     "export": ("model", "weights_sha256", "format", "imgsz", "opset", "dynamic", *_OUTPUT_KEYS),
     "info": ("model", "weights_sha256", "imgsz", "verbose"),
 }
@@ -75,11 +143,18 @@ def parse_value(name: str, value: Any) -> Any:
     spec = SPECS[name]
     value = spec.parse(name, value) if spec.parse else coerce(name, value, TYPES[name])
     if spec.choices:
-        match = next((o for o in spec.choices if o == value or (isinstance(o, str) and isinstance(value, str)
-                                                                and o.lower() == value.lower())), None)
+        match = next(
+            (
+                o
+                for o in spec.choices
+                if o == value or (isinstance(o, str) and isinstance(value, str) and o.lower() == value.lower())
+            ),
+            None,
+        )
         if match is None:
-            raise fail(name, value, "one of " + ", ".join(str(o).lower() if isinstance(o, bool) else o
-                                                          for o in spec.choices))
+            raise fail(
+                name, value, "one of " + ", ".join(str(o).lower() if isinstance(o, bool) else o for o in spec.choices)
+            )
         value = match
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     low, high = spec.low, spec.high
@@ -100,8 +175,12 @@ def _check_together(values: Mapping[str, Any]) -> None:
     """Values that are only wrong together."""
     pretrained, model = values["pretrained"], str(values["model"])
     if isinstance(pretrained, str) and model.strip().endswith(WEIGHTS_SUFFIXES):
-        raise fail("pretrained", pretrained, f"true or false with model={model} (weights of its own); to start an "
-                   f"architecture from {pretrained}, give its yaml: model=n.yaml pretrained={pretrained}")
+        raise fail(
+            "pretrained",
+            pretrained,
+            f"true or false with model={model} (weights of its own); to start an "
+            f"architecture from {pretrained}, give its yaml: model=n.yaml pretrained={pretrained}",
+        )
     if values["save_interval"] > 0 and not values["save"]:
         raise fail("save_interval", values["save_interval"], "0 with save=false (mid.pt is a checkpoint)")
     nodes = node_range(values["nnodes"])[1]
@@ -115,13 +194,16 @@ def _unknown(key: str, hint_command: str) -> ConfigError:
     if head in SECTIONS and tail in SECTION_OF:  # train.epochs=3: sections are how code reads keys, not users
         hint = f"; keys are flat: write {tail}=..."
     elif key in SECTIONS:
-        hint = f"; '{key}' is a section of the config, not a key: give its keys flat (e.g. " \
-               f"{next(k for k, s in SECTION_OF.items() if s == key)}=...)"
+        hint = (
+            f"; '{key}' is a section of the config, not a key: give its keys flat (e.g. "
+            f"{next(k for k, s in SECTION_OF.items() if s == key)}=...)"
+        )
     else:
         lower = {k.lower(): k for k in SECTION_OF}
         close = difflib.get_close_matches(key.lower(), list(lower), n=1, cutoff=0.6)
-        hint = f"; did you mean '{lower[close[0]]}'?" if close else \
-            f"; run 'detrain {hint_command} --help' for the list"
+        hint = (
+            f"; did you mean '{lower[close[0]]}'?" if close else f"; run 'detrain {hint_command} --help' for the list"
+        )
     return ConfigError(f"unknown argument '{_shown(key)}'{hint}")
 
 
@@ -133,14 +215,18 @@ def check_keys(keys: Iterable[Any], command: str | None = None) -> None:
             raise _unknown(str(key), command or "train")
         if command is not None and key not in COMMAND_KEYS[command]:
             owners = [c for c, keys_of in COMMAND_KEYS.items() if key in keys_of]
-            raise ConfigError(f"argument '{key}' is not used by 'detrain {command}' (it is for "
-                              f"{' and '.join(owners)}); run 'detrain {command} --help' for its keys")
+            raise ConfigError(
+                f"argument '{key}' is not used by 'detrain {command}' (it is for "
+                f"{' and '.join(owners)}); run 'detrain {command} --help' for its keys"
+            )
 
 
 def _build(values: Mapping[str, Any]) -> Cfg:
     """The Cfg of flat, checked values."""
-    sections = {name: cls(**{key: values[key] for key, section in SECTION_OF.items() if section == name})
-                for name, cls in SECTIONS.items()}
+    sections = {
+        name: cls(**{key: values[key] for key, section in SECTION_OF.items() if section == name})
+        for name, cls in SECTIONS.items()
+    }
     return Cfg(**sections)
 
 
@@ -187,8 +273,10 @@ def parse_cli_args(args: list[str], command: str | None = None) -> dict[str, str
         if not key:
             raise ConfigError(f"argument '{_shown(arg)}' has no key; write e.g. epochs=3")
         if key in out:
-            raise ConfigError(f"argument '{_shown(key)}' is given twice ({_shown(key)}={_shown(out[key])}, then "
-                              f"{_shown(key)}={_shown(value)}); give it once")
+            raise ConfigError(
+                f"argument '{_shown(key)}' is given twice ({_shown(key)}={_shown(out[key])}, then "
+                f"{_shown(key)}={_shown(value)}); give it once"
+            )
         out[key] = value
         i += 1
     check_keys(out, command)

@@ -55,9 +55,18 @@ class Spec:
     check: Callable[[str, Any], Any] | None = None
 
 
-def key(default: Any, help_text: str, *, choices: tuple[Any, ...] = (), low: float | None = None,
-        high: float | None = None, pattern: tuple[str, str] | None = None, non_empty: str = "",
-        parse: Callable[[str, Any], Any] | None = None, check: Callable[[str, Any], Any] | None = None) -> Any:
+def key(
+    default: Any,
+    help_text: str,
+    *,
+    choices: tuple[Any, ...] = (),
+    low: float | None = None,
+    high: float | None = None,
+    pattern: tuple[str, str] | None = None,
+    non_empty: str = "",
+    parse: Callable[[str, Any], Any] | None = None,
+    check: Callable[[str, Any], Any] | None = None,
+) -> Any:
     """A field of a section: its default, and its :class:`Spec` (help, choices, bounds, checks) beside it."""
     spec = Spec(help_text, choices, low, high, pattern, non_empty, parse, check)
     return field(default=default, metadata={"spec": spec})
@@ -67,29 +76,54 @@ def key(default: Any, help_text: str, *, choices: tuple[Any, ...] = (), low: flo
 class Inputs:
     """What a command works on: the model, its weights, the dataset and how its images are read."""
 
-    model: str = key("n.yaml", "architecture yaml (n/s/m/l/x.yaml, yolov8s.yaml, or a path to a yaml that says "
-                     "scale:), or weights (.pt)", non_empty="an architecture yaml (n.yaml ... x.yaml, a path) or weights (.pt)")
-    weights_sha256: str = key("", "sha256 the model= weights must have ('' = unchecked); lets a name with no "
-                              "recorded hash download", check=sha256_or_empty)
-    pretrained: bool | str = key(True, "true (a model= .pt starts from its weights; false: its architecture "
-                                       "from scratch) or weights (.pt) whose layers of the same name and shape start "
-                                       "a model= yaml", check=flag_or_weights)
-    data: str = key("shapes.yaml", "dataset yaml; shapes.yaml is the built-in synthetic set (generated locally, no "
-                    "network)", non_empty="a dataset yaml (a path, or a bundled name such as coco8.yaml)")
-    download_max_gb: float = key(50.0, "largest archive a dataset yaml's download: may fetch, in GB (bigger ones "
-                                 "are refused)", low=0.0)
-    download_max_unpacked_gb: float = key(200.0, "largest total size one dataset archive may unpack to, in GB "
-                                          "(refuses zip bombs)", low=0.0)
+    model: str = key(
+        "n.yaml",
+        "architecture yaml (n/s/m/l/x.yaml, yolov8s.yaml, or a path to a yaml that says scale:), or weights (.pt)",
+        non_empty="an architecture yaml (n.yaml ... x.yaml, a path) or weights (.pt)",
+    )
+    weights_sha256: str = key(
+        "",
+        "sha256 the model= weights must have ('' = unchecked); lets a name with no recorded hash download",
+        check=sha256_or_empty,
+    )
+    pretrained: bool | str = key(
+        True,
+        "true (a model= .pt starts from its weights; false: its architecture "
+        "from scratch) or weights (.pt) whose layers of the same name and shape start "
+        "a model= yaml",
+        check=flag_or_weights,
+    )
+    data: str = key(
+        "shapes.yaml",
+        "dataset yaml; shapes.yaml is the built-in synthetic set (generated locally, no network)",
+        non_empty="a dataset yaml (a path, or a bundled name such as coco8.yaml)",
+    )
+    download_max_gb: float = key(
+        50.0, "largest archive a dataset yaml's download: may fetch, in GB (bigger ones are refused)", low=0.0
+    )
+    download_max_unpacked_gb: float = key(
+        200.0, "largest total size one dataset archive may unpack to, in GB (refuses zip bombs)", low=0.0
+    )
     download_max_files: int = key(2000000, "most files and folders one dataset archive may hold", low=1)
     imgsz: int = key(640, "input size in pixels (multiple of 32)", low=32, high=8192, check=multiple_of_32)
     fraction: float = key(1.0, "fraction of the training images to use (for quick experiments)", low=0.0, high=1.0)
-    single_cls: bool = key(False, "train and val: every object is one class, 'item' (the model gets 1 class; val "
-                           "collapses predictions to it)")
-    classes: list | None = key(None, "only these class ids, e.g. classes=0,2 (null = every class): train/val "
-                                     "keep only their labels and score only them; predict keeps only their "
-                                     "detections", parse=class_ids)
-    cache: bool | str = key(False, "cache decoded images: false, ram (shared per node) or disk",
-                                  choices=(False, "ram", "disk"), parse=cache_mode)
+    single_cls: bool = key(
+        False,
+        "train and val: every object is one class, 'item' (the model gets 1 class; val collapses predictions to it)",
+    )
+    classes: list | None = key(
+        None,
+        "only these class ids, e.g. classes=0,2 (null = every class): train/val "
+        "keep only their labels and score only them; predict keeps only their "
+        "detections",
+        parse=class_ids,
+    )
+    cache: bool | str = key(
+        False,
+        "cache decoded images: false, ram (shared per node) or disk",
+        choices=(False, "ram", "disk"),
+        parse=cache_mode,
+    )
 
 
 @dataclass(frozen=True)
@@ -97,15 +131,24 @@ class Train:
     """How long and how a model trains: the schedule, the optimiser and the training batches."""
 
     epochs: int = key(100, "number of epochs to train", low=1)
-    time: float | None = key(None, "hours to train, overriding epochs: re-estimated after every epoch, the lr "
-                                   "schedule and close_mosaic refitted (null or 0 = off; at most 8760)",
-                                   low=0.0, high=YEAR_H)
-    batch: int = key(16, "global batch per step over all workers (must divide by them; with nnodes=MIN:MAX, by all "
-                     "MAX nodes' workers); predict: pictures per forward pass", low=1)
+    time: float | None = key(
+        None,
+        "hours to train, overriding epochs: re-estimated after every epoch, the lr "
+        "schedule and close_mosaic refitted (null or 0 = off; at most 8760)",
+        low=0.0,
+        high=YEAR_H,
+    )
+    batch: int = key(
+        16,
+        "global batch per step over all workers (must divide by them; with nnodes=MIN:MAX, by all "
+        "MAX nodes' workers); predict: pictures per forward pass",
+        low=1,
+    )
     patience: int = key(100, "stop after this many epochs without a better fitness (0 = never stop early)", low=0)
     resume: bool | str = key(False, "true (resume the last run of project/name) or a path to weights/last.pt")
-    optimizer: str = key("auto", "SGD, AdamW or auto (AdamW for short runs, SGD for long ones)",
-                         choices=("auto", "SGD", "AdamW", "Adam"))
+    optimizer: str = key(
+        "auto", "SGD, AdamW or auto (AdamW for short runs, SGD for long ones)", choices=("auto", "SGD", "AdamW", "Adam")
+    )
     lr0: float = key(0.01, "initial learning rate", low=0.0)
     lrf: float = key(0.01, "final learning rate as a fraction of lr0", low=0.0, high=1.0)
     momentum: float = key(0.937, "SGD momentum (nesterov) or AdamW beta1", low=0.0, high=1.0)
@@ -114,17 +157,24 @@ class Train:
     warmup_momentum: float = key(0.8, "momentum at the start of warmup", low=0.0, high=1.0)
     warmup_bias_lr: float = key(0.1, "bias learning rate at the start of warmup", low=0.0)
     cos_lr: bool = key(False, "cosine instead of linear learning-rate decay")
-    nbs: int | str = key("auto", "images per optimizer update (gradients accumulate up to it): auto = 64, or "
-                               "the batch itself for short runs from scratch (optimizer=auto picks AdamW)",
-                               low=1, parse=auto_or_count)
+    nbs: int | str = key(
+        "auto",
+        "images per optimizer update (gradients accumulate up to it): auto = 64, or "
+        "the batch itself for short runs from scratch (optimizer=auto picks AdamW)",
+        low=1,
+        parse=auto_or_count,
+    )
     clip_grad: float = key(10.0, "clip the gradient norm to this value (0 = off)", low=0.0)
     amp: bool = key(True, "automatic mixed precision on CUDA (bf16 where supported, else fp16 with a grad scaler)")
     seed: int = key(0, "random seed of the run (0 to 2147483647)", low=0)
     deterministic: bool = key(True, "use deterministic algorithms where torch offers them")
     close_mosaic: int = key(10, "turn mosaic off for the last N epochs", low=0)
-    freeze: int | list | None = key(None, "freeze the first N layers (freeze=10) or the layers listed "
-                                         "(freeze=0,1,2): their weights stay fixed, BatchNorm statistics still adapt",
-                                         parse=freeze)
+    freeze: int | list | None = key(
+        None,
+        "freeze the first N layers (freeze=10) or the layers listed "
+        "(freeze=0,1,2): their weights stay fixed, BatchNorm statistics still adapt",
+        parse=freeze,
+    )
     multi_scale: bool = key(False, "vary imgsz by +-50% per batch (chosen on rank 0, shared by all ranks)")
     rect: bool = key(False, "rectangular training batches (no mosaic)")
     val: bool = key(True, "validate after every epoch")
@@ -155,10 +205,20 @@ class Augment:
     fliplr: float = key(0.5, "probability of a horizontal flip", low=0.0, high=1.0)
     mosaic: float = key(1.0, "probability of a 4-image mosaic", low=0.0, high=1.0)
     mixup: float = key(0.0, "probability of mixup", low=0.0, high=1.0)
-    cutmix: float = key(0.0, "probability of CutMix: a rectangle of another training sample pasted where no box is, "
-                        "with its boxes inside it", low=0.0, high=1.0)
-    copy_paste: float = key(0.0, "must stay 0: copy-paste needs instance polygons (segment labels); detrain's labels "
-                            "are boxes", low=0.0, high=1.0, check=zero_only)
+    cutmix: float = key(
+        0.0,
+        "probability of CutMix: a rectangle of another training sample pasted where no box is, "
+        "with its boxes inside it",
+        low=0.0,
+        high=1.0,
+    )
+    copy_paste: float = key(
+        0.0,
+        "must stay 0: copy-paste needs instance polygons (segment labels); detrain's labels are boxes",
+        low=0.0,
+        high=1.0,
+        check=zero_only,
+    )
 
 
 @dataclass(frozen=True)
@@ -169,27 +229,53 @@ class Distributed:
     workers: int = key(4, "dataloader worker processes per rank", low=0, high=64)
     nnodes: str = key("1", "number of nodes, or MIN:MAX for elastic membership (as torchrun)", check=node_count)
     node_rank: int = key(0, "rank of this node among nnodes", low=0)
-    master_addr: str = key("127.0.0.1", "address of the node with node_rank 0",
-                           non_empty="the host name or address of the node with node_rank 0")
-    master_port: int = key(0, "port of the rendezvous on the master (0 = pick a free one on a single node)",
-                           low=0, high=65535)
-    rdzv_backend: str = key("static", "static (fixed nodes) or c10d (elastic membership, nnodes=MIN:MAX)",
-                            choices=("static", "c10d"))
+    master_addr: str = key(
+        "127.0.0.1",
+        "address of the node with node_rank 0",
+        non_empty="the host name or address of the node with node_rank 0",
+    )
+    master_port: int = key(
+        0, "port of the rendezvous on the master (0 = pick a free one on a single node)", low=0, high=65535
+    )
+    rdzv_backend: str = key(
+        "static", "static (fixed nodes) or c10d (elastic membership, nnodes=MIN:MAX)", choices=("static", "c10d")
+    )
     # a name safe in store keys and messages
-    run_id: str = key("", "name of the job the nodes join ('' = derived from the arguments every node gives "
-                      "alike); a node with another id is turned away",
-                      pattern=(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", "'' or up to 64 letters, digits, '.', '_' or '-'"))
+    run_id: str = key(
+        "",
+        "name of the job the nodes join ('' = derived from the arguments every node gives "
+        "alike); a node with another id is turned away",
+        pattern=(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", "'' or up to 64 letters, digits, '.', '_' or '-'"),
+    )
     # interface names (Linux allows at most 15 characters)
-    socket_ifname: str = key("", "network interface(s) for gloo/NCCL traffic, e.g. eth0 ('' = gloo: the one that "
-                             "reaches master_addr, loopback on one machine)",
-                             pattern=(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}(,[A-Za-z0-9][A-Za-z0-9._@:-]{0,14})*",
-                                      "'' or interface names like eth0 (comma-separated)"))
-    max_restarts: int = key(0, "restarts of the worker group after a worker dies or a node leaves (every node "
-                            "resumes from the furthest last.pt or mid.pt of any node)", low=0)
-    dist_timeout: float = key(120.0, "seconds a collective may wait for a slow or dead rank once training runs (at "
-                              "most 604800, a week)", low=1, high=WEEK_S)
-    prepare_timeout: float = key(3600.0, "seconds ranks wait while each node's first process downloads, verifies "
-                                 "labels, fills cache=ram (at most a week)", low=1, high=WEEK_S)
+    socket_ifname: str = key(
+        "",
+        "network interface(s) for gloo/NCCL traffic, e.g. eth0 ('' = gloo: the one that "
+        "reaches master_addr, loopback on one machine)",
+        pattern=(
+            r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}(,[A-Za-z0-9][A-Za-z0-9._@:-]{0,14})*",
+            "'' or interface names like eth0 (comma-separated)",
+        ),
+    )
+    max_restarts: int = key(
+        0,
+        "restarts of the worker group after a worker dies or a node leaves (every node "
+        "resumes from the furthest last.pt or mid.pt of any node)",
+        low=0,
+    )
+    dist_timeout: float = key(
+        120.0,
+        "seconds a collective may wait for a slow or dead rank once training runs (at most 604800, a week)",
+        low=1,
+        high=WEEK_S,
+    )
+    prepare_timeout: float = key(
+        3600.0,
+        "seconds ranks wait while each node's first process downloads, verifies "
+        "labels, fills cache=ram (at most a week)",
+        low=1,
+        high=WEEK_S,
+    )
     sync_bn: bool = key(False, "convert BatchNorm to SyncBatchNorm when training on several workers")
 
     @property
@@ -205,14 +291,22 @@ class Output:
     project: str = key("", "folder for runs ('' = runs/<task>)", check=folder)
     name: str = key("", "run folder name, one folder inside project ('' = exp, exp2, ...)", check=folder)
     exist_ok: bool = key(False, "reuse an existing run folder instead of incrementing the name")
-    save: bool = key(True, "save checkpoints (weights/last.pt and best.pt); predict: annotated images and videos "
-                     "(Model.predict: false unless given)")
+    save: bool = key(
+        True,
+        "save checkpoints (weights/last.pt and best.pt); predict: annotated images and videos "
+        "(Model.predict: false unless given)",
+    )
     save_period: int = key(-1, "also save weights/epochN.pt every N epochs (-1 = off)", low=-1)
-    save_interval: float = key(0.0, "also save weights/mid.pt every N minutes within an epoch, so a restart loses "
-                               "minutes, not an epoch (0 = off)", low=0.0, high=WEEK_S / 60)
+    save_interval: float = key(
+        0.0,
+        "also save weights/mid.pt every N minutes within an epoch, so a restart loses minutes, not an epoch (0 = off)",
+        low=0.0,
+        high=WEEK_S / 60,
+    )
     plots: bool = key(True, "save plots (results.png, curves, confusion matrix, batches)")
-    tensorboard: bool = key(False, "log each epoch's results.csv row to tensorboard (pip install "
-                            "\"detrain[tensorboard]\")")
+    tensorboard: bool = key(
+        False, 'log each epoch\'s results.csv row to tensorboard (pip install "detrain[tensorboard]")'
+    )
     verbose: bool = key(True, "print per-class metrics and progress (info: the per-layer table)")
 
 
@@ -221,33 +315,40 @@ class Predict:
     """How predictions are made and scored: val's split and thresholds, predict's sources and outputs."""
 
     split: str = key("val", "dataset split for `detrain val`: val, test or train", choices=("val", "test", "train"))
-    conf: float | None = key(None, "confidence threshold (null = 0.001 for val, 0.25 for predict)",
-                                   low=0.0, high=1.0)
+    conf: float | None = key(None, "confidence threshold (null = 0.001 for val, 0.25 for predict)", low=0.0, high=1.0)
     iou: float = key(0.7, "NMS IoU threshold", low=0.0, high=1.0)
     max_det: int = key(300, "maximum detections per image", low=1)
-    agnostic_nms: bool = key(False, "val (also after each training epoch) and predict: NMS across classes (a box "
-                             "suppresses overlapping boxes of any class)")
+    agnostic_nms: bool = key(
+        False,
+        "val (also after each training epoch) and predict: NMS across classes (a box "
+        "suppresses overlapping boxes of any class)",
+    )
     save_json: bool = key(False, "write predictions.json (COCO results format) next to metrics.json")
     predictions: str = key("", "score an existing COCO-format predictions json instead of running a model")
-    source: str = key("", "predict: an image, a video, a folder (recursive), a glob, a .txt list of paths, a camera "
-                      "index (0) or a stream URL")
+    source: str = key(
+        "",
+        "predict: an image, a video, a folder (recursive), a glob, a .txt list of paths, a camera "
+        "index (0) or a stream URL",
+    )
     half: bool = key(False, "predict: half-precision inference on CUDA (ignored, with a note, on CPU)")
-    save_txt: bool = key(False, "predict: write YOLO-format .txt results (labels/<name>.txt; none for a picture "
-                         "without detections)")
+    save_txt: bool = key(
+        False, "predict: write YOLO-format .txt results (labels/<name>.txt; none for a picture without detections)"
+    )
     save_conf: bool = key(False, "predict: include the confidence in the .txt results")
-    line_width: int = key(0, "predict: box line width in pixels (0 = from the image size; at most 32767)",
-                          low=0, high=32767)
+    line_width: int = key(
+        0, "predict: box line width in pixels (0 = from the image size; at most 32767)", low=0, high=32767
+    )
 
 
 @dataclass(frozen=True)
 class Export:
     """The exported file's format and its options."""
 
-    format: str = key("onnx", "export format: onnx (.onnx) or torchscript (.torchscript)",
-                      choices=("onnx", "torchscript"))
+    format: str = key(
+        "onnx", "export format: onnx (.onnx) or torchscript (.torchscript)", choices=("onnx", "torchscript")
+    )
     opset: int = key(17, "ONNX opset (onnx only)", low=11, high=23)
-    dynamic: bool = key(True, "dynamic batch dimension in the exported ONNX model (a TorchScript one takes any "
-                        "batch)")
+    dynamic: bool = key(True, "dynamic batch dimension in the exported ONNX model (a TorchScript one takes any batch)")
 
 
 @dataclass(frozen=True)
@@ -290,8 +391,13 @@ def _copy(value: Any) -> Any:
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Cfg)}  # type: ignore[misc]
 # Each section's heading in cfg/default.yaml and --help.
 TITLES: dict[str, str] = {
-    "inputs": "model and data", "train": "training", "loss": "loss gains", "augment": "augmentation",
-    "distributed": "devices and processes", "output": "output", "predict": "validation and prediction",
+    "inputs": "model and data",
+    "train": "training",
+    "loss": "loss gains",
+    "augment": "augmentation",
+    "distributed": "devices and processes",
+    "output": "output",
+    "predict": "validation and prediction",
     "export": "export",
 }
 # key -> the section that holds it

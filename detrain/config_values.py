@@ -53,7 +53,7 @@ def coerce(key: str, value: Any, typ: Any) -> Any:
         check_text(key, value)
     if get_origin(typ) in (Union, types.UnionType):  # Union[int, str] or int | str
         options = get_args(typ)
-        if type(None) in options and (value is None or isinstance(value, str) and value.strip().lower() in NONE):
+        if type(None) in options and (value is None or (isinstance(value, str) and value.strip().lower() in NONE)):
             return None
         for option in sorted(options, key=lambda t: _NARROW_FIRST.get(t, 5)):
             if option is type(None):
@@ -217,8 +217,12 @@ def flag_or_weights(key: str, value: bool | str) -> bool | str:
 def zero_only(key: str, value: float) -> float:
     """``copy_paste``: Ultralytics' copy-paste cuts objects out along their polygons; detrain's labels are boxes."""
     if value:
-        raise fail(key, value, "0: copy-paste needs instance polygons (segment labels) and detrain's labels are "
-                               "boxes; use cutmix= or mixup= instead")
+        raise fail(
+            key,
+            value,
+            "0: copy-paste needs instance polygons (segment labels) and detrain's labels are "
+            "boxes; use cutmix= or mixup= instead",
+        )
     return value
 
 

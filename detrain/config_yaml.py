@@ -86,8 +86,12 @@ def main(argv: list[str]) -> int:
     path = shipped_path()
     if argv == ["--check"]:
         same = path.is_file() and path.read_text(encoding="utf-8") == default_yaml()
-        print(f"{path} is up to date" if same else f"{path} differs from detrain/config_keys.py; run "
-              "python -m detrain.config", file=sys.stdout if same else sys.stderr)
+        print(
+            f"{path} is up to date"
+            if same
+            else f"{path} differs from detrain/config_keys.py; run python -m detrain.config",
+            file=sys.stdout if same else sys.stderr,
+        )
         return 0 if same else 1
     if argv:
         print("usage: python -m detrain.config [--check]", file=sys.stderr)

@@ -31,8 +31,10 @@ def report() -> str:
         f"nccl {tdist.is_available() and tdist.is_nccl_available()}",
     ]
     if torch.cuda.is_available():
-        lines.append(f"cuda {torch.version.cuda}, cudnn {torch.backends.cudnn.version()}, "
-                     f"{torch.cuda.device_count()} device(s), bf16 {torch.cuda.is_bf16_supported()}")
+        lines.append(
+            f"cuda {torch.version.cuda}, cudnn {torch.backends.cudnn.version()}, "
+            f"{torch.cuda.device_count()} device(s), bf16 {torch.cuda.is_bf16_supported()}"
+        )
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             lines.append(f"  cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB")

@@ -46,8 +46,9 @@ def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[
     return hw[0], hw[1]
 
 
-def _graph_model(model: DetectionModel, imgsz: int | tuple[int, int] | list[int]
-                 ) -> tuple[DetectionModel, torch.Tensor, tuple[int, int], int]:
+def _graph_model(
+    model: DetectionModel, imgsz: int | tuple[int, int] | list[int]
+) -> tuple[DetectionModel, torch.Tensor, tuple[int, int], int]:
     """(fused float32 eval copy on the CPU, an example input, (h, w), largest stride) for tracing.
 
     A copy, so the caller's model keeps its BatchNorms, device, dtype and training mode.

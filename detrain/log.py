@@ -86,9 +86,16 @@ class EpochProgress:
     def __init__(self, epoch: int, epochs: int, total: int, loss_names: tuple[str, ...]) -> None:
         self.loss_names = loss_names
         self.progress = Progress(
-            TextColumn(f"{epoch + 1:>4}/{epochs:<4}"), TextColumn("{task.fields[losses]}"), BarColumn(bar_width=24),
-            MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console,
-            transient=False, disable=not console.is_terminal and os.environ.get("DETRAIN_PROGRESS") == "0",
+            TextColumn(f"{epoch + 1:>4}/{epochs:<4}"),
+            TextColumn("{task.fields[losses]}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=False,
+            disable=not console.is_terminal and os.environ.get("DETRAIN_PROGRESS") == "0",
         )
         self.task = self.progress.add_task("train", total=total, losses=self._text(None, 0, 0))
         self.progress.start()

@@ -41,9 +41,7 @@ def distribution_focal_loss(pred_logits: Tensor, target: Tensor) -> Tensor:
     )
 
 
-def pad_targets(
-    batch_idx: Tensor, cls: Tensor, bboxes: Tensor, batch_size: int
-) -> tuple[Tensor, Tensor, Tensor]:
+def pad_targets(batch_idx: Tensor, cls: Tensor, bboxes: Tensor, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Flat per-box labels -> padded (B, M, 1) classes, (B, M, 4) boxes and (B, M, 1) bool mask.
 
     M is the largest number of boxes in one image; the scatter avoids a Python loop over images.
@@ -85,9 +83,7 @@ class _SplitHeadMaps(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(
-        ctx, grad_box: Tensor | None, grad_cls: Tensor | None
-    ) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad_box: Tensor | None, grad_cls: Tensor | None) -> tuple[Tensor | None, ...]:
         grads: list[Tensor | None] = [None]
         start = 0
         for shape, dtype, device, layout in ctx.maps:
@@ -125,9 +121,7 @@ class _SparseTargetBCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx, logits: Tensor, img: Tensor, anchor: Tensor, label: Tensor, target: Tensor
-    ) -> Tensor:
+    def forward(ctx, logits: Tensor, img: Tensor, anchor: Tensor, label: Tensor, target: Tensor) -> Tensor:
         ctx.save_for_backward(logits, img, anchor, label, target)
         return F.softplus(logits).sum() - (logits[img, anchor, label] * target).sum()
 
@@ -235,8 +229,9 @@ class DetectionLoss:
         with torch.autocast(head_maps[0].device.type, enabled=False):
             return self._assign(head_maps, batch_idx, cls, bboxes_xywhn)
 
-    def score(self, targets: Targets, summed_scores: Tensor | None = None,
-              global_batch: int | None = None) -> tuple[Tensor, Tensor]:
+    def score(
+        self, targets: Targets, summed_scores: Tensor | None = None, global_batch: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """``(loss, items)`` of ``assign``'s ``targets``, normalised by ``summed_scores`` (the target scores summed
         over every rank: an all-reduce of each rank's ``score_sum``), or by this rank's own sum when None."""
         with torch.autocast(targets.pred_logits.device.type, enabled=False):
@@ -267,8 +262,7 @@ class DetectionLoss:
         )
         return Targets(batch, pred_distri, pred_logits, anchors, stride_per_anchor, proj, target, target.score.sum())
 
-    def _score(self, targets: Targets, summed_scores: Tensor | None, global_batch: int | None
-               ) -> tuple[Tensor, Tensor]:
+    def _score(self, targets: Targets, summed_scores: Tensor | None, global_batch: int | None) -> tuple[Tensor, Tensor]:
         t = targets
         target, pred_distri, pred_logits = t.target, t.pred_distri, t.pred_logits
         anchors, stride_per_anchor, proj = t.anchors, t.stride_per_anchor, t.proj

@@ -51,9 +51,10 @@ class Model:
 
     def add_callback(self, event: str, fn: Callable[..., Any]) -> None:
         """Call ``fn(info)`` (``info``: a :class:`~detrain.callbacks.TrainEvent`) at ``event`` of every later
-        ``train()``, after the callbacks added before it. The events (Ultralytics' names): ``on_pretrain_routine_start``,
-        ``on_pretrain_routine_end``, ``on_train_start``, ``on_train_epoch_start``, ``on_train_epoch_end``,
-        ``on_model_save``, ``on_fit_epoch_end``, ``on_train_end`` (see :mod:`detrain.callbacks`).
+        ``train()``, after the callbacks added before it. The events (Ultralytics' names):
+        ``on_pretrain_routine_start``, ``on_pretrain_routine_end``, ``on_train_start``, ``on_train_epoch_start``,
+        ``on_train_epoch_end``, ``on_model_save``, ``on_fit_epoch_end``, ``on_train_end``
+        (see :mod:`detrain.callbacks`).
 
         They run on rank 0 only, in the process that trains it. Training on several workers (``device="cpu,cpu"``,
         ``[0, 1]``) sends them to the spawned workers by reference, so there ``fn`` must be a function defined
@@ -63,28 +64,34 @@ class Model:
         """
         check_event(event)
         if not callable(fn):
-            raise ConfigError(f"add_callback({event!r}, {fn!r}): the callback must be callable (a function of one "
-                              "argument, the TrainEvent)")
+            raise ConfigError(
+                f"add_callback({event!r}, {fn!r}): the callback must be callable (a function of one "
+                "argument, the TrainEvent)"
+            )
         self.callbacks.setdefault(event, []).append(fn)
 
-    def train(self, **kwargs: Any) -> dict[str, Any]:
+    def train(self, **kwargs: Any) -> dict[str, Any] | None:
         """Train with the CLI's keys; ``device=[0, 1]`` or ``"cpu,cpu"`` trains on several workers.
 
         Returns the final validation metrics; afterwards this Model holds the best weights. The callbacks of
-        :meth:`add_callback` fire on rank 0 during the run.
+        :meth:`add_callback` fire on rank 0 during the run. On a node other than node 0 of a multi-node run
+        (``node_rank > 0``), which holds neither the metrics nor the run folder, it returns None.
         """
         cfg = make_cfg({"model": self.source, **kwargs})
         from detrain.runner import run_task
 
         result = run_task("train", cfg, self.callbacks)
+        if result is None:
+            return None
         best = Path(result["save_dir"]) / "weights" / "best.pt"
         if best.is_file():
             self.source = str(best)
             self.net, self.ckpt = build_model(self.source, verbose=False)
         return result
 
-    def val(self, **kwargs: Any) -> dict[str, Any]:
-        """Validate (COCO-exact metrics) with the CLI's keys; returns the metrics dict."""
+    def val(self, **kwargs: Any) -> dict[str, Any] | None:
+        """Validate (COCO-exact metrics) with the CLI's keys; returns the metrics dict (None on a node other than
+        node 0 of a multi-node run)."""
         cfg = make_cfg({"model": self.source, **kwargs})
         from detrain.runner import run_task
 
@@ -107,8 +114,14 @@ class Model:
         text = source if isinstance(source, (str, Path, int)) and not isinstance(source, bool) else None
         cfg = make_cfg({"model": self.source, "source": "" if text is None else str(text), **kwargs})
         device, half = inference_device(cfg, note=False)
-        results = stream_predict(cfg, self._inference_net(device, half), None if text is not None else source,
-                                 prepared=True, collecting=not stream, device=device)
+        results = stream_predict(
+            cfg,
+            self._inference_net(device, half),
+            None if text is not None else source,
+            prepared=True,
+            collecting=not stream,
+            device=device,
+        )
         return results if stream else list(results)
 
     def _inference_net(self, device: torch.device, half: bool) -> torch.nn.Module:
@@ -116,8 +129,12 @@ class Model:
         net, new names, or any parameter or buffer written since: every tensor's version is part of the key)."""
         from detrain.engine.predictor import prepare_model
 
-        key = (str(device), half, tuple(sorted(dict(self.net.names).items())),
-               tuple(t._version for t in self.net.state_dict(keep_vars=True).values()))
+        key = (
+            str(device),
+            half,
+            tuple(sorted(dict(self.net.names).items())),
+            tuple(t._version for t in self.net.state_dict(keep_vars=True).values()),
+        )
         if self._prepared is None or self._prepared[0] is not self.net or self._prepared[1] != key:
             self._prepared = (self.net, key, prepare_model(self.net, device, half))
         return self._prepared[2]
@@ -148,10 +165,20 @@ class Model:
 
         cfg = make_cfg({"model": self.source, **kwargs})
         suffix = SUFFIXES[cfg.export.format]
-        out = Path(self.source).with_suffix(suffix) if is_weights(self.source) else \
-            increment_run_dir(cfg.output.project, cfg.output.name, "export", cfg.output.exist_ok) / f"model{suffix}"
-        return export_model(self.net, out, format=cfg.export.format, imgsz=cfg.inputs.imgsz, opset=cfg.export.opset,
-                            dynamic_batch=cfg.export.dynamic)
+        out = (
+            Path(self.source).with_suffix(suffix)
+            if is_weights(self.source)
+            else increment_run_dir(cfg.output.project, cfg.output.name, "export", cfg.output.exist_ok)
+            / f"model{suffix}"
+        )
+        return export_model(
+            self.net,
+            out,
+            format=cfg.export.format,
+            imgsz=cfg.inputs.imgsz,
+            opset=cfg.export.opset,
+            dynamic_batch=cfg.export.dynamic,
+        )
 
     def __repr__(self) -> str:
         return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"

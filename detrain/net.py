@@ -27,8 +27,16 @@ from collections.abc import Callable
 from http.client import HTTPMessage
 from typing import IO, Any
 
-__all__ = ["BodyTooLarge", "RedirectRefused", "SafeRedirects", "content_length", "copy_body", "is_sha256", "open_url",
-           "redirect_allowed"]
+__all__ = [
+    "BodyTooLarge",
+    "RedirectRefused",
+    "SafeRedirects",
+    "content_length",
+    "copy_body",
+    "is_sha256",
+    "open_url",
+    "redirect_allowed",
+]
 
 _CHUNK = 1 << 20
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -71,13 +79,16 @@ def redirect_allowed(old_url: str, new_url: str) -> bool:
 class SafeRedirects(urllib.request.HTTPRedirectHandler):
     """urllib's redirect handling, refusing what :func:`redirect_allowed` refuses."""
 
-    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str,
-                         headers: HTTPMessage, newurl: str) -> urllib.request.Request | None:
+    def redirect_request(
+        self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: HTTPMessage, newurl: str
+    ) -> urllib.request.Request | None:
         target = urllib.parse.urljoin(req.full_url, newurl)
         if not redirect_allowed(req.full_url, target):
             fp.close()
-            raise RedirectRefused(f"refused the redirect from {req.full_url} to {target}: "
-                                  "an https download must not continue over plain http")
+            raise RedirectRefused(
+                f"refused the redirect from {req.full_url} to {target}: "
+                "an https download must not continue over plain http"
+            )
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -105,8 +116,9 @@ def content_length(response: Any) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def copy_body(response: Any, out: IO[bytes], limit: int,
-              on_chunk: Callable[[int], None] | None = None) -> tuple[int, str]:
+def copy_body(
+    response: Any, out: IO[bytes], limit: int, on_chunk: Callable[[int], None] | None = None
+) -> tuple[int, str]:
     """Copy the body into ``out``; return (bytes copied, their sha256). Raises BodyTooLarge past ``limit`` bytes.
 
     Never reads more than ``limit + 1`` bytes, whatever the server declared.

@@ -26,8 +26,9 @@ Names = Sequence[str] | Mapping[int, str]
 _LABELLED_CLASSES = 20  # beyond this many curves a legend hides the plot
 
 
-def plot_all(save_dir: str | Path, metrics: DetMetrics, confusion: ConfusionMatrix | np.ndarray | None,
-             names: Names) -> list[Path]:
+def plot_all(
+    save_dir: str | Path, metrics: DetMetrics, confusion: ConfusionMatrix | np.ndarray | None, names: Names
+) -> list[Path]:
     """Every validation plot into ``save_dir``: PR_curve, F1/P/R_curve, confusion_matrix[_normalized].png.
 
     ``confusion`` is a :class:`ConfusionMatrix` or its (summed) ``matrix``; None skips those two plots.
@@ -92,8 +93,9 @@ def plot_confidence_curve(metrics: DetMetrics, names: Names, path: str | Path, w
     return _save(fig, path)
 
 
-def plot_confusion_matrix(confusion: ConfusionMatrix | np.ndarray, names: Names, path: str | Path,
-                          normalize: bool = True) -> Path:
+def plot_confusion_matrix(
+    confusion: ConfusionMatrix | np.ndarray, names: Names, path: str | Path, normalize: bool = True
+) -> Path:
     """Heat map of ``matrix[predicted, true]`` with a background row/column; normalised per true class.
 
     >>> plot_confusion_matrix(ConfusionMatrix(2), ["a", "b"], "confusion_matrix.png")
@@ -117,8 +119,15 @@ def plot_confusion_matrix(confusion: ConfusionMatrix | np.ndarray, names: Names,
     if n <= 30:  # cell values only where they fit
         for i, j in zip(*np.nonzero(values > 0)):
             text = f"{values[i, j]:.2f}" if normalize else f"{int(counts[i, j])}"
-            ax.text(j, i, text, ha="center", va="center", fontsize=7,
-                    color="white" if values[i, j] > 0.5 * np.nanmax(shown) else "black")
+            ax.text(
+                j,
+                i,
+                text,
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if values[i, j] > 0.5 * np.nanmax(shown) else "black",
+            )
     ax.set_xlabel("True")
     ax.set_ylabel("Predicted")
     ax.set_title("Confusion matrix" + (" (normalised per true class)" if normalize else ""))
@@ -155,8 +164,14 @@ def plot_results_csv(csv_path: str | Path, path: str | Path | None = None) -> Pa
     return _save(fig, csv_path.with_name("results.png") if path is None else path)
 
 
-def plot_images(imgs: np.ndarray, boxes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]], names: Names,
-                path: str | Path, im_files: Sequence[str] | None = None, max_size: int = 1920) -> Path:
+def plot_images(
+    imgs: np.ndarray,
+    boxes: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None]],
+    names: Names,
+    path: str | Path,
+    im_files: Sequence[str] | None = None,
+    max_size: int = 1920,
+) -> Path:
     """A grid of up to 16 images (uint8 (B, 3, H, W) RGB, all one size) with boxes drawn, saved as JPEG.
 
     ``boxes[i]`` is (corner boxes (n, 4) in the image's pixels, classes (n,), scores (n,) or None for
@@ -182,8 +197,9 @@ def plot_images(imgs: np.ndarray, boxes: Sequence[tuple[np.ndarray, np.ndarray, 
         if scale != 1.0:
             tile = cv2.resize(tile, (tw, th), interpolation=cv2.INTER_AREA)
         xyxy, cls, scores = boxes[i] if i < len(boxes) else (np.zeros((0, 4)), np.zeros(0, np.int64), None)
-        for j, (box, c) in enumerate(zip(np.asarray(xyxy, np.float64).reshape(-1, 4) * scale,
-                                         np.asarray(cls).reshape(-1).astype(int))):
+        for j, (box, c) in enumerate(
+            zip(np.asarray(xyxy, np.float64).reshape(-1, 4) * scale, np.asarray(cls).reshape(-1).astype(int))
+        ):
             color = class_color(c)
             p1, p2 = (int(box[0]), int(box[1])), (int(box[2]), int(box[3]))
             cv2.rectangle(tile, p1, p2, color, thickness, cv2.LINE_AA)
@@ -191,13 +207,20 @@ def plot_images(imgs: np.ndarray, boxes: Sequence[tuple[np.ndarray, np.ndarray, 
             (lw, lh), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, font, 1)
             top = max(p1[1] - lh - base, 0)
             cv2.rectangle(tile, (p1[0], top), (p1[0] + lw, top + lh + base), color, -1)
-            cv2.putText(tile, label, (p1[0], top + lh), cv2.FONT_HERSHEY_SIMPLEX, font, (255, 255, 255), 1,
-                        cv2.LINE_AA)
+            cv2.putText(tile, label, (p1[0], top + lh), cv2.FONT_HERSHEY_SIMPLEX, font, (255, 255, 255), 1, cv2.LINE_AA)
         cv2.rectangle(tile, (0, 0), (tw - 1, th - 1), (255, 255, 255), max(1, thickness // 2))
         if im_files is not None and i < len(im_files):
-            cv2.putText(tile, Path(im_files[i]).name[:40], (3, th - 4), cv2.FONT_HERSHEY_SIMPLEX, font,
-                        (220, 220, 220), 1, cv2.LINE_AA)
-        canvas[y0: y0 + th, x0: x0 + tw] = tile
+            cv2.putText(
+                tile,
+                Path(im_files[i]).name[:40],
+                (3, th - 4),
+                cv2.FONT_HERSHEY_SIMPLEX,
+                font,
+                (220, 220, 220),
+                1,
+                cv2.LINE_AA,
+            )
+        canvas[y0 : y0 + th, x0 : x0 + tw] = tile
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not cv2.imwrite(str(path), canvas, [cv2.IMWRITE_JPEG_QUALITY, 90]):

@@ -2,8 +2,8 @@
 is generated: a missing dataset yaml or weights file is one line at once, not an error from a spawned worker.
 
 The checks only look: nothing is downloaded or written, and nothing read but a model yaml (its scale, and its
-layer count for ``freeze``). What a file holds is checked by the code that reads it (the dataset yaml's keys, the checkpoint's
-contents), which runs before the run folder is made too.
+layer count for ``freeze``). What a file holds is checked by the code that reads it (the dataset yaml's keys, the
+checkpoint's contents), which runs before the run folder is made too.
 
 >>> from detrain.config import make_cfg
 >>> check_inputs("train", make_cfg({"data": "coco8.yaml"}))

@@ -21,7 +21,7 @@ from detrain.preflight import check_inputs
 from detrain.run_plan import RunPlan
 
 
-def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | None = None) -> dict[str, Any]:
+def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | None = None) -> dict[str, Any] | None:
     """Train or validate; returns rank 0's result in the calling process.
 
     The run is planned here, once, for every worker: this process's world (read from the environment), the
@@ -42,8 +42,12 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     spawning = not world.launched and (devices.nprocs > 1 or nodes[1] > 1)
     if callbacks:
         if spawning:
-            check_sendable(callbacks, f"the {devices.nprocs} workers of device={cfg.distributed.device!r}" if devices.nprocs > 1
-                           else f"the workers of nnodes={cfg.distributed.nnodes!r}")
+            check_sendable(
+                callbacks,
+                f"the {devices.nprocs} workers of device={cfg.distributed.device!r}"
+                if devices.nprocs > 1
+                else f"the workers of nnodes={cfg.distributed.nnodes!r}",
+            )
         args["callbacks"] = {event: list(fns) for event, fns in callbacks.items()}
     if task == "train" and not cfg.train.resume and not world.launched:
         # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting; each
@@ -61,7 +65,18 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     args["plan"] = RunPlan(nodes, save_dir, launch_id)
     # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
     run_args = None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict())
-    return launch.launch(entry, args, devices, world=world, nnodes=nodes, node_rank=cfg.distributed.node_rank,
-                         master_addr=cfg.distributed.master_addr, master_port=cfg.distributed.master_port, max_restarts=cfg.distributed.max_restarts,
-                         rdzv_backend=cfg.distributed.rdzv_backend, run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
-                         run_args=run_args, socket_ifname=cfg.distributed.socket_ifname)
+    return launch.launch(
+        entry,
+        args,
+        devices,
+        world=world,
+        nnodes=nodes,
+        node_rank=cfg.distributed.node_rank,
+        master_addr=cfg.distributed.master_addr,
+        master_port=cfg.distributed.master_port,
+        max_restarts=cfg.distributed.max_restarts,
+        rdzv_backend=cfg.distributed.rdzv_backend,
+        run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
+        run_args=run_args,
+        socket_ifname=cfg.distributed.socket_ifname,
+    )

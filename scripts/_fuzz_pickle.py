@@ -124,42 +124,180 @@ class ParsedPickle:
 
 def _int(rng: random.Random, old: object = 0) -> int:
     n = old if isinstance(old, int) else 0
-    return rng.choice([0, 1, -1, 2, 3, 7, 8, 255, 256, 65535, 65536, 2**31 - 1, -(2**31), 2**32, 2**62, 2**63 - 1,
-                       2**64, -(2**63), 10**12, 10**5000, n + 1, n - 1, n * 2, n // 2, -n,
-                       rng.randrange(-(2**40), 2**40)])
+    return rng.choice(
+        [
+            0,
+            1,
+            -1,
+            2,
+            3,
+            7,
+            8,
+            255,
+            256,
+            65535,
+            65536,
+            2**31 - 1,
+            -(2**31),
+            2**32,
+            2**62,
+            2**63 - 1,
+            2**64,
+            -(2**63),
+            10**12,
+            10**5000,
+            n + 1,
+            n - 1,
+            n * 2,
+            n // 2,
+            -n,
+            rng.randrange(-(2**40), 2**40),
+        ]
+    )
 
 
 def _text(rng: random.Random, old: object = "") -> str:
     s = old if isinstance(old, str) else ""
     junk = "".join(rng.choice("ab_.0/\n ä\x00\ud800") for _ in range(rng.randint(1, 8)))
     at = rng.randrange(len(s) + 1)
-    return rng.choice(["", "0", "999999", "../0", "cuda:0", "model", "ema", "names", "__class__", "x" * 100_000,
-                       s + s, s[:at] + junk + s[at:], s[:at], s.upper()])
+    return rng.choice(
+        [
+            "",
+            "0",
+            "999999",
+            "../0",
+            "cuda:0",
+            "model",
+            "ema",
+            "names",
+            "__class__",
+            "x" * 100_000,
+            s + s,
+            s[:at] + junk + s[at:],
+            s[:at],
+            s.upper(),
+        ]
+    )
 
 
 # Globals a hostile file would name, and ones the reader serves (in the wrong place they must still fail well).
 _GLOBALS = [
-    ("os", "system"), ("posix", "system"), ("builtins", "eval"), ("builtins", "exec"), ("builtins", "getattr"),
-    ("builtins", "__import__"), ("subprocess", "Popen"), ("functools", "partial"), ("pickle", "loads"),
-    ("torch", "load"), ("numpy", "load"), ("torch.serialization", "load"), ("torch", "Tensor"),
-    ("torch.nn.parameter", "Parameter"), ("torch._tensor", "_rebuild_from_type_v2"),
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
-    ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"), ("numpy.dtypes", "Float64DType"),
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "list"),
-    ("builtins", "tuple"), ("builtins", "slice"), ("builtins", "complex"), ("builtins", "bytes"),
-    ("builtins", "object"), ("_codecs", "encode"), ("copyreg", "_reconstructor"), ("torch", "Size"),
-    ("torch", "device"), ("torch", "float16"), ("torch", "FloatStorage"), ("torch._utils", "_rebuild_tensor"),
-    ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
-    ("torch._utils", "_rebuild_parameter"), ("ultralytics.nn.modules", "Fake"), ("torch.nn.modules.conv", "Conv2d"),
-    ("types", "SimpleNamespace"), ("argparse", "Namespace"), ("pathlib", "PosixPath"), ("datetime", "datetime"),
+    ("os", "system"),
+    ("posix", "system"),
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "getattr"),
+    ("builtins", "__import__"),
+    ("subprocess", "Popen"),
+    ("functools", "partial"),
+    ("pickle", "loads"),
+    ("torch", "load"),
+    ("numpy", "load"),
+    ("torch.serialization", "load"),
+    ("torch", "Tensor"),
+    ("torch.nn.parameter", "Parameter"),
+    ("torch._tensor", "_rebuild_from_type_v2"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy.dtypes", "Float64DType"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "list"),
+    ("builtins", "tuple"),
+    ("builtins", "slice"),
+    ("builtins", "complex"),
+    ("builtins", "bytes"),
+    ("builtins", "object"),
+    ("_codecs", "encode"),
+    ("copyreg", "_reconstructor"),
+    ("torch", "Size"),
+    ("torch", "device"),
+    ("torch", "float16"),
+    ("torch", "FloatStorage"),
+    ("torch._utils", "_rebuild_tensor"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_parameter"),
+    ("ultralytics.nn.modules", "Fake"),
+    ("torch.nn.modules.conv", "Conv2d"),
+    ("types", "SimpleNamespace"),
+    ("argparse", "Namespace"),
+    ("pathlib", "PosixPath"),
+    ("datetime", "datetime"),
 ]
-_STORAGES = ["HalfStorage", "FloatStorage", "DoubleStorage", "BFloat16Storage", "LongStorage", "IntStorage",
-             "ShortStorage", "CharStorage", "ByteStorage", "BoolStorage", "ComplexFloatStorage",
-             "ComplexDoubleStorage", "UntypedStorage", "QInt8Storage", "TypedStorage", "Storage", "float16"]
-_NUMPY_CODES = ["b1", "i1", "i2", "i4", "i8", "u1", "u2", "u4", "u8", "f2", "f4", "f8", "c8", "c16",
-                "O8", "O", "V8", "U1", "S4", "M8", "m8", "f16", "c32", "a", "?", ">f8", "<i4", "f8,i4", "(2)f4"]
-_ITEMSIZE = {"b1": 1, "i1": 1, "u1": 1, "i2": 2, "u2": 2, "f2": 2, "i4": 4, "u4": 4, "f4": 4, "i8": 8, "u8": 8,
-             "f8": 8, "c8": 8, "c16": 16, "O8": 8, "O": 8, "V8": 8}
+_STORAGES = [
+    "HalfStorage",
+    "FloatStorage",
+    "DoubleStorage",
+    "BFloat16Storage",
+    "LongStorage",
+    "IntStorage",
+    "ShortStorage",
+    "CharStorage",
+    "ByteStorage",
+    "BoolStorage",
+    "ComplexFloatStorage",
+    "ComplexDoubleStorage",
+    "UntypedStorage",
+    "QInt8Storage",
+    "TypedStorage",
+    "Storage",
+    "float16",
+]
+_NUMPY_CODES = [
+    "b1",
+    "i1",
+    "i2",
+    "i4",
+    "i8",
+    "u1",
+    "u2",
+    "u4",
+    "u8",
+    "f2",
+    "f4",
+    "f8",
+    "c8",
+    "c16",
+    "O8",
+    "O",
+    "V8",
+    "U1",
+    "S4",
+    "M8",
+    "m8",
+    "f16",
+    "c32",
+    "a",
+    "?",
+    ">f8",
+    "<i4",
+    "f8,i4",
+    "(2)f4",
+]
+_ITEMSIZE = {
+    "b1": 1,
+    "i1": 1,
+    "u1": 1,
+    "i2": 2,
+    "u2": 2,
+    "f2": 2,
+    "i4": 4,
+    "u4": 4,
+    "f4": 4,
+    "i8": 8,
+    "u8": 8,
+    "f8": 8,
+    "c8": 8,
+    "c16": 16,
+    "O8": 8,
+    "O": 8,
+    "V8": 8,
+}
 
 
 def _numpy_value(rng: random.Random) -> bytes:
@@ -192,8 +330,9 @@ def _numpy_value(rng: random.Random) -> bytes:
         return dtype
     if kind == "scalar":
         raw = rng.randbytes(itemsize if rng.random() < 0.7 else rng.randint(0, 17))
-        return reduce_(global_(rng.choice(["numpy.core.multiarray", "numpy._core.multiarray"]), "scalar"), dtype,
-                       bytes_(raw))
+        return reduce_(
+            global_(rng.choice(["numpy.core.multiarray", "numpy._core.multiarray"]), "scalar"), dtype, bytes_(raw)
+        )
     shape = tuple(rng.randint(0, 4) for _ in range(rng.randint(0, 3)))
     if rng.random() < 0.1:
         shape = shape + (rng.choice([2**31, 2**62, 10**12]),)
@@ -305,15 +444,17 @@ def _costly_key(rng: random.Random) -> bytes:
     chain = none() + none() + pickle.TUPLE2  # (x, x) nested: the hash visits 2**depth elements
     for _ in range(rng.randint(1, 40)):
         chain += pickle.DUP + pickle.TUPLE2
-    return rng.choice([
-        chain,
-        tuple_(*(int_(rng.randrange(100)) for _ in range(rng.randint(0, 4)))),
-        int_(modulus * rng.randint(1, 9) + rng.randint(0, 9)),
-        int_(1 << rng.randint(61, 100_000)),
-        reduce_(global_("builtins", "complex"), int_(rng.randint(-9, 9)), int_(rng.randint(-9, 9))),
-        reduce_(global_("torch", "Size"), tuple_(int_(1), int_(2))),
-        pickle.MARK + int_(1) + int_(modulus + 1) + pickle.FROZENSET,
-    ])
+    return rng.choice(
+        [
+            chain,
+            tuple_(*(int_(rng.randrange(100)) for _ in range(rng.randint(0, 4)))),
+            int_(modulus * rng.randint(1, 9) + rng.randint(0, 9)),
+            int_(1 << rng.randint(61, 100_000)),
+            reduce_(global_("builtins", "complex"), int_(rng.randint(-9, 9)), int_(rng.randint(-9, 9))),
+            reduce_(global_("torch", "Size"), tuple_(int_(1), int_(2))),
+            pickle.MARK + int_(1) + int_(modulus + 1) + pickle.FROZENSET,
+        ]
+    )
 
 
 def inject_costly_key(rng: random.Random, p: ParsedPickle) -> bytes:

@@ -73,8 +73,9 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:300]}"
 
 
-def _child(target: Callable[[], str], expected: tuple[type[BaseException], ...], cpu_s: float, mem_bytes: int,
-           write_fd: int) -> None:
+def _child(
+    target: Callable[[], str], expected: tuple[type[BaseException], ...], cpu_s: float, mem_bytes: int, write_fd: int
+) -> None:
     """Runs in the forked child and never returns: every path ends in os._exit."""
     code, detail = 13, "the child did not finish its report"
     try:

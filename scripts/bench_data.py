@@ -98,13 +98,15 @@ def detrain_loader(files: list[str], names: dict[int, str], imgsz: int, batch: i
     from detrain.data.dataset import DetectionDataset
     from detrain.data.loader import build_dataloader
 
-    dataset = DetectionDataset(records_for(files, len(names)), imgsz=imgsz, augment=True, hyp={"mosaic": 1.0},
-                               batch_size=batch)
+    dataset = DetectionDataset(
+        records_for(files, len(names)), imgsz=imgsz, augment=True, hyp={"mosaic": 1.0}, batch_size=batch
+    )
     return lambda workers: build_dataloader(dataset, batch, shuffle=True, workers=workers)
 
 
-def ultralytics_loader(folder: Path, names: dict[int, str], imgsz: int, batch: int, cache: str | bool = False,
-                       rank: int = -1) -> Callable[[int], Any] | None:
+def ultralytics_loader(
+    folder: Path, names: dict[int, str], imgsz: int, batch: int, cache: str | bool = False, rank: int = -1
+) -> Callable[[int], Any] | None:
     """``build(workers)`` for Ultralytics' training loader on folder/images/train (per-rank ``batch``; ``rank``
     -1 outside DDP), or None where Ultralytics is not importable."""
     try:
@@ -112,8 +114,14 @@ def ultralytics_loader(folder: Path, names: dict[int, str], imgsz: int, batch: i
         from ultralytics.data.build import build_dataloader, build_yolo_dataset
     except ImportError:
         return None
-    data = {"path": str(folder), "train": str(folder / "images" / "train"), "val": str(folder / "images" / "train"),
-            "names": names, "nc": len(names), "channels": 3}
+    data = {
+        "path": str(folder),
+        "train": str(folder / "images" / "train"),
+        "val": str(folder / "images" / "train"),
+        "names": names,
+        "nc": len(names),
+        "channels": 3,
+    }
 
     def build(workers: int) -> Any:
         cfg = get_cfg(overrides={"imgsz": imgsz, "batch": batch, "workers": workers, "cache": cache, "mosaic": 1.0})
@@ -173,9 +181,26 @@ def child(args: argparse.Namespace) -> None:
 
 
 def measure(args: argparse.Namespace, folder: Path, name: str, workers: int) -> float | None:
-    cmd = [sys.executable, __file__, "--child", name, "--child-workers", str(workers), "--folder", str(folder),
-           "--data", args.data, "--imgsz", str(args.imgsz), "--batch", str(args.batch), "--batches", str(args.batches),
-           "--warmup", str(args.warmup)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        name,
+        "--child-workers",
+        str(workers),
+        "--folder",
+        str(folder),
+        "--data",
+        args.data,
+        "--imgsz",
+        str(args.imgsz),
+        "--batch",
+        str(args.batch),
+        "--batches",
+        str(args.batches),
+        "--warmup",
+        str(args.warmup),
+    ]
     # Output to a file, not a pipe: a pipe would also wait for any worker process that outlives the measurement.
     with tempfile.TemporaryFile("w+") as out:
         try:
@@ -222,9 +247,11 @@ def main() -> None:
                     best[(name, workers)] = max(best.get((name, workers), 0.0), ips or 0.0)
         load1 = os.getloadavg()[0]
 
-    print(f"\n{n} images ({len(images)} files x {args.repeat}), imgsz {args.imgsz}, batch {args.batch}, mosaic 1.0, "
-          f"best of {args.rounds} rounds of {args.batches} batches after {args.warmup}; {os.cpu_count()} CPUs, "
-          f"load average {load0:.1f} -> {load1:.1f}")
+    print(
+        f"\n{n} images ({len(images)} files x {args.repeat}), imgsz {args.imgsz}, batch {args.batch}, mosaic 1.0, "
+        f"best of {args.rounds} rounds of {args.batches} batches after {args.warmup}; {os.cpu_count()} CPUs, "
+        f"load average {load0:.1f} -> {load1:.1f}"
+    )
     print("| workers | detrain img/s | ultralytics img/s | ratio |")
     print("|---|---|---|---|")
     for workers in args.workers:

@@ -44,8 +44,11 @@ def bench_worker(args: dict[str, Any]) -> dict[str, float]:
     torch.manual_seed(0)  # same initial weights on every rank (DDP would broadcast rank 0's anyway)
     model = DetectionModel(scale=args["scale"], nc=args["nc"]).train()
     criterion = DetectionLoss(
-        args["nc"], model.stride, reg_max=model.reg_max,
-        normalizer_reduce=dist.all_reduce_sum if world > 1 else None, world_size=world,
+        args["nc"],
+        model.stride,
+        reg_max=model.reg_max,
+        normalizer_reduce=dist.all_reduce_sum if world > 1 else None,
+        world_size=world,
     )
     net: torch.nn.Module = model
     if world > 1:
@@ -108,9 +111,11 @@ def main() -> None:
                 best[workers] = res
 
     ips1, ips2 = best[1]["ips"], best[2]["ips"]
-    print(f"\nYOLOv8{a.scale} train step, imgsz {a.imgsz}, global batch {a.batch}, {a.threads} thread(s) per worker, "
-          f"CPU gloo, {a.stat} step of {a.iters}, best of {a.rounds} rounds; {os.cpu_count()} cores, "
-          f"load avg {os.getloadavg()[0]:.1f} at the end")
+    print(
+        f"\nYOLOv8{a.scale} train step, imgsz {a.imgsz}, global batch {a.batch}, {a.threads} thread(s) per worker, "
+        f"CPU gloo, {a.stat} step of {a.iters}, best of {a.rounds} rounds; {os.cpu_count()} cores, "
+        f"load avg {os.getloadavg()[0]:.1f} at the end"
+    )
     print("| workers | per-worker batch | images/s | ms/step | rank-0 CPU ms/step | scaling efficiency |")
     print("|---|---|---|---|---|---|")
     print(f"| 1 | {a.batch} | {ips1:.2f} | {best[1]['ms_step']:.0f} | {best[1]['cpu_ms_step']:.0f} | - |")

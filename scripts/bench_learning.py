@@ -61,10 +61,26 @@ IMPLS = ("detrain", "ultralytics")
 LABELS = {"detrain": "detrain", "ultralytics": "Ultralytics"}
 # What each tool writes for the per-epoch mAP50-95 (Ultralytics: "(B)" for boxes, older versions pad with spaces)
 MAP_COLUMNS = ("metrics/mAP50-95", "metrics/mAP50-95(B)")
-DEFAULTS: dict[str, Any] = {"epochs": 30, "imgsz": 320, "batch": 16, "workers": 2, "seeds": "0,1",
-                            "n_train": 400, "n_val": 100, "gen_imgsz": 320}
-QUICK: dict[str, Any] = {"epochs": 2, "imgsz": 64, "batch": 8, "workers": 2, "seeds": "0",
-                         "n_train": 16, "n_val": 8, "gen_imgsz": 64}
+DEFAULTS: dict[str, Any] = {
+    "epochs": 30,
+    "imgsz": 320,
+    "batch": 16,
+    "workers": 2,
+    "seeds": "0,1",
+    "n_train": 400,
+    "n_val": 100,
+    "gen_imgsz": 320,
+}
+QUICK: dict[str, Any] = {
+    "epochs": 2,
+    "imgsz": 64,
+    "batch": 8,
+    "workers": 2,
+    "seeds": "0",
+    "n_train": 16,
+    "n_val": 8,
+    "gen_imgsz": 64,
+}
 VAL_FLAGS = {"conf": 0.001, "iou": 0.7, "max_det": 300, "split": "val"}  # detrain val always batches rectangularly
 
 # The Ultralytics side: a child python that trains as a user of its Python API would. With --threads it overrides
@@ -175,8 +191,10 @@ def prepare_coco128(work: Path, shared_yaml: Path, val_fraction: float, seed: in
         linked = link_split(files, root, split)
         (root / f"{split}.txt").write_text("".join(f"{p}\n" for p in linked))
     data = write_data_yaml(root / "data.yaml", root, "train.txt", "val.txt", names)
-    note = (f"coco128 ({shared_yaml.parent / 'coco128'}): {len(train)} train / {len(val)} val images, "
-            f"held-out split by a seeded permutation (seed {seed}, val fraction {val_fraction:g})")
+    note = (
+        f"coco128 ({shared_yaml.parent / 'coco128'}): {len(train)} train / {len(val)} val images, "
+        f"held-out split by a seeded permutation (seed {seed}, val fraction {val_fraction:g})"
+    )
     return Dataset(tag, data, len(train), len(val), note)
 
 
@@ -245,14 +263,41 @@ def train_command(impl: str, data: Path, args: argparse.Namespace, seed: int, pr
     name = run_name(impl, args, seed)
     if impl == "detrain":
         model = str(args.weights.absolute()) if args.weights else "n.yaml"
-        return [sys.executable, "-m", "detrain.cli", "train", f"data={data}", f"model={model}",
-                f"epochs={args.epochs}", f"imgsz={args.imgsz}", f"batch={args.batch}", f"seed={seed}",
-                f"workers={args.workers}", "device=cpu", f"project={project}", f"name={name}", "exist_ok=True",
-                "plots=False", *args.detrain_args]
-    kw = {"model": str(args.weights.absolute()) if args.weights else "yolov8n.yaml", "data": str(data),
-          "epochs": args.epochs, "imgsz": args.imgsz,
-          "batch": args.batch, "seed": seed, "workers": args.workers, "device": "cpu", "project": str(project),
-          "name": name, "exist_ok": True, "plots": False, "amp": False, "threads": args.threads}
+        return [
+            sys.executable,
+            "-m",
+            "detrain.cli",
+            "train",
+            f"data={data}",
+            f"model={model}",
+            f"epochs={args.epochs}",
+            f"imgsz={args.imgsz}",
+            f"batch={args.batch}",
+            f"seed={seed}",
+            f"workers={args.workers}",
+            "device=cpu",
+            f"project={project}",
+            f"name={name}",
+            "exist_ok=True",
+            "plots=False",
+            *args.detrain_args,
+        ]
+    kw = {
+        "model": str(args.weights.absolute()) if args.weights else "yolov8n.yaml",
+        "data": str(data),
+        "epochs": args.epochs,
+        "imgsz": args.imgsz,
+        "batch": args.batch,
+        "seed": seed,
+        "workers": args.workers,
+        "device": "cpu",
+        "project": str(project),
+        "name": name,
+        "exist_ok": True,
+        "plots": False,
+        "amp": False,
+        "threads": args.threads,
+    }
     return [sys.executable, "-c", ULTRALYTICS_CHILD, json.dumps(kw)]
 
 
@@ -265,8 +310,9 @@ def run_logged(cmd: list[str], log: Path, env: dict[str, str], cwd: Path, timeou
         out.write("$ " + shlex.join(cmd) + "\n")
         out.flush()
         try:
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                timeout=timeout_s).returncode
+            rc = subprocess.run(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, timeout=timeout_s
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = -1
     wall = time.perf_counter() - t0
@@ -306,14 +352,18 @@ def train_run(impl: str, data: Dataset, args: argparse.Namespace, seed: int, wor
         log = project / f"{run_dir.name}.log"
         cmd = train_command(impl, data.yaml, args, seed, project)
         wall = run_logged(cmd, log, child_env(work, args.threads), REPO, args.timeout)
-        used = last_json_line(log) if impl == "ultralytics" else {"threads": detrain_threads(args.threads),
-                                                                  "workers": args.workers}
+        used = (
+            last_json_line(log)
+            if impl == "ultralytics"
+            else {"threads": detrain_threads(args.threads), "workers": args.workers}
+        )
         meta = {"wall_s": wall, **used, "command": shlex.join(cmd)}
         meta_file.write_text(json.dumps(meta, indent=2))
         print(f"{impl} seed {seed}: {wall:.1f} s", flush=True)
     per_epoch = read_results_csv(run_dir / "results.csv")
-    return Run(impl, seed, str(run_dir), per_epoch, None, meta.get("wall_s"), meta.get("threads"),
-               meta.get("workers"), reused)
+    return Run(
+        impl, seed, str(run_dir), per_epoch, None, meta.get("wall_s"), meta.get("threads"), meta.get("workers"), reused
+    )
 
 
 def score_run(run: Run, data: Dataset, args: argparse.Namespace, work: Path) -> None:
@@ -326,12 +376,25 @@ def score_run(run: Run, data: Dataset, args: argparse.Namespace, work: Path) -> 
         metrics_file = val_dir / "metrics.json"
         fresh = metrics_file.is_file() and metrics_file.stat().st_mtime >= weights.stat().st_mtime
         if not (args.reuse and fresh):
-            cmd = [sys.executable, "-m", "detrain.cli", "val", f"model={weights}", f"data={data.yaml}",
-                   f"imgsz={args.imgsz}", f"batch={args.batch}", f"workers={args.workers}", "device=cpu",
-                   *(f"{k}={v}" for k, v in VAL_FLAGS.items()), "plots=False", "verbose=False",
-                   f"project={val_dir.parent}", f"name={val_dir.name}", "exist_ok=True"]
-            run_logged(cmd, val_dir.parent / f"{val_dir.name}.log", child_env(work, args.threads), REPO,
-                       args.timeout)
+            cmd = [
+                sys.executable,
+                "-m",
+                "detrain.cli",
+                "val",
+                f"model={weights}",
+                f"data={data.yaml}",
+                f"imgsz={args.imgsz}",
+                f"batch={args.batch}",
+                f"workers={args.workers}",
+                "device=cpu",
+                *(f"{k}={v}" for k, v in VAL_FLAGS.items()),
+                "plots=False",
+                "verbose=False",
+                f"project={val_dir.parent}",
+                f"name={val_dir.name}",
+                "exist_ok=True",
+            ]
+            run_logged(cmd, val_dir.parent / f"{val_dir.name}.log", child_env(work, args.threads), REPO, args.timeout)
         metrics = json.loads(metrics_file.read_text())
         if which == "best":
             run.final.update(map=float(metrics["map"]), map50=float(metrics["map50"]))
@@ -367,8 +430,10 @@ def summarize(runs: dict[str, list[Run]], epochs: list[int]) -> dict[str, Any]:
     """Means over seeds per tool: per selected epoch, of the final best.pt scores and of the wall time, plus
     the detrain / Ultralytics ratios where both sides ran."""
     per_epoch = {impl: {e: mean_or_none([r.per_epoch.get(e) for r in rs]) for e in epochs} for impl, rs in runs.items()}
-    final = {impl: {k: mean_or_none([r.final.get(k) if r.final else None for r in rs])
-                    for k in ("map", "map50", "last_map")} for impl, rs in runs.items()}
+    final = {
+        impl: {k: mean_or_none([r.final.get(k) if r.final else None for r in rs]) for k in ("map", "map50", "last_map")}
+        for impl, rs in runs.items()
+    }
     wall = {impl: mean_or_none([r.wall_s for r in rs]) for impl, rs in runs.items()}
     both = "detrain" in runs and "ultralytics" in runs
     ratios: dict[str, Any] = {}
@@ -407,8 +472,11 @@ def render_markdown(runs: dict[str, list[Run]], summary: dict[str, Any], header:
         cells = [_num(summary["per_epoch"][i][e]) for i in impls]
         cells += [_x(summary["ratio"]["per_epoch"][e])] if both else []
         lines.append(f"| {e} | " + " | ".join(cells) + " |")
-    for key, label in (("map", "best.pt mAP50-95, detrain validator"), ("map50", "best.pt mAP50, detrain validator"),
-                       ("last_map", "last.pt mAP50-95, detrain validator")):
+    for key, label in (
+        ("map", "best.pt mAP50-95, detrain validator"),
+        ("map50", "best.pt mAP50, detrain validator"),
+        ("last_map", "last.pt mAP50-95, detrain validator"),
+    ):
         cells = []
         for i in impls:
             seeds = _seeds(runs[i], key)
@@ -417,11 +485,14 @@ def render_markdown(runs: dict[str, list[Run]], summary: dict[str, Any], header:
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     cells = [_num(summary["wall_s"][i], 1) for i in impls] + ([_x(summary["ratio"]["wall_s"])] if both else [])
     lines.append("| wall s per run | " + " | ".join(cells) + " |")
-    lines += ["", "Epoch rows: the mAP50-95 each tool's own validator wrote to results.csv during training (mean over "
-              "seeds). best.pt rows: every run's best.pt scored by detrain's COCO-exact validator with the same "
-              f"flags for both ({', '.join(f'{k}={v}' for k, v in VAL_FLAGS.items())}, rectangular batches); "
-              "mean over seeds, per seed in brackets. Wall time: the whole training process (start-up, label "
-              "checks, per-epoch validation, and Ultralytics' final re-validation of best.pt)."]
+    lines += [
+        "",
+        "Epoch rows: the mAP50-95 each tool's own validator wrote to results.csv during training (mean over "
+        "seeds). best.pt rows: every run's best.pt scored by detrain's COCO-exact validator with the same "
+        f"flags for both ({', '.join(f'{k}={v}' for k, v in VAL_FLAGS.items())}, rectangular batches); "
+        "mean over seeds, per seed in brackets. Wall time: the whole training process (start-up, label "
+        "checks, per-epoch validation, and Ultralytics' final re-validation of best.pt).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -437,14 +508,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help=f"default {DEFAULTS['batch']} ({QUICK['batch']} with --quick)")
     p.add_argument("--workers", type=int, help=f"loader workers, default {DEFAULTS['workers']}")
     p.add_argument("--seeds", help=f"comma-separated, default {DEFAULTS['seeds']} ({QUICK['seeds']} with --quick)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads for both tools (0: each tool's default: detrain all cpus, Ultralytics "
-                        "min(8, cpus - 1))")
-    p.add_argument("--weights", type=Path,
-                   help="start both tools from this YOLOv8 checkpoint (e.g. ../shared/weights/yolov8n.pt: "
-                        "fine-tuning) instead of training YOLOv8n from scratch")
-    p.add_argument("--detrain-args", nargs="*", default=[], metavar="KEY=VALUE",
-                   help="extra detrain train arguments (ablations; they name the run folder)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads for both tools (0: each tool's default: detrain all cpus, Ultralytics min(8, cpus - 1))",
+    )
+    p.add_argument(
+        "--weights",
+        type=Path,
+        help="start both tools from this YOLOv8 checkpoint (e.g. ../shared/weights/yolov8n.pt: "
+        "fine-tuning) instead of training YOLOv8n from scratch",
+    )
+    p.add_argument(
+        "--detrain-args",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra detrain train arguments (ablations; they name the run folder)",
+    )
     p.add_argument("--n-train", type=int, help=f"shapes: train images, default {DEFAULTS['n_train']}")
     p.add_argument("--n-val", type=int, help=f"shapes: val images, default {DEFAULTS['n_val']}")
     p.add_argument("--gen-imgsz", type=int, help=f"shapes: generated image size, default {DEFAULTS['gen_imgsz']}")
@@ -457,10 +539,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="also write the table as markdown here")
     p.add_argument("--json", type=Path, help="raw numbers (default: --out with .json, else in the work folder)")
     p.add_argument("--timeout", type=float, default=24 * 3600, help="seconds one child may run")
-    p.add_argument("--parallel", type=int, default=1,
-                   help="train up to this many runs of the same tool at once (give each core one: with --threads 1 "
-                        "on 2 cores, --parallel 2); the tools never overlap, so each side's wall times are taken "
-                        "under the same conditions")
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="train up to this many runs of the same tool at once (give each core one: with --threads 1 "
+        "on 2 cores, --parallel 2); the tools never overlap, so each side's wall times are taken "
+        "under the same conditions",
+    )
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -498,20 +584,36 @@ def machine(ultra: str | None) -> dict[str, Any]:
 
     import detrain
 
-    return {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "torch": torch.__version__, "detrain": detrain.__version__, "ultralytics": ultra,
-            "date": datetime.date.today().isoformat()}
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "detrain": detrain.__version__,
+        "ultralytics": ultra,
+        "date": datetime.date.today().isoformat(),
+    }
 
 
-def header_lines(args: argparse.Namespace, data: Dataset, info: dict[str, Any], runs: dict[str, list[Run]],
-                 load: tuple[float, float], command: str) -> list[str]:
-    used = [f"{LABELS[i]} torch threads {rs[0].threads}, loader workers {rs[0].workers}" for i, rs in runs.items()
-            if rs and rs[0].threads is not None]
+def header_lines(
+    args: argparse.Namespace,
+    data: Dataset,
+    info: dict[str, Any],
+    runs: dict[str, list[Run]],
+    load: tuple[float, float],
+    command: str,
+) -> list[str]:
+    used = [
+        f"{LABELS[i]} torch threads {rs[0].threads}, loader workers {rs[0].workers}"
+        for i, rs in runs.items()
+        if rs and rs[0].threads is not None
+    ]
     return [
         f"## Learning: detrain vs Ultralytics, YOLOv8n "
-        f"{f'fine-tuned from {args.weights.name}' if args.weights else 'from scratch'} ({args.dataset})", "",
-        f"`{command}`", "",
+        f"{f'fine-tuned from {args.weights.name}' if args.weights else 'from scratch'} ({args.dataset})",
+        "",
+        f"`{command}`",
+        "",
         f"- machine: {info['cpus']} CPUs ({info['cpu']}), python {info['python']}, torch {info['torch']}, "
         f"detrain {info['detrain']}, ultralytics {info['ultralytics'] or 'not importable'}; {info['date']}; "
         f"load average {load[0]:.1f} -> {load[1]:.1f}",
@@ -540,8 +642,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     else:
         found = prepare_coco128(work, SHARED_COCO128, args.val_fraction, args.split_seed)
         if found is None:
-            print(f"coco128 skipped: {SHARED_COCO128} not found (the shared data beside the repository)",
-                  file=sys.stderr)
+            print(
+                f"coco128 skipped: {SHARED_COCO128} not found (the shared data beside the repository)", file=sys.stderr
+            )
             return None
         data = found
     command = command_line(argv)
@@ -554,8 +657,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     else:  # the seeds of one tool side by side, the tools one after the other
         for impl in impls:
             with ThreadPoolExecutor(args.parallel) as pool:
-                runs[impl] = list(pool.map(lambda seed, impl=impl: train_run(impl, data, args, seed, work),
-                                           args.seed_list))
+                runs[impl] = list(
+                    pool.map(lambda seed, impl=impl: train_run(impl, data, args, seed, work), args.seed_list)
+                )
     for impl in impls:
         for run in runs[impl]:
             score_run(run, data, args, work)
@@ -564,11 +668,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     info = machine(ultra)
     text = render_markdown(runs, summary, header_lines(args, data, info, runs, load, command))
     print("\n" + text)
-    report = {"command": command, "machine": info, "load_average": load,
-              "dataset": asdict(data) | {"yaml": str(data.yaml)},
-              "settings": {k: getattr(args, k) for k in ("epochs", "imgsz", "batch", "workers", "threads")}
-              | {"seeds": args.seed_list, "val": VAL_FLAGS},
-              "runs": {i: [asdict(r) for r in rs] for i, rs in runs.items()}, "summary": summary}
+    report = {
+        "command": command,
+        "machine": info,
+        "load_average": load,
+        "dataset": asdict(data) | {"yaml": str(data.yaml)},
+        "settings": {k: getattr(args, k) for k in ("epochs", "imgsz", "batch", "workers", "threads")}
+        | {"seeds": args.seed_list, "val": VAL_FLAGS},
+        "runs": {i: [asdict(r) for r in rs] for i, rs in runs.items()},
+        "summary": summary,
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)

@@ -29,16 +29,31 @@ QUICK_START = ["imgsz=160", "epochs=25", "device=cpu"]  # README.md, "Quick star
 def run(seed: int, work: Path, extra: list[str]) -> tuple[list[dict[str, float]], float, str]:
     """Train once as the quick start does; (results.csv rows, wall seconds, command)."""
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "DETRAIN_DATASETS_DIR": str(work / "datasets"), "DETRAIN_PROGRESS": "0",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "detrain.cli", "train", *QUICK_START, f"seed={seed}",
-           f"project={work / 'runs'}", f"name=seed{seed}", "exist_ok=True", *extra]
+    env = {
+        **os.environ,
+        "DETRAIN_DATASETS_DIR": str(work / "datasets"),
+        "DETRAIN_PROGRESS": "0",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "detrain.cli",
+        "train",
+        *QUICK_START,
+        f"seed={seed}",
+        f"project={work / 'runs'}",
+        f"name=seed{seed}",
+        "exist_ok=True",
+        *extra,
+    ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"{shlex.join(cmd)} failed (exit {proc.returncode}):\n"
-                         f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"{shlex.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+        )
     with open(work / "runs" / f"seed{seed}" / "results.csv", newline="") as f:
         rows = [{k.strip(): float(v) for k, v in row.items() if k and v} for row in csv.DictReader(f)]
     return rows, wall, shlex.join(["detrain", "train", *QUICK_START, f"seed={seed}", *extra])
@@ -47,10 +62,16 @@ def run(seed: int, work: Path, extra: list[str]) -> tuple[list[dict[str, float]]
 def commit() -> str:
     """The checkout's commit, marked ``+dirty`` when tracked files differ from it ('unknown' outside git)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
@@ -71,9 +92,11 @@ def main() -> None:
     epochs = len(results[0][1])
     shown = sorted(set(range(5, epochs + 1, 5)) | {1, epochs})
     extra = " " + " ".join(args.extra) if args.extra else ""
-    print(f"\n`python scripts/bench_quickstart.py --seeds {args.seeds}{extra}`"
-          f" — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, commit {commit()}, command: "
-          f"`{results[0][3]}`\n")
+    print(
+        f"\n`python scripts/bench_quickstart.py --seeds {args.seeds}{extra}`"
+        f" — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, commit {commit()}, command: "
+        f"`{results[0][3]}`\n"
+    )
     print("| seed | " + " | ".join(f"epoch {e}" for e in shown) + " | wall s |")
     print("|---" * (len(shown) + 2) + "|")
     for seed, rows, wall, _ in results:

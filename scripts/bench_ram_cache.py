@@ -154,8 +154,13 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = DetectionModel(scale=args["scale"], nc=80).train()
-    criterion = DetectionLoss(80, model.stride, reg_max=model.reg_max,
-                              normalizer_reduce=dist.all_reduce_sum if world > 1 else None, world_size=world)
+    criterion = DetectionLoss(
+        80,
+        model.stride,
+        reg_max=model.reg_max,
+        normalizer_reduce=dist.all_reduce_sum if world > 1 else None,
+        world_size=world,
+    )
     net: torch.nn.Module = model
     if world > 1:
         net = torch.nn.parallel.DistributedDataParallel(model)
@@ -168,8 +173,13 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
         if args["steps"] == 0:
             break  # loader only: one batch so that every worker has started and read the cache
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = criterion(net(batch["img"].float() / 255), batch["batch_idx"], batch["cls"].view(-1, 1),
-                            batch["bboxes"], global_batch=args["batch"])
+        loss, _ = criterion(
+            net(batch["img"].float() / 255),
+            batch["batch_idx"],
+            batch["cls"].view(-1, 1),
+            batch["bboxes"],
+            global_batch=args["batch"],
+        )
         loss.backward()
         optimizer.step()
     dist.barrier("steps done")
@@ -182,8 +192,16 @@ def _detrain_loader(args: dict[str, Any], local_batch: int, rank: int, world: in
     from detrain.config import make_cfg
     from detrain.engine.data import build_train_loader, load_split
 
-    cfg = make_cfg({"data": args["yaml"], "imgsz": args["imgsz"], "batch": args["batch"], "workers": args["workers"],
-                    "cache": "ram", "epochs": 100})
+    cfg = make_cfg(
+        {
+            "data": args["yaml"],
+            "imgsz": args["imgsz"],
+            "batch": args["batch"],
+            "workers": args["workers"],
+            "cache": "ram",
+            "epochs": 100,
+        }
+    )
     data = load_split(args["yaml"], "train", cfg, verbose=rank == 0)
     return build_train_loader(data, cfg, local_batch, rank, world)
 
@@ -196,8 +214,9 @@ def _ultralytics_loader(args: dict[str, Any], local_batch: int, rank: int, world
     multiprocessing.set_start_method("fork", force=True)
     names = {int(k): v for k, v in args["names"].items()}
     # Each rank builds and caches its own dataset, as Ultralytics' DDP trainer does.
-    build = ultralytics_loader(Path(args["folder"]), names, args["imgsz"], local_batch, cache="ram",
-                               rank=rank if world > 1 else -1)
+    build = ultralytics_loader(
+        Path(args["folder"]), names, args["imgsz"], local_batch, cache="ram", rank=rank if world > 1 else -1
+    )
     assert build is not None, "ultralytics is not importable"
     return build(args["workers"])
 
@@ -217,15 +236,16 @@ def measure(args: dict[str, Any], interval: float, log: Path) -> dict[str, Any]:
     """Start one run and sample its tree until it ends."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(args)], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", json.dumps(args)], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
         with TreeMemory(proc.pid, interval) as mem:
             rc = proc.wait(timeout=3600)
     text = log.read_text()
     results = [line for line in text.splitlines() if line.startswith("RESULT ")]
     if rc != 0 or not results:
         raise SystemExit(f"{args['impl']} with {args['ranks']} rank(s) failed (exit {rc}):\n{text[-8000:]}")
-    return {**json.loads(results[-1][len("RESULT "):]), **mem.peak}
+    return {**json.loads(results[-1][len("RESULT ") :]), **mem.peak}
 
 
 def main() -> None:
@@ -238,8 +258,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4, help="training steps per run (0: build the loader only)")
     p.add_argument("--scale", default="n")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between memory samples")
-    p.add_argument("--impls", nargs="+", choices=["detrain", "ultralytics"], default=["detrain", "ultralytics"],
-                   help="loaders to measure (ultralytics only where it is importable)")
+    p.add_argument(
+        "--impls",
+        nargs="+",
+        choices=["detrain", "ultralytics"],
+        default=["detrain", "ultralytics"],
+        help="loaders to measure (ultralytics only where it is importable)",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     ns = p.parse_args()
     if ns.child:
@@ -253,21 +278,37 @@ def main() -> None:
         folder = Path(tmp)
         n = len(mirror(images, ns.repeat, folder / "data"))
         yaml_file = folder / "data.yaml"
-        yaml_file.write_text(json.dumps({"path": str(folder / "data"), "train": "images/train",
-                                         "val": "images/train", "names": names}))
+        yaml_file.write_text(
+            json.dumps({"path": str(folder / "data"), "train": "images/train", "val": "images/train", "names": names})
+        )
         for impl in impls:
             for ranks in (1, 2):
-                args = {"impl": impl, "ranks": ranks, "yaml": str(yaml_file), "folder": str(folder / "data"),
-                        "names": names, "imgsz": ns.imgsz, "batch": ns.batch, "workers": ns.workers,
-                        "steps": ns.steps, "scale": ns.scale, "interval": ns.interval}
+                args = {
+                    "impl": impl,
+                    "ranks": ranks,
+                    "yaml": str(yaml_file),
+                    "folder": str(folder / "data"),
+                    "names": names,
+                    "imgsz": ns.imgsz,
+                    "batch": ns.batch,
+                    "workers": ns.workers,
+                    "steps": ns.steps,
+                    "scale": ns.scale,
+                    "interval": ns.interval,
+                }
                 row = measure(args, ns.interval, folder / f"{impl}-{ranks}.log")
                 rows[(impl, ranks)] = row
-                print(f"{impl}, {ranks} rank(s): peak {row['total'] / 1e9:.2f} GB over {row['processes']} processes "
-                      f"(cache files {row['cache'] / 1e9:.2f} GB); loader built in {row['build_s']:.0f} s", flush=True)
+                print(
+                    f"{impl}, {ranks} rank(s): peak {row['total'] / 1e9:.2f} GB over {row['processes']} processes "
+                    f"(cache files {row['cache'] / 1e9:.2f} GB); loader built in {row['build_s']:.0f} s",
+                    flush=True,
+                )
 
-    print(f"\n{n} images ({len(images)} files x {ns.repeat}), imgsz {ns.imgsz}, global batch {ns.batch}, "
-          f"{ns.workers} loader workers per rank, {ns.steps} training steps of YOLOv8{ns.scale}; "
-          f"peak total PSS of the process tree; {os.cpu_count()} CPUs")
+    print(
+        f"\n{n} images ({len(images)} files x {ns.repeat}), imgsz {ns.imgsz}, global batch {ns.batch}, "
+        f"{ns.workers} loader workers per rank, {ns.steps} training steps of YOLOv8{ns.scale}; "
+        f"peak total PSS of the process tree; {os.cpu_count()} CPUs"
+    )
     print("| loader | ranks | processes | peak memory GB | of which detrain's shared cache GB | vs 1 rank |")
     print("|---|---|---|---|---|---|")
     for impl in impls:
@@ -275,8 +316,9 @@ def main() -> None:
         for ranks in (1, 2):
             r = rows[(impl, ranks)]
             shared = f"{r['cache'] / 1e9:.2f}" if impl == "detrain" else "-"
-            print(f"| {impl} | {ranks} | {r['processes']} | {r['total'] / 1e9:.2f} | {shared} "
-                  f"| {r['total'] / one:.2f}x |")
+            print(
+                f"| {impl} | {ranks} | {r['processes']} | {r['total'] / 1e9:.2f} | {shared} | {r['total'] / one:.2f}x |"
+            )
 
 
 if __name__ == "__main__":

@@ -129,14 +129,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per implementation first")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True,
-                   help="detrain in channels_last memory format (default: on)")
+    p.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="detrain in channels_last memory format (default: on)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--nc", type=int, default=80)
     p.add_argument("--boxes", type=int, default=4, help="random boxes per image")
     p.add_argument("--block", type=int, default=5, help="steps per alternating block")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="cpu: this process's CPU time, a fair measure on a shared machine with --threads 1")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="cpu: this process's CPU time, a fair measure on a shared machine with --threads 1",
+    )
     p.add_argument("--no-ultralytics", action="store_true", help="time detrain only")
     return p.parse_args(argv)
 
@@ -169,15 +177,19 @@ def main(argv: list[str] | None = None) -> None:
         remaining -= n
 
     layout = {"detrain": "channels_last" if args.channels_last else "contiguous", "ultralytics": "contiguous"}
-    print(f"scale {args.scale}  imgsz {args.imgsz}  batch {args.batch}  threads {torch.get_num_threads()}  "
-          f"device {device}  iters {args.iters}  warmup {args.warmup}  clock {args.clock}")
+    print(
+        f"scale {args.scale}  imgsz {args.imgsz}  batch {args.batch}  threads {torch.get_num_threads()}  "
+        f"device {device}  iters {args.iters}  warmup {args.warmup}  clock {args.clock}"
+    )
     print(f"{'impl':<12} {'layout':<14} {'median ms':>10} {'mean ms':>9} {'min ms':>8} {'img/s':>8}")
     throughput = {}
     for name, ms in times.items():
         median = statistics.median(ms)
         throughput[name] = args.batch / (median / 1000)
-        print(f"{name:<12} {layout[name]:<14} {median:>10.1f} {statistics.fmean(ms):>9.1f} {min(ms):>8.1f} "
-              f"{throughput[name]:>8.1f}")
+        print(
+            f"{name:<12} {layout[name]:<14} {median:>10.1f} {statistics.fmean(ms):>9.1f} {min(ms):>8.1f} "
+            f"{throughput[name]:>8.1f}"
+        )
     if "ultralytics" in throughput:
         print(f"throughput ratio detrain / ultralytics: {throughput['detrain'] / throughput['ultralytics']:.2f}x")
 

@@ -32,8 +32,12 @@ def synthetic(n_images: int, nc: int, dets_per_image: int, seed: int) -> list[tu
         xy = rng.uniform(0, 640, (m, 2)) - wh / 2
         gt_box = np.concatenate((xy, wh), 1)
         gt_cls = rng.integers(0, nc, m)
-        gt = {"box": gt_box, "cls": gt_cls, "area": wh.prod(1) * rng.uniform(0.5, 1.0, m),
-              "crowd": rng.random(m) < 0.02}
+        gt = {
+            "box": gt_box,
+            "cls": gt_cls,
+            "area": wh.prod(1) * rng.uniform(0.5, 1.0, m),
+            "crowd": rng.random(m) < 0.02,
+        }
         near = np.repeat(np.arange(m), rng.integers(1, 8, m))[:dets_per_image]
         jitter = rng.normal(0, 0.1, (len(near), 4)) * np.repeat(gt_box[near, 2:], 2, 1)
         d_near = gt_box[near] + jitter
@@ -42,8 +46,11 @@ def synthetic(n_images: int, nc: int, dets_per_image: int, seed: int) -> list[tu
         k = dets_per_image - len(near)
         wh_bg = np.exp(rng.uniform(np.log(4), np.log(400), (k, 2)))
         d_bg = np.concatenate((rng.uniform(0, 640, (k, 2)), wh_bg), 1)
-        det = {"box": np.concatenate((d_near, d_bg)), "cls": np.concatenate((c_near, rng.integers(0, nc, k))),
-               "score": np.round(np.concatenate((rng.uniform(0.2, 1, len(near)), rng.uniform(0, 0.6, k))), 5)}
+        det = {
+            "box": np.concatenate((d_near, d_bg)),
+            "cls": np.concatenate((c_near, rng.integers(0, nc, k))),
+            "score": np.round(np.concatenate((rng.uniform(0.2, 1, len(near)), rng.uniform(0, 0.6, k))), 5),
+        }
         images.append((img_id, gt, det))
     return images
 
@@ -54,14 +61,25 @@ def to_pycocotools(images: list, nc: int):  # returns pycocotools objects (untyp
     anns, results = [], []
     for img_id, gt, det in images:
         for b, c, a, crowd in zip(gt["box"].tolist(), gt["cls"].tolist(), gt["area"].tolist(), gt["crowd"].tolist()):
-            anns.append({"id": len(anns) + 1, "image_id": img_id, "category_id": c + 1, "bbox": b, "area": a,
-                         "iscrowd": int(crowd)})
+            anns.append(
+                {
+                    "id": len(anns) + 1,
+                    "image_id": img_id,
+                    "category_id": c + 1,
+                    "bbox": b,
+                    "area": a,
+                    "iscrowd": int(crowd),
+                }
+            )
         for b, c, s in zip(det["box"].tolist(), det["cls"].tolist(), det["score"].tolist()):
             results.append({"image_id": img_id, "category_id": c + 1, "bbox": b, "score": s})
     with contextlib.redirect_stdout(io.StringIO()):
         coco_gt = COCO()
-        coco_gt.dataset = {"images": [{"id": i} for i, _, _ in images], "annotations": anns,
-                           "categories": [{"id": c + 1} for c in range(nc)]}
+        coco_gt.dataset = {
+            "images": [{"id": i} for i, _, _ in images],
+            "annotations": anns,
+            "categories": [{"id": c + 1} for c in range(nc)],
+        }
         coco_gt.createIndex()
         coco_dt = coco_gt.loadRes(results)
     return coco_gt, coco_dt
@@ -90,8 +108,10 @@ def main() -> None:
         ev.summarize()
 
     t0 = time.perf_counter()
-    stats = [match_image_coco(d["box"], d["score"], d["cls"], g["box"], g["cls"], g["area"], g["crowd"],
-                              image_id=i) for i, g, d in images]
+    stats = [
+        match_image_coco(d["box"], d["score"], d["cls"], g["box"], g["cls"], g["area"], g["crowd"], image_id=i)
+        for i, g, d in images
+    ]
     t_match = time.perf_counter() - t0
     t0 = time.perf_counter()
     metrics = coco_summary(stats, args.classes)
@@ -100,14 +120,18 @@ def main() -> None:
     worst = float(np.abs(metrics.coco_stats() - ev.stats).max())
     n_gt = sum(len(g["cls"]) for _, g, _ in images)
     print(f"{args.images} images, {args.dets} detections each, {args.classes} classes, {n_gt} ground truth boxes")
-    print(f"mAP50-95 pycocotools {ev.stats[0]:.6f}  detrain {metrics.map:.6f}  "
-          f"largest difference over the 12 COCO values {worst:.1e}")
+    print(
+        f"mAP50-95 pycocotools {ev.stats[0]:.6f}  detrain {metrics.map:.6f}  "
+        f"largest difference over the 12 COCO values {worst:.1e}"
+    )
     print()
     print(f"| {'what':<52} | {'seconds':>8} | {'pycocotools / this':>18} |")
     print(f"|{'-' * 54}|{'-' * 10}|{'-' * 20}|")
-    rows = [("pycocotools evaluate() + accumulate()", t_ref),
-            ("detrain match_image (all images) + coco_summary", t_match + t_acc),
-            ("detrain coco_summary from matched stats", t_acc)]
+    rows = [
+        ("pycocotools evaluate() + accumulate()", t_ref),
+        ("detrain match_image (all images) + coco_summary", t_match + t_acc),
+        ("detrain coco_summary from matched stats", t_acc),
+    ]
     for what, t in rows:
         print(f"| {what:<52} | {t:8.2f} | {t_ref / t:17.1f}x |")
     if worst > 1e-6:

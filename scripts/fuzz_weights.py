@@ -161,8 +161,19 @@ def new_tally() -> Tally:
     return Tally(defaultdict(Counter), [])
 
 
-def run_cases(bases: list[Base], seed: int, indices: range, folder: Path, *, cpu_s: float, mem_mb: int,
-              wall_s: float, save_failures: Path | None = None, progress: int = 0, tally: Tally | None = None) -> Tally:
+def run_cases(
+    bases: list[Base],
+    seed: int,
+    indices: range,
+    folder: Path,
+    *,
+    cpu_s: float,
+    mem_mb: int,
+    wall_s: float,
+    save_failures: Path | None = None,
+    progress: int = 0,
+    tally: Tally | None = None,
+) -> Tally:
     """Make, write and load each case in a forked child; count how each ended (into ``tally`` when given)."""
     import detrain.weights.ultralytics  # noqa: F401  imported here once, so no child imports it again
     from detrain.errors import CheckpointError
@@ -175,8 +186,9 @@ def run_cases(bases: list[Base], seed: int, indices: range, folder: Path, *, cpu
         case = make_case(bases, seed, index)
         path = folder / f"{case.base}.pt"  # torch names the archive's folder after the file; keep it plausible
         path.write_bytes(case.data)
-        outcome = run_isolated(load_target(path), (CheckpointError,), cpu_s=cpu_s, mem_bytes=mem_mb << 20,
-                               wall_s=wall_s)
+        outcome = run_isolated(
+            load_target(path), (CheckpointError,), cpu_s=cpu_s, mem_bytes=mem_mb << 20, wall_s=wall_s
+        )
         tally.add(case, outcome)
         if not outcome.acceptable and save_failures is not None:
             save_failures.mkdir(parents=True, exist_ok=True)
@@ -190,8 +202,10 @@ def run_cases(bases: list[Base], seed: int, indices: range, folder: Path, *, cpu
 def table(tally: Tally) -> str:
     """Outcome counts per mutation as a markdown table, with a total row."""
     head = ["mutation", "cases", *KINDS]
-    rows = [[name, str(sum(c.values())), *(str(c[k]) for k in KINDS)]
-            for name, c in sorted(tally.counts.items(), key=lambda kv: (kv[0] == STACKED, kv[0]))]
+    rows = [
+        [name, str(sum(c.values())), *(str(c[k]) for k in KINDS)]
+        for name, c in sorted(tally.counts.items(), key=lambda kv: (kv[0] == STACKED, kv[0]))
+    ]
     total = tally.total()
     rows.append(["**total**", str(sum(total.values())), *(str(total[k]) for k in KINDS)])
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -245,22 +259,37 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        tally = run_cases(bases, args.seed, range(args.first, args.first + args.cases), folder, cpu_s=args.cpu_s,
-                          mem_mb=args.mem_mb, wall_s=args.wall_s, save_failures=args.save_failures,
-                          progress=args.progress, tally=tally)
+        tally = run_cases(
+            bases,
+            args.seed,
+            range(args.first, args.first + args.cases),
+            folder,
+            cpu_s=args.cpu_s,
+            mem_mb=args.mem_mb,
+            wall_s=args.wall_s,
+            save_failures=args.save_failures,
+            progress=args.progress,
+            tally=tally,
+        )
         wall = time.monotonic() - t0
     total = sum(tally.total().values())
     if tally.stopped:
         print(f"stopped after {total} of {args.cases} cases")
     print(table(tally))
-    print(f"\n{total} cases (seed {args.seed}, indices {args.first}..{args.first + total - 1}, bases: "
-          f"{', '.join(b.name for b in bases)}) in {wall:.0f} s wall, {total / wall:.1f} cases/s; limits per case: "
-          f"{args.cpu_s:g} s CPU, {args.wall_s:g} s wall, {args.mem_mb} MiB")
-    print(f"most CPU in one case: {tally.max_cpu[0]:.2f} s (case {tally.max_cpu[1]}); largest peak RSS growth: "
-          f"{tally.max_growth[0]:.0f} MiB (case {tally.max_growth[1]})")
+    print(
+        f"\n{total} cases (seed {args.seed}, indices {args.first}..{args.first + total - 1}, bases: "
+        f"{', '.join(b.name for b in bases)}) in {wall:.0f} s wall, {total / wall:.1f} cases/s; limits per case: "
+        f"{args.cpu_s:g} s CPU, {args.wall_s:g} s wall, {args.mem_mb} MiB"
+    )
+    print(
+        f"most CPU in one case: {tally.max_cpu[0]:.2f} s (case {tally.max_cpu[1]}); largest peak RSS growth: "
+        f"{tally.max_growth[0]:.0f} MiB (case {tally.max_growth[1]})"
+    )
     for case, outcome in tally.failures[:20]:
-        print(f"FAILED case {case.index} ({case.base} + {', '.join(case.mutations)}): {outcome.kind}: "
-              f"{outcome.detail[:200]}")
+        print(
+            f"FAILED case {case.index} ({case.base} + {', '.join(case.mutations)}): {outcome.kind}: "
+            f"{outcome.detail[:200]}"
+        )
     if len(tally.failures) > 20:
         print(f"... and {len(tally.failures) - 20} more failures")
     return 1 if tally.failures else 0

@@ -119,11 +119,12 @@ class Stats:
             "boxes cut by the image border": _pct(self.cut / boxes),
             "mosaic images": _pct(len(mosaics) / max(len(self.samples), 1)),
             "distinct sources / batch: mean min": f"{np.mean(self.sources_per_batch):.1f} "
-                                                  f"{min(self.sources_per_batch)}",
+            f"{min(self.sources_per_batch)}",
             "uses of an image / epoch: mean std": f"{counts.mean():.2f} {counts.std():.2f}",
             "uses of an image / epoch: min max": f"{counts.min()} {counts.max()}",
-            "mosaics with an image twice": _pct(sum(len(set(s.tiles)) < len(s.tiles) for s in mosaics)
-                                                / max(len(mosaics), 1)),
+            "mosaics with an image twice": _pct(
+                sum(len(set(s.tiles)) < len(s.tiles) for s in mosaics) / max(len(mosaics), 1)
+            ),
             "image pairs in mosaics: distinct / total": f"{len(pairs)} / {int(pair_n.sum())}",
             "pair seen again (of all pair uses)": _pct(1 - len(pairs) / max(pair_n.sum(), 1)),
             "uses of a pair: mean max": f"{pair_n.mean():.2f} {pair_n.max():.0f}",
@@ -208,8 +209,10 @@ def detrain_plans(shapes_hw: Callable[[], Sequence[tuple[int, int]]]) -> Iterato
     def recording(plan: Any, *args: Any, **kwargs: Any) -> Any:
         shapes = shapes_hw()
         tiles = [t for layer in plan.layers for t in layer.tiles]
-        reduce = [(f, bool(shapes[t.index][0] % f or shapes[t.index][1] % f))
-                  for t, f in ((t, int(getattr(t, "reduce", 1))) for t in tiles)]
+        reduce = [
+            (f, bool(shapes[t.index][0] % f or shapes[t.index][1] % f))
+            for t, f in ((t, int(getattr(t, "reduce", 1))) for t in tiles)
+        ]
         mosaic = bool(getattr(plan, "mosaic", len(plan.layers[0].tiles) > 1))
         records.append(Sample([int(t.index) for t in tiles], mosaic, reduce))
         return original(plan, *args, **kwargs)
@@ -225,8 +228,9 @@ def run_detrain(data_yaml: Path, imgsz: int, batch: int, epochs: int, seed: int,
     from detrain.config import make_cfg
     from detrain.engine.data import build_train_loader, load_split
 
-    cfg = make_cfg({"data": str(data_yaml), "imgsz": imgsz, "batch": batch, "workers": 0, "seed": seed,
-                    "cache": cache or False})
+    cfg = make_cfg(
+        {"data": str(data_yaml), "imgsz": imgsz, "batch": batch, "workers": 0, "seed": seed, "cache": cache or False}
+    )
     split = load_split(cfg.inputs.data, "train", cfg, verbose=False)
     loader = build_train_loader(split, cfg, local_batch=batch, rank=0, world=1)
     dataset = loader.dataset
@@ -237,7 +241,7 @@ def run_detrain(data_yaml: Path, imgsz: int, batch: int, epochs: int, seed: int,
             dataset.set_epoch(epoch)
             stats.epoch_counts.append(Counter())
             for b in loader:
-                stats.add_batch(b, records[-len(b["img"]):])
+                stats.add_batch(b, records[-len(b["img"]) :])
     return stats
 
 
@@ -283,8 +287,9 @@ def ultralytics_samples(dataset: Any) -> Iterator[list[Sample]]:
         dataset.__class__ = base
 
 
-def run_ultralytics(folder: Path, names: dict[int, str], imgsz: int, batch: int, epochs: int, seed: int,
-                    workers: int = 0) -> Stats | None:
+def run_ultralytics(
+    folder: Path, names: dict[int, str], imgsz: int, batch: int, epochs: int, seed: int, workers: int = 0
+) -> Stats | None:
     """Ultralytics' training batches; with ``workers`` > 0 each worker process has its own mosaic buffer, as in
     a real run (its default is 8), and reports what its samples were made of along with each batch."""
     try:
@@ -295,8 +300,14 @@ def run_ultralytics(folder: Path, names: dict[int, str], imgsz: int, batch: int,
         return None
     init_seeds(seed)
     cfg = get_cfg(overrides={"imgsz": imgsz, "batch": batch, "workers": workers, "seed": seed})
-    data = {"path": str(folder), "train": str(folder / "images" / "train"), "val": str(folder / "images" / "train"),
-            "names": names, "nc": len(names), "channels": 3}
+    data = {
+        "path": str(folder),
+        "train": str(folder / "images" / "train"),
+        "val": str(folder / "images" / "train"),
+        "names": names,
+        "nc": len(names),
+        "channels": 3,
+    }
     dataset = build_yolo_dataset(cfg, data["train"], batch, data, mode="train", stride=32)
     stats = Stats(len(dataset))
     with ultralytics_samples(dataset) as records:
@@ -310,7 +321,7 @@ def run_ultralytics(folder: Path, names: dict[int, str], imgsz: int, batch: int,
 
         def collate_with_samples(items: list[Any]) -> dict[str, Any]:  # runs where the samples were made
             out = collate(items)
-            out["_samples"] = records[-len(items):]
+            out["_samples"] = records[-len(items) :]
             records.clear()
             return out
 
@@ -340,10 +351,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", choices=["", "ram", "disk"], default="",
-                   help="detrain's cache (ram: load-size pixels, resampled twice as Ultralytics does)")
-    p.add_argument("--ultralytics-workers", type=int, default=0,
-                   help="Ultralytics' loader workers, each with its own mosaic buffer (its trainer's default: 8)")
+    p.add_argument(
+        "--cache",
+        choices=["", "ram", "disk"],
+        default="",
+        help="detrain's cache (ram: load-size pixels, resampled twice as Ultralytics does)",
+    )
+    p.add_argument(
+        "--ultralytics-workers",
+        type=int,
+        default=0,
+        help="Ultralytics' loader workers, each with its own mosaic buffer (its trainer's default: 8)",
+    )
     args = p.parse_args()
 
     cv2.setNumThreads(1)
@@ -368,12 +387,20 @@ def main() -> None:
             p50, mean = validation_detail(data_yaml, imgsz, args.batch)
             reference.append(f"{imgsz}: {p50:.0f} {mean:.0f}")
     theirs_shown = any(c.startswith("ultralytics") for c in columns)
-    print(f"\n{args.data}: train split, batch {args.batch}, {args.epochs} epoch(s), seed {args.seed}, default "
-          f"augmentation, " + (f"workers: detrain 0, Ultralytics {args.ultralytics_workers}" if theirs_shown
-                               else "0 workers (Ultralytics not importable: detrain only)"))
+    print(
+        f"\n{args.data}: train split, batch {args.batch}, {args.epochs} epoch(s), seed {args.seed}, default "
+        f"augmentation, "
+        + (
+            f"workers: detrain 0, Ultralytics {args.ultralytics_workers}"
+            if theirs_shown
+            else "0 workers (Ultralytics not importable: detrain only)"
+        )
+    )
     print_table(columns)
-    print("validation images (not augmented; the same pixels in both), sharpness of non-flat pixels p50 mean: "
-          + ", ".join(reference))
+    print(
+        "validation images (not augmented; the same pixels in both), sharpness of non-flat pixels p50 mean: "
+        + ", ".join(reference)
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,13 @@ def main(cases: list[dict]) -> None:
             except DetrainError as e:
                 out.append({"error": str(e)})
                 continue
-            out.append({"epoch": None if start.ckpt is None else start.ckpt["epoch"], "resume": start.cfg.train.resume,
-                        "save_dir": None if start.save_dir is None else str(start.save_dir)})
+            out.append(
+                {
+                    "epoch": None if start.ckpt is None else start.ckpt["epoch"],
+                    "resume": start.cfg.train.resume,
+                    "save_dir": None if start.save_dir is None else str(start.save_dir),
+                }
+            )
     finally:
         dist.cleanup()
     Path("agreed.json").write_text(json.dumps(out))

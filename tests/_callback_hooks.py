@@ -15,8 +15,15 @@ from detrain.distributed import dist
 
 def record(path: str, event: TrainEvent) -> None:
     """Append ``event`` (bound first with functools.partial) as one line: name, epoch, rank, pid, metric keys."""
-    line = {"event": event.event, "epoch": event.epoch, "rank": dist.rank(), "env_rank": os.environ.get("RANK"),
-            "pid": os.getpid(), "metrics": sorted(event.metrics), "last": str(event.last) if event.last else None}
+    line = {
+        "event": event.event,
+        "epoch": event.epoch,
+        "rank": dist.rank(),
+        "env_rank": os.environ.get("RANK"),
+        "pid": os.getpid(),
+        "metrics": sorted(event.metrics),
+        "last": str(event.last) if event.last else None,
+    }
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 

@@ -34,8 +34,16 @@ def random_coco(seed: int, n_images: int = 24, nc: int = 5, integer_boxes: bool 
         for b, c, crowd in gts:
             # COCO's area comes from the mask, so it differs from the box's w * h
             area = b[2] * b[3] * (1.0 if integer_boxes else float(rng.uniform(0.4, 1.0)))
-            anns.append({"id": len(anns) + 1, "image_id": img_id, "category_id": c + 1, "bbox": b,
-                         "area": area, "iscrowd": int(crowd)})
+            anns.append(
+                {
+                    "id": len(anns) + 1,
+                    "image_id": img_id,
+                    "category_id": c + 1,
+                    "bbox": b,
+                    "area": area,
+                    "iscrowd": int(crowd),
+                }
+            )
         if rng.random() < 0.15:
             continue  # an image without detections
         dets = []
@@ -54,10 +62,8 @@ def random_coco(seed: int, n_images: int = 24, nc: int = 5, integer_boxes: bool 
             dets.append(dets[int(rng.integers(len(dets)))])
         for d, c in dets:
             score = float(np.round(rng.random(), 1))  # coarse scores: many ties
-            results.append({"image_id": img_id, "category_id": c + 1, "bbox": [float(v) for v in d],
-                            "score": score})
-    gt = {"images": images, "annotations": anns,
-          "categories": [{"id": c + 1, "name": str(c)} for c in range(nc)]}
+            results.append({"image_id": img_id, "category_id": c + 1, "bbox": [float(v) for v in d], "score": score})
+    gt = {"images": images, "annotations": anns, "categories": [{"id": c + 1, "name": str(c)} for c in range(nc)]}
     return gt, results
 
 

@@ -10,8 +10,9 @@ from detrain.data.instances import Labels
 PARTNER_BACKGROUND = (200, 120, 0)  # BGR, unlike any colour the base scenes use
 
 
-def grid_scene(h: int, w: int, step: int, size: int, cls: int,
-               colour: tuple[int, int, int]) -> tuple[np.ndarray, Labels]:
+def grid_scene(
+    h: int, w: int, step: int, size: int, cls: int, colour: tuple[int, int, int]
+) -> tuple[np.ndarray, Labels]:
     """A flat image (background ``PARTNER_BACKGROUND``) covered by a grid of ``size``-px squares every ``step`` px,
     all of class ``cls`` and BGR ``colour``."""
     boxes = [(x, y, x + size, y + size) for y in range(2, h - size, step) for x in range(2, w - size, step)]
@@ -34,8 +35,15 @@ def expected_cut_boxes(boxes: np.ndarray, area: tuple[int, int, int, int]) -> li
     return sorted(np.round(np.array(out, np.float32).reshape(-1, 4), 2).tolist())
 
 
-def check_cutmix(out: np.ndarray, labels: Labels, base: np.ndarray, base_labels: Labels, partner: np.ndarray,
-                 partner_labels: Labels, partner_cls: int) -> dict[str, int]:
+def check_cutmix(
+    out: np.ndarray,
+    labels: Labels,
+    base: np.ndarray,
+    base_labels: Labels,
+    partner: np.ndarray,
+    partner_labels: Labels,
+    partner_cls: int,
+) -> dict[str, int]:
     """What CutMix must have done to ``base`` (or nothing): the changed pixels form one rectangle holding exactly
     the partner's pixels there, away from every base box; the base labels stay; the partner's boxes inside it are
     there, clipped, and those mostly outside it are not. Returns counts of what the case exercised."""
@@ -56,9 +64,11 @@ def check_cutmix(out: np.ndarray, labels: Labels, base: np.ndarray, base_labels:
         assert b[2] <= x1 or b[0] >= x2 or b[3] <= y1 or b[1] >= y2, (b, area)
     got = sorted(np.round(labels.boxes_xyxy[~own], 2).tolist())  # (boxes may have passed through xywhn)
     assert got == expected_cut_boxes(partner_labels.boxes_xyxy, area)
-    inside = [((min(b[2], x2) - max(b[0], x1)) * (min(b[3], y2) - max(b[1], y1)) / ((b[2] - b[0]) * (b[3] - b[1])))
-              for b in partner_labels.boxes_xyxy.tolist() if min(b[2], x2) > max(b[0], x1)
-              and min(b[3], y2) > max(b[1], y1)]
+    inside = [
+        ((min(b[2], x2) - max(b[0], x1)) * (min(b[3], y2) - max(b[1], y1)) / ((b[2] - b[0]) * (b[3] - b[1])))
+        for b in partner_labels.boxes_xyxy.tolist()
+        if min(b[2], x2) > max(b[0], x1) and min(b[3], y2) > max(b[1], y1)
+    ]
     seen["pasted"] = 1
     seen["clipped"] = sum(0.1 < f < 1 for f in inside)
     seen["dropped"] = sum(0 < f <= 0.1 for f in inside)

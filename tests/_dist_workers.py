@@ -147,10 +147,21 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
     from detrain.engine.data import build_train_loader, load_split
 
     dist.setup(timeout_s=60.0)
-    cfg = make_cfg({"data": args["data"], "imgsz": 64, "batch": args["batch"], "workers": 1, "cache": "ram",
-                    "epochs": 3, "seed": 0})
+    cfg = make_cfg(
+        {
+            "data": args["data"],
+            "imgsz": 64,
+            "batch": args["batch"],
+            "workers": 1,
+            "cache": "ram",
+            "epochs": 3,
+            "seed": 0,
+        }
+    )
     data = load_split(args["data"], "train", cfg, verbose=False)
-    loader = build_train_loader(data, cfg, check_batch(cfg.train.batch, dist.world_size()), dist.rank(), dist.world_size())
+    loader = build_train_loader(
+        data, cfg, check_batch(cfg.train.batch, dist.world_size()), dist.rank(), dist.world_size()
+    )
     cache = loader.dataset._ram
     it = iter(loader)
     batches = [next(it)["img"] for _ in range(2)]

@@ -1,4 +1,5 @@
-"""Worker functions for tests/integration/test_train_keys.py's two-rank tests (spawned workers import their entry by name)."""
+"""Worker functions for tests/integration/test_train_keys.py's two-rank tests (spawned workers import their
+entry by name)."""
 
 from __future__ import annotations
 

@@ -38,8 +38,9 @@ def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
     trainer.build_train_loader = build
     # the JSON's keys, checked as a command would; what detrain's runner would have planned: two nodes, the run folder
     # the test names
-    return trainer.train_worker({**args, "cfg": make_cfg(args["cfg"]),
-                                 "plan": RunPlan(nodes=(2, 2), save_dir=args["save_dir"])})
+    return trainer.train_worker(
+        {**args, "cfg": make_cfg(args["cfg"]), "plan": RunPlan(nodes=(2, 2), save_dir=args["save_dir"])}
+    )
 
 
 def _main(argv: list[str]) -> int:

@@ -22,11 +22,14 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def run_together(commands: Sequence[Sequence[str]], env: dict[str, str], cwd: str | Path,
-                 limit_s: float) -> list[tuple[int, str]]:
+def run_together(
+    commands: Sequence[Sequence[str]], env: dict[str, str], cwd: str | Path, limit_s: float
+) -> list[tuple[int, str]]:
     """Start every command at once, wait for all (``limit_s`` each), kill what is left; (exit code, output) each."""
-    procs = [subprocess.Popen(list(c), env=env, cwd=cwd, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT) for c in commands]
+    procs = [
+        subprocess.Popen(list(c), env=env, cwd=cwd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for c in commands
+    ]
     outs = []
     try:
         for p in procs:
@@ -40,9 +43,17 @@ def run_together(commands: Sequence[Sequence[str]], env: dict[str, str], cwd: st
 
 
 REPO = Path(__file__).resolve().parents[1]
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "DETRAIN_TEST_KILL_AT",
-                "DETRAIN_TEST_KILL_AFTER_MID", "DETRAIN_TEST_HOLD_AT")
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "TEST_FAULT",
+)
 
 
 def free_port() -> int:

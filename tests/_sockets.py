@@ -22,7 +22,7 @@ def listening(pid: int) -> list[tuple[str, int]]:
         except OSError:  # closed meanwhile
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found = []
     for table in ("tcp", "tcp6"):
         try:
@@ -41,7 +41,7 @@ def _address(hex_addr: str) -> tuple[str, int]:
     """'0100007F:1F90' -> ('127.0.0.1', 8080): the kernel prints each 32-bit word of the address in host order."""
     addr, port = hex_addr.split(":")
     raw = bytes.fromhex(addr)
-    ordered = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     ip = ipaddress.ip_address(ordered)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped

@@ -30,7 +30,7 @@ def _draw(rng: np.random.Generator, h: int, w: int) -> tuple[np.ndarray, list[tu
             continue  # keep rectangles apart so each colour stays one solid block
         bgr = [0, 0, 0]
         bgr[2 - c] = 255
-        img[y1: y1 + bh, x1: x1 + bw] = bgr
+        img[y1 : y1 + bh, x1 : x1 + bw] = bgr
         boxes.append((x1, y1, x1 + bw, y1 + bh, c))
     return img, boxes
 
@@ -48,8 +48,12 @@ def make_dataset(root: Path, n_val: int = 10, n_train: int = 4, numeric: bool = 
             cv2.imwrite(str(im), img)
             lb = root / "labels" / split / f"{stem}.txt"
             lb.parent.mkdir(parents=True, exist_ok=True)
-            lb.write_text("".join(f"{c} {(x1 + x2) / 2 / w:.6f} {(y1 + y2) / 2 / h:.6f} {(x2 - x1) / w:.6f} "
-                                  f"{(y2 - y1) / h:.6f}\n" for x1, y1, x2, y2, c in boxes))
+            lb.write_text(
+                "".join(
+                    f"{c} {(x1 + x2) / 2 / w:.6f} {(y1 + y2) / 2 / h:.6f} {(x2 - x1) / w:.6f} {(y2 - y1) / h:.6f}\n"
+                    for x1, y1, x2, y2, c in boxes
+                )
+            )
     yaml_file = root / "data.yaml"
     yaml_file.write_text(f"path: {root}\ntrain: images/train\nval: images/val\nnames: {NAMES}\n")
     return yaml_file
@@ -71,17 +75,28 @@ def make_coco_json_dataset(root: Path, n_val: int = 8, seed: int = 1) -> Path:
         image_id = 500 + 3 * i
         images.append({"id": image_id, "file_name": name, "width": w, "height": h})
         for x1, y1, x2, y2, c in boxes:
-            annotations.append({"id": len(annotations) + 1, "image_id": image_id, "category_id": cat_ids[c],
-                                "bbox": [x1, y1, x2 - x1, y2 - y1], "area": float((x2 - x1) * (y2 - y1)),
-                                "iscrowd": 0})
+            annotations.append(
+                {
+                    "id": len(annotations) + 1,
+                    "image_id": image_id,
+                    "category_id": cat_ids[c],
+                    "bbox": [x1, y1, x2 - x1, y2 - y1],
+                    "area": float((x2 - x1) * (y2 - y1)),
+                    "iscrowd": 0,
+                }
+            )
     annotations[0]["iscrowd"] = 1
-    doc = {"images": images, "annotations": annotations,
-           "categories": [{"id": cid, "name": n} for cid, n in zip(cat_ids, NAMES)]}
+    doc = {
+        "images": images,
+        "annotations": annotations,
+        "categories": [{"id": cid, "name": n} for cid, n in zip(cat_ids, NAMES)],
+    }
     (root / "annotations").mkdir(parents=True, exist_ok=True)
     (root / "annotations" / "instances_val.json").write_text(json.dumps(doc))
     yaml_file = root / "coco_json.yaml"
-    yaml_file.write_text(f"path: {root}\ntrain: annotations/instances_val.json\nval: annotations/instances_val.json\n"
-                         f"names: {NAMES}\n")
+    yaml_file.write_text(
+        f"path: {root}\ntrain: annotations/instances_val.json\nval: annotations/instances_val.json\nnames: {NAMES}\n"
+    )
     return yaml_file
 
 

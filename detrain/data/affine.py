@@ -72,13 +72,20 @@ def random_affine_matrix(
     angle = math.radians(rng.uniform(-degrees, degrees))
     s = float(rng.uniform(1 - scale, 1 + scale))
     # Counter-clockwise on screen (y points down), as cv2.getRotationMatrix2D.
-    r = np.array([[s * math.cos(angle), s * math.sin(angle), 0.0], [-s * math.sin(angle), s * math.cos(angle), 0.0],
-                  [0.0, 0.0, 1.0]])
+    r = np.array(
+        [
+            [s * math.cos(angle), s * math.sin(angle), 0.0],
+            [-s * math.sin(angle), s * math.cos(angle), 0.0],
+            [0.0, 0.0, 1.0],
+        ]
+    )
     sh = np.eye(3)
     sh[0, 1] = math.tan(math.radians(rng.uniform(-shear, shear)))
     sh[1, 0] = math.tan(math.radians(rng.uniform(-shear, shear)))
-    t = translation(rng.uniform(0.5 - translate, 0.5 + translate) * out_wh[0],
-                    rng.uniform(0.5 - translate, 0.5 + translate) * out_wh[1])
+    t = translation(
+        rng.uniform(0.5 - translate, 0.5 + translate) * out_wh[0],
+        rng.uniform(0.5 - translate, 0.5 + translate) * out_wh[1],
+    )
     return t @ sh @ r @ p @ c, s
 
 
@@ -144,8 +151,9 @@ def box_candidates(
     return (w2 > wh_thr) & (h2 > wh_thr) & (w2 * h2 / (w1 * h1 + eps) > area_thr) & (ar < ar_thr)
 
 
-def warp_into(canvas: np.ndarray, src: np.ndarray, m: np.ndarray,
-              src_rect: tuple[int, int, int, int] | None = None) -> np.ndarray:
+def warp_into(
+    canvas: np.ndarray, src: np.ndarray, m: np.ndarray, src_rect: tuple[int, int, int, int] | None = None
+) -> np.ndarray:
     """Warp ``src`` (HWC uint8) by ``m`` (continuous coordinates, src -> canvas) into ``canvas`` in place.
 
     Only the canvas pixels that the (optionally restricted, ``src_rect`` = x1, y1, x2, y2 in ``src`` pixels)

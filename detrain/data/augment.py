@@ -18,9 +18,20 @@ from detrain.data.affine import FILL
 
 # The augmentation settings and YOLOv8's defaults (close_mosaic: mosaic off for the last N epochs).
 DEFAULT_HYP: dict[str, float] = {
-    "hsv_h": 0.015, "hsv_s": 0.7, "hsv_v": 0.4,
-    "degrees": 0.0, "translate": 0.1, "scale": 0.5, "shear": 0.0, "perspective": 0.0,
-    "flipud": 0.0, "fliplr": 0.5, "mosaic": 1.0, "mixup": 0.0, "cutmix": 0.0, "close_mosaic": 10,
+    "hsv_h": 0.015,
+    "hsv_s": 0.7,
+    "hsv_v": 0.4,
+    "degrees": 0.0,
+    "translate": 0.1,
+    "scale": 0.5,
+    "shear": 0.0,
+    "perspective": 0.0,
+    "flipud": 0.0,
+    "fliplr": 0.5,
+    "mosaic": 1.0,
+    "mixup": 0.0,
+    "cutmix": 0.0,
+    "close_mosaic": 10,
 }
 MIXUP_BETA = 32.0  # mixing ratio ~ Beta(32, 32): close to an even blend
 
@@ -30,8 +41,7 @@ def hsv_gains(rng: np.random.Generator, hgain: float = 0.015, sgain: float = 0.7
     return rng.uniform(-1, 1, 3) * np.array([hgain, sgain, vgain])
 
 
-def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False,
-              dst: np.ndarray | None = None) -> np.ndarray:
+def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False, dst: np.ndarray | None = None) -> np.ndarray:
     """``img`` (BGR) with hue shifted by ``gains[0]`` of the circle and saturation and value scaled by
     ``1 + gains[1:]`` (clipped); BGR out, or RGB with ``to_rgb`` (the channel swap comes free with the
     conversion back). Written into ``dst`` (same shape) if given, else a new array.
@@ -56,9 +66,15 @@ def apply_hsv(img: np.ndarray, gains: np.ndarray, to_rgb: bool = False,
     return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB_FULL if to_rgb else cv2.COLOR_HSV2BGR_FULL, dst=dst)
 
 
-def letterbox(img: np.ndarray, new_shape: int | tuple[int, int] = (640, 640), auto: bool = False,
-              scaleup: bool = True, stride: int = 32, center: bool = True,
-              color: int = FILL) -> tuple[np.ndarray, tuple[float, float], tuple[int, int]]:
+def letterbox(
+    img: np.ndarray,
+    new_shape: int | tuple[int, int] = (640, 640),
+    auto: bool = False,
+    scaleup: bool = True,
+    stride: int = 32,
+    center: bool = True,
+    color: int = FILL,
+) -> tuple[np.ndarray, tuple[float, float], tuple[int, int]]:
     """Resize keeping the aspect ratio and pad to ``new_shape`` (h, w), with YOLOv8's exact numerics.
 
     Returns (image, (gain, gain), (pad_left, pad_top)). The gain is ``r = min(new_h / h, new_w / w)`` (at most 1

@@ -42,8 +42,9 @@ except (OSError, AttributeError, TypeError):  # no madvise here: no pre-faulting
 def _populate(t: torch.Tensor) -> None:
     """Fault in the pages of ``t`` in one system call (best effort; silently nothing where unsupported)."""
     if _LIBC is not None and t.numel():
-        _LIBC.madvise(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel() * t.element_size()),
-                      _MADV_POPULATE_WRITE)
+        _LIBC.madvise(
+            ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.numel() * t.element_size()), _MADV_POPULATE_WRITE
+        )
 
 
 _MAGIC = 0x6B6C6264  # "dblk": a recycled block's trailer
@@ -152,7 +153,7 @@ def _label_offset(image_bytes: int) -> int:
 def _label_views(storage: torch.UntypedStorage, offset: int, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``batch_idx`` (M,), ``cls`` (M, 1) and ``bboxes`` (M, 4) float32 views of a block's label part."""
     labels = _over(storage, torch.float32, offset // 4, (6 * m,))
-    return labels[:m], labels[m: 2 * m].view(m, 1), labels[2 * m:].view(m, 4)
+    return labels[:m], labels[m : 2 * m].view(m, 1), labels[2 * m :].view(m, 4)
 
 
 def _starts(counts: Sequence[int]) -> list[int]:
@@ -175,8 +176,9 @@ class BatchBlock:
     starts: list[int]
 
     @classmethod
-    def allocate(cls, n: int, h: int, w: int, counts: Sequence[int], channels_last: bool = False,
-                 recycle: bool = False) -> BatchBlock:
+    def allocate(
+        cls, n: int, h: int, w: int, counts: Sequence[int], channels_last: bool = False, recycle: bool = False
+    ) -> BatchBlock:
         """A block for ``n`` images of h x w with ``counts[i]`` labels each (``batch_idx`` filled in); in a
         recycled segment with ``recycle`` (see the module docstring: the consumer must :func:`release` it).
 
@@ -192,7 +194,7 @@ class BatchBlock:
         block = cls(img, *_label_views(raw.untyped_storage(), offset, m), _starts(counts))
         starts = block.starts
         for i in range(n):
-            block.batch_idx[starts[i]: starts[i + 1]] = i
+            block.batch_idx[starts[i] : starts[i + 1]] = i
         return block
 
     def sample(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -64,8 +64,12 @@ def render(
         px, py = ox + tw * ex0, oy + th * ey0
         # The visible part in the tile's own pixels (whole pixels, so at most one extra pixel at a cut edge: also
         # the part of a reduced decode's last pixel that lies beyond its file).
-        rect = (max(math.floor((vx1 - px) / sx), 0), max(math.floor((vy1 - py) / sy), 0),
-                min(math.ceil((vx2 - px) / sx), pw), min(math.ceil((vy2 - py) / sy), ph))
+        rect = (
+            max(math.floor((vx1 - px) / sx), 0),
+            max(math.floor((vy1 - py) / sy), 0),
+            min(math.ceil((vx2 - px) / sx), pw),
+            min(math.ceil((vy2 - py) / sy), ph),
+        )
         wanted = m @ translation(px, py) @ scaling(sx, sy)  # tile pixels -> output
         applied = warp_into(out, tile.pixels, wanted, rect)
         if len(tile.labels):

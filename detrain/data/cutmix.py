@@ -34,8 +34,15 @@ def cutmix_areas(rng: np.random.Generator, w: int, h: int, n: int = CUTMIX_AREAS
     cut = np.sqrt(1.0 - lam)
     half_w, half_h = (w * cut).astype(np.int64) // 2, (h * cut).astype(np.int64) // 2
     cx, cy = rng.integers(w, size=n), rng.integers(h, size=n)
-    return np.stack((np.clip(cx - half_w, 0, w), np.clip(cy - half_h, 0, h),
-                     np.clip(cx + half_w, 0, w), np.clip(cy + half_h, 0, h)), 1).astype(np.int64)
+    return np.stack(
+        (
+            np.clip(cx - half_w, 0, w),
+            np.clip(cy - half_h, 0, h),
+            np.clip(cx + half_w, 0, w),
+            np.clip(cy + half_h, 0, h),
+        ),
+        1,
+    ).astype(np.int64)
 
 
 def free_areas(areas: np.ndarray, boxes_xyxy: np.ndarray) -> np.ndarray:
@@ -64,8 +71,9 @@ def choose_area(areas: np.ndarray, boxes_xyxy: np.ndarray, pick: float) -> tuple
     return tuple(int(v) for v in free[min(int(pick * len(free)), len(free) - 1)])  # type: ignore[return-value]
 
 
-def paste(img: np.ndarray, labels: Labels, area: tuple[int, int, int, int], patch: np.ndarray,
-          patch_labels: Labels) -> tuple[np.ndarray, Labels]:
+def paste(
+    img: np.ndarray, labels: Labels, area: tuple[int, int, int, int], patch: np.ndarray, patch_labels: Labels
+) -> tuple[np.ndarray, Labels]:
     """``patch`` (the rectangle's pixels) written into ``img`` at ``area`` and its labels (patch pixels) added;
     nothing changes when the patch holds no box."""
     if not len(patch_labels):

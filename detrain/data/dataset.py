@@ -70,8 +70,9 @@ def cache_mode(cache: str | bool | None) -> str | None:
     raise ConfigError(f"cache={cache!r} is not valid: use ram, disk or False")
 
 
-def rect_batch_shapes(shapes_hw: np.ndarray, batch_size: int, imgsz: int, stride: int,
-                      pad: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rect_batch_shapes(
+    shapes_hw: np.ndarray, batch_size: int, imgsz: int, stride: int, pad: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """YOLO's rectangular batches: (order, batch index per sorted image, batch shapes (nb, 2) as h, w).
 
     Images are sorted by aspect ratio h/w; batch ``i`` holds sorted images ``i*batch_size ...``; its shape is
@@ -156,16 +157,18 @@ class DetectionDataset(Dataset):
         self.batch_index: np.ndarray | None = None  # rect batch of each (sorted) image
         if self.rect:
             shapes = np.array([tuple(r.shape_hw) for r in records], dtype=np.float64)
-            order, self.batch_index, self.batch_shapes = rect_batch_shapes(shapes, self.batch_size, self.imgsz,
-                                                                           self.stride, self.pad)
+            order, self.batch_index, self.batch_shapes = rect_batch_shapes(
+                shapes, self.batch_size, self.imgsz, self.stride, self.pad
+            )
             records = [records[i] for i in order]
         self.records = records
         self.im_files = [str(r.im_file) for r in records]
         self.shapes_hw = [(int(r.shape_hw[0]), int(r.shape_hw[1])) for r in records]
         self.load_sizes_hw = [load_size(s, self.imgsz) for s in self.shapes_hw]
         self.cache = cache_mode(cache)
-        self._source = SampleSource([(w, h) for h, w in self.load_sizes_hw], [max(s) for s in self.shapes_hw],
-                                    can_reduce=self.cache is None)
+        self._source = SampleSource(
+            [(w, h) for h, w in self.load_sizes_hw], [max(s) for s in self.shapes_hw], can_reduce=self.cache is None
+        )
         # epoch, mosaic closed by close_mosaic(), images replaced: shared with (persistent) dataloader workers.
         self._state = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._warned: set[str] = set()
@@ -173,8 +176,9 @@ class DetectionDataset(Dataset):
         self._ram: RamCache | None = None
         if self.cache == "ram":
             key = cache_key(self.im_files, self.shapes_hw, self.imgsz, run_tag())
-            self._ram = RamCache.build(key, self.load_sizes_hw, self._load_for_cache,
-                                       timeout_s=cache_timeout_s or DEFAULT_TIMEOUT_S)
+            self._ram = RamCache.build(
+                key, self.load_sizes_hw, self._load_for_cache, timeout_s=cache_timeout_s or DEFAULT_TIMEOUT_S
+            )
         elif self.cache == "disk":
             check_disk_cache_fits(self.im_files, self.shapes_hw)
 
@@ -235,16 +239,21 @@ class DetectionDataset(Dataset):
                 needed = [(t.index, t.reduce) for layer in plan.layers for t in layer.tiles]
                 for k in needed:
                     if k not in decoded:
-                        decoded[k] = (self._decode_cache.get(k, self._decode, pick.lane) if self._ram is None
-                                      else self._pixels(*k))
+                        decoded[k] = (
+                            self._decode_cache.get(k, self._decode, pick.lane)
+                            if self._ram is None
+                            else self._pixels(*k)
+                        )
                 bad = [i for i, r in needed if decoded[(i, r)] is None]
                 if not bad:
                     break
                 self._skip(bad, "another image is used in its place")
                 plan = self._plan(pick, epoch, attempt, mosaic_on, out_hw)
             else:
-                raise DatasetError(f"{MAX_SUBSTITUTIONS} unreadable images in a row around "
-                                   f"{self.im_files[pick.index]}: were the images moved or deleted?")
+                raise DatasetError(
+                    f"{MAX_SUBSTITUTIONS} unreadable images in a row around "
+                    f"{self.im_files[pick.index]}: were the images moved or deleted?"
+                )
             img, labels = render_geometry(plan, lambda i, r: _decoded(decoded, i, r), self._labels_at_load_size)
             h0, w0 = self.shapes_hw[plan.index]
             lh, lw = self.load_sizes_hw[plan.index]
@@ -257,8 +266,9 @@ class DetectionDataset(Dataset):
         h, w = (int(v) for v in self.batch_shapes[self.batch_index[index]])
         return h, w
 
-    def _plan(self, pick: Pick, epoch: int, attempt: int, mosaic_on: bool,
-              out_hw: tuple[int, int] | None) -> SamplePlan:
+    def _plan(
+        self, pick: Pick, epoch: int, attempt: int, mosaic_on: bool, out_hw: tuple[int, int] | None
+    ) -> SamplePlan:
         """Attempt 0 is the index itself; a replacement (attempt k) is drawn from (seed, epoch, index, k)."""
         if attempt == 0:
             rng, index = np.random.default_rng([self.seed, epoch, pick.index]), pick.index
@@ -295,8 +305,10 @@ class DetectionDataset(Dataset):
             views = [block.sample(i) for i in range(len(rendered))]
         else:  # images of different sizes cannot form one batch: separate tensors
             channels_last = False
-            views = [(torch.empty((3, *r.img.shape[:2]), dtype=torch.uint8), torch.empty((c, 1)),
-                      torch.empty((c, 4))) for r, c in zip(rendered, counts)]
+            views = [
+                (torch.empty((3, *r.img.shape[:2]), dtype=torch.uint8), torch.empty((c, 1)), torch.empty((c, 4)))
+                for r, c in zip(rendered, counts)
+            ]
         out = []
         for r, (img, cls, bboxes) in zip(rendered, views):
             h, w = r.img.shape[:2]
@@ -309,8 +321,16 @@ class DetectionDataset(Dataset):
                 cv2.split(bgr, [planes[2], planes[1], planes[0]])
             cls.view(-1).numpy()[:] = r.labels.cls
             bboxes.numpy()[:] = r.labels.to_xywhn(w, h)
-            out.append({"img": img, "cls": cls, "bboxes": bboxes, "im_file": self.im_files[r.image_index],
-                        "ori_shape": self.shapes_hw[r.image_index], "ratio_pad": r.ratio_pad})
+            out.append(
+                {
+                    "img": img,
+                    "cls": cls,
+                    "bboxes": bboxes,
+                    "im_file": self.im_files[r.image_index],
+                    "ori_shape": self.shapes_hw[r.image_index],
+                    "ratio_pad": r.ratio_pad,
+                }
+            )
         return out
 
     # -- pixels ----------------------------------------------------------------------------------------------
@@ -379,9 +399,15 @@ class DetectionDataset(Dataset):
             arrays = {"img": block.img, "batch_idx": block.batch_idx, "cls": block.cls, "bboxes": block.bboxes}
         else:
             counts = torch.tensor([len(b["cls"]) for b in batch], dtype=torch.int64)
-            arrays = {"img": default_collate(imgs),
-                      "batch_idx": torch.repeat_interleave(torch.arange(len(batch), dtype=torch.float32), counts),
-                      "cls": torch.cat([b["cls"] for b in batch], 0),
-                      "bboxes": torch.cat([b["bboxes"] for b in batch], 0)}
-        return Batch(**arrays, im_file=[b["im_file"] for b in batch], ori_shape=[b["ori_shape"] for b in batch],
-                     ratio_pad=[b["ratio_pad"] for b in batch])
+            arrays = {
+                "img": default_collate(imgs),
+                "batch_idx": torch.repeat_interleave(torch.arange(len(batch), dtype=torch.float32), counts),
+                "cls": torch.cat([b["cls"] for b in batch], 0),
+                "bboxes": torch.cat([b["bboxes"] for b in batch], 0),
+            }
+        return Batch(
+            **arrays,
+            im_file=[b["im_file"] for b in batch],
+            ori_shape=[b["ori_shape"] for b in batch],
+            ratio_pad=[b["ratio_pad"] for b in batch],
+        )

@@ -95,8 +95,9 @@ def bundled_dataset_names() -> list[str]:
     return sorted(p.name for p in d.glob("*.yaml")) if d.is_dir() else []
 
 
-def load_dataset_yaml(data: str | Path, cache_dir: Path | None = None, download: bool = True,
-                      limits: DownloadLimits | None = None) -> DatasetInfo:
+def load_dataset_yaml(
+    data: str | Path, cache_dir: Path | None = None, download: bool = True, limits: DownloadLimits | None = None
+) -> DatasetInfo:
     """Read a dataset yaml, fetch or generate the data if needed, and list every split's images.
 
     `data` is a path, or a bare name of a bundled yaml (`coco8.yaml`, `coco8`, `shapes.yaml`) when no such
@@ -290,9 +291,7 @@ def _list_split(key: str, entries: list[str], root: Path, yaml_file: Path) -> tu
         elif path.is_file() and _is_image(str(path)):
             images.append(str(path))
         else:
-            raise DatasetError(
-                f"{yaml_file}: {key}: {path} is not a folder, a .txt list, a COCO .json or an image"
-            )
+            raise DatasetError(f"{yaml_file}: {key}: {path} is not a folder, a .txt list, a COCO .json or an image")
     return sorted(images), json_file
 
 
@@ -412,8 +411,15 @@ def _download_sha256(value: Any, where: str) -> str | None:
     return text
 
 
-def _fetch_or_explain(raw: dict, yaml_file: Path, root: Path, missing: list[Path], download: bool, bundled: bool,
-                      limits: DownloadLimits | None) -> None:
+def _fetch_or_explain(
+    raw: dict,
+    yaml_file: Path,
+    root: Path,
+    missing: list[Path],
+    download: bool,
+    bundled: bool,
+    limits: DownloadLimits | None,
+) -> None:
     where = f"put the dataset in {root} (images under images/, labels under labels/)"
     if raw.get("download") is None:
         raise DatasetError(f"{yaml_file}: {missing[0]} does not exist and the yaml has no download:; {where}")

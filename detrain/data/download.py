@@ -223,8 +223,9 @@ def _check_target(dest: Path, url: str) -> None:
 # ---- one URL -----------------------------------------------------------------------------------------------
 
 
-def _download_one(url: str, dest: Path, sha256: str | None, limits: DownloadLimits, progress: bool,
-                  timeout_s: float) -> None:
+def _download_one(
+    url: str, dest: Path, sha256: str | None, limits: DownloadLimits, progress: bool, timeout_s: float
+) -> None:
     # Temporaries on the final place's filesystem, so that putting the result in place is a rename: beside a
     # new folder, inside one being added to (which may be a link to another disk).
     work, prefix = (dest, _PARTIAL) if dest.exists() else (dest.parent, f".{dest.name}.")
@@ -259,8 +260,9 @@ def _fetch(url: str, part: Path, dest: Path, progress: bool, timeout_s: float, m
                 raise DatasetError(f"refusing to download {url}: the server announces {total} bytes, {too_big}")
             received, digest = _copy_with_progress(response, out, total, url, progress, max_bytes)
     except net.BodyTooLarge:
-        raise DatasetError(f"refusing to download {url}: the server sent more than {max_bytes} bytes, {too_big}") \
-            from None
+        raise DatasetError(
+            f"refusing to download {url}: the server sent more than {max_bytes} bytes, {too_big}"
+        ) from None
     except urllib.error.HTTPError as e:
         raise DatasetError(f"cannot download {url}: the server answered HTTP {e.code} {e.reason}; {by_hand}") from None
     except net.RedirectRefused as e:
@@ -275,8 +277,9 @@ def _fetch(url: str, part: Path, dest: Path, progress: bool, timeout_s: float, m
     return digest
 
 
-def _copy_with_progress(response: Any, out: IO[bytes], total: int | None, url: str, progress: bool,
-                        max_bytes: int) -> tuple[int, str]:
+def _copy_with_progress(
+    response: Any, out: IO[bytes], total: int | None, url: str, progress: bool, max_bytes: int
+) -> tuple[int, str]:
     if not progress:
         return net.copy_body(response, out, max_bytes)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
@@ -379,13 +382,16 @@ def _checked_tar(tf: tarfile.TarFile, url: str, dest: Path, limits: DownloadLimi
 
 
 def _too_many(url: str, count: int, limits: DownloadLimits) -> DatasetError:
-    return DatasetError(f"refusing to extract {url}: it holds at least {count} members, over download_max_files "
-                        f"({limits.max_members})")
+    return DatasetError(
+        f"refusing to extract {url}: it holds at least {count} members, over download_max_files ({limits.max_members})"
+    )
 
 
 def _too_large(url: str, total: int, limits: DownloadLimits) -> DatasetError:
-    return DatasetError(f"refusing to extract {url}: its files unpack to at least {total} bytes, over "
-                        f"download_max_unpacked_gb ({limits.max_unpacked_bytes / GB:g} GB)")
+    return DatasetError(
+        f"refusing to extract {url}: its files unpack to at least {total} bytes, over "
+        f"download_max_unpacked_gb ({limits.max_unpacked_bytes / GB:g} GB)"
+    )
 
 
 def _is_junk(name: str) -> bool:

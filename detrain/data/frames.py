@@ -84,8 +84,11 @@ def _open_capture(item: SourceItem) -> cv2.VideoCapture | None:
         cap = cv2.VideoCapture(int(item.target))
     elif cv2.videoio_registry.hasBackend(cv2.CAP_FFMPEG):
         # FFmpeg by name: a file name with '%' is not taken for an image-sequence pattern; streams get timeouts
-        params = [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, STREAM_TIMEOUT_MS, cv2.CAP_PROP_READ_TIMEOUT_MSEC,
-                  STREAM_TIMEOUT_MS] if item.kind == "stream" else []
+        params = (
+            [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, STREAM_TIMEOUT_MS, cv2.CAP_PROP_READ_TIMEOUT_MSEC, STREAM_TIMEOUT_MS]
+            if item.kind == "stream"
+            else []
+        )
         cap = cv2.VideoCapture(item.target, cv2.CAP_FFMPEG, params)
     else:
         cap = cv2.VideoCapture(item.target)
@@ -130,4 +133,3 @@ def _video_frames(item: SourceItem, single: bool, warn: Callable[[str], None]) -
             warn(f"skipped: {message}")
     finally:
         cap.release()
-

@@ -26,15 +26,27 @@ import numpy as np
 from detrain.errors import DatasetError
 from detrain.tempfiles import temp_beside
 
-_REDUCED_FLAGS = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
-                  8: cv2.IMREAD_REDUCED_COLOR_8}
+_REDUCED_FLAGS = {
+    1: cv2.IMREAD_COLOR,
+    2: cv2.IMREAD_REDUCED_COLOR_2,
+    4: cv2.IMREAD_REDUCED_COLOR_4,
+    8: cv2.IMREAD_REDUCED_COLOR_8,
+}
 RESIZE_INTERPOLATION = cv2.INTER_LINEAR
 FULL_EXTENT = (0.0, 0.0, 1.0, 1.0)
 # EXIF orientation -> whether the displayed x and y axes run backwards through the stored pixel rows/columns
 # (5 to 8 also swap the axes). OpenCV applies the orientation after decoding, so the short last block of a side
 # lands first on a reversed axis.
-_REVERSED_XY = {1: (False, False), 2: (True, False), 3: (True, True), 4: (False, True),
-                5: (False, False), 6: (True, False), 7: (True, True), 8: (False, True)}
+_REVERSED_XY = {
+    1: (False, False),
+    2: (True, False),
+    3: (True, True),
+    4: (False, True),
+    5: (False, False),
+    6: (True, False),
+    7: (True, True),
+    8: (False, True),
+}
 # JPEG start-of-frame markers (they carry the size); C4, C8 and CC share the range but are not frames.
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
@@ -190,7 +202,7 @@ def jpeg_header(data: np.ndarray) -> tuple[int, int, int] | None:
         if marker in (0xDA, 0xD9):  # image data or its end before any frame header
             return None
         if marker == 0xE1 and orientation == 1:
-            orientation = _exif_orientation(data[pos + 4: pos + 2 + length].tobytes())
+            orientation = _exif_orientation(data[pos + 4 : pos + 2 + length].tobytes())
         pos += 2 + length
     return None
 
@@ -271,8 +283,13 @@ def check_disk_cache_fits(im_files: list[str], shapes_hw: list[tuple[int, int]])
         return
     folder = Path(missing[0][0]).parent
     free = shutil.disk_usage(folder).free
-    print(f"disk cache: {needed / 1e9:.1f} GB of .npy files to write beside the images, {free / 1e9:.1f} GB free "
-          f"on {folder}", flush=True)
+    print(
+        f"disk cache: {needed / 1e9:.1f} GB of .npy files to write beside the images, {free / 1e9:.1f} GB free "
+        f"on {folder}",
+        flush=True,
+    )
     if needed > free:
-        raise DatasetError(f"cache=disk needs {needed / 1e9:.1f} GB for {len(missing)} decoded images beside "
-                           f"{folder} but only {free / 1e9:.1f} GB are free; use cache=ram, cache=False or free space")
+        raise DatasetError(
+            f"cache=disk needs {needed / 1e9:.1f} GB for {len(missing)} decoded images beside "
+            f"{folder} but only {free / 1e9:.1f} GB are free; use cache=ram, cache=False or free space"
+        )

@@ -46,8 +46,11 @@ def default_cache_path(label_files: list[str]) -> Path:
     label_dir = Path(label_files[0]).parent if label_files else Path("labels")
     beside = label_dir.parent / f"{label_dir.name}.cache"
     # the mode bits too: root passes os.access everywhere, yet a folder marked read-only should stay untouched
-    if (label_dir.parent.is_dir() and os.access(label_dir.parent, os.W_OK)
-            and label_dir.parent.stat().st_mode & stat.S_IWUSR):
+    if (
+        label_dir.parent.is_dir()
+        and os.access(label_dir.parent, os.W_OK)
+        and label_dir.parent.stat().st_mode & stat.S_IWUSR
+    ):
         return beside
     base = Path(os.environ.get("DETRAIN_CACHE_DIR") or Path.home() / ".cache" / "detrain").expanduser()
     digest = hashlib.sha256(str(beside).encode()).hexdigest()[:12]
@@ -98,7 +101,6 @@ def wait_for_cache(path: str | Path, timeout_s: float, expected_hash: str | None
                 "(did it fail? its log says why; or raise the timeout for a very large dataset)"
             )
         time.sleep(poll_s)
-
 
 
 def write_cache(path: Path, digest: str, records: list[LabelRecord], report: LabelReport) -> None:

@@ -56,8 +56,9 @@ class ParsedLabels(NamedTuple):
     clipped: int = 0
 
 
-def verify_files(img_files: list[str], label_files: list[str], nc: int, workers: int,
-                 progress: bool) -> list[FileCheck]:
+def verify_files(
+    img_files: list[str], label_files: list[str], nc: int, workers: int, progress: bool
+) -> list[FileCheck]:
     """:func:`verify_one` for each (image, label file) pair on ``workers`` threads, in order, with a progress bar."""
     jobs = list(zip(img_files, label_files))
     run = lambda job: verify_one(job[0], job[1], nc)  # noqa: E731
@@ -165,8 +166,11 @@ def parse_labels(text: str, nc: int) -> ParsedLabels:
             box = [(min(xs) + max(xs)) / 2, (min(ys) + max(ys)) / 2, max(xs) - min(xs), max(ys) - min(ys)]
             what = "polygon"
         else:
-            return _unusable(f"line {lineno}: {len(values)} columns; expected 5 (class x_center y_center width "
-                             "height) or a polygon (class x1 y1 x2 y2 x3 y3 ...)", notes)
+            return _unusable(
+                f"line {lineno}: {len(values)} columns; expected 5 (class x_center y_center width "
+                "height) or a polygon (class x1 y1 x2 y2 x3 y3 ...)",
+                notes,
+            )
         c = values[0]
         if c != int(c) or not 0 <= c < nc:
             return _unusable(f"line {lineno}: class id {c:g} out of range for nc={nc} (valid 0-{nc - 1})", notes)
@@ -229,4 +233,3 @@ def _none() -> np.ndarray:
 
 def _none4() -> np.ndarray:
     return np.zeros((0, 4), np.float32)
-

@@ -49,7 +49,6 @@ def img2label_path(im_file: str | os.PathLike) -> str:
     return os.path.splitext(s)[0] + ".txt"
 
 
-
 def load_labels(
     img_files: list[str],
     nc: int,
@@ -107,7 +106,6 @@ def load_labels(
     return records, report
 
 
-
 def _assemble(
     img_files: list[str], label_files: list[str], results: list[FileCheck]
 ) -> tuple[list[LabelRecord], LabelReport]:
@@ -126,5 +124,3 @@ def _assemble(
             "training on backgrounds only"
         )
     return records, report
-
-

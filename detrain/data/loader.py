@@ -59,14 +59,32 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
     True
     """
 
-    def __init__(self, n: int, batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False, pool_size: int = POOL_SIZE,
-                 pool_window: int = POOL_WINDOW, pool_lanes: int = POOL_LANES, planned_world: int | None = None):
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        pool_size: int = POOL_SIZE,
+        pool_window: int = POOL_WINDOW,
+        pool_lanes: int = POOL_LANES,
+        planned_world: int | None = None,
+    ):
         planned_world = world_size if planned_world is None else planned_world
-        if (n <= 0 or batch_size <= 0 or not 0 <= rank < world_size or min(pool_size, pool_window, pool_lanes) < 1
-                or planned_world < world_size):
-            raise ValueError(f"bad sampler arguments: n={n}, batch_size={batch_size}, rank={rank}/{world_size} "
-                             f"(planned {planned_world}), pool {pool_size} x {pool_window} on {pool_lanes} lanes")
+        if (
+            n <= 0
+            or batch_size <= 0
+            or not 0 <= rank < world_size
+            or min(pool_size, pool_window, pool_lanes) < 1
+            or planned_world < world_size
+        ):
+            raise ValueError(
+                f"bad sampler arguments: n={n}, batch_size={batch_size}, rank={rank}/{world_size} "
+                f"(planned {planned_world}), pool {pool_size} x {pool_window} on {pool_lanes} lanes"
+            )
         self.n, self.batch_size, self.rank, self.world_size = n, batch_size, rank, world_size
         self.pool_batch = batch_size * planned_world  # images of a planned global batch: what pools are cut from
         self.seed, self.shuffle, self.drop_last, self.pool_size = int(seed) % 2**32, shuffle, drop_last, pool_size
@@ -122,7 +140,7 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
         pools: dict[tuple[int, int], tuple[int, ...]] = {}
         groups = math.ceil(self.pool_batch / self.pool_size)
         for start in range(first * g, len(order), g):
-            chunk = len(order[start: start + g]) // self.world_size  # the per-rank size (smaller for the last)
+            chunk = len(order[start : start + g]) // self.world_size  # the per-rank size (smaller for the last)
             positions = range(start + self.rank * chunk, start + (self.rank + 1) * chunk)
             picks = []
             for p in positions:
@@ -151,7 +169,7 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
             order = self.order(e)
             start = j * self.pool_batch
             end = min(start + self.pool_batch, len(order))
-            out.extend(int(i) for i in order[min(start + group, end): min(start + group + self.pool_size, end)])
+            out.extend(int(i) for i in order[min(start + group, end) : min(start + group + self.pool_size, end)])
         return tuple(out)
 
     def _lane(self, epoch: int, batch: int) -> list[tuple[int, int]]:
@@ -236,9 +254,17 @@ def worker_start_method() -> str | None:
     return "fork" if sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods() else None
 
 
-def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: int, rank: int = 0,
-                     world_size: int = 1, seed: int = 0, drop_last: bool = False,
-                     planned_world: int | None = None) -> DataLoader:
+def build_dataloader(
+    dataset: Sized,
+    batch_size: int,
+    shuffle: bool,
+    workers: int,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    drop_last: bool = False,
+    planned_world: int | None = None,
+) -> DataLoader:
     """A DataLoader over ``dataset`` for rank ``rank`` of ``world_size``; ``batch_size`` is per rank;
     ``planned_world``: the world the batch was planned for (elastic membership, see :class:`GlobalBatchSampler`).
 
@@ -254,8 +280,9 @@ def build_dataloader(dataset: Sized, batch_size: int, shuffle: bool, workers: in
     [[4, 5, 6, 7], [8, 9]]
     """
     if shuffle or getattr(dataset, "augment", False):
-        sampler: Sampler = GlobalBatchSampler(len(dataset), batch_size, rank, world_size, seed, shuffle, drop_last,
-                                              planned_world=planned_world)
+        sampler: Sampler = GlobalBatchSampler(
+            len(dataset), batch_size, rank, world_size, seed, shuffle, drop_last, planned_world=planned_world
+        )
     else:
         sampler = ShardSampler(len(dataset), batch_size, rank, world_size)
     workers = max(0, min(int(workers), os.cpu_count() or 1))

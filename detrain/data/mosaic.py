@@ -9,13 +9,12 @@ the canvas centre to the output centre (zoom, rotation, shear, translation) into
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 
-def mosaic_origins(rng: np.random.Generator, sizes_wh: Sequence[tuple[int, int]],
-                   imgsz: int) -> list[tuple[int, int]]:
+def mosaic_origins(rng: np.random.Generator, sizes_wh: Sequence[tuple[int, int]], imgsz: int) -> list[tuple[int, int]]:
     """Top-left corners on the 2s canvas of four images of ``sizes_wh``, around a random centre.
 
     >>> o = mosaic_origins(np.random.default_rng(0), [(10, 10)] * 4, 20)

@@ -32,7 +32,7 @@ def pid_namespace() -> int:
     """The inode of this process's pid namespace (0 where /proc does not say)."""
     try:
         link = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
-        return int(link[link.index("[") + 1: link.index("]")])
+        return int(link[link.index("[") + 1 : link.index("]")])
     except (OSError, ValueError):
         return 0
 

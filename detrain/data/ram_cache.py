@@ -157,7 +157,7 @@ class RamCache:
     @property
     def key(self) -> str:
         """The cache key."""
-        return os.path.basename(self.stem)[len(PREFIX):]
+        return os.path.basename(self.stem)[len(PREFIX) :]
 
     def __getstate__(self) -> dict:
         return {"stem": self.stem, "shapes_hw": self.shapes_hw, "owner_pid": self.owner_pid}
@@ -188,7 +188,7 @@ class RamCache:
             return None
         h, w = self.shapes_hw[i]
         at = int(self._layout.offsets[i])
-        return self._data[at: at + h * w * 3].reshape(h, w, 3)
+        return self._data[at : at + h * w * 3].reshape(h, w, 3)
 
     @classmethod
     def build(
@@ -212,8 +212,9 @@ class RamCache:
         return cls._fill(directory, name, key, shapes_hw, layout, load, threads)
 
     @classmethod
-    def _wait(cls, directory: str, name: str, key: str, shapes_hw: Sequence[tuple[int, int]], layout: Layout,
-              timeout_s: float) -> RamCache:
+    def _wait(
+        cls, directory: str, name: str, key: str, shapes_hw: Sequence[tuple[int, int]], layout: Layout, timeout_s: float
+    ) -> RamCache:
         deadline = time.monotonic() + timeout_s
         refused = ""
         while True:
@@ -234,28 +235,43 @@ class RamCache:
                 for folder in folders:
                     folder.close()
             if time.monotonic() > deadline:
-                raise DatasetError(f"timed out after {timeout_s:.0f} s waiting for local rank 0 to fill the RAM image "
-                                   f"cache {private_dir.primary_path(directory)}/{name}{refused}; is local rank 0 "
-                                   f"alive? (prepare_timeout= sets the wait)")
+                raise DatasetError(
+                    f"timed out after {timeout_s:.0f} s waiting for local rank 0 to fill the RAM image "
+                    f"cache {private_dir.primary_path(directory)}/{name}{refused}; is local rank 0 "
+                    f"alive? (prepare_timeout= sets the wait)"
+                )
             time.sleep(0.2)
 
     @classmethod
-    def _fill(cls, directory: str, name: str, key: str, shapes_hw: Sequence[tuple[int, int]], layout: Layout,
-              load: Callable[[int], np.ndarray | None], threads: int | None) -> RamCache:
+    def _fill(
+        cls,
+        directory: str,
+        name: str,
+        key: str,
+        shapes_hw: Sequence[tuple[int, int]],
+        layout: Layout,
+        load: Callable[[int], np.ndarray | None],
+        threads: int | None,
+    ) -> RamCache:
         needed = int(layout.sizes.sum())
         available = min(available_memory_bytes(), _free_bytes(directory))
-        print(f"RAM cache: {needed / 1e9:.2f} GB needed for {layout.n} images, "
-              f"{available / 1e9:.2f} GB available", flush=True)
+        print(
+            f"RAM cache: {needed / 1e9:.2f} GB needed for {layout.n} images, {available / 1e9:.2f} GB available",
+            flush=True,
+        )
         if needed * SAFETY > available:
-            raise DatasetError(f"cache=ram needs {needed / 1e9:.2f} GB (+{SAFETY - 1:.0%} headroom) for "
-                               f"{layout.n} images but only {available / 1e9:.2f} GB of RAM is available; "
-                               f"use cache=disk, cache=False or a smaller imgsz")
+            raise DatasetError(
+                f"cache=ram needs {needed / 1e9:.2f} GB (+{SAFETY - 1:.0%} headroom) for "
+                f"{layout.n} images but only {available / 1e9:.2f} GB of RAM is available; "
+                f"use cache=disk, cache=False or a smaller imgsz"
+            )
         remove_stale(directory)
         try:
             folder, note = private_dir.writable_private_folder(directory)
         except OSError as e:
-            raise DatasetError(f"cache=ram cannot make a private folder in {directory}: {_reason(e)}; "
-                               f"use cache=disk or cache=False") from None
+            raise DatasetError(
+                f"cache=ram cannot make a private folder in {directory}: {_reason(e)}; use cache=disk or cache=False"
+            ) from None
         if note:
             print(f"RAM cache: {note}; using {folder.path}", flush=True)
         try:
@@ -268,8 +284,9 @@ class RamCache:
                 except OSError as e:
                     if e.errno not in _NO_SPACE:
                         raise
-                    raise DatasetError(f"cache=ram could not write {folder.path}/{tmp}: {_reason(e)}; use "
-                                       f"cache=disk or cache=False") from None
+                    raise DatasetError(
+                        f"cache=ram could not write {folder.path}/{tmp}: {_reason(e)}; use cache=disk or cache=False"
+                    ) from None
                 # complete: publish it under its name in one step (POSIX rename replaces atomically)
                 os.rename(tmp, name, src_dir_fd=folder.fd, dst_dir_fd=folder.fd)
                 entry.name = name
@@ -285,12 +302,19 @@ class RamCache:
         return cache
 
 
-def _write(folder_fd: int, entry: owned_files.OwnedFile, layout: Layout, key: str, owner: Owner,
-           shapes_hw: Sequence[tuple[int, int]], load: Callable[[int], np.ndarray | None], threads: int | None) -> None:
+def _write(
+    folder_fd: int,
+    entry: owned_files.OwnedFile,
+    layout: Layout,
+    key: str,
+    owner: Owner,
+    shapes_hw: Sequence[tuple[int, int]],
+    load: Callable[[int], np.ndarray | None],
+    threads: int | None,
+) -> None:
     """Create ``entry.name`` exclusively (mode 0600, no symlink followed) and fill it: header, pixels, then the
     per-image ok flags."""
-    fd = os.open(entry.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                 dir_fd=folder_fd)
+    fd = os.open(entry.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder_fd)
     try:
         entry.made(os.fstat(fd))
         os.fchmod(fd, 0o600)  # the umask can only take bits away, but say it outright

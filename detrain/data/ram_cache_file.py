@@ -71,8 +71,12 @@ class Layout:
 
     def head(self, key: str, owner: Owner) -> bytes:
         """The header and shapes of a new file (its ok flags stay 0 until written)."""
-        return HEADER.pack(MAGIC, owner.pid, owner.start_ticks, owner.pid_ns, self.n, self.pixels_at, self.size,
-                           _key_bytes(key)) + self.shapes.astype("<i4").tobytes()
+        return (
+            HEADER.pack(
+                MAGIC, owner.pid, owner.start_ticks, owner.pid_ns, self.n, self.pixels_at, self.size, _key_bytes(key)
+            )
+            + self.shapes.astype("<i4").tobytes()
+        )
 
     def pixels(self, buf: mmap.mmap | bytes) -> np.ndarray:
         """The pixel region of a file of this layout mapped as ``buf`` (read-only if the map is)."""
@@ -88,8 +92,10 @@ class Layout:
         if file_key != _key_bytes(key):
             raise BadCacheFile("it holds another cache key")
         if (n, pixels_at, size) != (self.n, self.pixels_at, self.size):
-            raise BadCacheFile(f"its header says {n} images, pixels at {pixels_at}, size {size}; expected "
-                               f"{self.n}, {self.pixels_at}, {self.size}")
+            raise BadCacheFile(
+                f"its header says {n} images, pixels at {pixels_at}, size {size}; expected "
+                f"{self.n}, {self.pixels_at}, {self.size}"
+            )
         shapes = np.frombuffer(buf, dtype="<i4", count=2 * self.n, offset=HEADER.size).reshape(-1, 2)
         if not np.array_equal(shapes, self.shapes):
             raise BadCacheFile("its image sizes are not the expected ones")

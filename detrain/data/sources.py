@@ -44,8 +44,9 @@ from detrain.data.dataset_yaml import IMG_FORMATS
 from detrain.errors import ConfigError
 
 IMAGE_SUFFIXES = frozenset("." + s for s in IMG_FORMATS)
-VIDEO_SUFFIXES = frozenset({".asf", ".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".ts", ".webm",
-                            ".wmv"})
+VIDEO_SUFFIXES = frozenset(
+    {".asf", ".avi", ".gif", ".m4v", ".mkv", ".mov", ".mp4", ".mpeg", ".mpg", ".ts", ".webm", ".wmv"}
+)
 STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "rtmps", "http", "https", "tcp", "udp", "srt")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _GLOB_MAGIC = re.compile(r"[*?[]")
@@ -131,8 +132,9 @@ def file_kind(path: str) -> Kind | None:
     return "image" if suffix in IMAGE_SUFFIXES else "video" if suffix in VIDEO_SUFFIXES else None
 
 
-def parse_source(source: str | int | Path | np.ndarray | Sequence[str | Path | np.ndarray],
-                 exclude: str | Path | None = None) -> Source:
+def parse_source(
+    source: str | int | Path | np.ndarray | Sequence[str | Path | np.ndarray], exclude: str | Path | None = None
+) -> Source:
     """The items ``source`` names (see the module docstring). ``exclude``: a folder never entered (the predict
     project, where earlier results lie). Raises :class:`ConfigError` for an empty, missing or unusable source."""
     if isinstance(source, np.ndarray):
@@ -140,8 +142,9 @@ def parse_source(source: str | int | Path | np.ndarray | Sequence[str | Path | n
     if isinstance(source, (list, tuple)):
         return _from_python_list(source, exclude)
     if isinstance(source, bool) or not isinstance(source, (str, int, Path)):
-        raise ConfigError(f"source must be a path, a camera index, a URL or an image array, not "
-                          f"{type(source).__name__}")
+        raise ConfigError(
+            f"source must be a path, a camera index, a URL or an image array, not {type(source).__name__}"
+        )
     text = str(source).strip()
     if not text:
         raise ConfigError(f"predict needs source=<{SOURCE_KINDS}>")
@@ -150,8 +153,9 @@ def parse_source(source: str | int | Path | np.ndarray | Sequence[str | Path | n
         return Source((_stream_item(text, url.group(1)),), single=True)
     path = Path(text)
     if text.isdigit() and not path.exists():
-        return Source((SourceItem("camera", text, PurePosixPath(f"camera{int(text)}"), f"camera {int(text)}"),),
-                      single=True)
+        return Source(
+            (SourceItem("camera", text, PurePosixPath(f"camera{int(text)}"), f"camera {int(text)}"),), single=True
+        )
     if path.is_dir():
         return _collect([str(path)], str(path), exclude, f"folder '{shown(text)}'")
     if path.is_file():
@@ -159,8 +163,10 @@ def parse_source(source: str | int | Path | np.ndarray | Sequence[str | Path | n
             return _from_txt_list(path, exclude)
         kind = file_kind(text)
         if kind is None:
-            raise ConfigError(f"source '{shown(text)}' is not an image ({', '.join(sorted(IMAGE_SUFFIXES))}), a video "
-                              f"({', '.join(sorted(VIDEO_SUFFIXES))}) or a .txt list")
+            raise ConfigError(
+                f"source '{shown(text)}' is not an image ({', '.join(sorted(IMAGE_SUFFIXES))}), a video "
+                f"({', '.join(sorted(VIDEO_SUFFIXES))}) or a .txt list"
+            )
         return Source((SourceItem(kind, text, PurePosixPath(path.name), shown(text)),), single=True)
     if _GLOB_MAGIC.search(text):
         matches = sorted(glob.glob(text, recursive=True))
@@ -170,8 +176,10 @@ def parse_source(source: str | int | Path | np.ndarray | Sequence[str | Path | n
 
 def _stream_item(url: str, scheme: str) -> SourceItem:
     if scheme.lower() not in STREAM_SCHEMES:
-        raise ConfigError(f"source '{mask_url(url)}': URL scheme '{shown(scheme)}' is not a stream OpenCV reads here; "
-                          f"use {', '.join(s + '://' for s in STREAM_SCHEMES)}")
+        raise ConfigError(
+            f"source '{mask_url(url)}': URL scheme '{shown(scheme)}' is not a stream OpenCV reads here; "
+            f"use {', '.join(s + '://' for s in STREAM_SCHEMES)}"
+        )
     parts = urlsplit(url)
     last = [p for p in parts.path.split("/") if p]
     stem = os.path.splitext(last[-1])[0] if last else (parts.hostname or "")
@@ -181,8 +189,10 @@ def _stream_item(url: str, scheme: str) -> SourceItem:
 def _array_item(pixels: np.ndarray, index: int) -> SourceItem:
     bad_channels = pixels.ndim == 3 and pixels.shape[2] not in (1, 3, 4)
     if pixels.dtype != np.uint8 or pixels.ndim not in (2, 3) or bad_channels or not pixels.size:
-        raise ConfigError(f"image array {index}: expected uint8 (H, W, 3) BGR as cv2.imread gives, got "
-                          f"{pixels.dtype} {tuple(pixels.shape)}")
+        raise ConfigError(
+            f"image array {index}: expected uint8 (H, W, 3) BGR as cv2.imread gives, got "
+            f"{pixels.dtype} {tuple(pixels.shape)}"
+        )
     return SourceItem("array", f"image{index}", PurePosixPath(f"image{index}.jpg"), f"image{index}", pixels)
 
 
@@ -194,8 +204,10 @@ def _from_python_list(entries: Sequence[str | Path | np.ndarray], exclude: str |
     paths = []
     for i, entry in enumerate(entries):
         if not isinstance(entry, (str, Path)):
-            raise ConfigError(f"source list entry {i}: expected a path, got {type(entry).__name__} (a list is either "
-                              "all paths or all image arrays)")
+            raise ConfigError(
+                f"source list entry {i}: expected a path, got {type(entry).__name__} (a list is either "
+                "all paths or all image arrays)"
+            )
         if not Path(entry).exists():
             raise ConfigError(f"source list entry {i}: '{shown(str(entry))}' does not exist")
         paths.append(str(entry))
@@ -216,8 +228,10 @@ def _from_txt_list(list_file: Path, exclude: str | Path | None) -> Source:
             continue
         found = entry if os.path.exists(entry) else str(list_file.parent / entry)
         if not os.path.exists(found):
-            raise ConfigError(f"source list '{shown(str(list_file))}' line {number}: '{shown(entry)}' does not exist "
-                              f"(relative paths are looked up from the working directory, then from the list's folder)")
+            raise ConfigError(
+                f"source list '{shown(str(list_file))}' line {number}: '{shown(entry)}' does not exist "
+                f"(relative paths are looked up from the working directory, then from the list's folder)"
+            )
         paths.append(found)
     if not paths:
         raise ConfigError(f"source list '{shown(str(list_file))}' names no files (one image, video or folder a line)")
@@ -257,8 +271,10 @@ def _collect(paths: Iterable[str], root: str, exclude: str | Path | None, what: 
                 continue
             items.append(SourceItem(kind, file, safe_rel(file, root), shown(file)))
     if not items:
-        raise ConfigError(f"{what} has no images ({', '.join(sorted(IMAGE_SUFFIXES))}) or videos "
-                          f"({', '.join(sorted(VIDEO_SUFFIXES))})")
+        raise ConfigError(
+            f"{what} has no images ({', '.join(sorted(IMAGE_SUFFIXES))}) or videos "
+            f"({', '.join(sorted(VIDEO_SUFFIXES))})"
+        )
     return Source(tuple(items), tuple(skipped))
 
 

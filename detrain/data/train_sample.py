@@ -133,8 +133,16 @@ def plan_sample(
     return SamplePlan(index, layers, (out_w, out_h), gains, ratio, mosaic=len(first.tiles) > 1, cutmix=cut)
 
 
-def _plan_layer(index: int, rng: np.random.Generator, source: SampleSource, hyp: Mapping[str, float], imgsz: int,
-                mosaic_on: bool, out_wh: tuple[int, int], pool: Sequence[int] | None) -> LayerPlan:
+def _plan_layer(
+    index: int,
+    rng: np.random.Generator,
+    source: SampleSource,
+    hyp: Mapping[str, float],
+    imgsz: int,
+    mosaic_on: bool,
+    out_wh: tuple[int, int],
+    pool: Sequence[int] | None,
+) -> LayerPlan:
     use_mosaic = rng.random() < hyp["mosaic"] and mosaic_on
     affine = (hyp["degrees"], hyp["translate"], hyp["scale"], hyp["shear"], hyp["perspective"])
     if use_mosaic:
@@ -169,9 +177,11 @@ def render_geometry(
     ``pixels(index, reduce)`` gives the decoded image (any resolution: it is stretched to the tile's load size by the
     same warp), ``labels_at_load_size(index)`` its labels in load-size pixels.
     """
+
     def tiles(layer: LayerPlan) -> list[Tile]:
-        return [Tile(pixels(t.index, t.reduce), t.size_wh, t.origin_xy, labels_at_load_size(t.index))
-                for t in layer.tiles]
+        return [
+            Tile(pixels(t.index, t.reduce), t.size_wh, t.origin_xy, labels_at_load_size(t.index)) for t in layer.tiles
+        ]
 
     blended = plan.layers[:-1] if plan.cutmix is not None else plan.layers
     images, labels = [], []
@@ -188,8 +198,8 @@ def render_geometry(
         if area is not None:  # only the rectangle of the pasted layer is rendered, straight into its own canvas
             x1, y1, x2, y2 = area
             layer = plan.layers[-1]
-            patch, inside = render(tiles(layer), layer.canvas_wh, translation(-x1, -y1) @ layer.m, (x2 - x1, y2 - y1),
-                                   layer.scale)
+            patch, inside = render(
+                tiles(layer), layer.canvas_wh, translation(-x1, -y1) @ layer.m, (x2 - x1, y2 - y1), layer.scale
+            )
             img, out_labels = paste(img, out_labels, area, patch, inside)
     return img, out_labels
-

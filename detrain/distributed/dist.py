@@ -21,7 +21,9 @@ is asynchronous, so raising is not safe); the launcher then reports the rank and
 A phase that is known to take long (the first process of a node downloading a dataset, checking its labels
 or filling ``cache=ram``) passes ``timeout_s`` (the config's ``prepare_timeout``) to ``barrier`` for that one
 wait. On gloo, barriers go through the rendezvous store (each rank marks its arrival, then waits for every
-mark), so every rank's wait is bounded and the error names the ranks that never came.
+mark), so every rank's wait is bounded and the error names the ranks that never came. Every rank also keeps a
+heartbeat in that store (:mod:`detrain.distributed.heartbeat`), so that a rank whose collective timed out can name
+the rank that stopped (:func:`silent_peers_error`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as tdist
 
-from detrain.distributed import netif
+from detrain.distributed import heartbeat, netif
 from detrain.distributed.master_store import host_store
 from detrain.distributed.slurm import map_slurm_env
 from detrain.distributed.store_barrier import Absent, StoreBarrier
@@ -132,6 +134,7 @@ def setup(
         raise DistributedError(msg) from e
     _info = DistInfo(rank_, world.local_rank, size, world.local_world_size, device, backend, timeout, restarts)
     _barriers = StoreBarrier.connect(addr, port, restarts, startup)
+    heartbeat.start(addr, port, restarts, rank_, size)
     # Every rank has reached this point before training begins: a slow start is not a hang.
     barrier("setup", timeout_s=startup_timeout_s)
     _set_group_timeout(timeout)
@@ -145,6 +148,7 @@ def cleanup() -> None:
         >>> cleanup()
     """
     global _info, _barriers
+    heartbeat.stop()  # the others' counters stay readable: a failed rank names the silent ones after leaving
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
     _info, _barriers = None, None
@@ -351,6 +355,38 @@ def _named(what: str, timeout_s: float | None = None) -> Iterator[None]:
 PEER_LOST_MARK = "(one of them hung or died)"  # lets the launcher tell consequences from root causes
 
 
+_BACKEND_ERRORS = ("RuntimeError", "DistError", "DistBackendError", "DistNetworkError")  # what torch's raise
+_WAITED = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout caused pair closure")
+
+
+def waited_for_a_peer(message: str) -> bool:
+    """Whether a worker's error (``"Type: text"``) says that it waited for another rank in vain: one of this
+    module's collectives that lost or timed out on a peer, or the backend's own words inside a collective this
+    module does not wrap (DDP's all-reduce): a peer that went away, or a wait that timed out (gloo says "Timed out
+    waiting 10000ms for send operation to complete" or "Application timeout caused pair closure")."""
+    kind, _, text = message.partition(":")
+    if kind == "DistributedError":
+        return PEER_LOST_MARK in text
+    return kind in _BACKEND_ERRORS and any(w in text.lower() for w in _WAITED)
+
+
+def silent_peers_error(e: BaseException) -> DistributedError | None:
+    """For an error that only says this rank waited for a peer in vain: one line naming the ranks whose heartbeat
+    stopped (stopped, hung, dead, or their machine gone), as seen now; None when the error is another kind, or
+    every peer still shows signs of life (then the original error says more). Takes a few heartbeats to tell."""
+    message = f"{type(e).__name__}: {e}"
+    if not waited_for_a_peer(message):
+        return None
+    silent = heartbeat.silent_ranks()
+    if not silent:
+        return None
+    who = f"rank {silent[0]}" if len(silent) == 1 else f"ranks {', '.join(map(str, silent))}"
+    first = re.sub(r"^(\[[^\]]*\]:?\s*)+", "", str(e).strip().splitlines()[0] if str(e).strip() else "")[:160]
+    return DistributedError(
+        f"{who} stopped responding: no heartbeat for {3 * heartbeat.EVERY_S:g}s {PEER_LOST_MARK} [{first}]"
+    )
+
+
 def _cause(e: BaseException, timeout_s: float | None = None) -> str:
     text = str(e).strip()
     # gloo and c10d prefix messages with a source location or rank: "[/path/pair.cc:78] ...", "[Rank 0]: ..."
@@ -431,4 +467,3 @@ def _group_timeout(timeout_s: float) -> Iterator[None]:
     finally:
         if _info is not None:
             _set_group_timeout(_info.timeout_s)
-

@@ -23,13 +23,14 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from detrain.distributed import dist, netif, run_identity
 from detrain.distributed.devices import DeviceKind, DevicePlan, parse_device
+from detrain.distributed.job_watch import ended_together
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence
 from detrain.distributed.master_store import host_store
@@ -80,7 +81,7 @@ def launch(
     master_addr: str = "127.0.0.1",
     master_port: int = 0,
     max_restarts: int = 0,
-    rdzv_backend: Literal["static", "c10d"] | None = None,
+    rdzv_backend: str | None = None,  # static or c10d (checked by rendezvous_settings)
     run_id: str = "detrain",
     run_args: dict[str, Any] | None = None,
     socket_ifname: str = "",
@@ -142,8 +143,16 @@ def launch(
             run_identity.wait_for_nodes(store, run_id, run_args, hi - 1, start_timeout, f"{master_addr}:{master_port}")
     else:
         wait_reachable(master_addr, master_port, connect_timeout)
-        run_identity.join(master_addr, master_port, run_id, node_rank, run_args, wait_go=lo == hi,
-                          connect_timeout_s=connect_timeout, start_timeout_s=start_timeout)
+        run_identity.join(
+            master_addr,
+            master_port,
+            run_id,
+            node_rank,
+            run_args,
+            wait_go=lo == hi,
+            connect_timeout_s=connect_timeout,
+            start_timeout_s=start_timeout,
+        )
         local_addr = netif.route_source(where) if where else None
     backend, endpoint, rdzv_configs = rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)
     if backend == "c10d":
@@ -178,7 +187,13 @@ def launch(
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
     env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
-    with log_dir, _restore_signal_handlers(), _environ(env), _held_elastic_logs() as held:
+    with (
+        log_dir,
+        _restore_signal_handlers(),
+        _environ(env),
+        _held_elastic_logs() as held,
+        ended_together(master_addr, master_port, node_rank, lo, hi),
+    ):  # several nodes end as one
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
         except ChildFailedError as e:
@@ -195,7 +210,8 @@ def launch(
                 # the store was there when this node joined (run_identity.join): its host, node 0, is gone
                 raise DistributedError(lost_master(endpoint, node_rank, cause)) from None
             raise DistributedError(f"could not form the group at {endpoint} (node_rank={node_rank}): {cause}") from None
-    return results.get(0)  # type: ignore[no-any-return]
+    result: T | None = results.get(0)
+    return result
 
 
 def rendezvous_address(local_addr: str | None, node_rank: int, max_nodes: int) -> str:
@@ -224,9 +240,11 @@ def lost_master(endpoint: str, node_rank: int, cause: str) -> str:
         >>> lost_master("10.0.0.1:29500", 2, "The connection to the C10d store has failed.")[:54]
         'lost the rendezvous at 10.0.0.1:29500 (node_rank=2): n'
     """
-    return (f"lost the rendezvous at {endpoint} (node_rank={node_rank}): node_rank=0, which hosts it, has stopped "
-            f"or cannot be reached, and the group cannot go on without node 0 (other nodes may leave); start the "
-            f"nodes again with resume= naming node 0's weights/last.pt [{cause}]")
+    return (
+        f"lost the rendezvous at {endpoint} (node_rank={node_rank}): node_rank=0, which hosts it, has stopped "
+        f"or cannot be reached, and the group cannot go on without node 0 (other nodes may leave); start the "
+        f"nodes again with resume= naming node 0's weights/last.pt [{cause}]"
+    )
 
 
 @record
@@ -242,10 +260,13 @@ def _worker(entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: De
     except KeyboardInterrupt:
         raise SystemExit(130) from None  # the agent reports the stop; no traceback per worker
     except Exception as e:
-        if is_consequence(f"{type(e).__name__}: {e}"):
+        blamed = dist.silent_peers_error(e)  # a wait in vain: name the rank whose heartbeat stopped (a few seconds)
+        if blamed is not None or is_consequence(f"{type(e).__name__}: {e}"):
             # This rank only noticed that a peer is gone. The agent reports whichever worker it sees
             # exit first and stops the rest, so give the peer that failed on its own time to be seen.
             time.sleep(_CONSEQUENCE_GRACE_S)
+        if blamed is not None:
+            raise blamed from None
         raise
     finally:
         dist.cleanup()
@@ -279,8 +300,6 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
 
 
 class _HeldRecords(logging.Handler):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -20,7 +21,11 @@ def describe_failure(e: ChildFailedError, max_restarts: int) -> str:
     """
     failures = e.failures
     root_rank = _root_rank(failures)
-    parts = [f"worker rank {root_rank} {_how(failures[root_rank])}"]
+    silent = _SILENT.match(_message(failures[root_rank])) if failures[root_rank].exitcode > 0 else None
+    if silent:  # it waited in vain for ranks that stopped (dist.silent_peers_error): those are the story
+        parts = [f"{silent.group(1)} stopped responding ({silent.group(2)}, seen by worker rank {root_rank})"]
+    else:
+        parts = [f"worker rank {root_rank} {_how(failures[root_rank])}"]
     others = sorted(r for r in failures if r != root_rank)
     if others:
         parts.append(f"(also failed: rank {', '.join(map(str, others))})")
@@ -47,6 +52,8 @@ def _message(failure: Any) -> str:
         msg = msg.get("message", "")
     return str(msg).strip()
 
+
+_SILENT = re.compile(r"DistributedError: (ranks? [\d, ]+) stopped responding: (no heartbeat for [\d.]+s)")
 
 # gloo's own words when the other end of a connection went away (as ``dist._cause`` reads them); its messages
 # start with its source file ("[.../gloo/transport/tcp/pair.cc:561] Connection closed by peer ...")

@@ -19,9 +19,9 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
-from detrain.errors import DistributedError
 from detrain.distributed.launch_checks import check_port_free
 from detrain.distributed.netif import addresses
+from detrain.errors import DistributedError
 
 HANDS_OVER_SOCKETS = sys.platform == "linux"  # TCPStore's master_listen_fd
 

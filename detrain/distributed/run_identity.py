@@ -27,8 +27,22 @@ from detrain.errors import DistributedError
 
 # Arguments a node may give differently from the others of its job: its own devices and loader processes, its
 # interface, and what only rank 0 acts on (the output folder, plots, logging).
-PER_NODE_KEYS = frozenset({"device", "workers", "node_rank", "socket_ifname", "run_id", "cache", "project", "name",
-                           "exist_ok", "verbose", "plots", "tensorboard"})
+PER_NODE_KEYS = frozenset(
+    {
+        "device",
+        "workers",
+        "node_rank",
+        "socket_ifname",
+        "run_id",
+        "cache",
+        "project",
+        "name",
+        "exist_ok",
+        "verbose",
+        "plots",
+        "tensorboard",
+    }
+)
 
 _KEYS = "detrain/run/"
 _ID, _ARGS, _COUNT, _VERDICT = (f"{_KEYS}{k}" for k in ("id", "args", "arrivals", "verdict"))
@@ -40,7 +54,8 @@ _MAX_RECORD = 1 << 16  # bytes: a record from the network larger than any detrai
 def shared_args(task: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """The arguments every node of one job must give alike, as JSON values."""
     shared = {"task": task, **{k: v for k, v in cfg.items() if k not in PER_NODE_KEYS}}
-    return json.loads(json.dumps(shared, sort_keys=True, default=str))  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(json.dumps(shared, sort_keys=True, default=str))
+    return result
 
 
 def derive(task: str, cfg: dict[str, Any]) -> str:
@@ -97,8 +112,15 @@ def wait_for_nodes(
 
 
 def join(
-    addr: str, port: int, run_id: str, node_rank: int, args: dict[str, Any] | None, *, wait_go: bool,
-    connect_timeout_s: float, start_timeout_s: float,
+    addr: str,
+    port: int,
+    run_id: str,
+    node_rank: int,
+    args: dict[str, Any] | None,
+    *,
+    wait_go: bool,
+    connect_timeout_s: float,
+    start_timeout_s: float,
 ) -> None:
     """On every other node: compare this node's run id with the master's before joining; with ``wait_go`` (a
     fixed number of nodes) then wait for the master's word that all of them came."""

@@ -37,7 +37,7 @@ class StoreBarrier:
         with keys of its own per restart attempt; None where no such store can be reached."""
         try:
             client = tdist.TCPStore(addr, port, is_master=False, timeout=timeout)
-        except Exception:  # e.g. a store that is not a TCPStore: the caller keeps torch's own barrier
+        except Exception:  # noqa: BLE001 - e.g. a store that is not a TCPStore: the caller keeps torch's barrier
             return None
         return cls(tdist.PrefixStore(f"detrain/barriers/attempt_{restarts}", client))
 
@@ -52,7 +52,7 @@ class StoreBarrier:
         except Exception as e:
             try:
                 missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
-            except Exception:  # the store itself is gone (its host died)
+            except Exception:  # noqa: BLE001 - the store itself is gone (its host died): the original error stands
                 raise e from None
             if not missing:
                 raise

@@ -52,8 +52,12 @@ class CPUSyncBatchNorm2d(nn.BatchNorm2d):
         if self.weight is not None:
             y = y * self.weight.view(1, c, 1, 1) + self.bias.view(1, c, 1, 1)
         tracked = self.num_batches_tracked
-        if (self.track_running_stats and self.running_mean is not None and self.running_var is not None
-                and tracked is not None):
+        if (
+            self.track_running_stats
+            and self.running_mean is not None
+            and self.running_var is not None
+            and tracked is not None
+        ):
             with torch.no_grad():
                 tracked.add_(1)
                 m = self.momentum if self.momentum is not None else 1.0 / float(tracked)

@@ -80,11 +80,15 @@ class World:
         master_port = None
         if world_size > 1:
             if not 0 <= rank < world_size:
-                raise DistributedError(f"environment variable RANK={rank} is not a rank of WORLD_SIZE={world_size}; "
-                                       f"ranks run from 0 to {world_size - 1}")
+                raise DistributedError(
+                    f"environment variable RANK={rank} is not a rank of WORLD_SIZE={world_size}; "
+                    f"ranks run from 0 to {world_size - 1}"
+                )
             if local_rank < 0 or local_world_size < 1:
-                raise DistributedError(f"environment variables LOCAL_RANK={local_rank} and LOCAL_WORLD_SIZE="
-                                       f"{local_world_size} do not describe a rank on this node")
+                raise DistributedError(
+                    f"environment variables LOCAL_RANK={local_rank} and LOCAL_WORLD_SIZE="
+                    f"{local_world_size} do not describe a rank on this node"
+                )
             master_port = env_int("MASTER_PORT", 0, env) if env.get("MASTER_PORT") else None
         else:  # one process: no group, rank 0 of 1
             world_size, rank, local_rank, local_world_size = 1, 0, 0, 1

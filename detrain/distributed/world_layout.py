@@ -28,9 +28,15 @@ from detrain.distributed.world import World
 def place(world: World, device: torch.device) -> dict[str, Any]:
     """Where this rank of ``world`` runs: rank, local rank, node key (the node's number as its launcher gives it,
     None where it does not), host, device (and the CUDA device's name), pid, its launcher's pid."""
-    where: dict[str, Any] = {"rank": world.rank, "local_rank": world.local_rank, "node_key": world.node_rank,
-                             "host": socket.gethostname(), "device": str(device), "pid": os.getpid(),
-                             "launcher_pid": os.getppid()}
+    where: dict[str, Any] = {
+        "rank": world.rank,
+        "local_rank": world.local_rank,
+        "node_key": world.node_rank,
+        "host": socket.gethostname(),
+        "device": str(device),
+        "pid": os.getpid(),
+        "launcher_pid": os.getppid(),
+    }
     if device.type == "cuda":
         where["device_name"] = torch.cuda.get_device_name(device)
     return where
@@ -63,10 +69,14 @@ def membership_change(previous: list[dict[str, Any]], world: list[dict[str, Any]
     if before == now:
         return None
     hosts_before, hosts_now = Counter(str(p.get("host")) for p in previous), Counter(str(p.get("host")) for p in world)
-    return {"previous_world_size": len(previous), "world_size": len(world),
-            "left": dict(sorted((hosts_before - hosts_now).items())),
-            "joined": dict(sorted((hosts_now - hosts_before).items())),
-            "left_nodes": _nodes(before - now), "joined_nodes": _nodes(now - before)}
+    return {
+        "previous_world_size": len(previous),
+        "world_size": len(world),
+        "left": dict(sorted((hosts_before - hosts_now).items())),
+        "joined": dict(sorted((hosts_now - hosts_before).items())),
+        "left_nodes": _nodes(before - now),
+        "joined_nodes": _nodes(now - before),
+    }
 
 
 def describe_nodes(nodes: list[dict[str, Any]]) -> str:
@@ -75,8 +85,15 @@ def describe_nodes(nodes: list[dict[str, Any]]) -> str:
     >>> describe_nodes([{"host": "b", "launcher_pid": 9, "workers": 1}]), describe_nodes([])
     ('b (launcher pid 9): 1 worker(s)', '-')
     """
-    return ", ".join(f"{n['host']}" + (f" (launcher pid {n['launcher_pid']})" if n["launcher_pid"] is not None else "")
-                     + f": {n['workers']} worker(s)" for n in nodes) or "-"
+    return (
+        ", ".join(
+            f"{n['host']}"
+            + (f" (launcher pid {n['launcher_pid']})" if n["launcher_pid"] is not None else "")
+            + f": {n['workers']} worker(s)"
+            for n in nodes
+        )
+        or "-"
+    )
 
 
 def _node(place_: dict[str, Any], by_launcher: bool) -> tuple[str, int | None]:
@@ -84,5 +101,7 @@ def _node(place_: dict[str, Any], by_launcher: bool) -> tuple[str, int | None]:
 
 
 def _nodes(counts: Counter[tuple[str, int | None]]) -> list[dict[str, Any]]:
-    return [{"host": host, "launcher_pid": pid, "workers": n} for (host, pid), n in sorted(counts.items(),
-                                                                                           key=lambda kv: str(kv[0]))]
+    return [
+        {"host": host, "launcher_pid": pid, "workers": n}
+        for (host, pid), n in sorted(counts.items(), key=lambda kv: str(kv[0]))
+    ]

@@ -55,7 +55,7 @@ def load_flat_gradients(model: nn.Module, flat: torch.Tensor) -> None:
     """
     offset = 0
     for _, p in _trainable(model):
-        part = flat[offset: offset + p.numel()].view_as(p)
+        part = flat[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
         if p.grad is None:
             p.grad = part.clone()

@@ -52,8 +52,10 @@ def check_split(batch: int, planned_world: int) -> None:
     """
     if batch < 1 or batch % planned_world:
         up = max(planned_world, -(-batch // planned_world) * planned_world)
-        raise ConfigError(f"batch={batch} does not split evenly over the {planned_world} workers this run is planned "
-                          f"for; use a multiple of {planned_world}, e.g. {up}")
+        raise ConfigError(
+            f"batch={batch} does not split evenly over the {planned_world} workers this run is planned "
+            f"for; use a multiple of {planned_world}, e.g. {up}"
+        )
 
 
 def batch_plan(batch: int, nbs: int, world: int, planned_world: int) -> BatchPlan:

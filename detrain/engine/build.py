@@ -32,8 +32,13 @@ def is_weights(model: str) -> bool:
     return str(model).endswith((".pt", ".pth"))
 
 
-def build_model(model: str, nc: int | None = None, names: dict[int, str] | None = None,
-                verbose: bool = True, weights_sha256: str = "") -> tuple[DetectionModel, dict[str, Any] | None]:
+def build_model(
+    model: str,
+    nc: int | None = None,
+    names: dict[int, str] | None = None,
+    verbose: bool = True,
+    weights_sha256: str = "",
+) -> tuple[DetectionModel, dict[str, Any] | None]:
     """A DetectionModel from an architecture yaml or weights, with its head fitted to ``nc`` classes.
 
     Returns (model, checkpoint dict or None). A yaml builds fresh weights: ``n.yaml`` (scale n of the
@@ -54,8 +59,10 @@ def build_model(model: str, nc: int | None = None, names: dict[int, str] | None 
                 if verbose:
                     from detrain.log import console
 
-                    console.print(f"{model}: {net.nc} classes in the weights, {nc} in the dataset: keeping every "
-                                  "matching layer and re-initialising the classification outputs")
+                    console.print(
+                        f"{model}: {net.nc} classes in the weights, {nc} in the dataset: keeping every "
+                        "matching layer and re-initialising the classification outputs"
+                    )
                 net.reset_classes(nc, names or {i: str(i) for i in range(nc)})
             else:
                 net.names = dict(names or {})

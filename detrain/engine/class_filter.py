@@ -51,8 +51,10 @@ class ClassFilter:
         """Raise a ConfigError naming ``source`` (the dataset yaml) when ``classes`` holds an id it does not have."""
         unknown = [c for c in self.classes or () if c not in names]
         if unknown:
-            raise ConfigError(f"invalid value for 'classes': {unknown} not among the {len(names)} classes of "
-                              f"{source} (0 to {len(names) - 1})")
+            raise ConfigError(
+                f"invalid value for 'classes': {unknown} not among the {len(names)} classes of "
+                f"{source} (0 to {len(names) - 1})"
+            )
 
     def names(self, names: Mapping[int, str]) -> dict[int, str]:
         """The class names a model trained on the filtered labels has: the dataset's, or ``{0: 'item'}``."""
@@ -85,6 +87,12 @@ class ClassFilter:
         images = {}
         for key, g in gt.images.items():
             keep, cls = self.labels(g.cls)
-            images[key] = ImageGT(g.image_id, g.boxes_ltwh[keep], cls, g.area[keep], g.crowd[keep],
-                                  None if g.ann_ids is None else g.ann_ids[keep])
+            images[key] = ImageGT(
+                g.image_id,
+                g.boxes_ltwh[keep],
+                cls,
+                g.area[keep],
+                g.crowd[keep],
+                None if g.ann_ids is None else g.ann_ids[keep],
+            )
         return dataclasses.replace(gt, images=images, category_ids=self.category_ids(gt.category_ids))

@@ -23,8 +23,21 @@ from detrain.engine.ground_truth import explicit_json, json_labels, json_split_g
 from detrain.errors import DatasetError
 
 PREPARE_TIMEOUT_S = 3600.0  # without a config: as cfg/default.yaml's prepare_timeout
-HYP_KEYS = ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear", "perspective", "flipud",
-            "fliplr", "mosaic", "mixup", "cutmix")
+HYP_KEYS = (
+    "hsv_h",
+    "hsv_s",
+    "hsv_v",
+    "degrees",
+    "translate",
+    "scale",
+    "shear",
+    "perspective",
+    "flipud",
+    "fliplr",
+    "mosaic",
+    "mixup",
+    "cutmix",
+)
 
 
 @dataclass
@@ -55,8 +68,13 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
     if not first:
         dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
     try:
-        limits = None if cfg is None else DownloadLimits.from_gb(
-            cfg.inputs.download_max_gb, cfg.inputs.download_max_unpacked_gb, cfg.inputs.download_max_files)
+        limits = (
+            None
+            if cfg is None
+            else DownloadLimits.from_gb(
+                cfg.inputs.download_max_gb, cfg.inputs.download_max_unpacked_gb, cfg.inputs.download_max_files
+            )
+        )
         info = load_dataset_yaml(data, limits=limits)
         selection = ClassFilter.from_cfg(cfg)
         selection.check(info.names, info.yaml_file)
@@ -83,8 +101,9 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
         raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
     if cfg is not None and split == "train" and cfg.inputs.fraction < 1.0:
         records = records[: max(1, round(len(records) * cfg.inputs.fraction))]
-    split_data = SplitData(info=info, split=split, records=selection.records(records), ground_truth=ground_truth,
-                           class_filter=selection)
+    split_data = SplitData(
+        info=info, split=split, records=selection.records(records), ground_truth=ground_truth, class_filter=selection
+    )
     if ground_truth is not None and len(records) != len(ground_truth.images):  # a train fraction
         split_data.ground_truth = None
     return split_data
@@ -95,23 +114,58 @@ def hyp_of(cfg: Cfg) -> dict[str, Any]:
     return {k: cfg.get(k) for k in HYP_KEYS}
 
 
-def build_train_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int,
-                       planned_world: int | None = None) -> DataLoader:
+def build_train_loader(
+    data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int, planned_world: int | None = None
+) -> DataLoader:
     """Augmented training batches; each rank gets its slice of every global batch (mosaic pools as planned for
     ``planned_world`` ranks)."""
-    dataset = DetectionDataset(data.records, imgsz=cfg.inputs.imgsz, augment=True, hyp=hyp_of(cfg), rect=cfg.train.rect,
-                               batch_size=local_batch, stride=32, seed=cfg.train.seed, cache=cfg.inputs.cache or None,
-                               # time= moves the last epochs: the trainer closes mosaic then (time_budget.py)
-                               close_mosaic_epoch=cfg.train.epochs - cfg.train.close_mosaic if cfg.train.close_mosaic and not cfg.train.time
-                               else None,
-                               cache_timeout_s=cfg.distributed.prepare_timeout)
-    return build_dataloader(dataset, batch_size=local_batch, shuffle=not cfg.train.rect, workers=cfg.distributed.workers, rank=rank,
-                            world_size=world, seed=cfg.train.seed, planned_world=planned_world)
+    dataset = DetectionDataset(
+        data.records,
+        imgsz=cfg.inputs.imgsz,
+        augment=True,
+        hyp=hyp_of(cfg),
+        rect=cfg.train.rect,
+        batch_size=local_batch,
+        stride=32,
+        seed=cfg.train.seed,
+        cache=cfg.inputs.cache or None,
+        # time= moves the last epochs: the trainer closes mosaic then (time_budget.py)
+        close_mosaic_epoch=cfg.train.epochs - cfg.train.close_mosaic
+        if cfg.train.close_mosaic and not cfg.train.time
+        else None,
+        cache_timeout_s=cfg.distributed.prepare_timeout,
+    )
+    return build_dataloader(
+        dataset,
+        batch_size=local_batch,
+        shuffle=not cfg.train.rect,
+        workers=cfg.distributed.workers,
+        rank=rank,
+        world_size=world,
+        seed=cfg.train.seed,
+        planned_world=planned_world,
+    )
 
 
 def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int) -> DataLoader:
     """Rectangular, unaugmented batches over disjoint shards (no padded duplicates)."""
-    dataset = DetectionDataset(data.records, imgsz=cfg.inputs.imgsz, augment=False, hyp=hyp_of(cfg), rect=True,
-                               batch_size=local_batch, stride=32, seed=cfg.train.seed, cache=None)
-    return build_dataloader(dataset, batch_size=local_batch, shuffle=False, workers=min(cfg.distributed.workers, 2) if world > 1
-                            else cfg.distributed.workers, rank=rank, world_size=world, seed=cfg.train.seed)
+    dataset = DetectionDataset(
+        data.records,
+        imgsz=cfg.inputs.imgsz,
+        augment=False,
+        hyp=hyp_of(cfg),
+        rect=True,
+        batch_size=local_batch,
+        stride=32,
+        seed=cfg.train.seed,
+        cache=None,
+    )
+    return build_dataloader(
+        dataset,
+        batch_size=local_batch,
+        shuffle=False,
+        workers=min(cfg.distributed.workers, 2) if world > 1 else cfg.distributed.workers,
+        rank=rank,
+        world_size=world,
+        seed=cfg.train.seed,
+    )

@@ -25,8 +25,9 @@ class ModelEMA:
     1
     """
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000.0, updates: int = 0,
-                 fixed: Iterable[str] = ()) -> None:
+    def __init__(
+        self, model: nn.Module, decay: float = 0.9999, tau: float = 2000.0, updates: int = 0, fixed: Iterable[str] = ()
+    ) -> None:
         self.ema = copy.deepcopy(unwrap(model)).eval()
         self.fixed = frozenset(fixed)  # state-dict names that training never changes (freeze=): copied, not averaged
         for p in self.ema.parameters():

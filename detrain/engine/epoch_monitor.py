@@ -52,11 +52,21 @@ class EpochMonitor:
         wait_s, forward_s = self.clock.epoch_means()
         usage = self.usage.sample()
         gpu_mem, gpu_util = self.gpu.sample()
-        return {"rank": dist.rank(), "node_key": self.node_key, "host": self.host, "pid": os.getpid(),
-                "images": int(n_images), "epoch_s": float(epoch_s),
-                "step_s": sum(step_times) / len(step_times) if step_times else 0.0,
-                "wait_s": wait_s, "forward_s": forward_s, "cpu_pct": usage.cpu_pct, "rss_bytes": usage.rss_bytes,
-                "gpu_mem_bytes": gpu_mem, "gpu_util_pct": gpu_util}
+        return {
+            "rank": dist.rank(),
+            "node_key": self.node_key,
+            "host": self.host,
+            "pid": os.getpid(),
+            "images": int(n_images),
+            "epoch_s": float(epoch_s),
+            "step_s": sum(step_times) / len(step_times) if step_times else 0.0,
+            "wait_s": wait_s,
+            "forward_s": forward_s,
+            "cpu_pct": usage.cpu_pct,
+            "rss_bytes": usage.rss_bytes,
+            "gpu_mem_bytes": gpu_mem,
+            "gpu_util_pct": gpu_util,
+        }
 
     def close(self) -> None:
         self.clock.close()

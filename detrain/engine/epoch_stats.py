@@ -41,7 +41,8 @@ def columns(stats: list[dict[str, Any]]) -> dict[str, float]:
     per_step = slowest["wait_s"] + slowest["step_s"]
     out: dict[str, float] = {
         "images_per_s": sum(s["images"] for s in stats) / max(max(s["epoch_s"] for s in stats), 1e-9),
-        "step_ms_mean": 1000 * statistics.fmean(steps), "step_ms_slowest_rank": 1000 * max(steps),
+        "step_ms_mean": 1000 * statistics.fmean(steps),
+        "step_ms_slowest_rank": 1000 * max(steps),
         "slowest_rank": int(slowest["rank"]),
         "data_wait_share_slowest_rank": slowest["wait_s"] / per_step if per_step > 0 else 0.0,
     }
@@ -70,6 +71,14 @@ def stragglers(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for cause, key in CAUSES.items():
             others = statistics.median(o[key] for j, o in enumerate(stats) if j != i)
             if s[key] > STRAGGLER_FACTOR * others and s[key] - others >= STRAGGLER_SHARE * iteration:
-                found.append({"rank": int(s["rank"]), "node": s.get("node"), "host": s.get("host"), "cause": cause,
-                              "ms_per_step": round(1000 * s[key], 3), "others_median_ms": round(1000 * others, 3)})
+                found.append(
+                    {
+                        "rank": int(s["rank"]),
+                        "node": s.get("node"),
+                        "host": s.get("host"),
+                        "cause": cause,
+                        "ms_per_step": round(1000 * s[key], 3),
+                        "others_median_ms": round(1000 * others, 3),
+                    }
+                )
     return found

@@ -28,8 +28,13 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     device = torch.device(world.device)
     set_cpu_threads(device, world.local_world_size)
     # rank 0 decides (other nodes may not know the folder the launching node picked)
-    save_dir = Path(dist.broadcast_object(
-        str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "val", cfg.output.exist_ok)) if world.is_main else None))
+    save_dir = Path(
+        dist.broadcast_object(
+            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "val", cfg.output.exist_ok))
+            if world.is_main
+            else None
+        )
+    )
     data = load_split(cfg.inputs.data, cfg.predict.split, cfg)
     if cfg.predict.predictions:
         from detrain.engine.score_file import score_predictions_file
@@ -38,14 +43,21 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     weights = is_weights(cfg.inputs.model)
     if not weights and world.is_main:
         console.print(f"note: {cfg.inputs.model} is an architecture, not weights: validating random weights")
-    model, ckpt = build_model(cfg.inputs.model, nc=None if weights else data.nc, names=None if weights else data.names,
-                              verbose=world.is_main, weights_sha256=cfg.inputs.weights_sha256)
+    model, ckpt = build_model(
+        cfg.inputs.model,
+        nc=None if weights else data.nc,
+        names=None if weights else data.names,
+        verbose=world.is_main,
+        weights_sha256=cfg.inputs.weights_sha256,
+    )
     if model.nc != data.nc and not cfg.inputs.single_cls:  # single_cls scores any model's detections as one class
         args = ckpt.get("train_args") if isinstance(ckpt, dict) else None  # a checkpoint's word, only for the hint
         trained_single = isinstance(args, dict) and args.get("single_cls") is True
         hint = "; it was trained with single_cls=true: add single_cls=true" if trained_single else ""
-        raise ConfigError(f"{cfg.inputs.model} predicts {model.nc} classes but {cfg.inputs.data} has {data.nc}; "
-                          f"fine-tune it on the dataset first{hint}")
+        raise ConfigError(
+            f"{cfg.inputs.model} predicts {model.nc} classes but {cfg.inputs.data} has {data.nc}; "
+            f"fine-tune it on the dataset first{hint}"
+        )
     model = model.to(device).eval()
     if hasattr(model, "fuse"):
         model.fuse()
@@ -54,9 +66,13 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     # number of ranks); the ranks share the batches, contiguous and disjoint.
     loader = build_val_loader(data, cfg, cfg.train.batch, world.rank, world.world_size)
     if world.is_main:
-        console.print(f"validating {cfg.inputs.model} on {cfg.inputs.data} ({cfg.predict.split}: {len(data.records)} images) "
-                      f"with {world.world_size} worker(s); results in {save_dir}")
-    metrics = validate(model, loader, data, cfg, device, save_dir=save_dir, plots=cfg.output.plots, verbose=cfg.output.verbose)
+        console.print(
+            f"validating {cfg.inputs.model} on {cfg.inputs.data} ({cfg.predict.split}: {len(data.records)} images) "
+            f"with {world.world_size} worker(s); results in {save_dir}"
+        )
+    metrics = validate(
+        model, loader, data, cfg, device, save_dir=save_dir, plots=cfg.output.plots, verbose=cfg.output.verbose
+    )
     metrics["save_dir"] = str(save_dir)
     return metrics
 

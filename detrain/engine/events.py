@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from detrain.file_tail import read_regular
 from detrain.log import console
 
 TAIL_BYTES = 4 << 20  # how much of an old events.jsonl is read back to find the previous start
@@ -52,7 +53,7 @@ class EventLog:
                     line = b"\n" + line  # an earlier writer died mid-line: ours starts on a line of its own
                 view = memoryview(line)
                 while view:  # one write on a regular file; a short write (disk full) is finished, not split
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
                 if kind == "end":
                     os.fsync(fd)
             finally:
@@ -71,29 +72,10 @@ class EventLog:
 
     def last(self, kind: str) -> dict[str, Any] | None:
         """The last well-formed event of ``kind`` in the file's last ``TAIL_BYTES`` (None if none, or unreadable)."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | _OPEN)
-        except OSError:
+        data = read_regular(self.path, TAIL_BYTES, tail=True)  # from the first whole line of the window
+        if data is None:
             return None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                return None
-            start = max(0, info.st_size - TAIL_BYTES)
-            os.lseek(fd, start, os.SEEK_SET)
-            data = b""
-            while len(data) < info.st_size - start:
-                chunk = os.read(fd, min(1 << 20, info.st_size - start - len(data)))
-                if not chunk:
-                    break
-                data += chunk
-        except OSError:
-            return None
-        finally:
-            os.close(fd)
         lines = data.split(b"\n")
-        if start > 0:
-            lines = lines[1:]  # the first is probably the tail of a line that began before the window
         for raw in reversed(lines):
             try:
                 event = json.loads(raw)

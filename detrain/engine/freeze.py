@@ -45,17 +45,22 @@ def frozen_indices(freeze: int | list[int] | None, n_layers: int) -> list[int]:
         return []
     if isinstance(freeze, int):
         if freeze >= n_layers:
-            raise ConfigError(f"invalid value for 'freeze': {freeze}; the model has {n_layers} layers (0 to "
-                              f"{n_layers - 1}) and freezing all of them leaves nothing to train: use at most "
-                              f"freeze={n_layers - 1}")
+            raise ConfigError(
+                f"invalid value for 'freeze': {freeze}; the model has {n_layers} layers (0 to "
+                f"{n_layers - 1}) and freezing all of them leaves nothing to train: use at most "
+                f"freeze={n_layers - 1}"
+            )
         return list(range(freeze))
     beyond = [i for i in freeze if i >= n_layers]
     if beyond:
-        raise ConfigError(f"invalid value for 'freeze': {freeze}; the model has layers 0 to {n_layers - 1}, "
-                          f"not {', '.join(map(str, beyond[:5]))}")
+        raise ConfigError(
+            f"invalid value for 'freeze': {freeze}; the model has layers 0 to {n_layers - 1}, "
+            f"not {', '.join(map(str, beyond[:5]))}"
+        )
     if len(set(freeze)) >= n_layers:
-        raise ConfigError(f"invalid value for 'freeze': {freeze}; it names all {n_layers} layers and leaves "
-                          "nothing to train")
+        raise ConfigError(
+            f"invalid value for 'freeze': {freeze}; it names all {n_layers} layers and leaves nothing to train"
+        )
     return sorted(set(freeze))
 
 
@@ -73,8 +78,9 @@ def freeze_layers(model: DetectionModel, freeze: int | list[int] | None, verbose
         from detrain.log import console
 
         fixed = sum(p.numel() for i in indices for p in layers[i].parameters())
-        console.print(f"freeze: layers {_spans(indices)} fixed ({fixed:,} parameters; their BatchNorm statistics "
-                      "still adapt)")
+        console.print(
+            f"freeze: layers {_spans(indices)} fixed ({fixed:,} parameters; their BatchNorm statistics still adapt)"
+        )
     return indices
 
 

@@ -38,15 +38,86 @@ from detrain.errors import DatasetError
 
 # The 80 class names of COCO in the order of the YOLO layout.
 COCO80_NAMES: tuple[str, ...] = (
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse", "remote", "keyboard",
-    "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book", "clock", "vase", "scissors",
-    "teddy bear", "hair drier", "toothbrush",
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "mouse",
+    "remote",
+    "keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
 )
 
 
@@ -140,8 +211,10 @@ def is_full_coco(info: Any, split: str) -> bool:
     raw = info.raw if isinstance(getattr(info, "raw", None), dict) else {}
     entries = raw.get(split)
     entries = entries if isinstance(entries, list) else [entries]
-    return any(e is not None and Path(str(e).strip()).suffix == ".txt" and Path(str(e).strip()).stem in COCO_SPLITS
-               for e in entries)
+    return any(
+        e is not None and Path(str(e).strip()).suffix == ".txt" and Path(str(e).strip()).stem in COCO_SPLITS
+        for e in entries
+    )
 
 
 def yolo_category_ids(names: Mapping[int, str], full_coco: bool = False) -> np.ndarray:
@@ -164,8 +237,9 @@ def yolo_image_gt(im_file: str, shape_hw: Sequence[int], cls: Any, bboxes_xywhn:
     scale = np.array([w0, h0, w0, h0])
     wh = b[:, 2:] * scale[2:]
     ltwh = np.concatenate(((b[:, :2] - b[:, 2:] / 2) * scale[:2], wh), 1)
-    return ImageGT(int(image_id), ltwh, np.asarray(cls, np.int64).reshape(-1), wh[:, 0] * wh[:, 1],
-                   np.zeros(len(b), bool))
+    return ImageGT(
+        int(image_id), ltwh, np.asarray(cls, np.int64).reshape(-1), wh[:, 0] * wh[:, 1], np.zeros(len(b), bool)
+    )
 
 
 def yolo_split_gt(records: Sequence[Any], names: Mapping[int, str], full_coco: bool = False) -> SplitGT:
@@ -201,14 +275,22 @@ def json_split_gt(json_file: str, records: Sequence[Any], names: Mapping[int, st
     for r in records:
         im = _lookup(r.im_file, index, depths)
         if im is None:
-            raise DatasetError(f"{json_file}: no entry in 'images' for {r.im_file} (file_name is matched against "
-                               "the end of the image path)")
+            raise DatasetError(
+                f"{json_file}: no entry in 'images' for {r.im_file} (file_name is matched against "
+                "the end of the image path)"
+            )
         if im["id"] in used:
             raise DatasetError(f"{json_file}: image id {im['id']} matches both {used[im['id']]} and {r.im_file}")
         used[im["id"]] = r.im_file
         g = gts[im["id"]]
-        out[r.im_file] = ImageGT(im["id"], g.boxes_ltwh, np.array([class_of[int(c)] for c in g.category_ids],
-                                                                    np.int64), g.area, g.iscrowd, g.ids)
+        out[r.im_file] = ImageGT(
+            im["id"],
+            g.boxes_ltwh,
+            np.array([class_of[int(c)] for c in g.category_ids], np.int64),
+            g.area,
+            g.iscrowd,
+            g.ids,
+        )
     return SplitGT(out, category_ids, f"annotations {json_file}", json_file=json_file)
 
 
@@ -261,8 +343,9 @@ def json_labels(records: Sequence[Any], gt: SplitGT, json_file: str) -> tuple[li
         xyxy = np.clip(xyxy, 0, [w0, h0, w0, h0])
         xywhn = np.concatenate(((xyxy[:, :2] + xyxy[:, 2:]) / 2, xyxy[:, 2:] - xyxy[:, :2]), 1) / [w0, h0, w0, h0]
         ok = (xywhn[:, 2] > 0) & (xywhn[:, 3] > 0)
-        out.append(LabelRecord(r.im_file, tuple(r.shape_hw), g.cls[keep][ok].astype(np.int64),
-                               xywhn[ok].astype(np.float32)))
+        out.append(
+            LabelRecord(r.im_file, tuple(r.shape_hw), g.cls[keep][ok].astype(np.int64), xywhn[ok].astype(np.float32))
+        )
         n_boxes += int(ok.sum())
     line = f"{len(out)} images, {n_boxes} boxes from {json_file} ({n_crowd} crowd boxes used only in evaluation)"
     if n_mismatch:
@@ -280,8 +363,10 @@ def _category_ids(categories: list[dict[str, Any]], names: Mapping[int, str], js
     if len(categories) == nc:
         _note(f"{json_file}: category names differ from the dataset's names; class k is the k-th category id")
         return np.array(sorted(int(c["id"]) for c in categories), np.int64)
-    raise DatasetError(f"{json_file}: {len(categories)} categories but the dataset yaml names {nc} classes; "
-                       "list the json's categories under names: (in ascending id order)")
+    raise DatasetError(
+        f"{json_file}: {len(categories)} categories but the dataset yaml names {nc} classes; "
+        "list the json's categories under names: (in ascending id order)"
+    )
 
 
 def _norm(path: str) -> str:

@@ -50,8 +50,11 @@ def dataset_fingerprint(root: str | Path, images: Iterable[str], extra: Iterable
     h = hashlib.sha256()
     for rel, size in sorted(entries):
         h.update(f"{rel}\0{size}\n".encode("utf-8", "surrogateescape"))
-    return {"fingerprint": f"sha256:{h.hexdigest()}", "files": len(entries),
-            "bytes": sum(size for _, size in entries if size > 0)}
+    return {
+        "fingerprint": f"sha256:{h.hexdigest()}",
+        "files": len(entries),
+        "bytes": sum(size for _, size in entries if size > 0),
+    }
 
 
 def split_fingerprint(datasets: Iterable[Any]) -> dict[str, Any]:
@@ -70,9 +73,15 @@ def split_fingerprint(datasets: Iterable[Any]) -> dict[str, Any]:
 
 def versions() -> dict[str, Any]:
     """detrain's, Python's and the libraries' versions; CUDA, cuDNN and NCCL where this torch has them."""
-    out: dict[str, Any] = {"detrain": detrain.__version__, "python": platform.python_version(),
-                           "torch": torch.__version__, "numpy": np.__version__, "cuda": torch.version.cuda,
-                           "cudnn": None, "nccl": None}
+    out: dict[str, Any] = {
+        "detrain": detrain.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "nccl": None,
+    }
     try:
         import torchvision
 
@@ -112,9 +121,19 @@ def build_manifest(args: dict[str, Any], dataset: dict[str, Any] | None) -> dict
     """A fresh manifest for a run started now with ``args``."""
     now = _now()
     v = versions()
-    return {"detrain": v.pop("detrain"), "created": now, "updated": now, "versions": v,
-            "platform": platform.platform(), "git": git_commit(), "dataset": dataset, "args": args,
-            "restarts": 0, "launcher_restart_count": 0, "resumed_from": None}
+    return {
+        "detrain": v.pop("detrain"),
+        "created": now,
+        "updated": now,
+        "versions": v,
+        "platform": platform.platform(),
+        "git": git_commit(),
+        "dataset": dataset,
+        "args": args,
+        "restarts": 0,
+        "launcher_restart_count": 0,
+        "resumed_from": None,
+    }
 
 
 def read_manifest(path: str | Path) -> dict[str, Any] | None:
@@ -136,8 +155,15 @@ def read_manifest(path: str | Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def write_start(path: str | Path, args: dict[str, Any], dataset: dict[str, Any] | None, *, restarted: bool,
-                launcher_restarts: int, resumed_from: str | None) -> dict[str, Any]:
+def write_start(
+    path: str | Path,
+    args: dict[str, Any],
+    dataset: dict[str, Any] | None,
+    *,
+    restarted: bool,
+    launcher_restarts: int,
+    resumed_from: str | None,
+) -> dict[str, Any]:
     """Write the manifest of a start: fresh on a first start; on a restart the earlier one (when readable) with
     its restart count raised, ``launcher_restart_count`` and ``resumed_from`` set. Returns what was written."""
     earlier = read_manifest(path) if restarted else None
@@ -157,8 +183,14 @@ def _count(value: Any) -> int:
 
 
 def _git(cwd: Path, env: dict[str, str], *args: str) -> str | None:
-    proc = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, env=env,
-                          timeout=GIT_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        ["git", "-C", str(cwd), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=GIT_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 

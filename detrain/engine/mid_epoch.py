@@ -17,8 +17,6 @@ reach (a few images may be seen twice).
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,7 +77,6 @@ class MidEpoch:
             return
         self.save(trainer, epoch, i, mean_items, n_images)
         self.last_save = time.monotonic()
-        _test_kill_hook(epoch, i + 1)
 
     def save(self, trainer: Trainer, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
         """Write ``mid.pt`` for the state after batch ``i`` of ``epoch`` (a collective: call on every rank)."""
@@ -90,24 +87,15 @@ class MidEpoch:
         trainer.per_rank = gather_per_rank(trainer.model, trainer.ema.ema)  # collective: what differs by rank
         if dist.is_main():
             state = trainer.checkpoint_state(epoch - 1, {}, pending)
-            state["mid_epoch"] = {"next_batch": i + 1, "step_images": int(trainer.plan.step_images),
-                                  "mean_items": mean_items.detach().float().cpu(), "n_images": int(n_images)}
+            state["mid_epoch"] = {
+                "next_batch": i + 1,
+                "step_images": int(trainer.plan.step_images),
+                "mean_items": mean_items.detach().float().cpu(),
+                "n_images": int(n_images),
+            }
             save_checkpoint(state, self.path)
 
     def epoch_done(self) -> None:
         """Rank 0, once ``last.pt`` holds the finished epoch: the epoch's ``mid.pt`` is superseded."""
         if self.save_files and dist.is_main():
             self.path.unlink(missing_ok=True)
-
-
-def _test_kill_hook(epoch: int, next_batch: int) -> None:
-    """Test-only fault injection: ``DETRAIN_TEST_KILL_AFTER_MID="EPOCH:BATCH:RANK"`` makes that global rank
-    SIGKILL itself right after a ``mid.pt`` of that (0-based) epoch with ``next_batch`` >= BATCH is written, on the
-    launcher's first attempt only (TORCHELASTIC_RESTART_COUNT 0). Unset (always, outside the tests) it does
-    nothing."""
-    spec = os.environ.get("DETRAIN_TEST_KILL_AFTER_MID")
-    if not spec or dist.restart_count():
-        return
-    want_epoch, want_batch, want_rank = (int(x) for x in spec.split(":"))
-    if epoch == want_epoch and next_batch >= want_batch and dist.rank() == want_rank:
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -67,8 +67,9 @@ def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
     return NOMINAL_BATCH
 
 
-def build_optimizer(model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, weight_decay: float
-                    ) -> tuple[torch.optim.Optimizer, str, float]:
+def build_optimizer(
+    model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, weight_decay: float
+) -> tuple[torch.optim.Optimizer, str, float]:
     """Three parameter groups: weights with decay, BatchNorm weights and biases without; the optimizer, lr0
     and momentum of :func:`auto_choice` for ``total_iterations`` planned updates.
     Returns (optimizer, name, lr0 actually used).
@@ -161,8 +162,16 @@ def warmup_iterations(cfg: Cfg, batches_per_epoch: int) -> int:
     return round(epochs * batches_per_epoch) if epochs > 0 else 0
 
 
-def apply_warmup(optimizer: torch.optim.Optimizer, cfg: Cfg, ni: int, n_warmup: int, epoch_factor: float,
-                 lr0: float, momentum: float, accumulate_target: float) -> int:
+def apply_warmup(
+    optimizer: torch.optim.Optimizer,
+    cfg: Cfg,
+    ni: int,
+    n_warmup: int,
+    epoch_factor: float,
+    lr0: float,
+    momentum: float,
+    accumulate_target: float,
+) -> int:
     """Set lr and momentum for iteration ``ni`` of warmup; returns the accumulation steps to use now.
 
     Bias lr falls from ``warmup_bias_lr`` while the other groups rise from 0, both to ``lr0 * epoch_factor``.

@@ -121,8 +121,10 @@ class PredictionWriter:
                 out = rel.with_name(stem + VIDEO_SUFFIX)
             else:
                 out = rel if cv2.haveImageWriter(rel.name) else rel.with_name(rel.name + ".jpg")
-            self._places[item] = (_unique(out, self._taken_out, out.stem, out.suffix),
-                                  _unique(rel.with_name(stem), self._taken_labels, stem, ""))
+            self._places[item] = (
+                _unique(out, self._taken_out, out.stem, out.suffix),
+                _unique(rel.with_name(stem), self._taken_labels, stem, ""),
+            )
         return self._places[item]
 
 

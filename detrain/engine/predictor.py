@@ -93,8 +93,9 @@ def check_classes(classes: list[int] | None, names: dict[int, str]) -> None:
     """``classes`` must name classes the model has."""
     unknown = [c for c in classes or [] if c not in names]
     if unknown:
-        raise ConfigError(f"invalid value for 'classes': {unknown} not among the model's {len(names)} classes "
-                          f"(0 to {len(names) - 1})")
+        raise ConfigError(
+            f"invalid value for 'classes': {unknown} not among the model's {len(names)} classes (0 to {len(names) - 1})"
+        )
 
 
 def batches(frames: Iterable[Frame], size: int, imgsz: int, stride: int) -> Iterator[Batch]:
@@ -114,8 +115,17 @@ def batches(frames: Iterable[Frame], size: int, imgsz: int, stride: int) -> Iter
 
 
 @torch.no_grad()
-def infer(net: nn.Module, images: list[np.ndarray], device: torch.device, half: bool, conf: float, iou: float,
-          max_det: int, classes: list[int] | None = None, agnostic: bool = False) -> list[torch.Tensor]:
+def infer(
+    net: nn.Module,
+    images: list[np.ndarray],
+    device: torch.device,
+    half: bool,
+    conf: float,
+    iou: float,
+    max_det: int,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
+) -> list[torch.Tensor]:
     """Detections (n, 6: x1 y1 x2 y2 conf cls, float32, CPU) per letterboxed BGR image of one shape, in its pixels."""
     x = torch.from_numpy(np.stack(images)).to(device)  # (B, H, W, 3) BGR uint8
     x = x.flip(-1).permute(0, 3, 1, 2)  # RGB, (B, 3, H, W) in channels-last memory, as validation feeds it
@@ -125,13 +135,21 @@ def infer(net: nn.Module, images: list[np.ndarray], device: torch.device, half: 
         preds = preds[0]
     preds = preds.float()  # NMS offsets boxes by class * max_wh: past float16's range from class 9 on
     max_wh = max(7680, 2 * max(x.shape[2:]))  # class offsets in NMS must exceed any coordinate
-    dets = non_max_suppression(preds, conf_thres=conf, iou_thres=iou, max_det=max_det, classes=classes,
-                               agnostic=agnostic, max_wh=max_wh)
+    dets = non_max_suppression(
+        preds, conf_thres=conf, iou_thres=iou, max_det=max_det, classes=classes, agnostic=agnostic, max_wh=max_wh
+    )
     return [d.float().cpu() for d in dets]
 
 
-def stream_predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None, *, prepared: bool = False,
-                   collecting: bool = False, device: torch.device | None = None) -> Generator[Results, None, None]:
+def stream_predict(
+    cfg: Cfg,
+    model: nn.Module | None = None,
+    source: Any = None,
+    *,
+    prepared: bool = False,
+    collecting: bool = False,
+    device: torch.device | None = None,
+) -> Generator[Results, None, None]:
     """Results one picture at a time for ``cfg`` (``source`` overrides ``cfg.predict.source``: a path, a list of them,
     image arrays). ``model``: a module to use instead of building ``cfg.inputs.model`` (copied first unless
     ``prepared``, see :func:`prepare_model`); ``device``: where it runs, as :func:`inference_device` resolved it
@@ -145,17 +163,26 @@ def stream_predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None,
     src = parse_source(cfg.predict.source if source is None else source, exclude=project)
     half = use_half(cfg, device)
     if model is None:
-        net = prepare_model(build_model(cfg.inputs.model, verbose=False, weights_sha256=cfg.inputs.weights_sha256)[0], device, half,
-                            copy_first=False)
+        net = prepare_model(
+            build_model(cfg.inputs.model, verbose=False, weights_sha256=cfg.inputs.weights_sha256)[0],
+            device,
+            half,
+            copy_first=False,
+        )
     else:
         net = model if prepared else prepare_model(model, device, half)
     names = {int(k): str(v) for k, v in dict(getattr(net, "names", {})).items()}
     check_classes(cfg.inputs.classes, names)
     if collecting and any(item.is_video for item in src.items):
-        say("note: a video's results all stay in memory until it ends; predict(..., stream=True) gives them one "
-            "frame at a time")
-    save_dir = increment_run_dir(cfg.output.project, cfg.output.name, "predict", cfg.output.exist_ok) if cfg.output.save or cfg.predict.save_txt \
+        say(
+            "note: a video's results all stay in memory until it ends; predict(..., stream=True) gives them one "
+            "frame at a time"
+        )
+    save_dir = (
+        increment_run_dir(cfg.output.project, cfg.output.name, "predict", cfg.output.exist_ok)
+        if cfg.output.save or cfg.predict.save_txt
         else None
+    )
     return _run(cfg, net, names, src, device, half, save_dir)
 
 
@@ -164,8 +191,15 @@ def predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None) -> lis
     return list(stream_predict(cfg, model, source, collecting=True))
 
 
-def _run(cfg: Cfg, net: nn.Module, names: dict[int, str], src: Source, device: torch.device, half: bool,
-         save_dir: Path | None) -> Generator[Results, None, None]:
+def _run(
+    cfg: Cfg,
+    net: nn.Module,
+    names: dict[int, str],
+    src: Source,
+    device: torch.device,
+    half: bool,
+    save_dir: Path | None,
+) -> Generator[Results, None, None]:
     conf = PREDICT_CONF if cfg.predict.conf is None else cfg.predict.conf
     stride = max(int(getattr(net, "stride", torch.tensor([32.0])).max()), 32)
     show: Callable[[str], None] = say if cfg.output.verbose else (lambda text: None)
@@ -173,29 +207,54 @@ def _run(cfg: Cfg, net: nn.Module, names: dict[int, str], src: Source, device: t
         first = ", ".join(src.skipped[:3]) + (", ..." if len(src.skipped) > 3 else "")
         say(f"skipped {len(src.skipped)} file(s) that are neither images nor videos: {first}")
     order = {item: i for i, item in enumerate(src.items, 1)}
-    writer = PredictionWriter(save_dir, cfg.output.save, cfg.predict.save_txt, cfg.predict.save_conf, cfg.predict.line_width) if save_dir else None
+    writer = (
+        PredictionWriter(save_dir, cfg.output.save, cfg.predict.save_txt, cfg.predict.save_conf, cfg.predict.line_width)
+        if save_dir
+        else None
+    )
     count, seconds, keep = 0, 0.0, False
     try:
         for batch in batches(read_frames(src, warn=say), cfg.train.batch, cfg.inputs.imgsz, stride):
             start = time.perf_counter()
-            dets = infer(net, [img for _, img, _, _ in batch], device, half, conf, cfg.predict.iou, cfg.predict.max_det,
-                         cfg.inputs.classes, cfg.predict.agnostic_nms)
+            dets = infer(
+                net,
+                [img for _, img, _, _ in batch],
+                device,
+                half,
+                conf,
+                cfg.predict.iou,
+                cfg.predict.max_det,
+                cfg.inputs.classes,
+                cfg.predict.agnostic_nms,
+            )
             elapsed = time.perf_counter() - start
             seconds += elapsed
             for (frame, _, gain, pad), det in zip(batch, dets):
                 scale_boxes_to_original(det[:, :4], gain, pad, frame.image.shape[:2])
                 d = det.numpy()
-                result = Results(frame.item.name, frame.index, frame.image.shape[:2], d[:, :4].copy(),
-                                 d[:, 4].copy(), d[:, 5].astype(np.int64), dict(names), frame.image)
+                result = Results(
+                    frame.item.name,
+                    frame.index,
+                    frame.image.shape[:2],
+                    d[:, :4].copy(),
+                    d[:, 4].copy(),
+                    d[:, 5].astype(np.int64),
+                    dict(names),
+                    frame.image,
+                )
                 if writer is not None:
                     writer.add(frame, result)
                 count += 1
-                show(f"{_where(frame, order[frame.item], len(src.items))}: {result.summary()}, "
-                     f"{1000 * elapsed / len(batch):.1f}ms")
+                show(
+                    f"{_where(frame, order[frame.item], len(src.items))}: {result.summary()}, "
+                    f"{1000 * elapsed / len(batch):.1f}ms"
+                )
                 yield result
         if not count:
-            raise DatasetError(f"source '{shown(str(cfg.predict.source))}': none of its {len(src.items)} image(s) or video(s) "
-                               "could be read")
+            raise DatasetError(
+                f"source '{shown(str(cfg.predict.source))}': none of its {len(src.items)} image(s) or video(s) "
+                "could be read"
+            )
         keep = True
     except (KeyboardInterrupt, GeneratorExit):
         keep = True  # what was written until the user stopped is whole and worth keeping
@@ -204,8 +263,10 @@ def _run(cfg: Cfg, net: nn.Module, names: dict[int, str], src: Source, device: t
         if writer is not None:
             writer.close(keep)
         if count and cfg.output.verbose:
-            say(f"{count} picture(s), {1000 * seconds / count:.1f}ms each (inference and NMS, batch up to "
-                f"{cfg.train.batch})")
+            say(
+                f"{count} picture(s), {1000 * seconds / count:.1f}ms each (inference and NMS, batch up to "
+                f"{cfg.train.batch})"
+            )
         if save_dir is not None and save_dir.exists():
             say(f"results in {save_dir}")
 

@@ -39,7 +39,9 @@ def starts_from_weights(cfg: Cfg) -> bool:
     """
     from detrain.engine.build import is_weights
 
-    return isinstance(cfg.inputs.pretrained, str) or (is_weights(cfg.inputs.model) and cfg.inputs.pretrained is not False)
+    return isinstance(cfg.inputs.pretrained, str) or (
+        is_weights(cfg.inputs.model) and cfg.inputs.pretrained is not False
+    )
 
 
 def check_pretrained(pretrained: bool | str) -> None:
@@ -60,9 +62,14 @@ def transfer(model: nn.Module, state: dict[str, torch.Tensor]) -> list[str]:
     """Copy into ``model`` every tensor of ``state`` whose key and shape the model has (floats cast to the model's
     dtype); returns the keys copied. The model's other tensors keep their values."""
     own = model.state_dict()
-    matched = {k: v for k, v in state.items()
-               if k in own and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(own[k].shape)
-               and v.is_floating_point() == own[k].is_floating_point()}
+    matched = {
+        k: v
+        for k, v in state.items()
+        if k in own
+        and isinstance(v, torch.Tensor)
+        and tuple(v.shape) == tuple(own[k].shape)
+        and v.is_floating_point() == own[k].is_floating_point()
+    }
     with torch.no_grad():
         for key, value in matched.items():
             own[key].copy_(value.to(dtype=own[key].dtype))

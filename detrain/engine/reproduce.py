@@ -21,10 +21,11 @@ def rng_state() -> dict[str, Any]:
     assert isinstance(legacy, tuple)  # the global generator is MT19937, whose state numpy gives as this tuple
     name, keys, pos, has_gauss, gauss = legacy
     # numpy's key array as a tensor: checkpoints hold only what torch.load(weights_only=True) accepts
-    state: dict[str, Any] = {"python": random.getstate(),
-                             "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss),
-                                       float(gauss)],
-                             "torch": torch.get_rng_state()}
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from detrain.checkpoint import load_checkpoint
-from detrain.config import Cfg, make_cfg
+from detrain.config import LAUNCH_KEYS, Cfg, make_cfg
 from detrain.data.process_owner import start_ticks
 from detrain.distributed import dist
 from detrain.distributed.world import World
@@ -53,9 +53,6 @@ from detrain.engine.reproduce import find_resume_checkpoint, rng_state
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
 
-# a resumed run keeps its own arguments; only the devices and the process layout may change
-KEEP_KEYS = ("device", "workers", "nnodes", "node_rank", "master_addr", "master_port", "max_restarts", "dist_timeout",
-             "prepare_timeout", "rdzv_backend", "run_id", "socket_ifname")
 MID, LAST = "mid.pt", "last.pt"
 
 
@@ -132,8 +129,11 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
         except DetrainError as e:
             report = ("error", e, socket.gethostname())
         except OSError as e:  # an unreadable folder or file on this node's disk
-            report = ("error", CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"),
-                      socket.gethostname())
+            report = (
+                "error",
+                CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"),
+                socket.gethostname(),
+            )
     reports = _gather(report, cfg.distributed.prepare_timeout)
     holder = _holder(reports)  # the same on every rank
     if holder is None:
@@ -141,8 +141,11 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
     _, _, where_from, auto, host, at = reports[holder]
     if dist.is_main():
         by = "" if holder == 0 else f" (held by rank {holder} on {host}; its run record comes with it)"
-        console.print(f"{launch.reason()}: resuming from {where_from} at {at}{by}" if auto
-                      else f"resuming from {where_from} at {at}{by}")
+        console.print(
+            f"{launch.reason()}: resuming from {where_from} at {at}{by}"
+            if auto
+            else f"resuming from {where_from} at {at}{by}"
+        )
     mine, found = (found if dist.rank() == holder else None), None  # another node's find is not needed any more
     ckpt, record = _send(mine, holder, cfg.distributed.prepare_timeout)
     path = Path(where_from)
@@ -150,7 +153,8 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
     folder = Path(save_dir) if save_dir and holder != 0 else path.parent.parent
     if dist.is_main() and holder != 0:
         run_record.restore(folder, record)
-    keep = {k: cfg.get(k) for k in KEEP_KEYS}  # this rank's own devices and layout
+    # a resumed run keeps its own arguments; only the devices and the process layout (this rank's) may change
+    keep = {k: cfg.get(k) for k in LAUNCH_KEYS}
     resumed = make_cfg({**ckpt["train_args"], **keep, "resume": str(path)})
     return Start(resumed, folder, ckpt, launch)
 
@@ -184,15 +188,26 @@ def position(ckpt: dict[str, Any], path: str | Path = "checkpoint") -> tuple[int
 def check_mid(ckpt: dict[str, Any], path: str | Path) -> None:
     """A mid-epoch checkpoint's position fields have their types and ranges (see :mod:`detrain.engine.mid_epoch`)."""
     mid, per = ckpt.get("mid_epoch"), ckpt.get("batches_per_epoch")
-    ok = isinstance(mid, dict) and type(per) is int and per >= 1
-    if ok:
+    ok = False
+    if isinstance(mid, dict) and type(per) is int and per >= 1:
         batch, step, items, images = (mid.get(k) for k in ("next_batch", "step_images", "mean_items", "n_images"))
-        ok = (type(batch) is int and 1 <= batch <= per and type(step) is int and step >= 1 and type(images) is int
-              and images >= 0 and isinstance(items, torch.Tensor) and items.shape == (3,)
-              and items.is_floating_point() and bool(torch.isfinite(items).all()))
+        ok = (
+            type(batch) is int
+            and 1 <= batch <= per
+            and type(step) is int
+            and step >= 1
+            and type(images) is int
+            and images >= 0
+            and isinstance(items, torch.Tensor)
+            and items.shape == (3,)
+            and items.is_floating_point()
+            and bool(torch.isfinite(items).all())
+        )
     if not ok:
-        raise CheckpointError(f"{path}: its mid-epoch position (mid_epoch, batches_per_epoch) is malformed; "
-                              f"delete it to resume from {LAST}")
+        raise CheckpointError(
+            f"{path}: its mid-epoch position (mid_epoch, batches_per_epoch) is malformed; "
+            f"delete it to resume from {LAST}"
+        )
 
 
 def series_folders(project: str, name: str, task: str = "train") -> list[Path]:
@@ -231,7 +246,7 @@ def restore_rank_state(model: nn.Module, ema: nn.Module, ckpt: dict[str, Any], r
     mine = (ckpt.get("buffers_per_rank") or {}).get(str(rank)) or {}
     _copy_into(unwrap(model), mine.get("model") or {})
     _copy_into(ema, mine.get("ema") or {})
-    if hasattr(model, "require_forward_param_sync"):
+    if isinstance(model, nn.parallel.DistributedDataParallel):
         model.require_forward_param_sync = _updated_last(ckpt)
 
 
@@ -244,8 +259,9 @@ def may_host_rank0(world: World, node_rank: int) -> bool:
 # ------------------------------------------------------------------------------------------------ internals
 
 
-def _choose(cfg: Cfg, save_dir: str | Path | None, launch: Launch,
-            explicit: bool = True) -> tuple[Path, dict[str, Any], bool] | None:
+def _choose(
+    cfg: Cfg, save_dir: str | Path | None, launch: Launch, explicit: bool = True
+) -> tuple[Path, dict[str, Any], bool] | None:
     """The checkpoint to resume from on this node's disk (path, contents, whether found as this run's own), or
     None; ``explicit``: also ``resume=``'s (rank 0, whose node was given the file)."""
     given = find_resume_checkpoint(cfg) if cfg.train.resume and explicit else None
@@ -279,8 +295,11 @@ def _choose(cfg: Cfg, save_dir: str | Path | None, launch: Launch,
     if given.name == LAST and beside.is_file():
         mid = load_checkpoint(beside)
         written_by = ckpt.get("launch_id")
-        if isinstance(written_by, str) and mid.get("launch_id") == written_by and \
-                position(mid, beside) > position(ckpt, given):
+        if (
+            isinstance(written_by, str)
+            and mid.get("launch_id") == written_by
+            and position(mid, beside) > position(ckpt, given)
+        ):
             _check_resumable(mid, beside)
             return beside, mid, False
     return given, ckpt, False
@@ -318,8 +337,9 @@ def _agent_identity() -> str:
 
 def _float_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     saved = module.state_dict()  # persistent buffers only: those a checkpoint holds too
-    return {k: v.detach().to("cpu", copy=True) for k, v in module.named_buffers()
-            if v.is_floating_point() and k in saved}
+    return {
+        k: v.detach().to("cpu", copy=True) for k, v in module.named_buffers() if v.is_floating_point() and k in saved
+    }
 
 
 def _copy_into(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
@@ -340,21 +360,33 @@ def _updated_last(ckpt: dict[str, Any]) -> bool:
 
 def _check_resumable(ckpt: dict[str, Any], path: Path) -> None:
     if not isinstance(ckpt.get("train_args"), dict) or not isinstance(ckpt.get("optimizer"), dict):
-        raise CheckpointError(f"{path} holds weights but no training state (train_args, optimizer); resume needs a "
-                              f"{LAST} or {MID} written by 'detrain train' (start a new run with model={path})")
+        raise CheckpointError(
+            f"{path} holds weights but no training state (train_args, optimizer); resume needs a "
+            f"{LAST} or {MID} written by 'detrain train' (start a new run with model={path})"
+        )
     position(ckpt, path)
     per_rank = ckpt.get("buffers_per_rank")
     if per_rank is None:
         return
     weights = {"model": ckpt["model"]["state_dict"], "ema": (ckpt.get("ema") or {}).get("state_dict") or {}}
     ok = isinstance(per_rank, dict) and all(
-        isinstance(r, str) and isinstance(parts, dict) and set(parts) <= set(weights) and all(
-            isinstance(buffers, dict) and all(
-                isinstance(k, str) and isinstance(v, torch.Tensor) and isinstance(weights[part].get(k), torch.Tensor)
-                and v.shape == weights[part][k].shape and v.dtype == weights[part][k].dtype
-                for k, v in buffers.items())
-            for part, buffers in parts.items())
-        for r, parts in per_rank.items())
+        isinstance(r, str)
+        and isinstance(parts, dict)
+        and set(parts) <= set(weights)
+        and all(
+            isinstance(buffers, dict)
+            and all(
+                isinstance(k, str)
+                and isinstance(v, torch.Tensor)
+                and isinstance(weights[part].get(k), torch.Tensor)
+                and v.shape == weights[part][k].shape
+                and v.dtype == weights[part][k].dtype
+                for k, v in buffers.items()
+            )
+            for part, buffers in parts.items()
+        )
+        for r, parts in per_rank.items()
+    )
     if not ok:
         raise CheckpointError(f"{path}: 'buffers_per_rank' does not match its model's and EMA's buffers")
 
@@ -368,8 +400,9 @@ def _gather(report: tuple[Any, ...], wait_s: float) -> list[tuple[Any, ...]]:
     return dist.all_gather_object(report)
 
 
-def _send(found: tuple[Path, dict[str, Any], bool] | None, holder: int,
-          wait_s: float) -> tuple[dict[str, Any], dict[str, bytes] | None]:
+def _send(
+    found: tuple[Path, dict[str, Any], bool] | None, holder: int, wait_s: float
+) -> tuple[dict[str, Any], dict[str, bytes] | None]:
     """The holder's checkpoint (and, where the holder is not rank 0, its run record) on every rank. The
     checkpoint travels as the bytes ``torch.save`` makes of it and is read back with ``weights_only=True``
     (nothing in it can run code)."""

@@ -20,24 +20,22 @@ last whole lines. Received, each known name is written atomically; anything else
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 
+from detrain.file_tail import read_regular
 from detrain.log import atomic_write_bytes
 
 # what travels (path in the run folder -> the most bytes read); a run's results and manifest are small, its
 # events grow by a few lines an epoch, best.pt is the model and its EMA
 LIMITS = {"results.csv": 16 << 20, "events.jsonl": 64 << 20, "manifest.json": 1 << 20, "weights/best.pt": 4 << 30}
 TAIL = ("events.jsonl",)  # over its limit: its last whole lines (the others: not sent)
-_OPEN = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 def collect(folder: str | Path) -> dict[str, bytes]:
     """The record's files that ``folder`` holds as regular files, by their path in it."""
     out: dict[str, bytes] = {}
     for name, limit in LIMITS.items():
-        data = _read(Path(folder) / name, limit, tail=name in TAIL)
+        data = read_regular(Path(folder) / name, limit, tail=name in TAIL)
         if data is not None:
             out[name] = data
     return out
@@ -51,34 +49,3 @@ def restore(folder: str | Path, record: object) -> None:
         data = record.get(name)
         if isinstance(data, bytes) and len(data) <= limit:
             atomic_write_bytes(Path(folder) / name, data)
-
-
-def _read(path: Path, limit: int, tail: bool) -> bytes | None:
-    """A regular file's bytes (None: missing, not a regular file, unreadable, or over ``limit`` unless ``tail``)."""
-    try:
-        fd = os.open(path, _OPEN)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            return None
-        size = info.st_size
-        if size > limit and not tail:
-            return None
-        start = max(0, size - limit)
-        chunks, got = [], 0
-        while got < size - start:
-            chunk = os.pread(fd, min(1 << 24, size - start - got), start + got)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        data = b"".join(chunks)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if start:
-        data = data[data.find(b"\n") + 1:] if b"\n" in data else b""  # from the first whole line
-    return data

@@ -16,8 +16,9 @@ Events, in the order they are written:
 * ``straggler`` (per epoch and rank): ``epoch``, ``rank``, ``node``, ``host``, ``cause`` (``data_wait`` or
   ``compute``), ``ms_per_step`` and ``others_median_ms`` (:func:`detrain.engine.epoch_stats.stragglers`);
 * ``end``: ``status`` (``completed``, ``stopped_early``, ``interrupted`` or ``failed``), ``epoch`` (the last
-  whose training loop finished, 1-based; null if none) and for a failure ``error``, its one line. A process killed outright
-  (SIGKILL, or the launcher's SIGTERM after a peer died) writes no end: the next ``start`` follows directly.
+  whose training loop finished, 1-based; null if none) and for a failure ``error``, its one line. A process
+  killed outright (SIGKILL, or the launcher's SIGTERM after a peer died) writes no end: the next ``start``
+  follows directly.
 """
 
 from __future__ import annotations
@@ -44,8 +45,15 @@ ERROR_CHARS = 1000  # an end event's error line is cut to this length
 class RunTrace:
     """The events of one start of a run; every method is a no-op on ranks other than 0."""
 
-    def __init__(self, save_dir: str | Path, main: bool, epochs: int, first_epoch: int,
-                 world: list[dict[str, Any]], restarts: int = 0) -> None:
+    def __init__(
+        self,
+        save_dir: str | Path,
+        main: bool,
+        epochs: int,
+        first_epoch: int,
+        world: list[dict[str, Any]],
+        restarts: int = 0,
+    ) -> None:
         self.save_dir = Path(save_dir)
         self.events = EventLog(self.save_dir / "events.jsonl", main)
         self.main, self.epochs, self.first_epoch, self.world = main, epochs, first_epoch, world
@@ -60,20 +68,32 @@ class RunTrace:
         previous = self.events.last("start")
         restarts = self.restarts
         restarted = restarts > 0 or resumed_from is not None
-        self.events.write("start", world_size=len(self.world), epochs=self.epochs, first_epoch=self.first_epoch + 1,
-                          world=self.world)
+        self.events.write(
+            "start", world_size=len(self.world), epochs=self.epochs, first_epoch=self.first_epoch + 1, world=self.world
+        )
         dataset = split_fingerprint(datasets)
-        manifest = write_start(self.save_dir / "manifest.json", cfg.to_dict(), dataset, restarted=restarted,
-                               launcher_restarts=restarts, resumed_from=resumed_from)
+        manifest = write_start(
+            self.save_dir / "manifest.json",
+            cfg.to_dict(),
+            dataset,
+            restarted=restarted,
+            launcher_restarts=restarts,
+            resumed_from=resumed_from,
+        )
         if restarted:
-            fields: dict[str, Any] = {"launcher_restart_count": restarts, "resumed_from": resumed_from,
-                                      "epoch": self.first_epoch + 1, "step": step}
+            fields: dict[str, Any] = {
+                "launcher_restart_count": restarts,
+                "resumed_from": resumed_from,
+                "epoch": self.first_epoch + 1,
+                "step": step,
+            }
             before = manifest.get("dataset")
             before = before.get("fingerprint") if isinstance(before, dict) else None
             if before is not None and before != dataset["fingerprint"]:
                 fields["dataset_changed"] = {"from": before, "to": dataset["fingerprint"]}
-                console.print(f"note: the dataset's files changed since this run started ({before} -> "
-                              f"{dataset['fingerprint']})")
+                console.print(
+                    f"note: the dataset's files changed since this run started ({before} -> {dataset['fingerprint']})"
+                )
             self.events.write("restart", **fields)
         earlier = previous.get("world") if previous else None
         if restarted and isinstance(earlier, list) and all(isinstance(p, dict) for p in earlier):
@@ -81,9 +101,11 @@ class RunTrace:
             change = membership_change(earlier, self.world)
             if change is not None:
                 self.events.write("membership", **change)
-                console.print(f"membership: {change['previous_world_size']} -> {change['world_size']} workers; "
-                              f"left {describe_nodes(change['left_nodes'])}; "
-                              f"joined {describe_nodes(change['joined_nodes'])}")
+                console.print(
+                    f"membership: {change['previous_world_size']} -> {change['world_size']} workers; "
+                    f"left {describe_nodes(change['left_nodes'])}; "
+                    f"joined {describe_nodes(change['joined_nodes'])}"
+                )
 
     def epoch(self, epoch: int, stats: list[dict[str, Any]]) -> None:
         """Note that ``epoch`` (0-based) finished training; flag its stragglers (from every rank's numbers)."""
@@ -93,8 +115,10 @@ class RunTrace:
         for s in stragglers(stats):
             self.events.write("straggler", epoch=epoch + 1, **s)
             what = "waits for its data" if s["cause"] == "data_wait" else "computes its forward"
-            console.print(f"straggler: rank {s['rank']} (node {s['node']}, {s['host']}) {what} {s['ms_per_step']:.0f} "
-                          f"ms a step; the other ranks' median {s['others_median_ms']:.0f} ms")
+            console.print(
+                f"straggler: rank {s['rank']} (node {s['node']}, {s['host']}) {what} {s['ms_per_step']:.0f} "
+                f"ms a step; the other ranks' median {s['others_median_ms']:.0f} ms"
+            )
 
     def end(self, error: BaseException | None) -> None:
         """The end event: how the run ended (``error``: what ended it, None for a normal return)."""
@@ -117,8 +141,17 @@ class RunTrace:
         self.events.write("end", status=status, **fields)
 
 
-def start(save_dir: str | Path, cfg: Cfg, world: World, device: torch.device, *, first_epoch: int, step: int,
-          resumed_from: str | None, datasets: Iterable[Any]) -> RunTrace:
+def start(
+    save_dir: str | Path,
+    cfg: Cfg,
+    world: World,
+    device: torch.device,
+    *,
+    first_epoch: int,
+    step: int,
+    resumed_from: str | None,
+    datasets: Iterable[Any],
+) -> RunTrace:
     """Gather the world's layout (every rank calls this) and record the start on rank 0 (see the module)."""
     layout = gather_layout(world, device)  # collective: every rank's place
     trace = RunTrace(save_dir, world.is_main, cfg.train.epochs, first_epoch, layout, world.restart_count)

@@ -49,13 +49,17 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
     predictions = load_predictions(path, gt.all_image_ids(), gt.category_ids.tolist())
     if dist.is_main():
         n = sum(len(d.scores) for d in predictions.values())
-        console.print(f"scoring {path}: {n} detections on {len(predictions)} of {len(gt.images)} images "
-                      f"({data.split} split, ground truth: {gt.source}); results in {save_dir}")
+        console.print(
+            f"scoring {path}: {n} detections on {len(predictions)} of {len(gt.images)} images "
+            f"({data.split} split, ground truth: {gt.source}); results in {save_dir}"
+        )
     class_of = gt.class_of()
     images = sorted(gt.images.values(), key=lambda g: g.image_id)
     world, rank = dist.world_size(), dist.rank()
     lo, hi = rank * len(images) // world, (rank + 1) * len(images) // world
-    scorer = Scorer(data.nc, classes=None if cfg.inputs.single_cls or not cfg.inputs.classes else tuple(cfg.inputs.classes))
+    scorer = Scorer(
+        data.nc, classes=None if cfg.inputs.single_cls or not cfg.inputs.classes else tuple(cfg.inputs.classes)
+    )
     empty = CocoDetections(np.zeros((0, 4)), np.zeros(0), np.zeros(0, np.int64))
     for g in images[lo:hi]:
         d = predictions.get(g.image_id, empty)
@@ -64,8 +68,16 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
     gathered = dist.all_gather_object(scorer.part())
     metrics = None
     if dist.is_main():
-        metrics = finish(gathered, data, gt, cfg, Path(save_dir) if save_dir is not None else None, cfg.output.plots,
-                         cfg.output.verbose, predictions_file=path)
+        metrics = finish(
+            gathered,
+            data,
+            gt,
+            cfg,
+            Path(save_dir) if save_dir is not None else None,
+            cfg.output.plots,
+            cfg.output.verbose,
+            predictions_file=path,
+        )
     metrics = dist.broadcast_object(metrics)
     if save_dir is not None:
         metrics["save_dir"] = str(save_dir)

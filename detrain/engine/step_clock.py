@@ -41,8 +41,10 @@ class StepClock:
         self.events: list[tuple[Any, Any]] = []
         self._t0 = 0.0
         self._event0: Any = None
-        self.handles = [model.register_forward_pre_hook(self._forward_start),
-                        model.register_forward_hook(self._forward_end)]
+        self.handles = [
+            model.register_forward_pre_hook(self._forward_start),
+            model.register_forward_hook(self._forward_end),
+        ]
 
     def _forward_start(self, *_: Any) -> None:
         if self.cuda:

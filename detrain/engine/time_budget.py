@@ -76,8 +76,9 @@ def replanned(cfg: Cfg, epochs: int) -> Cfg:
     return cfg if epochs == cfg.train.epochs else cfg.replace(epochs=epochs)
 
 
-def rescheduled(optimizer: torch.optim.Optimizer, lr_lambda: Callable[[float], float], next_epoch: int
-                ) -> torch.optim.lr_scheduler.LambdaLR:
+def rescheduled(
+    optimizer: torch.optim.Optimizer, lr_lambda: Callable[[float], float], next_epoch: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR following ``lr_lambda`` that stands where the replaced one stood: its next epoch is
     ``next_epoch`` and the optimizer's lr is set to ``initial_lr * lr_lambda(next_epoch)`` now. Its state
     dict has the form the old one had, so ``last.pt`` and ``resume`` keep working."""

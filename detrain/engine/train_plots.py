@@ -22,8 +22,9 @@ def plot_train_batch(batch: dict[str, Any], names: dict[int, str], path: Path) -
     boxes = []
     for j in range(len(imgs)):
         keep = batch["batch_idx"] == j
-        boxes.append((xywh2xyxy(batch["bboxes"][keep].float() * scale).numpy(),
-                      batch["cls"][keep].view(-1).long().numpy(), None))
+        boxes.append(
+            (xywh2xyxy(batch["bboxes"][keep].float() * scale).numpy(), batch["cls"][keep].view(-1).long().numpy(), None)
+        )
     try:
         plot_images(imgs, boxes, names, path, batch["im_file"])
     except Exception as e:  # noqa: BLE001 - a picture must never cost a run

@@ -75,8 +75,9 @@ class Trainer:
     ``plan``: what the launching process decided for the run (:class:`detrain.run_plan.RunPlan`: the node count, the
     run folder, the launch's id); the default is a plain process's."""
 
-    def __init__(self, cfg: Cfg, world: World, plan: RunPlan | None = None,
-                 callbacks: dict[str, list[CallbackFn]] | None = None) -> None:
+    def __init__(
+        self, cfg: Cfg, world: World, plan: RunPlan | None = None, callbacks: dict[str, list[CallbackFn]] | None = None
+    ) -> None:
         plan = RunPlan() if plan is None else plan
         self.callbacks = Callbacks(callbacks)  # fired on rank 0 only (detrain.callbacks)
         # collective: every node looks on its own disk for this run's furthest checkpoint (rank 0 also for resume=);
@@ -93,7 +94,10 @@ class Trainer:
         set_cpu_threads(self.device, world.local_world_size)
         # rank 0 decides (other nodes may not know the folder the launching node picked)
         save_dir = dist.broadcast_object(
-            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "train", cfg.output.exist_ok)) if self.main else None)
+            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "train", cfg.output.exist_ok))
+            if self.main
+            else None
+        )
         self.save_dir = Path(save_dir)
         self.wdir = self.save_dir / "weights"
         self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device)  # save_interval: mid.pt
@@ -131,11 +135,21 @@ class Trainer:
         if self.main:
             self.wdir.mkdir(parents=True, exist_ok=True)
             save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
-            console.print(f"training {cfg.inputs.model} on {cfg.inputs.data} for {cfg.train.epochs} epochs; results in {self.save_dir}")
+            console.print(
+                f"training {cfg.inputs.model} on {cfg.inputs.data} for {cfg.train.epochs} epochs; "
+                f"results in {self.save_dir}"
+            )
         # collective: every rank's place is gathered for the start event, then a barrier once rank 0 wrote it
-        self.trace = run_trace.start(self.save_dir, cfg, self.world, self.device, first_epoch=self.start_epoch,
-                                     step=self.start_epoch * self.nb, datasets=(self.data, self.val_data),
-                                     resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None)
+        self.trace = run_trace.start(
+            self.save_dir,
+            cfg,
+            self.world,
+            self.device,
+            first_epoch=self.start_epoch,
+            step=self.start_epoch * self.nb,
+            datasets=(self.data, self.val_data),
+            resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None,
+        )
         self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world.node_rank)
         self.csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
         self.tb = TensorBoard(self.save_dir, cfg.output.tensorboard and self.main)
@@ -144,12 +158,16 @@ class Trainer:
         if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.train.val:
             # fine-tuning: score the starting weights, so the final mAP can be read against them
             self.start_scores = self._validate(-1)
-            self._say(f"starting weights: mAP50 {self.start_scores['map50']:.4f}  "
-                      f"mAP50-95 {self.start_scores['map']:.4f}")
+            self._say(
+                f"starting weights: mAP50 {self.start_scores['map50']:.4f}  mAP50-95 {self.start_scores['map']:.4f}"
+            )
         self.callbacks.fire("on_train_start", self, self.start_epoch)
         self.optimizer.zero_grad(set_to_none=True)
-        self.budget = time_budget.TimeBudget(cfg.train.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0) \
-            if cfg.train.time else None
+        self.budget = (
+            time_budget.TimeBudget(cfg.train.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0)
+            if cfg.train.time
+            else None
+        )
 
     def _setup(self) -> None:
         cfg = self.cfg
@@ -157,16 +175,23 @@ class Trainer:
         self.data = load_split(cfg.inputs.data, "train", cfg)
         self.val_data = load_split(cfg.inputs.data, "val", cfg)
         self.nc, self.names = self.data.nc, self.data.names
-        model, _ = build_model(cfg.inputs.model, nc=self.nc, names=self.names, verbose=self.main,
-                                  weights_sha256=cfg.inputs.weights_sha256)
+        model, _ = build_model(
+            cfg.inputs.model, nc=self.nc, names=self.names, verbose=self.main, weights_sha256=cfg.inputs.weights_sha256
+        )
         # the recipe: optimizer=auto's choice, and from it how many images an update gathers (nbs=auto)
         total_iters = optim.planned_updates(cfg, len(self.data.records))
         opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
-        self.plan = batch_plan(cfg.train.batch, optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
-                               self.world.world_size, self.planned_world)
+        self.plan = batch_plan(
+            cfg.train.batch,
+            optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
+            self.world.world_size,
+            self.planned_world,
+        )
         if self.resume_ckpt is None:  # pretrained=: a fresh init, or a file's matching layers (pretrained.py)
             model = pretrained.start_weights(model, cfg, verbose=self.main)
-        frozen = freeze.freeze_layers(model, cfg.train.freeze, verbose=self.main)  # before the optimizer and DDP see them
+        frozen = freeze.freeze_layers(
+            model, cfg.train.freeze, verbose=self.main
+        )  # before the optimizer and DDP see them
         if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
             model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
         self.model: nn.Module = model.to(self.device)  # DDP's wrapper around it, in a group
@@ -195,8 +220,9 @@ class Trainer:
             if self.resume_ckpt is not None:  # each rank's own BatchNorm statistics, as they were
                 resume_state.restore_rank_state(self.model, self.ema.ema, self.resume_ckpt, self.rank)
         self.local_batch = self.plan.local_batch
-        self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.rank, self.world.world_size,
-                                               self.plan.planned_world)
+        self.train_loader = build_train_loader(
+            self.data, cfg, self.local_batch, self.rank, self.world.world_size, self.plan.planned_world
+        )
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
         self.val_loader = build_val_loader(self.val_data, cfg, cfg.train.batch, self.rank, self.world.world_size)
@@ -209,7 +235,8 @@ class Trainer:
         # as planned, whatever the world now; per image as given for nbs images
         weight_decay = cfg.train.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
-            unwrap(self.model), cfg, self.nc, total_iters, weight_decay)
+            unwrap(self.model), cfg, self.nc, total_iters, weight_decay
+        )
         first = self.optimizer.param_groups[0]
         self.momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # SGD or Adam(W)
         self.lf = optim.lr_lambda(cfg)
@@ -220,8 +247,15 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         bare = self._bare()
         # the normaliser's all-reduce is the training step's own (_step)
-        self.criterion = DetectionLoss(nc=self.nc, strides=bare.stride, reg_max=bare.reg_max, box=cfg.loss.box, cls=cfg.loss.cls,
-                                       dfl=cfg.loss.dfl, world_size=self.world.world_size)
+        self.criterion = DetectionLoss(
+            nc=self.nc,
+            strides=bare.stride,
+            reg_max=bare.reg_max,
+            box=cfg.loss.box,
+            cls=cfg.loss.cls,
+            dfl=cfg.loss.dfl,
+            world_size=self.world.world_size,
+        )
         self.start_epoch = 0
         self.best_fitness: float | None = None
         self.epochs_without_improvement = 0
@@ -231,13 +265,17 @@ class Trainer:
             self._restore(self.resume_ckpt)
         if self.main:
             plan, world_size = self.plan, self.world.world_size
-            console.print(f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
-                          f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
-                          f"images; {world_size} worker(s) on {self.device.type}")
+            console.print(
+                f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
+                f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
+                f"images; {world_size} worker(s) on {self.device.type}"
+            )
             if plan.planned_world != world_size:
-                console.print(f"elastic: {world_size} of the {plan.planned_world} planned workers; each keeps its "
-                              f"batch of {plan.local_batch} and {plan.accumulate} steps of {plan.step_images} images "
-                              f"make an update (planned: {plan.update_images})")
+                console.print(
+                    f"elastic: {world_size} of the {plan.planned_world} planned workers; each keeps its "
+                    f"batch of {plan.local_batch} and {plan.accumulate} steps of {plan.step_images} images "
+                    f"make an update (planned: {plan.update_images})"
+                )
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         optim.load_optimizer_state(self.optimizer, ckpt["optimizer"])  # keeps this run's kernel choice
@@ -258,7 +296,9 @@ class Trainer:
         if rng:
             set_rng_state(rng)
         if self.start_epoch >= self.cfg.train.epochs and self.main:
-            console.print(f"{self.cfg.train.resume}: training already finished {self.cfg.train.epochs} epochs; nothing to resume")
+            console.print(
+                f"{self.cfg.train.resume}: training already finished {self.cfg.train.epochs} epochs; nothing to resume"
+            )
 
     # ------------------------------------------------------------------ one epoch
     def _train_epoch(self, epoch: int) -> EpochResult:
@@ -306,8 +346,9 @@ class Trainer:
         ni = i + self.nb * epoch
         accumulate = self.accumulate_target
         if ni <= n_warmup:
-            accumulate = optim.apply_warmup(self.optimizer, self.cfg, ni, n_warmup, self.lf(epoch), self.lr0,
-                                            self.momentum, self.accumulate_target)
+            accumulate = optim.apply_warmup(
+                self.optimizer, self.cfg, ni, n_warmup, self.lf(epoch), self.lr0, self.momentum, self.accumulate_target
+            )
         # updates are counted over the run, so gradients may wait across an epoch's end (accumulation.py)
         will_step = ni - self.last_update >= accumulate
         items, imgsz = self._step(batch, will_step)
@@ -331,8 +372,12 @@ class Trainer:
         with sync_ctx:
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 head_maps = self.model(imgs)
-            targets = self.criterion.assign(head_maps, batch["batch_idx"].to(self.device),
-                                            batch["cls"].to(self.device), batch["bboxes"].to(self.device))
+            targets = self.criterion.assign(
+                head_maps,
+                batch["batch_idx"].to(self.device),
+                batch["cls"].to(self.device),
+                batch["bboxes"].to(self.device),
+            )
             # collective: the loss's normaliser, the target scores summed over every rank (each reaches it at every
             # step, with or without boxes of its own)
             summed_scores = dist.all_reduce_sum(targets.score_sum)
@@ -343,8 +388,9 @@ class Trainer:
     def _multi_scale(self, imgs: torch.Tensor) -> torch.Tensor:
         """A size from 0.5x to 1.5x imgsz, a multiple of 32, chosen on rank 0 and shared."""
         base = self.cfg.inputs.imgsz
-        size = dist.broadcast_object(random.randrange(int(base * 0.5), int(base * 1.5) + 32) // 32 * 32
-                                     if self.main else None)  # collective: rank 0's size on every rank
+        size = dist.broadcast_object(
+            random.randrange(int(base * 0.5), int(base * 1.5) + 32) // 32 * 32 if self.main else None
+        )  # collective: rank 0's size on every rank
         factor = size / max(imgs.shape[2:])
         if factor == 1:
             return imgs
@@ -360,8 +406,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.ema.update(self.model)
 
-    def _end_epoch_training(self, epoch: int, mean_items: torch.Tensor, n_images: int, t0: float,
-                            step_times: list[float]) -> EpochResult:
+    def _end_epoch_training(
+        self, epoch: int, mean_items: torch.Tensor, n_images: int, t0: float, step_times: list[float]
+    ) -> EpochResult:
         """After the epoch's last batch: the lr schedule's step, the waiting gradients made the same on every rank,
         the epoch's speed from every rank; ``on_train_epoch_end``."""
         lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -399,8 +446,9 @@ class Trainer:
                 if buf.dtype.is_floating_point:
                     buf.copy_(dist.reduce_mean(buf))  # collective: every rank's statistics, averaged
         # collective: each rank scores its share of the images; rank 0 gathers them and shares the metrics
-        return validate(ema, self.val_loader, self.val_data, self.cfg, self.device, save_dir=None, plots=False,
-                        verbose=False)
+        return validate(
+            ema, self.val_loader, self.val_data, self.cfg, self.device, save_dir=None, plots=False, verbose=False
+        )
 
     def _agree(self, trained: EpochResult) -> tuple[bool, bool]:
         """(improved, stop): whether this epoch's fitness (mAP, or the negative loss without validation) is the best
@@ -429,7 +477,9 @@ class Trainer:
             self.lf = optim.lr_lambda(self.cfg)
             self.scheduler = time_budget.rescheduled(self.optimizer, self.lf, epoch + 1)
             self._say(f"time={self.cfg.train.time:g} h: {epochs} epochs fit ({self.budget.spent_s / 3600:.3g} h used)")
-        if epoch + 1 == self.cfg.train.epochs and not self.metrics:  # val=false still scores the last epoch as now planned
+        if (
+            epoch + 1 == self.cfg.train.epochs and not self.metrics
+        ):  # val=false still scores the last epoch as now planned
             self.metrics = self._validate(epoch)
 
     def _save_and_log(self, epoch: int, trained: EpochResult, improved: bool) -> None:
@@ -448,12 +498,15 @@ class Trainer:
         self.mid.epoch_done()
         if cfg.output.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
             self.callbacks.fire("on_model_save", self, epoch + 1, scalars, improved)
-        shown = "  ".join(f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items()
-                          if k.startswith(("train/", "metrics/")))
+        shown = "  ".join(
+            f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items() if k.startswith(("train/", "metrics/"))
+        )
         speed = trained.speed
-        console.print(f"epoch {epoch + 1}/{cfg.train.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
-                      f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
-                      f"rank, {trained.seconds:.1f} s")
+        console.print(
+            f"epoch {epoch + 1}/{cfg.train.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
+            f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
+            f"rank, {trained.seconds:.1f} s"
+        )
         self.callbacks.fire("on_fit_epoch_end", self, epoch + 1, scalars, improved)
 
     # ------------------------------------------------------------------ after the last epoch
@@ -470,8 +523,10 @@ class Trainer:
             if self.cfg.output.plots:
                 plot_results(self.save_dir)
             if start and metrics:
-                console.print(f"mAP50-95 {metrics['map']:.4f} after epoch {self.cfg.train.epochs} (started at "
-                              f"{start['map']:.4f}); mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})")
+                console.print(
+                    f"mAP50-95 {metrics['map']:.4f} after epoch {self.cfg.train.epochs} (started at "
+                    f"{start['map']:.4f}); mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})"
+                )
             console.print(f"done: {self.save_dir}")
             self.callbacks.fire("on_train_end", self, None, result)
         result["save_dir"] = str(self.save_dir)
@@ -521,8 +576,11 @@ class Trainer:
             return
         state = self.checkpoint_state(epoch, metrics, self._gradients_wait(epoch))
         save_checkpoint(state, self.wdir / "last.pt")
-        light = {k: v for k, v in state.items() if k not in ("optimizer", "scheduler", "scaler", "rng",
-                                                             "rng_per_rank", "buffers_per_rank", "pending_grads")}
+        light = {
+            k: v
+            for k, v in state.items()
+            if k not in ("optimizer", "scheduler", "scaler", "rng", "rng_per_rank", "buffers_per_rank", "pending_grads")
+        }
         if improved:
             save_checkpoint(light, self.wdir / "best.pt")
         if self.cfg.output.save_period > 0 and (epoch + 1) % self.cfg.output.save_period == 0:
@@ -545,8 +603,13 @@ def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _metric_columns(metrics: dict[str, Any]) -> dict[str, float]:
-    names = {"precision": "metrics/precision", "recall": "metrics/recall", "map50": "metrics/mAP50",
-             "map75": "metrics/mAP75", "map": "metrics/mAP50-95"}
+    names = {
+        "precision": "metrics/precision",
+        "recall": "metrics/recall",
+        "map50": "metrics/mAP50",
+        "map75": "metrics/mAP75",
+        "map": "metrics/mAP50-95",
+    }
     return {col: float(metrics[k]) for k, col in names.items() if k in metrics}
 
 

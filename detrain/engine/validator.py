@@ -21,10 +21,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from detrain.distributed import dist
 from detrain.boxes import scale_boxes_to_original, xywh2xyxy
 from detrain.coco_json import coco_rounded
 from detrain.config import Cfg
+from detrain.distributed import dist
 from detrain.engine.ground_truth import ImageGT, SplitGT, image_ids, ltwh2xyxy, split_ground_truth
 from detrain.errors import DatasetError
 from detrain.log import atomic_write_text, console
@@ -39,9 +39,17 @@ PLOT_CONF = 0.25  # detections drawn on the batch images
 
 
 @torch.no_grad()
-def predict_batch(model: nn.Module, imgs_uint8: torch.Tensor, device: torch.device, conf: float, iou: float,
-                  max_det: int, multi_label: bool = False, classes: list[int] | None = None,
-                  agnostic: bool = False) -> list[torch.Tensor]:
+def predict_batch(
+    model: nn.Module,
+    imgs_uint8: torch.Tensor,
+    device: torch.device,
+    conf: float,
+    iou: float,
+    max_det: int,
+    multi_label: bool = False,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
+) -> list[torch.Tensor]:
     """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, NMS on the device.
 
     ``multi_label`` keeps every (box, class) pair above ``conf``, as validation does (YOLOv8's val too);
@@ -52,8 +60,15 @@ def predict_batch(model: nn.Module, imgs_uint8: torch.Tensor, device: torch.devi
     preds = model(imgs)
     if isinstance(preds, (tuple, list)):
         preds = preds[0]
-    return non_max_suppression(preds, conf_thres=conf, iou_thres=iou, max_det=max_det, classes=classes,
-                               agnostic=agnostic, multi_label=multi_label)
+    return non_max_suppression(
+        preds,
+        conf_thres=conf,
+        iou_thres=iou,
+        max_det=max_det,
+        classes=classes,
+        agnostic=agnostic,
+        multi_label=multi_label,
+    )
 
 
 def coco_detections(det: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -91,12 +106,16 @@ class Scorer:
         if self.classes is not None:
             keep = np.isin(cls, self.classes)
             ltwh, scores, cls = ltwh[keep], scores[keep], cls[keep]
-        self.stats.append(match_image_coco(ltwh, scores, cls, g.boxes_ltwh, g.cls, g.area, g.crowd,
-                                           image_id=g.image_id, gt_ids=g.ann_ids))
+        self.stats.append(
+            match_image_coco(
+                ltwh, scores, cls, g.boxes_ltwh, g.cls, g.area, g.crowd, image_id=g.image_id, gt_ids=g.ann_ids
+            )
+        )
         xyxy = ltwh2xyxy(ltwh)
         regular = ~g.crowd
-        self.confusion.update(np.concatenate((xyxy, scores[:, None], cls[:, None]), 1), g.boxes_xyxy()[regular],
-                              g.cls[regular])
+        self.confusion.update(
+            np.concatenate((xyxy, scores[:, None], cls[:, None]), 1), g.boxes_xyxy()[regular], g.cls[regular]
+        )
         if self.keep_detections:
             self.detections.append((g.image_id, ltwh, scores, cls))
 
@@ -105,8 +124,16 @@ class Scorer:
         return self.stats, self.confusion.matrix, self.detections
 
 
-def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, cfg: Cfg, device: torch.device,
-             save_dir: Path | None = None, plots: bool = False, verbose: bool = True) -> dict[str, Any]:
+def validate(
+    model: nn.Module,
+    loader: torch.utils.data.DataLoader,
+    data: Any,
+    cfg: Cfg,
+    device: torch.device,
+    save_dir: Path | None = None,
+    plots: bool = False,
+    verbose: bool = True,
+) -> dict[str, Any]:
     """COCO-exact metrics of ``model`` on ``loader``'s split (the same dict on every rank).
 
     ``data`` is the split's ``SplitData``; with ``save_dir`` rank 0 writes metrics.json (and predictions.json
@@ -120,14 +147,26 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, c
     single = cfg.inputs.single_cls
     classes = None if single or not cfg.inputs.classes else list(cfg.inputs.classes)
     agnostic = single or cfg.predict.agnostic_nms
-    scorer = Scorer(data.nc, keep_detections=bool(cfg.predict.save_json) and save_dir is not None,
-                    classes=None if classes is None else tuple(classes))
+    scorer = Scorer(
+        data.nc,
+        keep_detections=bool(cfg.predict.save_json) and save_dir is not None,
+        classes=None if classes is None else tuple(classes),
+    )
     drawn: list[dict[str, Any]] = []
     draw = plots and save_dir is not None and dist.is_main()
     try:
         for bi, batch in enumerate(loader):
-            dets = predict_batch(model, batch["img"], device, conf, cfg.predict.iou, cfg.predict.max_det, multi_label=True,
-                                 classes=classes, agnostic=agnostic)
+            dets = predict_batch(
+                model,
+                batch["img"],
+                device,
+                conf,
+                cfg.predict.iou,
+                cfg.predict.max_det,
+                multi_label=True,
+                classes=classes,
+                agnostic=agnostic,
+            )
             if single:
                 for det in dets:
                     det[:, 5] = 0
@@ -136,8 +175,9 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, c
             for si, det in enumerate(dets):
                 det = det.float().cpu()
                 (gain_y, gain_x), pad = batch["ratio_pad"][si]
-                scale_boxes_to_original(det[:, :4], (float(gain_x), float(gain_y)), tuple(pad),
-                                        tuple(batch["ori_shape"][si]))
+                scale_boxes_to_original(
+                    det[:, :4], (float(gain_x), float(gain_y)), tuple(pad), tuple(batch["ori_shape"][si])
+                )
                 scorer.add(_image_gt(gt, batch["im_file"][si]), *coco_detections(det))
     finally:
         if was_training:
@@ -147,16 +187,29 @@ def validate(model: nn.Module, loader: torch.utils.data.DataLoader, data: Any, c
     return dist.broadcast_object(metrics)
 
 
-def finish(gathered: list[tuple[Any, Any, Any]], data: Any, gt: SplitGT, cfg: Cfg, save_dir: Path | None,
-           plots: bool, verbose: bool, drawn: list[dict[str, Any]] | None = None,
-           predictions_file: str | None = None) -> dict[str, Any]:
+def finish(
+    gathered: list[tuple[Any, Any, Any]],
+    data: Any,
+    gt: SplitGT,
+    cfg: Cfg,
+    save_dir: Path | None,
+    plots: bool,
+    verbose: bool,
+    drawn: list[dict[str, Any]] | None = None,
+    predictions_file: str | None = None,
+) -> dict[str, Any]:
     """Rank 0: the metrics of all ranks' :meth:`Scorer.part`, written to ``save_dir`` and printed."""
     all_stats = [s for part in gathered for s in part[0]]
     summary = coco_summary(all_stats, data.nc)  # orders images by id itself, as the reference does
     n_images = len({s.image_id for s in all_stats})
-    metrics: dict[str, Any] = {**summary.as_dict(), "per_class": summary.per_class, "conf": summary.conf,
-                               "n_images": n_images, "images_per_rank": [len(part[0]) for part in gathered],
-                               "ground_truth": gt.source}
+    metrics: dict[str, Any] = {
+        **summary.as_dict(),
+        "per_class": summary.per_class,
+        "conf": summary.conf,
+        "n_images": n_images,
+        "images_per_rank": [len(part[0]) for part in gathered],
+        "ground_truth": gt.source,
+    }
     if predictions_file:
         metrics["predictions"] = str(predictions_file)
     matrix = np.sum([np.asarray(part[1]) for part in gathered], axis=0)
@@ -192,7 +245,7 @@ def _results_json(dets: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], ca
 
 
 def _write_metrics(path: Path, metrics: dict[str, Any], names: dict[int, str]) -> None:
-    plain = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list))}
+    plain: dict[str, Any] = {k: v for k, v in metrics.items() if isinstance(v, (int, float, str, list))}
     plain["per_class"] = {names.get(int(c), str(c)): v for c, v in metrics.get("per_class", {}).items()}
     atomic_write_text(path, json.dumps(plain, indent=2, default=float))
 
@@ -204,24 +257,29 @@ def _for_plot(batch: dict[str, Any], dets: list[torch.Tensor]) -> dict[str, Any]
     keep = batch["batch_idx"] < n
     boxes = xywh2xyxy(batch["bboxes"][keep].float() * torch.tensor([w, h, w, h], dtype=torch.float32))
     preds = [d[d[:, 4] >= PLOT_CONF].float().cpu().numpy() for d in dets[:n]]
-    return {"img": batch["img"][:n].numpy(), "batch_idx": batch["batch_idx"][keep].numpy(),
-            "cls": batch["cls"][keep].view(-1).numpy().astype(np.int64), "boxes": boxes.numpy(), "preds": preds,
-            "im_file": list(batch["im_file"][:n])}
+    return {
+        "img": batch["img"][:n].numpy(),
+        "batch_idx": batch["batch_idx"][keep].numpy(),
+        "cls": batch["cls"][keep].view(-1).numpy().astype(np.int64),
+        "boxes": boxes.numpy(),
+        "preds": preds,
+        "im_file": list(batch["im_file"][:n]),
+    }
 
 
-def _plot(save_dir: Path, summary: Any, matrix: np.ndarray, names: dict[int, str], drawn: list[dict[str, Any]]
-          ) -> None:
+def _plot(save_dir: Path, summary: Any, matrix: np.ndarray, names: dict[int, str], drawn: list[dict[str, Any]]) -> None:
     try:
         from detrain import plots_val
 
         plots_val.plot_all(save_dir, summary, matrix, names)
         for i, b in enumerate(drawn):
-            labels = [(b["boxes"][b["batch_idx"] == j], b["cls"][b["batch_idx"] == j], None)
-                      for j in range(len(b["img"]))]
+            labels = [
+                (b["boxes"][b["batch_idx"] == j], b["cls"][b["batch_idx"] == j], None) for j in range(len(b["img"]))
+            ]
             preds = [(p[:, :4], p[:, 5].astype(np.int64), p[:, 4]) for p in b["preds"]]
             plots_val.plot_images(b["img"], labels, names, save_dir / f"val_batch{i}_labels.jpg", b["im_file"])
             plots_val.plot_images(b["img"], preds, names, save_dir / f"val_batch{i}_pred.jpg", b["im_file"])
-    except Exception as e:  # never lose the metrics for a plot
+    except Exception as e:  # noqa: BLE001 - never lose the metrics for a plot
         console.print(f"plots not written: {type(e).__name__}: {e}")
 
 
@@ -234,12 +292,28 @@ def print_table(metrics: dict[str, Any], names: dict[int, str], n_images: int) -
         table.add_column(col, justify="left" if col == "class" else "right")
     per_class = metrics.get("per_class", {})
     total = sum(int(v.get("n_gt", 0)) for v in per_class.values())
-    table.add_row("all", str(n_images), str(total), f"{metrics['precision']:.3f}", f"{metrics['recall']:.3f}",
-                  f"{metrics['map50']:.3f}", f"{metrics['map']:.3f}")
+    table.add_row(
+        "all",
+        str(n_images),
+        str(total),
+        f"{metrics['precision']:.3f}",
+        f"{metrics['recall']:.3f}",
+        f"{metrics['map50']:.3f}",
+        f"{metrics['map']:.3f}",
+    )
     for c, v in sorted(per_class.items()):
-        table.add_row(names.get(int(c), str(c)), str(v.get("n_images", "")), str(v.get("n_gt", "")),
-                      f"{v['p']:.3f}", f"{v['r']:.3f}", f"{v['ap50']:.3f}", f"{v['ap']:.3f}")
+        table.add_row(
+            names.get(int(c), str(c)),
+            str(v.get("n_images", "")),
+            str(v.get("n_gt", "")),
+            f"{v['p']:.3f}",
+            f"{v['r']:.3f}",
+            f"{v['ap50']:.3f}",
+            f"{v['ap']:.3f}",
+        )
     console.print(table)
-    console.print(f"COCO mAP50-95 {metrics['map']:.4f}  mAP50 {metrics['map50']:.4f}  mAP75 {metrics['map75']:.4f}  "
-                  f"AP small/medium/large {metrics['map_small']:.3f}/{metrics['map_medium']:.3f}/"
-                  f"{metrics['map_large']:.3f}  AR@100 {metrics['ar100']:.4f}")
+    console.print(
+        f"COCO mAP50-95 {metrics['map']:.4f}  mAP50 {metrics['map50']:.4f}  mAP75 {metrics['map75']:.4f}  "
+        f"AP small/medium/large {metrics['map_small']:.3f}/{metrics['map_medium']:.3f}/"
+        f"{metrics['map_large']:.3f}  AR@100 {metrics['ar100']:.4f}"
+    )

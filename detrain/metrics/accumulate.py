@@ -67,8 +67,15 @@ def pool(stats: Sequence[ImageStats], nc: int) -> Pooled:
     n_gt = np.stack([np.bincount(gt_cls[~gt_ignored[:, a]], minlength=nc) for a in range(n_area)], 1)
     image_sets = [np.unique(s.gt_cls[~s.gt_ignored[:, 0]]) for s in ordered]
     n_images = np.bincount(np.concatenate(image_sets) if image_sets else np.zeros(0, np.int64), minlength=nc)
-    return Pooled(scores[order], rank[order], matched[order], ignored[order], class_start,
-                  n_gt.astype(np.int64), n_images.astype(np.int64))
+    return Pooled(
+        scores[order],
+        rank[order],
+        matched[order],
+        ignored[order],
+        class_start,
+        n_gt.astype(np.int64),
+        n_images.astype(np.int64),
+    )
 
 
 def accumulate(pooled: Pooled) -> tuple[np.ndarray, np.ndarray]:

@@ -20,8 +20,9 @@ import numpy as np
 CONF_GRID: np.ndarray = np.linspace(0.0, 1.0, 1000)
 
 
-def confidence_curves(scores_desc: np.ndarray, is_tp: np.ndarray, n_gt: int,
-                      grid: np.ndarray = CONF_GRID) -> tuple[np.ndarray, np.ndarray]:
+def confidence_curves(
+    scores_desc: np.ndarray, is_tp: np.ndarray, n_gt: int, grid: np.ndarray = CONF_GRID
+) -> tuple[np.ndarray, np.ndarray]:
     """Precision and recall of one class at each confidence in ``grid`` (scores sorted descending).
 
     >>> p, r = confidence_curves(np.array([0.8, 0.4]), np.array([True, False]), 2, np.array([0.0, 0.6, 0.9]))

@@ -98,8 +98,9 @@ def match_image(
     gt = _as_f64(gt_xyxy).reshape(-1, 4)
     det_ltwh = np.concatenate((det[:, :2], det[:, 2:] - det[:, :2]), 1)
     gt_ltwh = np.concatenate((gt[:, :2], gt[:, 2:] - gt[:, :2]), 1)
-    return match_image_coco(det_ltwh, det_scores, det_cls, gt_ltwh, gt_cls, gt_area, gt_crowd, max_dets,
-                            image_id=image_id)
+    return match_image_coco(
+        det_ltwh, det_scores, det_cls, gt_ltwh, gt_cls, gt_area, gt_crowd, max_dets, image_id=image_id
+    )
 
 
 def match_image_coco(
@@ -194,8 +195,9 @@ def coco_box_iou(det_ltwh: np.ndarray, gt_ltwh: np.ndarray, gt_crowd: np.ndarray
         return np.where(overlap, inter / np.where(overlap, union, 1.0), 0.0)
 
 
-def _greedy(iou: np.ndarray, det_cls: np.ndarray, crowd: np.ndarray, gt_ignored: np.ndarray,
-            counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _greedy(
+    iou: np.ndarray, det_cls: np.ndarray, crowd: np.ndarray, gt_ignored: np.ndarray, counts: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """(D, A, T) matched and matched-to-an-ignored-gt flags for detections in evaluation order.
 
     Greedy matching is sequential within a class, but classes never compete for a ground truth, so the

@@ -121,11 +121,19 @@ def coco_summary(stats: Sequence[ImageStats], nc: int) -> DetMetrics:
     # -1 ("no ground truth") must not look better than 0 when picking the best checkpoint.
     fitness = max(values["map"], 0.0)
     return DetMetrics(
-        **values, precision=mean_p, recall=mean_r, fitness=fitness, conf=float(CONF_GRID[best]),
-        per_class=per_class, curve_classes=classes,
+        **values,
+        precision=mean_p,
+        recall=mean_r,
+        fitness=fitness,
+        conf=float(CONF_GRID[best]),
+        per_class=per_class,
+        curve_classes=classes,
         pr_curve=precision[0, :, :, 0, -1][:, classes].T.copy(),
-        p_curve=p_curve, r_curve=r_curve, f1_curve=f1_curve,
-        coco_precision=precision, coco_recall=recall,
+        p_curve=p_curve,
+        r_curve=r_curve,
+        f1_curve=f1_curve,
+        coco_precision=precision,
+        coco_recall=recall,
     )
 
 
@@ -135,8 +143,9 @@ def _conf_curves(pooled: Any, classes: np.ndarray) -> tuple[np.ndarray, np.ndarr
     for k in classes.tolist():
         lo, hi = pooled.class_start[k], pooled.class_start[k + 1]
         counted = (pooled.rank[lo:hi] < MAX_DETS[-1]) & ~pooled.ignored[lo:hi, 0, 0]
-        p, r = confidence_curves(pooled.scores[lo:hi][counted], pooled.matched[lo:hi, 0, 0][counted],
-                                 int(pooled.n_gt[k, 0]))
+        p, r = confidence_curves(
+            pooled.scores[lo:hi][counted], pooled.matched[lo:hi, 0, 0][counted], int(pooled.n_gt[k, 0])
+        )
         p_rows.append(p)
         r_rows.append(r)
     if not p_rows:

@@ -68,9 +68,11 @@ class ModelInfo:
         """One line: ``23 layers (281 modules), 3,157,200 parameters (3,151,904 fused), …``."""
         h, w = self.imgsz
         size = f"{h}" if h == w else f"{h}x{w}"
-        return (f"scale {self.scale}: {self.layers} layers ({self.modules} modules), {self.params:,} parameters "
-                f"({self.fused_params:,} fused), {self.gradients:,} gradients, {self.gflops:.1f} GFLOPs at {size}, "
-                f"stride {'/'.join(map(str, self.stride))}, {self.nc} classes")
+        return (
+            f"scale {self.scale}: {self.layers} layers ({self.modules} modules), {self.params:,} parameters "
+            f"({self.fused_params:,} fused), {self.gradients:,} gradients, {self.gflops:.1f} GFLOPs at {size}, "
+            f"stride {'/'.join(map(str, self.stride))}, {self.nc} classes"
+        )
 
 
 def layer_args(layer: nn.Module) -> list[Any]:
@@ -123,8 +125,7 @@ def _count_flops(model: DetectionModel, h: int, w: int) -> tuple[float, list[flo
     so the model is neither copied nor changed. The head runs without decoding (its decoding is
     elementwise: nothing to count) because anchors cannot be built from meta strides.
     """
-    meta = {name: torch.empty_like(t, device="meta") for name, t in
-            [*model.named_parameters(), *model.named_buffers()]}
+    meta = {name: torch.empty_like(t, device="meta") for name, t in [*model.named_parameters(), *model.named_buffers()]}
     layers = list(model.model)
     marks: list[float] = []
     counter = FlopCounterMode(display=False)
@@ -209,5 +210,6 @@ def print_info(info: ModelInfo, title: str = "", table: bool = True) -> None:
     if all(name == str(i) for i, name in info.names.items()):
         console.print(f"classes: {info.nc}, unnamed (0-{info.nc - 1})", soft_wrap=True)
     else:
-        console.print(Text("classes: " + ", ".join(f"{i} {name}" for i, name in sorted(info.names.items()))),
-                      soft_wrap=True)
+        console.print(
+            Text("classes: " + ", ".join(f"{i} {name}" for i, name in sorted(info.names.items()))), soft_wrap=True
+        )

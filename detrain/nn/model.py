@@ -53,8 +53,9 @@ def _own_scale(d: dict, source: str) -> str | None:
     """The scale a yaml names itself (``scale: s``), checked against its ``scales``; None when it names none."""
     scales = d.get("scales")
     if scales is not None and not (isinstance(scales, dict) and scales):
-        raise ConfigError(f"model yaml {source}: 'scales' must map scale names to [depth, width, max_channels], "
-                          f"got {scales!r:.80}")
+        raise ConfigError(
+            f"model yaml {source}: 'scales' must map scale names to [depth, width, max_channels], got {scales!r:.80}"
+        )
     scale = d.get("scale")
     if scale is None or scale == "":
         return None
@@ -97,8 +98,10 @@ def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
         raise ConfigError(f"model yaml {found} is not a mapping")
     own = _own_scale(data, str(found))
     if own is not None and named is not None and own != named:
-        raise ConfigError(f"model yaml {found} says 'scale: {own}' but its name {path.name} means scale {named}: "
-                          f"rename the file (e.g. custom.yaml) to build {own}, or make that line 'scale: {named}'")
+        raise ConfigError(
+            f"model yaml {found} says 'scale: {own}' but its name {path.name} means scale {named}: "
+            f"rename the file (e.g. custom.yaml) to build {own}, or make that line 'scale: {named}'"
+        )
     return data, own or named
 
 
@@ -112,17 +115,21 @@ def choose_scale(d: dict, scale: str | None, source: str) -> str:
     >>> choose_scale({"scales": {"n": [0.33, 0.25, 1024]}}, None, "custom.yaml")
     Traceback (most recent call last):
     ...
-    detrain.errors.ConfigError: model yaml custom.yaml defines scales n but names none: add a line such as 'scale: n' to it
+    detrain.errors.ConfigError: model yaml custom.yaml defines scales n but names none: add a line such as ...
     """
     scales = d.get("scales")
     if scale is None:
         if scales:
-            raise ConfigError(f"model yaml {source} defines scales {', '.join(map(str, scales))} but names none: "
-                              f"add a line such as 'scale: {next(iter(scales))}' to it")
+            raise ConfigError(
+                f"model yaml {source} defines scales {', '.join(map(str, scales))} but names none: "
+                f"add a line such as 'scale: {next(iter(scales))}' to it"
+            )
         return DEFAULT_SCALE
     if not isinstance(scale, str) or (scales and scale not in scales):
-        raise ConfigError(f"model scale {scale!r:.40} is not one of {', '.join(map(str, scales or SCALES))}"
-                          + (f" (the scales of {source})" if scales else ""))
+        raise ConfigError(
+            f"model scale {scale!r:.40} is not one of {', '.join(map(str, scales or SCALES))}"
+            + (f" (the scales of {source})" if scales else "")
+        )
     return scale
 
 
@@ -136,10 +143,15 @@ def _scale_multiples(d: dict, scale: str) -> tuple[float, float, float]:
         if scale not in scales:
             raise ConfigError(f"model scale {scale!r} is not one of {', '.join(scales)}")
         multiples = scales[scale]
-        if not (isinstance(multiples, (list, tuple)) and len(multiples) == 3
-                and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in multiples)):
-            raise ConfigError(f"model scale {scale}: expected [depth, width, max_channels] (3 positive numbers), "
-                              f"got {multiples!r:.80}")
+        if not (
+            isinstance(multiples, (list, tuple))
+            and len(multiples) == 3
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in multiples)
+        ):
+            raise ConfigError(
+                f"model scale {scale}: expected [depth, width, max_channels] (3 positive numbers), "
+                f"got {multiples!r:.80}"
+            )
         depth, width, max_channels = multiples
         return float(depth), float(width), float(max_channels)
     # the older single-scale form that YOLOv8 checkpoints carry

@@ -89,9 +89,18 @@ def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     if bn.running_mean is None or bn.running_var is None or bn.weight is None or bn.bias is None:
         raise ValueError("fuse_conv_bn needs an affine BatchNorm2d that tracks running statistics")
     # torch stores a Conv2d's geometry as tuple[int, ...] but types its constructor for 2-tuples
+    pair = tuple[int, int]
     fused = nn.Conv2d(
-        conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,  # type: ignore[arg-type]
-        conv.dilation, conv.groups, bias=True, device=conv.weight.device, dtype=conv.weight.dtype,  # type: ignore[arg-type]
+        conv.in_channels,
+        conv.out_channels,
+        cast(pair, conv.kernel_size),
+        cast(pair, conv.stride),
+        cast("str | pair", conv.padding),
+        cast(pair, conv.dilation),
+        conv.groups,
+        bias=True,
+        device=conv.weight.device,
+        dtype=conv.weight.dtype,
     )
     fused_bias = cast(Tensor, fused.bias)  # built with bias=True
     with torch.no_grad():

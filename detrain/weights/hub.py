@@ -35,8 +35,15 @@ from detrain import net
 from detrain.errors import CheckpointError
 from detrain.tempfiles import temp_beside
 
-__all__ = ["DEFAULT_URL", "RELEASE_FILES", "ReleaseFile", "canonical_name", "file_sha256", "resolve_weights",
-           "weights_dir"]
+__all__ = [
+    "DEFAULT_URL",
+    "RELEASE_FILES",
+    "ReleaseFile",
+    "canonical_name",
+    "file_sha256",
+    "resolve_weights",
+    "weights_dir",
+]
 
 DEFAULT_URL = "https://github.com/ultralytics/assets/releases/download/v0.0.0/{name}"
 
@@ -210,8 +217,7 @@ def _download(url: str, dest: Path, release: ReleaseFile, progress: bool) -> Non
         tmp.unlink(missing_ok=True)  # after a successful replace the temporary name is already gone
 
 
-def _copy(response: Any, out: IO[bytes], label: str, total: int | None, limit: int,
-          progress: bool) -> tuple[int, str]:
+def _copy(response: Any, out: IO[bytes], label: str, total: int | None, limit: int, progress: bool) -> tuple[int, str]:
     """The body into ``out`` (with a rich progress bar when asked for): (bytes, sha256)."""
     if not progress:
         return net.copy_body(response, out, limit)

@@ -73,8 +73,14 @@ class PendingDtype:
             raise Refused(f"a numpy dtype state of version {shown(version)} (3 or 4 without metadata)")
         if subarray is not None or names is not None or fields is not None:
             raise Refused("a numpy dtype with fields or a subarray (plain number types only)")
-        if not (_is_int(flags) and flags == 0 and _is_int(elsize) and elsize == -1 and _is_int(alignment)
-                and alignment == -1):
+        if not (
+            _is_int(flags)
+            and flags == 0
+            and _is_int(elsize)
+            and elsize == -1
+            and _is_int(alignment)
+            and alignment == -1
+        ):
             given = ", ".join(shown(v) for v in (flags, elsize, alignment))
             raise Refused(f"a numpy dtype state that sets flags/size/alignment ({given})")
         one_byte = self.dtype.itemsize == 1
@@ -154,7 +160,13 @@ def numpy_reconstruct(subtype: Any, shape: Any, typecode: Any) -> PendingArray:
     """``_reconstruct(ndarray, (0,), b'b')``, the empty array numpy's BUILD then fills."""
     if subtype is not NDARRAY:
         raise Refused("a numpy array of a class other than numpy.ndarray")
-    if not (type(shape) is tuple and len(shape) == 1 and _is_int(shape[0]) and shape[0] == 0
-            and type(typecode) in (bytes, str) and typecode in (b"b", "b")):
+    if not (
+        type(shape) is tuple
+        and len(shape) == 1
+        and _is_int(shape[0])
+        and shape[0] == 0
+        and type(typecode) in (bytes, str)
+        and typecode in (b"b", "b")
+    ):
         raise Refused("a numpy _reconstruct call with arguments numpy never writes")
     return PendingArray()

@@ -357,9 +357,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
     def _note_depth(self, obj: Any) -> Any:
         """Record how deep a new tuple/frozenset nests: hashing one recurses in C without a limit."""
         if type(obj) in (tuple, frozenset) and obj:
-            depth = 1 + max(
-                (self._depth.get(id(x), (1,))[0] if type(x) in (tuple, frozenset) else 0) for x in obj
-            )
+            depth = 1 + max((self._depth.get(id(x), (1,))[0] if type(x) in (tuple, frozenset) else 0) for x in obj)
             if depth > limits.MAX_NESTING:
                 raise Refused(f"its data nests deeper than {limits.MAX_NESTING} levels")
             if depth > 1:
@@ -430,8 +428,26 @@ class _RestrictedUnpickler(pickle._Unpickler):  # the Python one: its opcode tab
         target.update(items)
 
 
-for _name in ("reduce", "newobj", "build", "put", "binput", "long_binput", "memoize", "tuple", "tuple1", "tuple2",
-              "tuple3", "frozenset", "append", "appends", "setitem", "setitems", "dict", "additems"):
+for _name in (
+    "reduce",
+    "newobj",
+    "build",
+    "put",
+    "binput",
+    "long_binput",
+    "memoize",
+    "tuple",
+    "tuple1",
+    "tuple2",
+    "tuple3",
+    "frozenset",
+    "append",
+    "appends",
+    "setitem",
+    "setitems",
+    "dict",
+    "additems",
+):
     _code = getattr(pickle, _name.upper())[0]
     _RestrictedUnpickler.dispatch[_code] = getattr(_RestrictedUnpickler, f"load_{_name}")
 

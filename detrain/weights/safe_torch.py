@@ -126,9 +126,7 @@ class StorageReader:
             raise Refused(f"storage data/{key} is declared as {nbytes} bytes but its zip record holds {record}")
         self._declared += nbytes
         if self._declared > limits.MAX_TOTAL_BYTES:
-            raise Refused(
-                f"its storages add up to more than the {size_text(limits.MAX_TOTAL_BYTES)} allowed"
-            )
+            raise Refused(f"its storages add up to more than the {size_text(limits.MAX_TOTAL_BYTES)} allowed")
         storage = Storage(self._read(key, nbytes, dtype))
         self._cache[key] = (dtype, numel, storage)
         return storage

@@ -208,7 +208,5 @@ class TorchZip:
         if info is None:
             raise Refused(f"its pickle names storage data/{key}, which the zip does not hold")
         if info.file_size != nbytes:
-            raise Refused(
-                f"storage data/{key} is declared as {nbytes} bytes but its zip record holds {info.file_size}"
-            )
+            raise Refused(f"storage data/{key} is declared as {nbytes} bytes but its zip record holds {info.file_size}")
         return self._read(info, nbytes)

@@ -193,8 +193,9 @@ def _class_names(raw: Any, path: Path) -> dict[int, str]:
         digits = isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 6
         index = int(k) if digits else _small_int(k, 0, _MAX_CLASSES)
         if index is None or not isinstance(v, str) or len(v) > _MAX_NAME_CHARS:
-            raise CheckpointError(f"{path}: its class names hold a {type(k).__name__} -> {type(v).__name__} entry, "
-                                  "not an index -> name")
+            raise CheckpointError(
+                f"{path}: its class names hold a {type(k).__name__} -> {type(v).__name__} entry, not an index -> name"
+            )
         names[index] = v
     return names
 
@@ -204,9 +205,7 @@ def _strides(raw: Any, path: Path) -> list[float]:
         return []
     if isinstance(raw, torch.Tensor) and raw.ndim == 1 and raw.numel() <= _MAX_STRIDES:
         return [float(s) for s in raw.tolist()]
-    if isinstance(raw, (list, tuple)) and len(raw) <= _MAX_STRIDES and all(
-        type(s) in (int, float) for s in raw
-    ):
+    if isinstance(raw, (list, tuple)) and len(raw) <= _MAX_STRIDES and all(type(s) in (int, float) for s in raw):
         return [float(s) for s in raw]
     raise CheckpointError(f"{path}: its model stride is a {type(raw).__name__}, not a short list of numbers")
 

@@ -139,8 +139,10 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["predict", f"source={IMAGE}", "epochs=3"], "'epochs' is not used by 'detrain predict'"),
     (["export", "epochs=3"], "'epochs' is not used by 'detrain export'"),  # exported a model with exit 0
     (["val", "cutmix=0.5"], "'cutmix' is not used by 'detrain val' (it is for train)"),
-    (["predict", f"source={IMAGE}", "single_cls=true"], "'single_cls' is not used by 'detrain predict' (it is "
-                                                          "for val and train)"),
+    (
+        ["predict", f"source={IMAGE}", "single_cls=true"],
+        "'single_cls' is not used by 'detrain predict' (it is for val and train)",
+    ),
     (["export", "classes=0"], "'classes' is not used by 'detrain export' (it is for val and predict and train)"),
     # paths that do not exist, or are folders or the wrong kind of file
     (["train", "data=missing.yaml"], "dataset yaml 'missing.yaml' not found"),
@@ -253,15 +255,25 @@ def test_a_bad_command_line_is_one_line_and_exit_2(argv, fragment, workspace, ca
     assert sorted(os.listdir(workspace)) == before  # no run folder, no download, no output file
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", "device=cpu,,"],
-    ["train", "epochs=1", "epochs=2"],
-    ["trian", "epochs=3"],
-    ["val", "data=missing.yaml"],
-    ["train", "name=a\nb"],
-    ["train", b"name=\xff"],  # not UTF-8: Python reads it as U+DCFF
-], ids=["empty-device-entry", "repeated-key", "unknown-command", "missing-data", "newline-in-name",
-        "undecodable-name"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "device=cpu,,"],
+        ["train", "epochs=1", "epochs=2"],
+        ["trian", "epochs=3"],
+        ["val", "data=missing.yaml"],
+        ["train", "name=a\nb"],
+        ["train", b"name=\xff"],  # not UTF-8: Python reads it as U+DCFF
+    ],
+    ids=[
+        "empty-device-entry",
+        "repeated-key",
+        "unknown-command",
+        "missing-data",
+        "newline-in-name",
+        "undecodable-name",
+    ],
+)
 def test_the_detrain_command_itself_prints_one_line_and_exits_2(argv, tmp_path):
     """End to end: the console script (or ``python -m detrain.cli`` where it is not installed)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -285,25 +297,33 @@ def test_bare_detrain_prints_the_help_and_exits_0(capsys):
     assert exit_.value.code == 0 and "Usage: detrain" in out and "train" in out and err == ""
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["device=[0, 1]"], {"device": "[0, 1]"}),
-    (["device=0 1"], {"device": "0 1"}),
-    (["device="], {"device": ""}),  # the default: the first GPU, else the CPU
-    (["epochs=1e2", "batch=16.0"], {"epochs": 100, "batch": 16}),  # whole numbers, as Ultralytics reads them
-    (["imgsz= 320"], {"imgsz": 320}),
-    (["name=實驗-1", "project=runs/ablations/ü"], {"name": "實驗-1", "project": "runs/ablations/ü"}),
-    (["name=", "project="], {"name": "", "project": ""}),
-    (["nnodes=2", "node_rank=1", "master_port=29500"], {"node_rank": 1}),
-    (["seed=2147483647"], {"seed": 2147483647}),
-    (["--cos-lr", "--epochs", "3"], {"cos_lr": True, "epochs": 3}),
-    (["single_cls=true", "classes=[0, 2]", "agnostic_nms=1"], {"single_cls": True, "classes": [0, 2],
-                                                              "agnostic_nms": True}),
-    (["cutmix=0.3", "copy_paste=0.0", "classes="], {"cutmix": 0.3, "copy_paste": 0.0, "classes": None}),
-    (["freeze=0,1,2", "time=0.5", "pretrained=yolov8n.pt"], {"freeze": [0, 1, 2], "time": 0.5,
-                                                             "pretrained": "yolov8n.pt"}),
-    (["freeze=10", "time=null", "pretrained=false"], {"freeze": 10, "time": None, "pretrained": False}),
-    (["freeze=[0, 1]", "--time", "2"], {"freeze": [0, 1], "time": 2.0}),
-], ids=lambda v: str(v)[:40])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["device=[0, 1]"], {"device": "[0, 1]"}),
+        (["device=0 1"], {"device": "0 1"}),
+        (["device="], {"device": ""}),  # the default: the first GPU, else the CPU
+        (["epochs=1e2", "batch=16.0"], {"epochs": 100, "batch": 16}),  # whole numbers, as Ultralytics reads them
+        (["imgsz= 320"], {"imgsz": 320}),
+        (["name=實驗-1", "project=runs/ablations/ü"], {"name": "實驗-1", "project": "runs/ablations/ü"}),
+        (["name=", "project="], {"name": "", "project": ""}),
+        (["nnodes=2", "node_rank=1", "master_port=29500"], {"node_rank": 1}),
+        (["seed=2147483647"], {"seed": 2147483647}),
+        (["--cos-lr", "--epochs", "3"], {"cos_lr": True, "epochs": 3}),
+        (
+            ["single_cls=true", "classes=[0, 2]", "agnostic_nms=1"],
+            {"single_cls": True, "classes": [0, 2], "agnostic_nms": True},
+        ),
+        (["cutmix=0.3", "copy_paste=0.0", "classes="], {"cutmix": 0.3, "copy_paste": 0.0, "classes": None}),
+        (
+            ["freeze=0,1,2", "time=0.5", "pretrained=yolov8n.pt"],
+            {"freeze": [0, 1, 2], "time": 0.5, "pretrained": "yolov8n.pt"},
+        ),
+        (["freeze=10", "time=null", "pretrained=false"], {"freeze": 10, "time": None, "pretrained": False}),
+        (["freeze=[0, 1]", "--time", "2"], {"freeze": [0, 1], "time": 2.0}),
+    ],
+    ids=lambda v: str(v)[:40],
+)
 def test_the_valid_forms_beside_the_bad_ones_still_parse(argv, expected):
     cfg = make_cfg(parse_cli_args(argv, "train"))
     assert {key: cfg.get(key) for key in expected} == expected

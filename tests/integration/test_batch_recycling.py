@@ -27,8 +27,9 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[Rec]:
         img[8:28, 12:40] = 255
         path = folder / f"{k:02d}.png"
         cv2.imwrite(str(path), img)
-        recs.append(Rec(str(path), (48, 64), np.array([k % 3]), np.array([[26 / 64, 18 / 48, 28 / 64, 20 / 48]],
-                                                                          np.float32)))
+        recs.append(
+            Rec(str(path), (48, 64), np.array([k % 3]), np.array([[26 / 64, 18 / 48, 28 / 64, 20 / 48]], np.float32))
+        )
     return recs
 
 

@@ -55,9 +55,11 @@ def test_results_csv_of_both_tools(tmp_path):
     ours = tmp_path / "detrain.csv"
     ours.write_text("epoch,train/box_loss,metrics/mAP50,metrics/mAP50-95\n1,1.2,0.1,0.05\n2,1.1,0.2,0.125\n")
     theirs = tmp_path / "ultralytics.csv"  # older Ultralytics pads its header and values with spaces
-    theirs.write_text("                  epoch,  metrics/mAP50(B),  metrics/mAP50-95(B)\n"
-                      "                      1,           0.1,            0.04\n"
-                      "                      2,           0.2,            0.1\n")
+    theirs.write_text(
+        "                  epoch,  metrics/mAP50(B),  metrics/mAP50-95(B)\n"
+        "                      1,           0.1,            0.04\n"
+        "                      2,           0.2,            0.1\n"
+    )
     assert bl.read_results_csv(ours) == {1: 0.05, 2: 0.125}
     assert bl.read_results_csv(theirs) == {1: 0.04, 2: 0.1}
     bad = tmp_path / "bad.csv"
@@ -67,18 +69,30 @@ def test_results_csv_of_both_tools(tmp_path):
 
 
 def _run(impl: str, seed: int, maps: list[float], final: float, wall: float):
-    return bl.Run(impl, seed, f"/runs/{impl}{seed}", {e + 1: m for e, m in enumerate(maps)},
-                  {"map": final, "map50": 2 * final, "last_map": final / 2}, wall, 1, 0)
+    return bl.Run(
+        impl,
+        seed,
+        f"/runs/{impl}{seed}",
+        {e + 1: m for e, m in enumerate(maps)},
+        {"map": final, "map50": 2 * final, "last_map": final / 2},
+        wall,
+        1,
+        0,
+    )
 
 
 def test_table_means_over_seeds_and_ratios():
     assert bl.selected_epochs(12) == [5, 10, 12] and bl.selected_epochs(10) == [5, 10]
     assert bl.selected_epochs(3, all_epochs=True) == [1, 2, 3]
     runs = {
-        "detrain": [_run("detrain", 0, [0.1] * 4 + [0.3] * 6, 0.4, 100.0),
-                    _run("detrain", 1, [0.1] * 4 + [0.5] * 6, 0.6, 120.0)],
-        "ultralytics": [_run("ultralytics", 0, [0.0] * 4 + [0.2] * 6, 0.25, 200.0),
-                        _run("ultralytics", 1, [0.0] * 4 + [0.2] * 6, 0.25, 240.0)],
+        "detrain": [
+            _run("detrain", 0, [0.1] * 4 + [0.3] * 6, 0.4, 100.0),
+            _run("detrain", 1, [0.1] * 4 + [0.5] * 6, 0.6, 120.0),
+        ],
+        "ultralytics": [
+            _run("ultralytics", 0, [0.0] * 4 + [0.2] * 6, 0.25, 200.0),
+            _run("ultralytics", 1, [0.0] * 4 + [0.2] * 6, 0.25, 240.0),
+        ],
     }
     s = bl.summarize(runs, bl.selected_epochs(10))
     assert s["per_epoch"]["detrain"][5] == pytest.approx(0.4)
@@ -102,9 +116,36 @@ def test_a_missing_side_or_a_zero_gives_no_ratio():
 
 def test_detrain_side_end_to_end_on_a_tiny_shapes_set(tmp_path):
     out = tmp_path / "table.md"
-    report = bl.main(["--dataset", "shapes", "--impls", "detrain", "--n-train", "8", "--n-val", "4",
-                      "--gen-imgsz", "64", "--epochs", "1", "--imgsz", "64", "--batch", "4", "--workers", "0",
-                      "--seeds", "0", "--threads", "1", "--work", str(tmp_path / "work"), "--out", str(out)])
+    report = bl.main(
+        [
+            "--dataset",
+            "shapes",
+            "--impls",
+            "detrain",
+            "--n-train",
+            "8",
+            "--n-val",
+            "4",
+            "--gen-imgsz",
+            "64",
+            "--epochs",
+            "1",
+            "--imgsz",
+            "64",
+            "--batch",
+            "4",
+            "--workers",
+            "0",
+            "--seeds",
+            "0",
+            "--threads",
+            "1",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.with_suffix(".json").read_text())
     (run,) = saved["runs"]["detrain"]
     assert set(run["final"]) == {"map", "map50", "last_map"} and 0.0 <= run["final"]["map"] <= 1.0
@@ -115,7 +156,33 @@ def test_detrain_side_end_to_end_on_a_tiny_shapes_set(tmp_path):
     assert "best.pt mAP50-95, detrain validator" in text and "--impls detrain" in text
     assert "last.pt mAP50-95, detrain validator" in text
     # a second call with --reuse keeps the finished run and its score
-    again = bl.main(["--dataset", "shapes", "--impls", "detrain", "--n-train", "8", "--n-val", "4",
-                     "--gen-imgsz", "64", "--epochs", "1", "--imgsz", "64", "--batch", "4", "--workers", "0",
-                     "--seeds", "0", "--threads", "1", "--work", str(tmp_path / "work"), "--reuse"])
+    again = bl.main(
+        [
+            "--dataset",
+            "shapes",
+            "--impls",
+            "detrain",
+            "--n-train",
+            "8",
+            "--n-val",
+            "4",
+            "--gen-imgsz",
+            "64",
+            "--epochs",
+            "1",
+            "--imgsz",
+            "64",
+            "--batch",
+            "4",
+            "--workers",
+            "0",
+            "--seeds",
+            "0",
+            "--threads",
+            "1",
+            "--work",
+            str(tmp_path / "work"),
+            "--reuse",
+        ]
+    )
     assert again["runs"]["detrain"][0]["reused"] and again["runs"]["detrain"][0]["final"] == run["final"]

@@ -30,8 +30,20 @@ from detrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a 2-worker run that has not ended by then hangs
-TINY = dict(epochs=2, imgsz=64, batch=8, nbs=8, device="cpu", workers=0, warmup_epochs=0, close_mosaic=0,
-            plots=False, verbose=False, exist_ok=True, name="run")
+TINY = dict(
+    epochs=2,
+    imgsz=64,
+    batch=8,
+    nbs=8,
+    device="cpu",
+    workers=0,
+    warmup_epochs=0,
+    close_mosaic=0,
+    plots=False,
+    verbose=False,
+    exist_ok=True,
+    name="run",
+)
 PER_EPOCH = ["on_train_epoch_start", "on_train_epoch_end", "on_model_save", "on_fit_epoch_end"]
 
 
@@ -74,10 +86,9 @@ def test_events_fire_in_order_with_epochs_metrics_and_files(data: Path, tmp_path
 
     rows = list(csv.DictReader((run / "results.csv").read_text().splitlines()))
     for epoch in (1, 2):
-        start, end, saved, fit = events[3 + 4 * (epoch - 1): 7 + 4 * (epoch - 1)]
+        start, end, saved, fit = events[3 + 4 * (epoch - 1) : 7 + 4 * (epoch - 1)]
         assert not start.metrics
-        assert set(end.metrics) == {"train/box_loss", "train/cls_loss", "train/dfl_loss", "lr/pg0", "lr/pg1",
-                                    "lr/pg2"}
+        assert set(end.metrics) == {"train/box_loss", "train/cls_loss", "train/dfl_loss", "lr/pg0", "lr/pg1", "lr/pg2"}
         assert saved.last == run / "weights" / "last.pt" and saved.best == run / "weights" / "best.pt"
         assert seen[5 + 4 * (epoch - 1)][2] == epoch - 1  # last.pt held this epoch (0-based) at on_model_save
         assert dict(saved.metrics) == dict(fit.metrics) and saved.improved == fit.improved
@@ -183,17 +194,27 @@ except DetrainError as e:
 """
 
 
-def _two_workers(data: Path, tmp_path: Path, events: list[str], failing: str = "") -> tuple[
-        subprocess.CompletedProcess, list[dict]]:
+def _two_workers(
+    data: Path, tmp_path: Path, events: list[str], failing: str = ""
+) -> tuple[subprocess.CompletedProcess, list[dict]]:
     log = tmp_path / "callbacks.jsonl"
     args = {**TINY, "epochs": 1, "data": str(data), "device": "cpu,cpu", "project": str(tmp_path / "runs")}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                            "MASTER_ADDR", "MASTER_PORT", "DETRAIN_TEST_KILL_AT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TEST_FAULT")
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
     try:
-        proc = subprocess.run([sys.executable, "-c", _TRAIN, json.dumps([args, str(log), events, failing])],
-                              env=env, capture_output=True, text=True, timeout=LIMIT_S, cwd=tmp_path)
+        proc = subprocess.run(
+            [sys.executable, "-c", _TRAIN, json.dumps([args, str(log), events, failing])],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=LIMIT_S,
+            cwd=tmp_path,
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the 2-worker run did not end within {LIMIT_S} s:\n{e.stdout}\n{e.stderr}")
     lines = [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
@@ -224,22 +245,27 @@ def test_two_workers_a_raising_callback_ends_the_run_with_one_line_naming_rank_0
 
 
 # gloo's message on rank 1 when rank 0 left the step (DDP's all-reduce, which detrain.distributed.dist does not wrap)
-_GLOO_PEER_GONE = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
-                   "closed by peer [127.0.0.1]:50379. This is typically caused by a remote worker crashing. Check the "
-                   "logs of the remote worker before reporting an error. GLHF!")
+_GLOO_PEER_GONE = (
+    "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection "
+    "closed by peer [127.0.0.1]:50379. This is typically caused by a remote worker crashing. Check the "
+    "logs of the remote worker before reporting an error. GLHF!"
+)
 
 
 def _failure(message: str, timestamp: int) -> types.SimpleNamespace:
-    return types.SimpleNamespace(message={"message": message}, timestamp=timestamp, exitcode=1,
-                                 error_file_data={"message": {"message": message}})
+    return types.SimpleNamespace(
+        message={"message": message}, timestamp=timestamp, exitcode=1, error_file_data={"message": {"message": message}}
+    )
 
 
 def test_the_report_names_the_rank_whose_callback_raised_not_the_peer_that_lost_it() -> None:
     """Which rank wrote its error file first is a race (whole seconds): rank 1's gloo error may come first."""
     from detrain.distributed.launch_failures import describe_failure
 
-    failures = {0: _failure("RuntimeError: callback failed on purpose at on_train_start", 101),
-                1: _failure(_GLOO_PEER_GONE, 100)}
+    failures = {
+        0: _failure("RuntimeError: callback failed on purpose at on_train_start", 101),
+        1: _failure(_GLOO_PEER_GONE, 100),
+    }
     line = describe_failure(types.SimpleNamespace(failures=failures), 0)
     assert line.startswith("worker rank 0 failed (exit code 1): RuntimeError: callback failed on purpose"), line
     assert line.endswith("(also failed: rank 1)")

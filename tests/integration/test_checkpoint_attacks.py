@@ -80,8 +80,14 @@ def _cpu_limit() -> None:
 
 def _load_in_child(*paths: Path) -> list[str]:
     """Load each file in a fresh interpreter; the child must exit 0 (a SIGSEGV is -11). One outcome line each."""
-    run = subprocess.run([sys.executable, "-c", _CHILD, *map(str, paths)], cwd=REPO, capture_output=True,
-                         text=True, timeout=600, preexec_fn=_cpu_limit)
+    run = subprocess.run(
+        [sys.executable, "-c", _CHILD, *map(str, paths)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_cpu_limit,
+    )
     assert run.returncode == 0, f"child died with {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}"
     return [line for line in run.stdout.splitlines() if line.startswith(("LOADED", "REFUSED"))]
 
@@ -133,22 +139,59 @@ def test_object_dtype_with_cleared_flags_is_refused_not_a_segfault(tmp_path: Pat
         (np_dtype("V8"), "numpy dtype 'V8'"),
         (np_dtype("U1"), "numpy dtype 'U1'"),
         (np_dtype("f8", np_dtype_state("<", flags=63)), r"sets flags/size/alignment \(63"),
-        (np_dtype("f8", tuple_(int_(3), str_("<"), none(), tuple_(str_("a")), none(), int_(-1), int_(-1), int_(0))),
-         "fields or a subarray"),
+        (
+            np_dtype("f8", tuple_(int_(3), str_("<"), none(), tuple_(str_("a")), none(), int_(-1), int_(-1), int_(0))),
+            "fields or a subarray",
+        ),
         # BUILD a second time on a finished dtype / array (reached through the memo)
-        (np_dtype("f8", np_dtype_state()) + pickle.BINPUT + b"\x07" + pickle.POP + pickle.BINGET + b"\x07"
-         + np_dtype_state() + pickle.BUILD, "applies BUILD to a numpy object"),
-        (np_array(np_dtype("f4", np_dtype_state()), (1,), bytes(4)) + pickle.BINPUT + b"\x07" + pickle.POP
-         + pickle.BINGET + b"\x07" + tuple_(int_(1), tuple_(int_(2)), np_dtype("f4"), bool_(False), bytes_(b"A" * 8))
-         + pickle.BUILD, "applies BUILD to a numpy object"),
+        (
+            np_dtype("f8", np_dtype_state())
+            + pickle.BINPUT
+            + b"\x07"
+            + pickle.POP
+            + pickle.BINGET
+            + b"\x07"
+            + np_dtype_state()
+            + pickle.BUILD,
+            "applies BUILD to a numpy object",
+        ),
+        (
+            np_array(np_dtype("f4", np_dtype_state()), (1,), bytes(4))
+            + pickle.BINPUT
+            + b"\x07"
+            + pickle.POP
+            + pickle.BINGET
+            + b"\x07"
+            + tuple_(int_(1), tuple_(int_(2)), np_dtype("f4"), bool_(False), bytes_(b"A" * 8))
+            + pickle.BUILD,
+            "applies BUILD to a numpy object",
+        ),
         (np_array(np_dtype("f4", np_dtype_state()), (4,), bytes(4)), "shape .* with 4 bytes of data"),
         (np_array(np_dtype("f4", np_dtype_state()), (10**12, 10**12), bytes(4)), "numpy array size"),
-        (reduce_(global_("numpy.core.multiarray", "_reconstruct"), global_("numpy.ma", "MaskedArray"),
-                 tuple_(int_(0)), bytes_(b"b")), "it asks to call numpy.ma.MaskedArray"),
+        (
+            reduce_(
+                global_("numpy.core.multiarray", "_reconstruct"),
+                global_("numpy.ma", "MaskedArray"),
+                tuple_(int_(0)),
+                bytes_(b"b"),
+            ),
+            "it asks to call numpy.ma.MaskedArray",
+        ),
         (reduce_(global_("numpy.core.multiarray", "scalar"), np_dtype("O8"), str_("x")), "numpy dtype 'O8'"),
     ],
-    ids=["object-dtype", "void-dtype", "unicode-dtype", "dtype-flags", "dtype-fields", "build-dtype-twice",
-         "build-array-twice", "array-short-data", "array-huge-shape", "masked-array", "object-scalar"],
+    ids=[
+        "object-dtype",
+        "void-dtype",
+        "unicode-dtype",
+        "dtype-flags",
+        "dtype-fields",
+        "build-dtype-twice",
+        "build-array-twice",
+        "array-short-data",
+        "array-huge-shape",
+        "masked-array",
+        "object-scalar",
+    ],
 )
 def test_numpy_beyond_plain_numbers_is_refused(tmp_path: Path, payload: bytes, reason: str) -> None:
     path = _model_file(tmp_path, "np.pt", train_args=dict_({"x": payload}))
@@ -158,8 +201,13 @@ def test_numpy_beyond_plain_numbers_is_refused(tmp_path: Path, payload: bytes, r
 def test_plain_numpy_numbers_and_arrays_still_load(tmp_path: Path) -> None:
     import numpy as np
 
-    values = {"f": np.float64(2.5), "i": np.int32(-7), "a": np.arange(6, dtype=">i4").reshape(2, 3),
-              "fa": np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3)), "e": np.zeros((0, 3))}
+    values = {
+        "f": np.float64(2.5),
+        "i": np.int32(-7),
+        "a": np.arange(6, dtype=">i4").reshape(2, 3),
+        "fa": np.asfortranarray(np.arange(6, dtype=np.float32).reshape(2, 3)),
+        "e": np.zeros((0, 3)),
+    }
     params, records = _one_weight()
     data = checkpoint(ultralytics_model(_parameters=params), train_args=pickle.dumps(values, protocol=2)[2:-1])
     path = write_torch_zip(tmp_path / "np_ok.pt", data, records)
@@ -178,9 +226,17 @@ def test_plain_numpy_numbers_and_arrays_still_load(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("module", "name"),
-    [("os", "system"), (os.system.__module__, "system"), ("subprocess", "Popen"), ("builtins", "eval"),
-     ("functools", "partial"),
-     ("builtins", "getattr"), ("torch", "load"), ("numpy", "load"), ("torch.serialization", "load")],
+    [
+        ("os", "system"),
+        (os.system.__module__, "system"),
+        ("subprocess", "Popen"),
+        ("builtins", "eval"),
+        ("functools", "partial"),
+        ("builtins", "getattr"),
+        ("torch", "load"),
+        ("numpy", "load"),
+        ("torch.serialization", "load"),
+    ],
 )
 def test_a_global_that_runs_code_is_refused(tmp_path: Path, module: str, name: str) -> None:
     marker = tmp_path / "ran"
@@ -198,9 +254,15 @@ def test_functools_partial_pickled_by_python_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("op", "name"),
-    [(pickle.INST + b"os\nsystem\n", "INST"), (pickle.OBJ, "OBJ"), (pickle.EXT1 + b"\x01", "EXT1"),
-     (pickle.NEWOBJ_EX, "NEWOBJ_EX"), (pickle.BYTEARRAY8 + struct.pack("<Q", 1 << 40), "BYTEARRAY8"),
-     (pickle.PERSID + b"0\n", "PERSID"), (b"\xff", "unknown pickle opcode 0xff")],
+    [
+        (pickle.INST + b"os\nsystem\n", "INST"),
+        (pickle.OBJ, "OBJ"),
+        (pickle.EXT1 + b"\x01", "EXT1"),
+        (pickle.NEWOBJ_EX, "NEWOBJ_EX"),
+        (pickle.BYTEARRAY8 + struct.pack("<Q", 1 << 40), "BYTEARRAY8"),
+        (pickle.PERSID + b"0\n", "PERSID"),
+        (b"\xff", "unknown pickle opcode 0xff"),
+    ],
 )
 def test_opcodes_no_checkpoint_uses_are_refused(tmp_path: Path, op: bytes, name: str) -> None:
     path = write_torch_zip(tmp_path / "op.pt", proto(4) + pickle.MARK + op + pickle.STOP)
@@ -216,15 +278,27 @@ def test_opcodes_no_checkpoint_uses_are_refused(tmp_path: Path, op: bytes, name:
         (dict_({}) + int_(1) + pickle.APPEND, "applies APPEND to a dict"),
         (reduce_(global_("builtins", "object")), "it calls a type object"),
         (global_("torch", "float16") + pickle.EMPTY_TUPLE + pickle.REDUCE, "it calls a dtype object"),
-        (global_("builtins", "set") + pickle.EMPTY_TUPLE + pickle.NEWOBJ,
-         "creates an object of type function, which is not a data record"),
+        (
+            global_("builtins", "set") + pickle.EMPTY_TUPLE + pickle.NEWOBJ,
+            "creates an object of type function, which is not a data record",
+        ),
         (global_("torch", "Size") + str_("a.b") + pickle.TUPLE1 + pickle.REDUCE, "torch.Size"),
         (storage_tensor("0", 4, (4,)) + dict_({}) + pickle.BUILD, "sets the state of a Tensor"),
         (global_("os ", "system"), "malformed global name"),
         (global_("ultralytics." + "x" * 300, "A"), "malformed global name"),
     ],
-    ids=["setitem-tensor", "setitem-list", "append-dict", "call-object", "call-dtype", "newobj-function",
-         "size-of-text", "build-tensor", "spaced-global", "long-global"],
+    ids=[
+        "setitem-tensor",
+        "setitem-list",
+        "append-dict",
+        "call-object",
+        "call-dtype",
+        "newobj-function",
+        "size-of-text",
+        "build-tensor",
+        "spaced-global",
+        "long-global",
+    ],
 )
 def test_misused_opcodes_are_refused(tmp_path: Path, payload: bytes, reason: str) -> None:
     path = _model_file(tmp_path, "misuse.pt", train_args=list_(payload))
@@ -239,8 +313,11 @@ def test_misused_opcodes_are_refused(tmp_path: Path, payload: bytes, reason: str
 def test_a_huge_declared_storage_is_refused_before_any_allocation(tmp_path: Path, monkeypatch) -> None:
     reads: list[str] = []
     real_read = safe_torch.StorageReader._read
-    monkeypatch.setattr(safe_torch.StorageReader, "_read",
-                        lambda self, key, nbytes, dtype: reads.append(key) or real_read(self, key, nbytes, dtype))
+    monkeypatch.setattr(
+        safe_torch.StorageReader,
+        "_read",
+        lambda self, key, nbytes, dtype: reads.append(key) or real_read(self, key, nbytes, dtype),
+    )
     model = ultralytics_model(_parameters=dict_({"w": storage_tensor("0", 10**12, (10**6, 10**6))}))
     path = write_torch_zip(tmp_path / "huge.pt", checkpoint(model), {"0": bytes(8)})
     _refused(path, r"storage data/0 is declared as 2000000000000 bytes but its zip record holds 8$")
@@ -252,18 +329,40 @@ def test_a_huge_declared_storage_is_refused_before_any_allocation(tmp_path: Path
     [
         ({"w": storage_tensor("0", 4, (4,))}, {"0": bytes(6)}, "declared as 8 bytes but its zip record holds 6"),
         ({"w": storage_tensor("0", 4, (4,))}, {}, "names storage data/0, which the zip does not hold"),
-        ({"w": storage_tensor("0", 4, (4,)), "v": storage_tensor("0", 2, (2,))}, {"0": bytes(8)},
-         "declared twice with different types or sizes"),
+        (
+            {"w": storage_tensor("0", 4, (4,)), "v": storage_tensor("0", 2, (2,))},
+            {"0": bytes(8)},
+            "declared twice with different types or sizes",
+        ),
         ({"w": storage_tensor("0", 4, (8,))}, {"0": bytes(8)}, "reaches past its storage"),
-        ({"w": reduce_(global_("torch._utils", "_rebuild_tensor_v2"),
-                       tuple_(str_("storage"), global_("torch", "HalfStorage"), str_("0"), str_("cpu"), int_(4))
-                       + pickle.BINPERSID, int_(0), tuple_(int_(10**9)), tuple_(int_(0)), bool_(False), none())},
-         {"0": bytes(8)}, "reaches past its storage"),  # a stride-0 view: 10^9 elements over 4
+        (
+            {
+                "w": reduce_(
+                    global_("torch._utils", "_rebuild_tensor_v2"),
+                    tuple_(str_("storage"), global_("torch", "HalfStorage"), str_("0"), str_("cpu"), int_(4))
+                    + pickle.BINPERSID,
+                    int_(0),
+                    tuple_(int_(10**9)),
+                    tuple_(int_(0)),
+                    bool_(False),
+                    none(),
+                )
+            },
+            {"0": bytes(8)},
+            "reaches past its storage",
+        ),  # a stride-0 view: 10^9 elements over 4
         ({"w": storage_tensor("../../x", 4, (4,))}, {"0": bytes(8)}, "short alphanumeric name"),
         ({"w": storage_tensor("0", -4, (4,))}, {"0": bytes(8)}, "declares -4 elements"),
     ],
-    ids=["record-too-short", "record-missing", "key-redeclared", "view-past-end", "stride-0-blowup", "key-path",
-         "negative-numel"],
+    ids=[
+        "record-too-short",
+        "record-missing",
+        "key-redeclared",
+        "view-past-end",
+        "stride-0-blowup",
+        "key-path",
+        "negative-numel",
+    ],
 )
 def test_storages_must_match_their_records(tmp_path: Path, tensors: dict, records: dict, reason: str) -> None:
     path = write_torch_zip(tmp_path / "st.pt", checkpoint(ultralytics_model(_parameters=dict_(tensors))), records)
@@ -274,13 +373,26 @@ def test_storages_must_match_their_records(tmp_path: Path, tensors: dict, record
     ("payload", "reason"),
     [
         # an int too long for str() (Python refuses past 4300 digits) where a storage size belongs
-        (reduce_(global_("torch._utils", "_rebuild_tensor_v2"),
-                 tuple_(str_("storage"), global_("torch", "HalfStorage"), str_("0"), str_("cpu"), int_(-(10**5000)))
-                 + pickle.BINPERSID, int_(0), tuple_(int_(4)), tuple_(int_(1)), bool_(False), none()),
-         r"storage data/0 declares an int of 16610 bits elements$"),
+        (
+            reduce_(
+                global_("torch._utils", "_rebuild_tensor_v2"),
+                tuple_(str_("storage"), global_("torch", "HalfStorage"), str_("0"), str_("cpu"), int_(-(10**5000)))
+                + pickle.BINPERSID,
+                int_(0),
+                tuple_(int_(4)),
+                tuple_(int_(1)),
+                bool_(False),
+                none(),
+            ),
+            r"storage data/0 declares an int of 16610 bits elements$",
+        ),
         # a megabyte of text, newlines included, where numpy writes a small number
-        (np_dtype("f8", tuple_(str_("x\n" * limits.MiB), str_("<"), none(), none(), none(), int_(-1), int_(-1),
-                               int_(0))), r"a numpy dtype state of version 'x\\nx\\n.*'\.\.\. \(3 or 4"),
+        (
+            np_dtype(
+                "f8", tuple_(str_("x\n" * limits.MiB), str_("<"), none(), none(), none(), int_(-1), int_(-1), int_(0))
+            ),
+            r"a numpy dtype state of version 'x\\nx\\n.*'\.\.\. \(3 or 4",
+        ),
         (np_array(np_dtype("f4", np_dtype_state()), (10**5000,), bytes(4)), "numpy array size an int of"),
     ],
     ids=["huge-int-numel", "megabyte-version", "huge-int-shape"],
@@ -343,8 +455,11 @@ def test_a_zip_bomb_under_every_record_cap_is_refused_by_its_inflation(tmp_path:
     with zipfile.ZipFile(path, "a", zipfile.ZIP_DEFLATED) as zf:
         zf.writestr("inflate/data/1", bytes(16 * limits.MiB))
     assert path.stat().st_size < 64 * 1024
-    _refused(path, r"its zip records inflate to 16\.0 MiB from a file of .* KiB, more than 32x its size plus "
-                   r"1\.0 MiB \(a zip bomb\?\)$")
+    _refused(
+        path,
+        r"its zip records inflate to 16\.0 MiB from a file of .* KiB, more than 32x its size plus "
+        r"1\.0 MiB \(a zip bomb\?\)$",
+    )
 
 
 def test_a_data_pkl_bomb_is_refused(tmp_path: Path) -> None:
@@ -421,8 +536,9 @@ def test_copy_amplification_is_refused(tmp_path: Path) -> None:
     """One 1 MiB string encoded to bytes 300 times: 300 MiB of copies from a 1 MiB file."""
     text = str_("x" * limits.MiB) + pickle.BINPUT + b"\x01" + pickle.POP
     encode = global_("_codecs", "encode") + pickle.BINPUT + b"\x02"
-    calls = (pickle.BINGET + b"\x02" + pickle.BINGET + b"\x01" + str_("latin1") + pickle.TUPLE2 + pickle.REDUCE
-             + pickle.POP) * 300
+    calls = (
+        pickle.BINGET + b"\x02" + pickle.BINGET + b"\x01" + str_("latin1") + pickle.TUPLE2 + pickle.REDUCE + pickle.POP
+    ) * 300
     path = _model_file(tmp_path, "amp.pt", train_args=text + encode + pickle.POP + calls + none())
     _refused(path, r"its calls would copy more than 256\.0 MiB$")
 
@@ -456,8 +572,7 @@ def _colliding_int_keys() -> bytes:
 
 def _big_int_key_again_and_again() -> bytes:
     """A 4 MB int used as a key 200,000 times: an int's hash is not cached, each SETITEM reads every digit."""
-    return (int_(1 << (8 * 4_000_000)) + _put(0) + pickle.POP + dict_({})
-            + (_get(0) + none() + pickle.SETITEM) * 200_000)
+    return int_(1 << (8 * 4_000_000)) + _put(0) + pickle.POP + dict_({}) + (_get(0) + none() + pickle.SETITEM) * 200_000
 
 
 def test_keys_that_are_costly_to_hash_are_refused(tmp_path: Path) -> None:
@@ -480,18 +595,32 @@ def test_keys_that_are_costly_to_hash_are_refused(tmp_path: Path) -> None:
     ("payload", "reason"),
     [
         (pickle.EMPTY_SET + pickle.MARK + tuple_(int_(1)) + pickle.ADDITEMS, "set item of type tuple"),
-        (pickle.MARK + reduce_(global_("builtins", "complex"), int_(1), int_(2)) + pickle.FROZENSET,
-         "set item of type complex"),
-        (pickle.MARK + reduce_(global_("torch", "Size"), tuple_(int_(1))) + int_(0) + pickle.DICT,
-         "key or set item of type Size"),
+        (
+            pickle.MARK + reduce_(global_("builtins", "complex"), int_(1), int_(2)) + pickle.FROZENSET,
+            "set item of type complex",
+        ),
+        (
+            pickle.MARK + reduce_(global_("torch", "Size"), tuple_(int_(1))) + int_(0) + pickle.DICT,
+            "key or set item of type Size",
+        ),
         (reduce_(global_("builtins", "set"), list_(int_(2**70))), "integer of 71 bits"),
-        (reduce_(global_("collections", "OrderedDict"), list_(list_(tuple_(), none()))),
-         "key or set item of type tuple"),
-        (reduce_(global_("collections", "OrderedDict"), list_(str_("ab"), str_("cd"))),
-         r"other than \(key, value\) pairs$"),
+        (
+            reduce_(global_("collections", "OrderedDict"), list_(list_(tuple_(), none()))),
+            "key or set item of type tuple",
+        ),
+        (
+            reduce_(global_("collections", "OrderedDict"), list_(str_("ab"), str_("cd"))),
+            r"other than \(key, value\) pairs$",
+        ),
     ],
-    ids=["additems-tuple", "frozenset-complex", "dict-size", "set-of-big-int", "ordered-dict-tuple",
-         "ordered-dict-str"],
+    ids=[
+        "additems-tuple",
+        "frozenset-complex",
+        "dict-size",
+        "set-of-big-int",
+        "ordered-dict-tuple",
+        "ordered-dict-str",
+    ],
 )
 def test_every_way_to_hash_checks_its_keys(tmp_path: Path, payload: bytes, reason: str) -> None:
     path = _model_file(tmp_path, "keys.pt", train_args=list_(payload))
@@ -501,8 +630,13 @@ def test_every_way_to_hash_checks_its_keys(tmp_path: Path, payload: bytes, reaso
 def test_plain_keys_still_load(tmp_path: Path) -> None:
     import numpy as np
 
-    values = {"names": {0: "a", 2**61 - 2: "b", -5: "c"}, "f": {0.5: 1, float("nan"): 2}, "s": {"x", b"y", None, True},
-              "fs": frozenset({1, 2}), "np": {np.int64(3): 1, np.float32(0.25): 2, np.bool_(True): 3}}
+    values = {
+        "names": {0: "a", 2**61 - 2: "b", -5: "c"},
+        "f": {0.5: 1, float("nan"): 2},
+        "s": {"x", b"y", None, True},
+        "fs": frozenset({1, 2}),
+        "np": {np.int64(3): 1, np.float32(0.25): 2, np.bool_(True): 3},
+    }
     params, records = _one_weight()
     data = checkpoint(ultralytics_model(_parameters=params), train_args=pickle.dumps(values, protocol=2)[2:-1])
     path = write_torch_zip(tmp_path / "keys_ok.pt", data, records)
@@ -524,8 +658,10 @@ def test_deep_nesting_is_refused_without_a_crash(tmp_path: Path) -> None:
     deep_list = pickle.EMPTY_LIST * 100_000 + pickle.APPEND * 99_999  # each APPEND nests one list in the next
     records = (global_("ultralytics.m", "M") + pickle.EMPTY_TUPLE + pickle.NEWOBJ) * 5_000
     deep_records = records + pickle.BUILD * 4_999  # each record becomes the state of the one below it
-    files = [_model_file(tmp_path, f"deep{i}.pt", train_args=payload)
-             for i, payload in enumerate([deep_key, deep_list, deep_records])]
+    files = [
+        _model_file(tmp_path, f"deep{i}.pt", train_args=payload)
+        for i, payload in enumerate([deep_key, deep_list, deep_records])
+    ]
     lines = _load_in_child(*files)
     assert len(lines) == 3
     for line in lines:
@@ -555,8 +691,16 @@ def test_a_cycle_is_not_mistaken_for_depth(tmp_path: Path) -> None:
         ({"_buffers": dict_({}) + int_(3) + str_("x") + pickle.SETITEM}, "_buffers of '<root>' has an entry named"),
         ({"_non_persistent_buffers_set": list_(str_("a"))}, "_non_persistent_buffers_set of '<root>' is a list"),
     ],
-    ids=["names-array", "names-nested", "nc-mismatch", "stride-2d", "stride-text", "modules-list", "buffer-int-name",
-         "non-persistent-list"],
+    ids=[
+        "names-array",
+        "names-nested",
+        "nc-mismatch",
+        "stride-2d",
+        "stride-text",
+        "modules-list",
+        "buffer-int-name",
+        "non-persistent-list",
+    ],
 )
 def test_metadata_of_the_wrong_type_is_refused(tmp_path: Path, state: dict, reason: str) -> None:
     path = _model_file(tmp_path, "meta.pt", model_state=state)
@@ -568,9 +712,16 @@ def test_shared_module_records_cannot_explode_the_walk(tmp_path: Path) -> None:
     body = inert("torch.nn.modules.container", "Sequential", {}) + pickle.BINPUT + b"\x00" + pickle.POP
     for i in range(1, 51):  # record i: _modules = {"a": record i-1, "b": record i-1}
         below = pickle.BINGET + bytes([i - 1])
-        body += (global_("torch.nn.modules.container", "Sequential") + pickle.EMPTY_TUPLE + pickle.NEWOBJ
-                 + dict_({"_modules": dict_({"a": below, "b": below})}) + pickle.BUILD + pickle.BINPUT + bytes([i])
-                 + (pickle.POP if i < 50 else b""))
+        body += (
+            global_("torch.nn.modules.container", "Sequential")
+            + pickle.EMPTY_TUPLE
+            + pickle.NEWOBJ
+            + dict_({"_modules": dict_({"a": below, "b": below})})
+            + pickle.BUILD
+            + pickle.BINPUT
+            + bytes([i])
+            + (pickle.POP if i < 50 else b"")
+        )
     params, records = _one_weight()
     model = ultralytics_model(_parameters=params, _modules=dict_({"0": body}))
     path = write_torch_zip(tmp_path / "shared.pt", checkpoint(model), records)
@@ -584,8 +735,11 @@ def test_one_record_listed_under_many_names_cannot_explode_the_walk(tmp_path: Pa
     wide = inert("torch.nn.modules.conv", "Conv2d", {"_parameters": dict_({f"w{i}": _get(0) for i in range(2_000)})})
     children = dict_({str(i): _get(1) for i in range(1_000)})
     model = ultralytics_model(_parameters=params, _modules=children)
-    path = write_torch_zip(tmp_path / "wide.pt", proto() + tensor + wide + _put(1) + pickle.POP
-                           + dict_({"model": model}) + pickle.STOP, records)
+    path = write_torch_zip(
+        tmp_path / "wide.pt",
+        proto() + tensor + wide + _put(1) + pickle.POP + dict_({"model": model}) + pickle.STOP,
+        records,
+    )
     assert path.stat().st_size < 100 * 1024
     _refused(path, r"module tree has more than 1000000 named entries \(shared records\?\)$")
 
@@ -602,8 +756,15 @@ def test_ultralytics_info_keeps_good_metadata() -> None:
     inner = record("Sequential", {"_modules": {"0": record("Conv", {"_modules": {"conv": conv}})}})
     model_cls = inert_class("ultralytics.nn.tasks", "DetectionModel")
     model = model_cls.__new__(model_cls)
-    model.__setstate__({"_parameters": {}, "_modules": {"model": inner}, "names": {"0": "a", 1: "b"},
-                        "stride": [8, 16.0], "yaml": {"nc": 2}})
+    model.__setstate__(
+        {
+            "_parameters": {},
+            "_modules": {"model": inner},
+            "names": {"0": "a", 1: "b"},
+            "stride": [8, 16.0],
+            "yaml": {"nc": 2},
+        }
+    )
     info = ultralytics_info({"model": model, "train_args": {"imgsz": [480, 640]}}, Path("x.pt"))
     assert info["names"] == {0: "a", 1: "b"} and info["stride"] == [8.0, 16.0] and info["imgsz"] == 640
     assert info["scale"] == "n" and info["nc"] == 2
@@ -625,18 +786,31 @@ def test_a_full_detrain_checkpoint_still_loads_exactly_as_torch_gives_it(tmp_pat
         p.grad = torch.ones_like(p)
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 1.0)
-    state = {"model": {"yaml": None, "scale": "n", "nc": 2, "names": {0: "a", 1: "b"}, "imgsz": 64,
-                       "state_dict": model.state_dict()},
-             "ema": {"state_dict": model.state_dict(), "updates": 3}, "optimizer": opt.state_dict(),
-             "scheduler": sched.state_dict(), "rng": rng_state(), "train_args": {"imgsz": 64, "name": "x"},
-             "epoch": 0, "pending_grads": {"w": torch.ones(2)}}
+    state = {
+        "model": {
+            "yaml": None,
+            "scale": "n",
+            "nc": 2,
+            "names": {0: "a", 1: "b"},
+            "imgsz": 64,
+            "state_dict": model.state_dict(),
+        },
+        "ema": {"state_dict": model.state_dict(), "updates": 3},
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": rng_state(),
+        "train_args": {"imgsz": 64, "name": "x"},
+        "epoch": 0,
+        "pending_grads": {"w": torch.ones(2)},
+    }
     path = save_checkpoint(state, tmp_path / "last.pt")
     got = load_checkpoint(path)
     want = torch.load(path, map_location="cpu", weights_only=True)
     assert got.keys() == want.keys()
     assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
-    assert all(torch.equal(a, b) for a, b in zip(got["model"]["state_dict"].values(),
-                                                 want["model"]["state_dict"].values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(got["model"]["state_dict"].values(), want["model"]["state_dict"].values())
+    )
     assert torch.equal(got["rng"]["torch"], want["rng"]["torch"]) and got["rng"]["python"] == want["rng"]["python"]
     assert got["scheduler"] == want["scheduler"] and got["train_args"] == want["train_args"]
 
@@ -645,15 +819,22 @@ def test_a_full_detrain_checkpoint_still_loads_exactly_as_torch_gives_it(tmp_pat
     ("model", "ema", "reason"),
     [
         ({"state_dict": {"w": "text"}}, None, r"its 'model' has no state_dict of tensors$"),
-        ({"state_dict": {"w": torch.zeros(2)}, "scale": "n", "nc": "80", "names": {}}, None,
-         r"its model description \(scale, nc, names, imgsz, yaml\) has the wrong types$"),
-        ({"state_dict": {"w": torch.zeros(2)}, "scale": "n", "nc": 1, "names": {0: "a"}}, {"updates": 3},
-         r"its 'ema' has no state_dict of tensors$"),
+        (
+            {"state_dict": {"w": torch.zeros(2)}, "scale": "n", "nc": "80", "names": {}},
+            None,
+            r"its model description \(scale, nc, names, imgsz, yaml\) has the wrong types$",
+        ),
+        (
+            {"state_dict": {"w": torch.zeros(2)}, "scale": "n", "nc": 1, "names": {0: "a"}},
+            {"updates": 3},
+            r"its 'ema' has no state_dict of tensors$",
+        ),
     ],
     ids=["weights-text", "nc-text", "ema-without-weights"],
 )
-def test_a_detrain_file_with_the_wrong_entries_is_refused(tmp_path: Path, model: dict, ema: dict | None,
-                                                           reason: str) -> None:
+def test_a_detrain_file_with_the_wrong_entries_is_refused(
+    tmp_path: Path, model: dict, ema: dict | None, reason: str
+) -> None:
     """Users index ckpt["model"]["state_dict"] and friends at once: a file that only claims the format stops here."""
     path = save_checkpoint({"model": model, "ema": ema}, tmp_path / "claims.pt")
     _refused(path, r"says it is a detrain checkpoint but " + reason)

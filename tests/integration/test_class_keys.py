@@ -25,16 +25,25 @@ from detrain.errors import ConfigError
 
 
 def _cfg(yaml_file: Path, **kw: Any):
-    return make_cfg({"data": str(yaml_file), "imgsz": 64, "batch": 4, "workers": 0, "verbose": False,
-                     "save_json": True, "plots": False, **kw})
+    return make_cfg(
+        {
+            "data": str(yaml_file),
+            "imgsz": 64,
+            "batch": 4,
+            "workers": 0,
+            "verbose": False,
+            "save_json": True,
+            "plots": False,
+            **kw,
+        }
+    )
 
 
 def _validate(yaml_file: Path, save_dir: Path, model: nn.Module | None = None, **kw: Any) -> dict[str, Any]:
     cfg = _cfg(yaml_file, **kw)
     data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
     loader = build_val_loader(data, cfg, cfg.train.batch, 0, 1)
-    return validate(model or ColourModel(), loader, data, cfg, torch.device("cpu"), save_dir=save_dir,
-                    verbose=False)
+    return validate(model or ColourModel(), loader, data, cfg, torch.device("cpu"), save_dir=save_dir, verbose=False)
 
 
 def _rows(save_dir: Path) -> list[dict[str, Any]]:
@@ -83,18 +92,42 @@ def one_thread():
 def test_single_cls_training_writes_a_one_class_checkpoint(dataset: Path, tmp_path: Path, one_thread: None) -> None:
     from detrain import Model
 
-    result = Model("n.yaml").train(data=str(dataset), epochs=1, imgsz=64, batch=4, nbs=4, device="cpu", workers=0,
-                                   warmup_epochs=0, single_cls=True, val=False, fraction=0.5, project=str(tmp_path),
-                                   verbose=False, plots=False)
+    result = Model("n.yaml").train(
+        data=str(dataset),
+        epochs=1,
+        imgsz=64,
+        batch=4,
+        nbs=4,
+        device="cpu",
+        workers=0,
+        warmup_epochs=0,
+        single_cls=True,
+        val=False,
+        fraction=0.5,
+        project=str(tmp_path),
+        verbose=False,
+        plots=False,
+    )
     last = Path(result["save_dir"]) / "weights" / "last.pt"
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
     assert ckpt["model"]["nc"] == 1 and ckpt["model"]["names"] == {0: "item"}
     assert ckpt["train_args"]["single_cls"] is True
     # validating it on the 3-class dataset needs single_cls=true too, and the error says so
-    common = dict(data=str(dataset), imgsz=64, batch=4, device="cpu", workers=0, project=str(tmp_path / "val"),
-                  verbose=False, plots=False)
-    with pytest.raises(ConfigError, match=r"predicts 1 classes but .* has 3; .*trained with single_cls=true: add "
-                                          r"single_cls=true"):
+    common = dict(
+        data=str(dataset),
+        imgsz=64,
+        batch=4,
+        device="cpu",
+        workers=0,
+        project=str(tmp_path / "val"),
+        verbose=False,
+        plots=False,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"predicts 1 classes but .* has 3; .*trained with single_cls=true: add "
+        r"single_cls=true",
+    ):
         Model(str(last)).val(**common)
     assert set(Model(str(last)).val(**common, single_cls=True)["per_class"]) <= {0}
     # what a checkpoint says only shapes the hint: a train_args that is not a mapping gets none and breaks nothing
@@ -103,8 +136,9 @@ def test_single_cls_training_writes_a_one_class_checkpoint(dataset: Path, tmp_pa
         Model(str(tmp_path / "odd.pt")).val(**common)
 
 
-def test_single_cls_validation_scores_every_object_as_one_class(dataset: Path, tmp_path: Path,
-                                                                plain_run: dict[str, Any]) -> None:
+def test_single_cls_validation_scores_every_object_as_one_class(
+    dataset: Path, tmp_path: Path, plain_run: dict[str, Any]
+) -> None:
     m = _validate(dataset, tmp_path / "run", single_cls=True)  # a 3-class model: its detections merge
     assert set(m["per_class"]) == {0}
     assert m["per_class"][0]["n_gt"] == sum(v["n_gt"] for v in plain_run["metrics"]["per_class"].values())
@@ -141,8 +175,7 @@ def test_classes_keep_every_image_and_only_those_labels(dataset: Path) -> None:
     assert len(train) and set(train.tolist()) <= {0.0, 2.0}
 
 
-def test_classes_validation_scores_only_those_classes(dataset: Path, tmp_path: Path,
-                                                      plain_run: dict[str, Any]) -> None:
+def test_classes_validation_scores_only_those_classes(dataset: Path, tmp_path: Path, plain_run: dict[str, Any]) -> None:
     m = _validate(dataset, tmp_path / "run", classes=[0])
     assert set(m["per_class"]) == {0}
     assert m["per_class"][0] == plain_run["metrics"]["per_class"][0]  # class 0 is scored as before

@@ -27,17 +27,23 @@ def test_help_lists_commands_and_keys():
     assert "epochs=100" in keys and "number of epochs to train" in keys
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("train", "epoch=3"), "unknown argument 'epoch'; did you mean 'epochs'?"),
-    (("val", "imgsz=33"), "invalid value for 'imgsz': 33"),
-    (("predict", "model=n.yaml", "source=/no/such/dir"), "source '/no/such/dir' does not exist"),
-    (("val", "model=/no/such.pt", "data=shapes.yaml"), "weights file not found: /no/such.pt"),
-    (("predict", "model=s.pt", "weights_sha256=abc"), "invalid value for 'weights_sha256': 'abc'; expected '' or a"),
-    (("train", "data=/no/such.yaml", "device=cpu,cpu"), "dataset yaml '/no/such.yaml' not found"),
-    # raised in the spawned workers (a yaml that exists but is no dataset): still one line, without elastic's
-    # copy of the traceback above it
-    (("train", f"data={ROOT / 'cfg' / 'default.yaml'}", "device=cpu,cpu"), "the key 'names:' is missing"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("train", "epoch=3"), "unknown argument 'epoch'; did you mean 'epochs'?"),
+        (("val", "imgsz=33"), "invalid value for 'imgsz': 33"),
+        (("predict", "model=n.yaml", "source=/no/such/dir"), "source '/no/such/dir' does not exist"),
+        (("val", "model=/no/such.pt", "data=shapes.yaml"), "weights file not found: /no/such.pt"),
+        (
+            ("predict", "model=s.pt", "weights_sha256=abc"),
+            "invalid value for 'weights_sha256': 'abc'; expected '' or a",
+        ),
+        (("train", "data=/no/such.yaml", "device=cpu,cpu"), "dataset yaml '/no/such.yaml' not found"),
+        # raised in the spawned workers (a yaml that exists but is no dataset): still one line, without elastic's
+        # copy of the traceback above it
+        (("train", f"data={ROOT / 'cfg' / 'default.yaml'}", "device=cpu,cpu"), "the key 'names:' is missing"),
+    ],
+)
 def test_usage_errors_are_one_line_and_exit_2(args, message):
     proc = detrain(*args)
     assert proc.returncode == 2, proc.stderr

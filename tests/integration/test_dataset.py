@@ -29,8 +29,6 @@ OBJECT_BGR = [(0, 0, 255), (0, 255, 0), (255, 0, 0), (0, 255, 255), (255, 0, 255
 BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 60, 60), (60, 20, 60)]
 
 
-
-
 def make_images(folder: Path, shapes_hw: list[tuple[int, int]], suffix: str = ".png") -> list[Rec]:
     """One image per shape: a background colour of its own and two objects (classes k % 6, (k + 3) % 6)."""
     records = []
@@ -39,12 +37,19 @@ def make_images(folder: Path, shapes_hw: list[tuple[int, int]], suffix: str = ".
         boxes = [(0.1 * w, 0.15 * h, 0.5 * w, 0.6 * h), (0.55 * w, 0.3 * h, 0.9 * w, 0.85 * h)]
         cls = [k % 6, (k + 3) % 6]
         for c, (x1, y1, x2, y2) in zip(cls, boxes):
-            img[round(y1):round(y2), round(x1):round(x2)] = OBJECT_BGR[c]
+            img[round(y1) : round(y2), round(x1) : round(x2)] = OBJECT_BGR[c]
         path = folder / f"im{k:03d}{suffix}"
         cv2.imwrite(str(path), img, [cv2.IMWRITE_JPEG_QUALITY, 98] if suffix == ".jpg" else [])
         b = np.array([[round(v) for v in box] for box in boxes], np.float32)
-        xywhn = np.stack(((b[:, 0] + b[:, 2]) / 2 / w, (b[:, 1] + b[:, 3]) / 2 / h, (b[:, 2] - b[:, 0]) / w,
-                          (b[:, 3] - b[:, 1]) / h), 1)
+        xywhn = np.stack(
+            (
+                (b[:, 0] + b[:, 2]) / 2 / w,
+                (b[:, 1] + b[:, 3]) / 2 / h,
+                (b[:, 2] - b[:, 0]) / w,
+                (b[:, 3] - b[:, 1]) / h,
+            ),
+            1,
+        )
         records.append(Rec(str(path), (h, w), np.array(cls, np.int64), xywhn.astype(np.float32)))
     return records
 
@@ -71,7 +76,7 @@ def boxes_on_objects(s: dict, min_fraction: float = 0.6) -> None:
     h, w = img.shape[:2]
     boxes = xywh2xyxy(s["bboxes"] * torch.tensor([w, h, w, h])).numpy()
     for c, (x1, y1, x2, y2) in zip(s["cls"].view(-1).int().tolist(), boxes):
-        inner = img[math.ceil(y1) + 2: math.floor(y2) - 2, math.ceil(x1) + 2: math.floor(x2) - 2]
+        inner = img[math.ceil(y1) + 2 : math.floor(y2) - 2, math.ceil(x1) + 2 : math.floor(x2) - 2]
         if inner.size == 0:
             continue
         rgb = np.array(OBJECT_BGR[c][::-1], np.int16)
@@ -139,8 +144,9 @@ def test_val_is_yolov8_load_image_and_letterbox(tmp_path: Path) -> None:
         h, w = im.shape[:2]
         dw, dh = (imgsz - w) / 2, (imgsz - h) / 2
         top, left = round(dh - 0.1), round(dw - 0.1)
-        expected = cv2.copyMakeBorder(im, top, round(dh + 0.1), left, round(dw + 0.1), cv2.BORDER_CONSTANT,
-                                      value=(114, 114, 114))
+        expected = cv2.copyMakeBorder(
+            im, top, round(dh + 0.1), left, round(dw + 0.1), cv2.BORDER_CONSTANT, value=(114, 114, 114)
+        )
         assert torch.equal(s["img"], torch.from_numpy(expected[..., ::-1].transpose(2, 0, 1).copy()))
         assert s["ori_shape"] == (h0, w0)
         assert s["ratio_pad"] == ((h / h0, w / w0), (left, top))
@@ -161,7 +167,7 @@ def test_rect_batch_shapes_follow_the_formula(tmp_path: Path) -> None:
     assert [r.im_file for r in ds.records] == [recs[i].im_file for i in order]
     sorted_ar = ar[order]
     for b in range(math.ceil(len(shapes) / bs)):
-        group = sorted_ar[b * bs:(b + 1) * bs]
+        group = sorted_ar[b * bs : (b + 1) * bs]
         shape = [group.max(), 1] if group.max() < 1 else [1, 1 / group.min()] if group.min() > 1 else [1, 1]
         expected = [math.ceil(v * imgsz / stride + 0.5) * stride for v in shape]
         assert ds.batch_shapes[b].tolist() == expected
@@ -211,8 +217,9 @@ def test_close_mosaic_epoch_and_switch(records: list[Rec]) -> None:
 def test_close_mosaic_switches_mixup_and_cutmix_off_too(records: list[Rec]) -> None:
     """Before the switch mixup and cutmix change samples; after it each sample is what it is without them (their
     draws do not shift the others)."""
-    mixed = DetectionDataset(records, imgsz=96, augment=True, hyp={"mosaic": 0.0, "mixup": 1.0, "cutmix": 1.0},
-                             close_mosaic_epoch=1)
+    mixed = DetectionDataset(
+        records, imgsz=96, augment=True, hyp={"mosaic": 0.0, "mixup": 1.0, "cutmix": 1.0}, close_mosaic_epoch=1
+    )
     plain = DetectionDataset(records, imgsz=96, augment=True, hyp={"mosaic": 0.0}, close_mosaic_epoch=1)
     assert all(not torch.equal(mixed[i]["img"], plain[i]["img"]) for i in range(len(mixed)))
     mixed.set_epoch(1)
@@ -299,6 +306,7 @@ def test_ram_cache_dataset_same_samples_and_cleanup(records: list[Rec]) -> None:
         assert torch.equal(plain[i]["img"], cached[i]["img"])
     del cached
     import gc
+
     gc.collect()
     assert not path.exists() and not list(path.parent.glob(f"{path.stem}.*"))
 
@@ -324,8 +332,9 @@ def test_ram_cache_is_shared_across_processes(tmp_path: Path) -> None:
     assert not cache.get(0).flags.writeable
 
 
-def test_ram_cache_refuses_what_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                             capsys: pytest.CaptureFixture) -> None:
+def test_ram_cache_refuses_what_does_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setattr(ram_cache, "available_memory_bytes", lambda: 1000)
     with pytest.raises(DatasetError, match="cache=ram needs"):
         RamCache.build("big", [(100, 100)], lambda i: None, local_rank=0, directory=str(tmp_path))
@@ -338,8 +347,13 @@ def test_ram_cache_wait_times_out_naming_what_it_waited_for(tmp_path: Path) -> N
 
 
 def test_ram_cache_marks_unreadable_images(tmp_path: Path) -> None:
-    cache = RamCache.build("gaps", [(2, 2), (2, 2)], lambda i: None if i else np.ones((2, 2, 3), np.uint8),
-                           local_rank=0, directory=str(tmp_path))
+    cache = RamCache.build(
+        "gaps",
+        [(2, 2), (2, 2)],
+        lambda i: None if i else np.ones((2, 2, 3), np.uint8),
+        local_rank=0,
+        directory=str(tmp_path),
+    )
     assert cache.get(0) is not None and cache.get(1) is None
 
 
@@ -364,11 +378,23 @@ def test_val_samples_equal_ultralytics(tmp_path: Path) -> None:
         rows = np.unique(rows, axis=0)  # as its label check does
         shape = cv2.imread(str(f)).shape[:2]
         recs.append(Rec(str(f), shape, rows[:, 0].astype(np.int64), rows[:, 1:].astype(np.float32)))
-    data = {"path": str(tmp_path), "val": str(tmp_path / "images" / "val"), "names": {i: str(i) for i in range(80)},
-            "nc": 80, "channels": 3}
+    data = {
+        "path": str(tmp_path),
+        "val": str(tmp_path / "images" / "val"),
+        "names": {i: str(i) for i in range(80)},
+        "nc": 80,
+        "channels": 3,
+    }
     for imgsz, batch in ((640, 2), (320, 3)):
-        theirs = build_yolo_dataset(get_cfg(overrides={"imgsz": imgsz, "batch": batch}), data["val"], batch, data,
-                                    mode="val", rect=True, stride=32)
+        theirs = build_yolo_dataset(
+            get_cfg(overrides={"imgsz": imgsz, "batch": batch}),
+            data["val"],
+            batch,
+            data,
+            mode="val",
+            rect=True,
+            stride=32,
+        )
         ours = DetectionDataset(recs, imgsz=imgsz, augment=False, hyp={}, rect=True, batch_size=batch)
         assert [str(f) for f in theirs.im_files] == ours.im_files
         assert np.array_equal(theirs.batch_shapes, ours.batch_shapes)
@@ -379,5 +405,8 @@ def test_val_samples_equal_ultralytics(tmp_path: Path) -> None:
             (tg, tp), (og, op) = t["ratio_pad"], o["ratio_pad"]
             assert tuple(map(float, tg)) == og and tuple(map(float, tp)) == op
             key = lambda c, b: sorted(zip(c.view(-1).tolist(), map(tuple, b.tolist())))  # noqa: E731
-            assert np.allclose(np.array([k[1] for k in key(t["cls"], t["bboxes"])]),
-                               np.array([k[1] for k in key(o["cls"], o["bboxes"])]), atol=1e-6)
+            assert np.allclose(
+                np.array([k[1] for k in key(t["cls"], t["bboxes"])]),
+                np.array([k[1] for k in key(o["cls"], o["bboxes"])]),
+                atol=1e-6,
+            )

@@ -69,8 +69,13 @@ def test_missing_master_is_a_clear_error() -> None:
 
 def test_slurm_variables_map_to_torch_ones() -> None:
     task_env = {
-        "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234",
+        "SLURM_PROCID": "3",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+        "SLURM_JOB_ID": "1234",
     }
     with mock.patch.dict(os.environ, task_env):
         for k in LAUNCHER_VARS:
@@ -79,8 +84,12 @@ def test_slurm_variables_map_to_torch_ones() -> None:
         slurm.map_slurm_env()
         got = {k: os.environ[k] for k in LAUNCHER_VARS}
     assert got == {
-        "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "gpu07", "MASTER_PORT": str(15000 + 1234 % 20000),
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "gpu07",
+        "MASTER_PORT": str(15000 + 1234 % 20000),
     }
 
 
@@ -158,8 +167,11 @@ def test_elastic_traceback_shows_for_a_crash_and_not_for_detrain_errors() -> Non
 def test_every_rank_waits_at_a_barrier_only_as_long_as_the_timeout(late: int) -> None:
     """Also rank 0: gloo's monitored barrier would let the other ranks wait for it without end."""
     other = 1 - late
-    with pytest.raises(DistributedError, match=rf"barrier 'end of epoch' failed on rank {other} of 2: "
-                                               rf"rank\(s\) {late} did not arrive within 1s"):
+    with pytest.raises(
+        DistributedError,
+        match=rf"barrier 'end of epoch' failed on rank {other} of 2: "
+        rf"rank\(s\) {late} did not arrive within 1s",
+    ):
         launch(workers.late_to_barrier, {"late": late}, parse_device("cpu,cpu"))
 
 
@@ -177,10 +189,15 @@ def test_hang_times_out_and_nothing_is_left(tmp_path: Path) -> None:
     ("error", "expected"),
     [
         ("[Rank 0]: Ranks 1, 3 failed to pass monitoredBarrier in 20000 ms", "rank(s) 1, 3 did not arrive within 20s"),
-        ("Rank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from rank 0.",
-         "no answer from rank 0 within 20s"),
-        ("[/gloo/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete",
-         "timed out after 20s waiting for the other ranks"),
+        (
+            "Rank 1 successfully reached monitoredBarrier, but received errors while waiting for send/recv from "
+            "rank 0.",
+            "no answer from rank 0 within 20s",
+        ),
+        (
+            "[/gloo/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete",
+            "timed out after 20s waiting for the other ranks",
+        ),
         ("[/gloo/pair.cc:598] Connection closed by peer [127.0.0.1]:1234", "lost the connection to another rank"),
     ],
 )
@@ -188,4 +205,3 @@ def test_collective_failures_read_as_one_line(error: str, expected: str) -> None
     cause = dist._cause(RuntimeError(error), 20.0)
     assert cause.startswith(expected) and dist.PEER_LOST_MARK in cause and "\n" not in cause
     assert dist._cause(ValueError("bad\nvalue")) == "ValueError: bad"
-

@@ -30,8 +30,18 @@ from detrain.engine.run_trace import RunTrace, ended
 from detrain.engine.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = dict(epochs=2, imgsz=64, batch=8, device="cpu", workers=0, close_mosaic=0, plots=False, verbose=False,
-            exist_ok=True, name="run")
+TINY = dict(
+    epochs=2,
+    imgsz=64,
+    batch=8,
+    device="cpu",
+    workers=0,
+    close_mosaic=0,
+    plots=False,
+    verbose=False,
+    exist_ok=True,
+    name="run",
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,8 +75,17 @@ def test_a_run_records_its_start_layout_and_completed_end(first_run: Path) -> No
     assert [e["kind"] for e in events] == ["start", "end"]
     start, end = events
     assert (start["world_size"], start["epochs"], start["first_epoch"]) == (1, 2, 1)
-    assert start["world"] == [{"rank": 0, "local_rank": 0, "host": socket.gethostname(), "device": "cpu",
-                               "pid": start["world"][0]["pid"], "launcher_pid": os.getppid(), "node": 0}]
+    assert start["world"] == [
+        {
+            "rank": 0,
+            "local_rank": 0,
+            "host": socket.gethostname(),
+            "device": "cpu",
+            "pid": start["world"][0]["pid"],
+            "launcher_pid": os.getppid(),
+            "node": 0,
+        }
+    ]
     assert (end["status"], end["epoch"]) == ("completed", 2) and "error" not in end
     assert all(isinstance(e["time"], str) and e["time"].endswith("+00:00") for e in events)
     assert (first_run / "events.jsonl").read_text().endswith("\n")  # whole lines only
@@ -125,8 +144,14 @@ def _died_after_epoch_1(first_run: Path, tmp_path: Path) -> Path:
 def test_a_resume_records_the_restart_and_the_world_that_changed(first_run: Path, tmp_path: Path) -> None:
     died = _died_after_epoch_1(first_run, tmp_path)
     # the attempt before ran on two hosts, one worker each (written by that attempt's rank 0 on this disk)
-    earlier = {"time": "2026-01-01T00:00:00.000+00:00", "kind": "start", "world_size": 2, "epochs": 2,
-               "first_epoch": 1, "world": [{"rank": 0, "host": "node-a"}, {"rank": 1, "host": "node-b"}]}
+    earlier = {
+        "time": "2026-01-01T00:00:00.000+00:00",
+        "kind": "start",
+        "world_size": 2,
+        "epochs": 2,
+        "first_epoch": 1,
+        "world": [{"rank": 0, "host": "node-a"}, {"rank": 1, "host": "node-b"}],
+    }
     (died / "events.jsonl").write_text(json.dumps(earlier) + "\n")
     Model("n.yaml").train(resume=str(died / "weights" / "last.pt"), device="cpu")
     events = _events(died)
@@ -135,11 +160,19 @@ def test_a_resume_records_the_restart_and_the_world_that_changed(first_run: Path
     assert restart["resumed_from"] == str(died / "weights" / "last.pt")
     assert (restart["epoch"], restart["step"], restart["launcher_restart_count"]) == (2, 1, 0)  # 1 batch an epoch
     assert "dataset_changed" not in restart
-    assert change == {"time": change["time"], "kind": "membership", "previous_world_size": 2, "world_size": 1,
-                      "left": {"node-a": 1, "node-b": 1}, "joined": {socket.gethostname(): 1},
-                      "left_nodes": [{"host": "node-a", "launcher_pid": None, "workers": 1},
-                                     {"host": "node-b", "launcher_pid": None, "workers": 1}],
-                      "joined_nodes": [{"host": socket.gethostname(), "launcher_pid": None, "workers": 1}]}
+    assert change == {
+        "time": change["time"],
+        "kind": "membership",
+        "previous_world_size": 2,
+        "world_size": 1,
+        "left": {"node-a": 1, "node-b": 1},
+        "joined": {socket.gethostname(): 1},
+        "left_nodes": [
+            {"host": "node-a", "launcher_pid": None, "workers": 1},
+            {"host": "node-b", "launcher_pid": None, "workers": 1},
+        ],
+        "joined_nodes": [{"host": socket.gethostname(), "launcher_pid": None, "workers": 1}],
+    }
     assert (end["status"], end["epoch"]) == ("completed", 2)
     m = _manifest(died)
     assert (m["restarts"], m["resumed_from"]) == (1, str(died / "weights" / "last.pt"))
@@ -192,15 +225,25 @@ def test_membership_is_compared_by_launcher_and_by_host_in_older_events() -> Non
     a, b = {"host": "a", "launcher_pid": 1}, {"host": "a", "launcher_pid": 2}  # two launchers on one machine
     assert membership_change([a, b], [b, a]) is None  # the same nodes: no change to report
     assert membership_change([a, a, b], [a, b, b]) == {
-        "previous_world_size": 3, "world_size": 3, "left": {}, "joined": {},
+        "previous_world_size": 3,
+        "world_size": 3,
+        "left": {},
+        "joined": {},
         "left_nodes": [{"host": "a", "launcher_pid": 1, "workers": 1}],
-        "joined_nodes": [{"host": "a", "launcher_pid": 2, "workers": 1}]}
+        "joined_nodes": [{"host": "a", "launcher_pid": 2, "workers": 1}],
+    }
     # an events.jsonl from before launchers were recorded: by host
     assert membership_change([{"host": "a"}, {"host": "a"}, {"host": "b"}], [a, b, b, {"host": "c"}]) == {
-        "previous_world_size": 3, "world_size": 4, "left": {"b": 1}, "joined": {"a": 1, "c": 1},
+        "previous_world_size": 3,
+        "world_size": 4,
+        "left": {"b": 1},
+        "joined": {"a": 1, "c": 1},
         "left_nodes": [{"host": "b", "launcher_pid": None, "workers": 1}],
-        "joined_nodes": [{"host": "a", "launcher_pid": None, "workers": 1},
-                         {"host": "c", "launcher_pid": None, "workers": 1}]}
+        "joined_nodes": [
+            {"host": "a", "launcher_pid": None, "workers": 1},
+            {"host": "c", "launcher_pid": None, "workers": 1},
+        ],
+    }
 
 
 # ------------------------------------------------------------------ hostile files in the run folder
@@ -209,8 +252,13 @@ def test_membership_is_compared_by_launcher_and_by_host_in_older_events() -> Non
 def test_garbage_in_an_old_events_file_is_skipped(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     good = {"kind": "start", "world": [{"host": "x"}]}
-    path.write_bytes(json.dumps(good).encode() + b"\n\xff\xfe not json\n[1, 2]\n" + b"[" * 100_000 + b"\n"
-                     + b'"start"\n{"kind": "start"\n')  # an unterminated last line (a crash mid-write elsewhere)
+    path.write_bytes(
+        json.dumps(good).encode()
+        + b"\n\xff\xfe not json\n[1, 2]\n"
+        + b"[" * 100_000
+        + b"\n"
+        + b'"start"\n{"kind": "start"\n'
+    )  # an unterminated last line (a crash mid-write elsewhere)
     assert EventLog(path).last("start") == good
     EventLog(path).write("end", status="completed")
     assert json.loads(path.read_text(errors="replace").splitlines()[-1])["kind"] == "end"
@@ -253,8 +301,11 @@ def test_values_json_cannot_hold_are_written_as_null(tmp_path: Path) -> None:
     assert json.loads(line)["ms_per_step"] is None and "NaN" not in line and json.loads(line)["others"] == [None, 1.0]
 
 
-@pytest.mark.parametrize("content", [b"not json", b"[1, 2]", b"{" * 100_000, b'{"restarts": "many"}'],
-                         ids=["text", "a list", "nested too deep", "a count that is not one"])
+@pytest.mark.parametrize(
+    "content",
+    [b"not json", b"[1, 2]", b"{" * 100_000, b'{"restarts": "many"}'],
+    ids=["text", "a list", "nested too deep", "a count that is not one"],
+)
 def test_an_unreadable_old_manifest_gives_way_to_a_fresh_one(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "manifest.json"
     path.write_bytes(content)

@@ -105,8 +105,13 @@ def test_torchscript_matches_torch_for_batch_1_and_3(model: DetectionModel, tmp_
     extra = {"detrain.json": ""}
     loaded = torch.jit.load(str(out), map_location="cpu", _extra_files=extra)
     meta = json.loads(extra["detrain.json"])
-    assert meta == {"producer": "detrain", "task": "detect", "stride": 32, "imgsz": [IMGSZ, IMGSZ],
-                    "names": {"0": "a", "1": "b", "2": "c"}}
+    assert meta == {
+        "producer": "detrain",
+        "task": "detect",
+        "stride": 32,
+        "imgsz": [IMGSZ, IMGSZ],
+        "names": {"0": "a", "1": "b", "2": "c"},
+    }
     for batch in (1, 3):  # traced at batch 1; the batch stays free
         x = torch.rand(batch, 3, IMGSZ, IMGSZ, generator=torch.Generator().manual_seed(batch))
         with torch.no_grad():
@@ -134,15 +139,22 @@ assert not any(m == "detrain" or m.startswith("detrain.") for m in sys.modules),
 def test_torchscript_loads_without_detrain(model: DetectionModel, tmp_path: Path) -> None:
     out = export_torchscript(model, tmp_path / "model.torchscript", imgsz=IMGSZ)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_DETRAIN, str(out), str(tmp_path / "y.pt"), str(IMGSZ)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _LOAD_WITHOUT_DETRAIN, str(out), str(tmp_path / "y.pt"), str(IMGSZ)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     result = torch.load(tmp_path / "y.pt", weights_only=True)
     torch.testing.assert_close(result["y"], _reference(model, result["x"]), rtol=1e-4, atol=1e-4)
 
 
-def test_failed_torchscript_export_leaves_no_file(model: DetectionModel, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_torchscript_export_leaves_no_file(
+    model: DetectionModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def broken(module: object, path: str, **kwargs: object) -> None:
         Path(path).write_bytes(b"half a file")
         raise OSError("disk full")
@@ -173,8 +185,9 @@ def test_an_existing_file_is_replaced_whole(model: DetectionModel, tmp_path: Pat
 
 
 @pytest.mark.parametrize("fmt", ["tflite", "ONNX ", "../onnx", ""])
-def test_unknown_format_is_a_one_line_error_listing_the_valid_ones(model: DetectionModel, tmp_path: Path,
-                                                                    fmt: str) -> None:
+def test_unknown_format_is_a_one_line_error_listing_the_valid_ones(
+    model: DetectionModel, tmp_path: Path, fmt: str
+) -> None:
     with pytest.raises(ConfigError, match=r"expected one of onnx, torchscript$"):
         export_model(model, tmp_path / "m.x", format=fmt, imgsz=64)
     assert list(tmp_path.iterdir()) == []
@@ -189,8 +202,9 @@ def detrain(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_cli_exports_torchscript_beside_the_weights(model: DetectionModel, tmp_path: Path) -> None:
-    weights = save_checkpoint({"model": {**model_meta(model, 64), "state_dict": model.state_dict()}, "ema": None},
-                              tmp_path / "best.pt")
+    weights = save_checkpoint(
+        {"model": {**model_meta(model, 64), "state_dict": model.state_dict()}, "ema": None}, tmp_path / "best.pt"
+    )
     proc = detrain("export", f"model={weights}", "format=torchscript", "imgsz=64")
     assert proc.returncode == 0, proc.stderr
     out = tmp_path / "best.torchscript"

@@ -21,8 +21,9 @@ YOLOV8N = SHARED / "weights" / "yolov8n.pt"
 
 
 def detrain(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "detrain.cli", *args], capture_output=True, text=True, timeout=300,
-                          cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "detrain.cli", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def conv_flops(c_in: int, c_out: int, k: int, h: int, w: int) -> int:
@@ -122,8 +123,9 @@ def test_cli_summary_table_and_hostile_class_names(tmp_path: Path) -> None:
     """Class names come from a weights file: rich markup in them is printed as it is, never interpreted."""
     names = {0: "[bold red]boom[/bold red]", 1: "[/]", 2: "plain"}
     model = DetectionModel(scale="n", nc=3, names=names)
-    weights = save_checkpoint({"model": {**model_meta(model, 64), "state_dict": model.state_dict()}, "ema": None},
-                              tmp_path / "w.pt")
+    weights = save_checkpoint(
+        {"model": {**model_meta(model, 64), "state_dict": model.state_dict()}, "ema": None}, tmp_path / "w.pt"
+    )
     proc = detrain("info", f"model={weights}", "imgsz=320", "verbose=false")
     assert proc.returncode == 0, proc.stderr
     assert "0 [bold red]boom[/bold red], 1 [/], 2 plain" in proc.stdout
@@ -136,13 +138,16 @@ def test_cli_prints_the_layer_table_by_default() -> None:
     assert "arguments" in table.stdout and "[3, 16, 3, 2]" in table.stdout and "unnamed (0-79)" in table.stdout
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (("model=/no/such.pt",), "weights file not found: /no/such.pt"),
-    (("model=garbage.pt",), "garbage.pt"),
-    (("model=n.yaml", "imgsz=33"), "invalid value for 'imgsz': 33"),
-    (("model=n.yaml", "imgsz=../../etc"), "invalid value for 'imgsz'"),
-    (("model=no_such.yaml",), "model 'no_such.yaml' not found"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("model=/no/such.pt",), "weights file not found: /no/such.pt"),
+        (("model=garbage.pt",), "garbage.pt"),
+        (("model=n.yaml", "imgsz=33"), "invalid value for 'imgsz': 33"),
+        (("model=n.yaml", "imgsz=../../etc"), "invalid value for 'imgsz'"),
+        (("model=no_such.yaml",), "model 'no_such.yaml' not found"),
+    ],
+)
 def test_cli_errors_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
     (tmp_path / "garbage.pt").write_bytes(b"PK\x03\x04 not a zip at all" * 10)
     proc = detrain("info", *args, cwd=tmp_path)

@@ -225,7 +225,11 @@ def _run_two_nodes(out: Path, nnodes: str, *entry: str) -> tuple[list[str], list
     procs = [
         subprocess.Popen(
             [sys.executable, SCRIPT, "node", str(node), str(port), str(out), nnodes, *entry],
-            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for node in (0, 1)
     ]
@@ -260,7 +264,6 @@ def test_elastic_nodes_form_one_world(tmp_path: Path) -> None:
     node0, node1 = _two_nodes(tmp_path, "1:2")  # c10d rendezvous: ranks follow node_rank (launch.rendezvous_address)
     assert (node0["rank"], node0["world"], node0["sum"]) == (0, 2, 2.0)
     assert node1 is None
-
 
 
 def test_dataset_preparation_waits_for_prepare_timeout_not_the_training_timeout(tmp_path: Path) -> None:
@@ -305,7 +308,12 @@ def test_ctrl_c_stops_every_worker(tmp_path: Path) -> None:
     pidfile = str(tmp_path / "pid")
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, "sleep", pidfile],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 90

@@ -18,8 +18,6 @@ BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 6
 NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
 
 
-
-
 @pytest.fixture(scope="module")
 def records(tmp_path_factory: pytest.TempPathFactory) -> list[Rec]:
     """20 small images, each a flat colour with one square object."""
@@ -80,7 +78,7 @@ def test_pools_are_slot_groups_of_the_lane_reaching_into_earlier_epochs() -> Non
 
     def group(epoch: int, batch: int, slot: int) -> list[int]:
         start = batch * 16 + slot // 8 * 8
-        return orders[epoch][start: start + 8]
+        return orders[epoch][start : start + 8]
 
     sampler.set_epoch(3)
     lanes = {0: [(3, 0), (2, 4), (2, 2)], 1: [(3, 1), (2, 3), (2, 1)], 4: [(3, 4), (3, 2), (3, 0)]}
@@ -107,6 +105,7 @@ def test_decode_cache_holds_only_what_a_pool_can_still_draw(records: list[Rec]) 
     slide forward, so anything else is never drawn again), and letting the rest go costs no extra decode: each
     image is decoded at most once per epoch. (An LRU as large as this tiny dataset keeps it all: no decode after
     the first epoch, which a real dataset never fits.)"""
+
     def run(retire: bool) -> tuple[int, int]:
         ds = DetectionDataset(records * 4, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=3)  # 80 images
         sampler = GlobalBatchSampler(len(ds), 4, seed=3, pool_window=3, pool_lanes=2, pool_size=2)
@@ -143,8 +142,10 @@ def test_partners_come_from_earlier_batches_without_decoding_them_again(records:
         batches = list(sampler)
         warm = [ds.__getitems__(b) for b in batches]
     plans = [ds._plan(p, 1, 0, True, None) for b in batches for p in b]
-    partners = [{t.index for t in plan.layers[0].tiles[1:]} - {p.index for p in b}
-                for plan, b in zip(plans, [b for b in batches for _ in b])]
+    partners = [
+        {t.index for t in plan.layers[0].tiles[1:]} - {p.index for p in b}
+        for plan, b in zip(plans, [b for b in batches for _ in b])
+    ]
     assert sum(len(x) for x in partners) > len(plans)  # most partners come from other batches
     assert ds._decode_cache.misses <= 1.2 * 2 * len(ds)  # about one decode per image and epoch
     cold = DetectionDataset(records * 4, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=6)

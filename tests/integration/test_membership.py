@@ -30,9 +30,23 @@ from detrain.data.synthetic import generate_shapes
 
 LIMIT_S = 240  # a node that has not ended by then hangs (each run takes ~10-60 s on an idle 2-core machine)
 # 32 images in batches of 8: each epoch has steps enough that the signal lands before the run could finish
-TINY = {"imgsz": 64, "workers": 0, "warmup_epochs": 0, "close_mosaic": 0, "val": False, "plots": False,
-        "verbose": False, "optimizer": "SGD", "seed": 0, "batch": 8, "device": "cpu", "dist_timeout": 30,
-        "project": "runs", "name": "x", "exist_ok": True}
+TINY = {
+    "imgsz": 64,
+    "workers": 0,
+    "warmup_epochs": 0,
+    "close_mosaic": 0,
+    "val": False,
+    "plots": False,
+    "verbose": False,
+    "optimizer": "SGD",
+    "seed": 0,
+    "batch": 8,
+    "device": "cpu",
+    "dist_timeout": 30,
+    "project": "runs",
+    "name": "x",
+    "exist_ok": True,
+}
 AGREE_NODE = Path(__file__).resolve().parents[1] / "_agree_node.py"
 
 
@@ -56,8 +70,9 @@ def _start(home: Path, args: dict) -> subprocess.Popen:
     home.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "detrain.cli", "train", *(f"{k}={v}" for k, v in args.items())]
     with open(home / "out.txt", "w") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, env=child_env(), cwd=home, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, env=child_env(), cwd=home, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _wait_until(done: Callable[[], bool], nodes: list[subprocess.Popen], home: Path) -> None:
@@ -102,8 +117,9 @@ def _events(run: Path) -> list[dict]:
 # ------------------------------------------------------------------ a node leaves
 
 
-def test_a_node_whose_machine_dies_leaves_and_the_rest_finish_from_the_latest_checkpoint(data: Path,
-                                                                                        tmp_path: Path) -> None:
+def test_a_node_whose_machine_dies_leaves_and_the_rest_finish_from_the_latest_checkpoint(
+    data: Path, tmp_path: Path
+) -> None:
     """nnodes=1:2: node 1's launcher and worker are SIGKILLed together once epoch 1 is saved on node 0; node 0's
     worker loses its peer, its launcher restarts it (max_restarts=1), the group re-forms with node 0 alone and
     goes on from last.pt with the update size it was planned with; results.csv has every epoch once and
@@ -113,8 +129,16 @@ def test_a_node_whose_machine_dies_leaves_and_the_rest_finish_from_the_latest_ch
     by their addresses as text, and would have made node 1 (the one that dies, holding nothing) rank 0."""
     master = "127.0.0.2" if _bindable("127.0.0.2") else "127.0.0.1"  # all of 127/8 is loopback on Linux only
     homes = [tmp_path / "node0", tmp_path / "node1"]
-    common = {**TINY, "data": str(data), "epochs": 6, "nnodes": "1:2", "rdzv_backend": "c10d",
-              "master_addr": master, "master_port": free_port(), "max_restarts": 1}
+    common = {
+        **TINY,
+        "data": str(data),
+        "epochs": 6,
+        "nnodes": "1:2",
+        "rdzv_backend": "c10d",
+        "master_addr": master,
+        "master_port": free_port(),
+        "max_restarts": 1,
+    }
     nodes = [_start(home, {**common, "node_rank": r}) for r, home in enumerate(homes)]
     run, last = homes[0] / "runs" / "x", homes[0] / "runs" / "x" / "weights" / "last.pt"
     try:
@@ -128,8 +152,10 @@ def test_a_node_whose_machine_dies_leaves_and_the_rest_finish_from_the_latest_ch
     assert nodes[0].returncode == 0, out[-4000:]
     assert "restart 1: resuming from runs/x/weights/last.pt at epoch " in out, out[-3000:]
     # the update still sees the 64 images planned for two nodes: twice the steps of the one that is left
-    assert "elastic: 1 of the 2 planned workers; each keeps its batch of 4 and 16 steps of 4 images make an update " \
-           "(planned: 64)" in out
+    assert (
+        "elastic: 1 of the 2 planned workers; each keeps its batch of 4 and 16 steps of 4 images make an update "
+        "(planned: 64)" in out
+    )
     assert _epochs(run) == ["1", "2", "3", "4", "5", "6"]
     assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == 5
     events = _events(run)
@@ -144,14 +170,23 @@ def test_a_node_whose_machine_dies_leaves_and_the_rest_finish_from_the_latest_ch
     assert not list(homes[1].rglob("*.pt")) and not (homes[1] / "runs").exists()  # node 1 never held the run
 
 
-def test_losing_node_0_which_hosts_the_rendezvous_ends_the_other_nodes_with_one_line(data: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_losing_node_0_which_hosts_the_rendezvous_ends_the_other_nodes_with_one_line(
+    data: Path, tmp_path: Path
+) -> None:
     """torch's c10d rendezvous keeps the group's membership in one store, which node 0's launcher hosts: when
     node 0's machine dies the group cannot re-form, and node 1 ends (not hangs) with one line that says so."""
     homes = [tmp_path / "node0", tmp_path / "node1"]
     port = free_port()
-    common = {**TINY, "data": str(data), "epochs": 6, "nnodes": "1:2", "rdzv_backend": "c10d",
-              "master_addr": "127.0.0.1", "master_port": port, "max_restarts": 1}
+    common = {
+        **TINY,
+        "data": str(data),
+        "epochs": 6,
+        "nnodes": "1:2",
+        "rdzv_backend": "c10d",
+        "master_addr": "127.0.0.1",
+        "master_port": port,
+        "max_restarts": 1,
+    }
     nodes = [_start(home, {**common, "node_rank": r}) for r, home in enumerate(homes)]
     try:
         _wait_until((homes[0] / "runs" / "x" / "weights" / "last.pt").is_file, nodes, homes[0])
@@ -168,8 +203,10 @@ def test_losing_node_0_which_hosts_the_rendezvous_ends_the_other_nodes_with_one_
     out = (homes[1] / "out.txt").read_text()
     assert nodes[1].returncode not in (0, None), out[-3000:]
     last_line = out.strip().splitlines()[-1]
-    assert last_line.startswith(f"error: lost the rendezvous at 127.0.0.1:{port} (node_rank=1): node_rank=0, which "
-                                f"hosts it, has stopped or cannot be reached"), out[-3000:]
+    assert last_line.startswith(
+        f"error: lost the rendezvous at 127.0.0.1:{port} (node_rank=1): node_rank=0, which "
+        f"hosts it, has stopped or cannot be reached"
+    ), out[-3000:]
     assert not left, f"node 1 left processes behind: {left}"
 
 
@@ -178,11 +215,24 @@ def test_losing_node_0_which_hosts_the_rendezvous_ends_the_other_nodes_with_one_
 
 def _resumable(path: Path, epoch: int, **extra: object) -> Path:
     """A small checkpoint of launch ``L`` with the fields a resume reads (the trainer writes the same)."""
-    state = {"model": {"yaml": None, "scale": "n", "nc": 1, "names": {0: "a"}, "imgsz": 64,
-                       "state_dict": {"w": torch.full((1,), float(epoch))}},
-             "ema": None, "epoch": epoch, "optimizer": {"state": {}, "param_groups": []},
-             "train_args": {"epochs": 5, "project": "runs", "name": path.parents[1].name},
-             "batches_per_epoch": 4, "launch_id": "L", "job_id": None, **extra}
+    state = {
+        "model": {
+            "yaml": None,
+            "scale": "n",
+            "nc": 1,
+            "names": {0: "a"},
+            "imgsz": 64,
+            "state_dict": {"w": torch.full((1,), float(epoch))},
+        },
+        "ema": None,
+        "epoch": epoch,
+        "optimizer": {"state": {}, "param_groups": []},
+        "train_args": {"epochs": 5, "project": "runs", "name": path.parents[1].name},
+        "batches_per_epoch": 4,
+        "launch_id": "L",
+        "job_id": None,
+        **extra,
+    }
     return save_checkpoint(state, path)
 
 
@@ -191,10 +241,25 @@ def _agree_on_two_nodes(homes: list[Path], cases: list[dict]) -> list[list[dict]
     port = free_port()
     procs = []
     for rank, home in enumerate(homes):
-        env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DETRAIN_DEVICE="cpu")
-        procs.append(subprocess.Popen([sys.executable, str(AGREE_NODE), json.dumps(cases)], env=env, cwd=home,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = child_env(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            DETRAIN_DEVICE="cpu",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(AGREE_NODE), json.dumps(cases)],
+                env=env,
+                cwd=home,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outs = []
     try:
         for p in procs:
@@ -233,8 +298,9 @@ def test_rank_0_resumes_from_the_checkpoint_another_node_holds_and_goes_on_with_
     # "bad": what lies where node 1's mid.pt belongs is no checkpoint: every rank stops with the same line
     (homes[1] / "runs" / "bad" / "weights").mkdir(parents=True)
     (homes[1] / "runs" / "bad" / "weights" / "mid.pt").write_bytes(b"PK\x03\x04 not a checkpoint")
-    cases = [{"save_dir": f"runs/{name}", "cfg": {"project": "runs", "name": name}}
-             for name in ("x", "tie", "bad", "none")]
+    cases = [
+        {"save_dir": f"runs/{name}", "cfg": {"project": "runs", "name": name}} for name in ("x", "tie", "bad", "none")
+    ]
     rank0, rank1 = _agree_on_two_nodes(homes, cases)
     assert rank0[0] == rank1[0] == {"epoch": 1, "resume": "runs/x/weights/last.pt", "save_dir": "runs/x"}
     mine = homes[0] / "runs" / "x"
@@ -245,5 +311,6 @@ def test_rank_0_resumes_from_the_checkpoint_another_node_holds_and_goes_on_with_
     assert rank0[1] == rank1[1] == {"epoch": 1, "resume": "runs/tie/weights/last.pt", "save_dir": "runs/tie"}
     assert not (homes[0] / "runs" / "tie" / "results.csv").exists()
     assert rank0[2] == rank1[2] and rank0[2]["error"].startswith(
-        f"on {socket.gethostname()} (rank 1): cannot load weights file runs/bad/weights/mid.pt: ")
+        f"on {socket.gethostname()} (rank 1): cannot load weights file runs/bad/weights/mid.pt: "
+    )
     assert rank0[3] == rank1[3] == {"epoch": None, "resume": False, "save_dir": "runs/none"}

@@ -46,9 +46,22 @@ def _free_port() -> int:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                        "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT") and not k.startswith("SLURM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "GROUP_RANK",
+            "TORCHELASTIC_RESTART_COUNT",
+        )
+        and not k.startswith("SLURM_")
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
     return env
@@ -70,13 +83,31 @@ def test_two_nodes_row_shows_each_node_and_the_slow_rank_waiting_for_data(tmp_pa
     data = generate_shapes(tmp_path / "shapes", n_train=16, n_val=2, imgsz=64, seed=0) / "data.yaml"
     run = tmp_path / "runs" / "run"
     port = _free_port()
-    cfg = make_cfg({"data": str(data), "epochs": 1, "imgsz": 64, "batch": 8, "workers": 0, "warmup_epochs": 0,
-                    "close_mosaic": 0, "val": False, "plots": False, "verbose": False, "device": "cpu", "nnodes": 2,
-                    "master_addr": "127.0.0.1", "master_port": port, "project": str(tmp_path / "runs"),
-                    "name": "run", "exist_ok": True})
+    cfg = make_cfg(
+        {
+            "data": str(data),
+            "epochs": 1,
+            "imgsz": 64,
+            "batch": 8,
+            "workers": 0,
+            "warmup_epochs": 0,
+            "close_mosaic": 0,
+            "val": False,
+            "plots": False,
+            "verbose": False,
+            "device": "cpu",
+            "nnodes": 2,
+            "master_addr": "127.0.0.1",
+            "master_port": port,
+            "project": str(tmp_path / "runs"),
+            "name": "run",
+            "exist_ok": True,
+        }
+    )
     args = json.dumps({"cfg": cfg.to_dict(), "save_dir": str(run), "slow_rank": 1, "sleep_s": SLEEP_S})
-    ends = run_together([[sys.executable, str(HELPER), "node", str(r), str(port), args] for r in (0, 1)], _env(), REPO,
-                        LIMIT_S)
+    ends = run_together(
+        [[sys.executable, str(HELPER), "node", str(r), str(port), args] for r in (0, 1)], _env(), REPO, LIMIT_S
+    )
     for r, (code, out) in enumerate(ends):
         assert code == 0, f"node {r} exit {code}\n{out[-3000:]}"
     outs = [out for _, out in ends]
@@ -89,9 +120,14 @@ def test_two_nodes_row_shows_each_node_and_the_slow_rank_waiting_for_data(tmp_pa
     assert row["slowest_rank"] == "1"
     assert 0 < float(row["data_wait_share_slowest_rank"]) <= 1
     header = (run / "results.csv").read_text().splitlines()[0].split(",")
-    assert header[header.index("step_ms_slowest_rank") + 1:] == [
-        "slowest_rank", "data_wait_share_slowest_rank", "node0/cpu_pct", "node0/rss_gb", "node1/cpu_pct",
-        "node1/rss_gb"]
+    assert header[header.index("step_ms_slowest_rank") + 1 :] == [
+        "slowest_rank",
+        "data_wait_share_slowest_rank",
+        "node0/cpu_pct",
+        "node0/rss_gb",
+        "node1/cpu_pct",
+        "node1/rss_gb",
+    ]
 
     events = _events(run)
     start = next(e for e in events if e["kind"] == "start")
@@ -114,17 +150,36 @@ def test_tensorboard_holds_each_epoch_row(tmp_path: Path) -> None:
     from detrain import Model
 
     data = generate_shapes(tmp_path / "shapes", n_train=8, n_val=2, imgsz=64, seed=0) / "data.yaml"
-    result = Model("n.yaml").train(data=str(data), epochs=2, imgsz=64, batch=8, device="cpu", workers=0,
-                                   close_mosaic=0, val=False, plots=False, verbose=False, tensorboard=True,
-                                   project=str(tmp_path / "runs"), name="run", exist_ok=True)
+    result = Model("n.yaml").train(
+        data=str(data),
+        epochs=2,
+        imgsz=64,
+        batch=8,
+        device="cpu",
+        workers=0,
+        close_mosaic=0,
+        val=False,
+        plots=False,
+        verbose=False,
+        tensorboard=True,
+        project=str(tmp_path / "runs"),
+        name="run",
+        exist_ok=True,
+    )
     run = Path(result["save_dir"])
     acc = EventAccumulator(str(run))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     rows = _rows(run)
     expected = [k for k in rows[0] if k != "epoch"]
-    assert {"train/box_loss", "images_per_s", "slowest_rank", "data_wait_share_slowest_rank", "node0/cpu_pct",
-            "node0/rss_gb"} <= set(expected)
+    assert {
+        "train/box_loss",
+        "images_per_s",
+        "slowest_rank",
+        "data_wait_share_slowest_rank",
+        "node0/cpu_pct",
+        "node0/rss_gb",
+    } <= set(expected)
     assert set(expected) <= tags
     for key in expected:
         logged = {e.step: e.value for e in acc.Scalars(key)}
@@ -139,16 +194,30 @@ def test_tensorboard_holds_each_epoch_row(tmp_path: Path) -> None:
 
 
 def _stat(rank: int, node: int, **kw: float) -> dict:
-    base = {"rank": rank, "node": node, "host": f"h{node}", "images": 8, "epoch_s": 2.0, "step_s": 0.2,
-            "wait_s": 0.01, "forward_s": 0.05, "cpu_pct": 100.0, "rss_bytes": 1_000_000_000, "gpu_mem_bytes": None,
-            "gpu_util_pct": None}
+    base = {
+        "rank": rank,
+        "node": node,
+        "host": f"h{node}",
+        "images": 8,
+        "epoch_s": 2.0,
+        "step_s": 0.2,
+        "wait_s": 0.01,
+        "forward_s": 0.05,
+        "cpu_pct": 100.0,
+        "rss_bytes": 1_000_000_000,
+        "gpu_mem_bytes": None,
+        "gpu_util_pct": None,
+    }
     return base | kw
 
 
 def test_columns_sum_cpu_and_memory_per_node_and_take_the_busiest_gpu() -> None:
-    stats = [_stat(0, 0, gpu_mem_bytes=3e9, gpu_util_pct=80.0), _stat(1, 0, gpu_mem_bytes=5e9, gpu_util_pct=60.0),
-             _stat(2, 1, gpu_mem_bytes=4e9, gpu_util_pct=None, forward_s=0.09, epoch_s=4.0),
-             _stat(3, 1, gpu_mem_bytes=4e9, gpu_util_pct=None)]
+    stats = [
+        _stat(0, 0, gpu_mem_bytes=3e9, gpu_util_pct=80.0),
+        _stat(1, 0, gpu_mem_bytes=5e9, gpu_util_pct=60.0),
+        _stat(2, 1, gpu_mem_bytes=4e9, gpu_util_pct=None, forward_s=0.09, epoch_s=4.0),
+        _stat(3, 1, gpu_mem_bytes=4e9, gpu_util_pct=None),
+    ]
     cols = epoch_stats.columns(stats)
     assert cols["images_per_s"] == pytest.approx(32 / 4.0)
     assert cols["node0/cpu_pct"] == 200.0 and cols["node0/rss_gb"] == 2.0
@@ -171,11 +240,17 @@ def test_a_rank_slow_to_compute_is_flagged_and_equal_ranks_are_not() -> None:
 
 
 def test_nodes_are_numbered_by_launcher_group_else_by_host() -> None:
-    places = [{"rank": 0, "node_key": "1", "host": "a"}, {"rank": 1, "node_key": "0", "host": "a"},
-              {"rank": 2, "node_key": "1", "host": "a"}]
+    places = [
+        {"rank": 0, "node_key": "1", "host": "a"},
+        {"rank": 1, "node_key": "0", "host": "a"},
+        {"rank": 2, "node_key": "1", "host": "a"},
+    ]
     assert [p["node"] for p in number_nodes(places)] == [0, 1, 0]
-    by_host = [{"rank": 0, "node_key": None, "host": "b"}, {"rank": 1, "node_key": None, "host": "a"},
-               {"rank": 2, "node_key": None, "host": "b"}]
+    by_host = [
+        {"rank": 0, "node_key": None, "host": "b"},
+        {"rank": 1, "node_key": None, "host": "a"},
+        {"rank": 2, "node_key": None, "host": "b"},
+    ]
     assert [p["node"] for p in number_nodes(by_host)] == [0, 1, 0]
     assert all("node_key" not in p for p in number_nodes(by_host))
 
@@ -273,10 +348,12 @@ def test_results_png_leaves_the_per_node_columns_to_tensorboard(tmp_path: Path, 
 
     titles: list[str] = []
     real = Axes.set_title
-    monkeypatch.setattr(Axes, "set_title", lambda self, label, *a, **k: (titles.append(label),
-                                                                         real(self, label, *a, **k))[1])
+    monkeypatch.setattr(
+        Axes, "set_title", lambda self, label, *a, **k: (titles.append(label), real(self, label, *a, **k))[1]
+    )
     path = tmp_path / "results.csv"
-    path.write_text("epoch,train/box_loss,slowest_rank,node0/cpu_pct,node0/rss_gb,node12/gpu_mem_gb,nodes/x\n"
-                    "1,1.5,1,99,2.5,3.1,7\n")
+    path.write_text(
+        "epoch,train/box_loss,slowest_rank,node0/cpu_pct,node0/rss_gb,node12/gpu_mem_gb,nodes/x\n1,1.5,1,99,2.5,3.1,7\n"
+    )
     assert plot_results_csv(path).is_file()
     assert titles == ["train/box_loss", "slowest_rank", "nodes/x"]

@@ -103,8 +103,11 @@ def test_a_hosts_entry_that_makes_the_node_name_loopback_is_not_bound_across_mac
 
 
 def test_an_address_that_is_not_this_machines_is_one_line() -> None:
-    with pytest.raises(DistributedError, match=r"master_addr='192.0.2.250' \(192.0.2.250\) is not an address of "
-                                               r"this machine.*127\.0\.0\.1") as err:
+    with pytest.raises(
+        DistributedError,
+        match=r"master_addr='192.0.2.250' \(192.0.2.250\) is not an address of "
+        r"this machine.*127\.0\.0\.1",
+    ) as err:
         host_store("192.0.2.250", 0, bind="192.0.2.250", timeout=timedelta(seconds=5))
     assert "\n" not in str(err.value)
 
@@ -132,8 +135,15 @@ def test_an_interface_that_does_not_exist_is_one_line_naming_it_and_the_real_one
 
 
 def test_socket_ifname_through_the_command_line_exits_2(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "detrain.cli", "train", "device=cpu,cpu", "socket_ifname=lo,nosuch9",
-           f"project={tmp_path / 'runs'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "detrain.cli",
+        "train",
+        "device=cpu,cpu",
+        "socket_ifname=lo,nosuch9",
+        f"project={tmp_path / 'runs'}",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
@@ -180,8 +190,9 @@ def _join_in_thread(port: int, run_id: str, args: dict | None = None, wait_go: b
 
     def run() -> None:
         try:
-            run_identity.join(LOOPBACK, port, run_id, 1, args, wait_go=wait_go, connect_timeout_s=10,
-                              start_timeout_s=30)
+            run_identity.join(
+                LOOPBACK, port, run_id, 1, args, wait_go=wait_go, connect_timeout_s=10, start_timeout_s=30
+            )
         except DistributedError as e:
             box["error"] = str(e)
 
@@ -282,12 +293,27 @@ def test_two_jobs_sharing_a_master_and_port_never_join(tmp_path: Path) -> None:
     ending at all shows the check ended them."""
     data = generate_shapes(tmp_path / "shapes", n_train=4, n_val=2, imgsz=64) / "data.yaml"
     port = _free_port()
-    common = [f"data={data}", "imgsz=64", "epochs=1", "batch=2", "workers=0", "device=cpu", "nnodes=2",
-              f"master_port={port}", f"project={tmp_path / 'runs'}"]
+    common = [
+        f"data={data}",
+        "imgsz=64",
+        "epochs=1",
+        "batch=2",
+        "workers=0",
+        "device=cpu",
+        "nnodes=2",
+        f"master_port={port}",
+        f"project={tmp_path / 'runs'}",
+    ]
     nodes = [
-        subprocess.Popen([sys.executable, "-m", "detrain.cli", "train", *common, f"node_rank={r}", f"run_id={job}"],
-                         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+        subprocess.Popen(
+            [sys.executable, "-m", "detrain.cli", "train", *common, f"node_rank={r}", f"run_id={job}"],
+            cwd=tmp_path,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         for r, job in ((0, "job-a"), (1, "job-b"))
     ]
     try:

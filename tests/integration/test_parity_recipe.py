@@ -11,7 +11,8 @@
 * gradient clipping: both ``optimizer_step`` driven with recording stand-ins (what is clipped, when, how far).
 
 Ultralytics is not a dependency: every test skips when it cannot be imported. To run them, e.g.
-``PYTHONPATH=/opt/ulib YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/ycfg python -m pytest tests/integration/test_parity_recipe.py``.
+``PYTHONPATH=/opt/ulib YOLO_OFFLINE=1 YOLO_CONFIG_DIR=/tmp/ycfg python -m pytest
+tests/integration/test_parity_recipe.py``.
 The coco8 runs need ``../shared/data/coco8`` and skip without it.
 """
 
@@ -78,8 +79,15 @@ def _ultralytics_optimizer(ul, cfg, model, iterations: int, weight_decay: float)
     warmup_bias_lr there, as its auto choice does) and ``self.data["nc"]``. Returns (optimizer, args after)."""
     args = SimpleNamespace(optimizer=cfg.train.optimizer, lr0=cfg.train.lr0, warmup_bias_lr=cfg.train.warmup_bias_lr)
     stand_in = SimpleNamespace(args=args, data={"nc": NC})
-    opt = ul.BaseTrainer.build_optimizer(stand_in, model=model, name=cfg.train.optimizer, lr=cfg.train.lr0,
-                                         momentum=cfg.train.momentum, decay=weight_decay, iterations=iterations)
+    opt = ul.BaseTrainer.build_optimizer(
+        stand_in,
+        model=model,
+        name=cfg.train.optimizer,
+        lr=cfg.train.lr0,
+        momentum=cfg.train.momentum,
+        decay=weight_decay,
+        iterations=iterations,
+    )
     return opt, args
 
 
@@ -87,8 +95,10 @@ def _groups_by_role(opt, model, roles) -> dict[str, dict[str, Any]]:
     names = {id(p): n for n, p in model.named_parameters()}
     out = {}
     for role, group in zip(roles, opt.param_groups):
-        out[role] = {"names": {names[id(p)] for p in group["params"]},
-                     **{k: group.get(k) for k in ("lr", "weight_decay", "momentum", "betas", "nesterov")}}
+        out[role] = {
+            "names": {names[id(p)] for p in group["params"]},
+            **{k: group.get(k) for k in ("lr", "weight_decay", "momentum", "betas", "nesterov")},
+        }
     return out
 
 
@@ -120,8 +130,11 @@ def test_parameter_groups_match(ul, name, iterations):
     assert dopt.param_groups[0]["lr"] == uargs.warmup_bias_lr
 
 
-@pytest.mark.xfail(strict=True, reason="Ultralytics 8.4 picks MuSGD (Muon + SGD) for long auto runs; detrain keeps "
-                                       "SGD at lr0 (no Muon implementation)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Ultralytics 8.4 picks MuSGD (Muon + SGD) for long auto runs; detrain keeps "
+    "SGD at lr0 (no Muon implementation)",
+)
 def test_auto_long_run_picks_the_same_optimizer(ul):
     cfg = make_cfg({"optimizer": "auto"})
     uopt, _ = _ultralytics_optimizer(ul, cfg, ul.DetectionModel("yolov8n.yaml", nc=NC, verbose=False), 20_000, 5e-4)
@@ -129,8 +142,19 @@ def test_auto_long_run_picks_the_same_optimizer(ul):
     assert type(dopt).__name__ == type(uopt).__name__
 
 
-@pytest.mark.parametrize(("warmup_epochs", "epochs", "nb"), [(3.0, 100, 500), (3.0, 100, 4), (3.0, 3, 10), (3.0, 1, 10),
-                                                     (0.5, 10, 5), (1.5, 10, 7), (0.0, 10, 5), (10.0, 4, 3)])
+@pytest.mark.parametrize(
+    ("warmup_epochs", "epochs", "nb"),
+    [
+        (3.0, 100, 500),
+        (3.0, 100, 4),
+        (3.0, 3, 10),
+        (3.0, 1, 10),
+        (0.5, 10, 5),
+        (1.5, 10, 7),
+        (0.0, 10, 5),
+        (10.0, 4, 3),
+    ],
+)
 def test_warmup_iterations_match(ul, warmup_epochs, epochs, nb):
     stand_in = SimpleNamespace(args=SimpleNamespace(warmup_epochs=warmup_epochs), epochs=epochs)
     expected = ul.BaseTrainer._get_warmup_iterations(stand_in, nb)
@@ -150,8 +174,20 @@ CASES = {
     "accumulate-cap": dict(optimizer="SGD", batch=2, nbs=64, epochs=2, warmup_epochs=0.0),
     "across-epochs": dict(optimizer="SGD", batch=1, nbs=3, epochs=3, warmup_epochs=0.0),  # 4 batches, updates of 3
 }
-COMMON = dict(imgsz=64, workers=0, device="cpu", plots=False, val=False, save=False, amp=False, close_mosaic=0,
-              deterministic=False, seed=0, verbose=False, exist_ok=True)
+COMMON = dict(
+    imgsz=64,
+    workers=0,
+    device="cpu",
+    plots=False,
+    val=False,
+    save=False,
+    amp=False,
+    close_mosaic=0,
+    deterministic=False,
+    seed=0,
+    verbose=False,
+    exist_ok=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +204,15 @@ def coco8_yaml(tmp_path_factory) -> Path:
 
 
 def _snapshot(optimizer, roles, accumulate: int) -> dict[str, Any]:
-    return {"accumulate": accumulate, "step": False, "optimizer": type(optimizer).__name__,
-            "groups": {role: {k: g.get(k) for k in ("lr", "momentum", "betas", "weight_decay", "nesterov")}
-                       for role, g in zip(roles, optimizer.param_groups)}}
+    return {
+        "accumulate": accumulate,
+        "step": False,
+        "optimizer": type(optimizer).__name__,
+        "groups": {
+            role: {k: g.get(k) for k in ("lr", "momentum", "betas", "weight_decay", "nesterov")}
+            for role, g in zip(roles, optimizer.param_groups)
+        },
+    }
 
 
 def _record_ultralytics(data: Path, project: Path, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -180,8 +222,9 @@ def _record_ultralytics(data: Path, project: Path, args: dict[str, Any]) -> list
     updates = [0]
 
     def on_batch_end(trainer):  # after this iteration's step (if any); lr and momentum are the ones it used
-        rec = _snapshot(trainer.optimizer, [g["param_group"] for g in trainer.optimizer.param_groups],
-                        trainer.accumulate)
+        rec = _snapshot(
+            trainer.optimizer, [g["param_group"] for g in trainer.optimizer.param_groups], trainer.accumulate
+        )
         rec["step"] = trainer.ema.updates > updates[0]
         updates[0] = trainer.ema.updates
         records.append(rec)
@@ -213,8 +256,7 @@ def _record_detrain(data: Path, project: Path, args: dict[str, Any], monkeypatch
     monkeypatch.setattr(trainer_module.optim, "apply_warmup", recording_warmup)
     monkeypatch.setattr(Trainer, "_step", recording_step)
     monkeypatch.setattr(Trainer, "_optimizer_step", recording_optimizer_step)
-    cfg = make_cfg({"model": "n.yaml", "data": str(data), "project": str(project), "name": "detrain",
-                    **COMMON, **args})
+    cfg = make_cfg({"model": "n.yaml", "data": str(data), "project": str(project), "name": "detrain", **COMMON, **args})
     Trainer(cfg, World(device="cpu"), RunPlan(save_dir=str(project / "detrain"))).train()
     return records
 
@@ -309,14 +351,23 @@ def test_gradient_clipping_matches(ul, monkeypatch):
     net(torch.rand(3, 4)).sum().mul(100).backward()
 
     def stand_in(calls, **extra):
-        return SimpleNamespace(scaler=_Recorder(calls, "scaler"), optimizer=_Recorder(calls, "optimizer"),
-                               ema=_Recorder(calls, "ema"), model=net, device=torch.device("cpu"), **extra)
+        return SimpleNamespace(
+            scaler=_Recorder(calls, "scaler"),
+            optimizer=_Recorder(calls, "optimizer"),
+            ema=_Recorder(calls, "ema"),
+            model=net,
+            device=torch.device("cpu"),
+            **extra,
+        )
 
     u_calls: list = []
     theirs = _drive(ul.BaseTrainer.optimizer_step, stand_in(u_calls), u_calls, monkeypatch)
     d_calls: list = []
     ours = _drive(Trainer._optimizer_step, stand_in(d_calls, cfg=make_cfg()), d_calls, monkeypatch)
     # unscale, then clip the norm of all gradients to 10, then step: the same calls in the same order
-    assert ours == theirs == ["scaler.unscale_", ("clip", 10.0), "scaler.step", "scaler.update",
-                              "optimizer.zero_grad", "ema.update"]
+    assert (
+        ours
+        == theirs
+        == ["scaler.unscale_", ("clip", 10.0), "scaler.step", "scaler.update", "optimizer.zero_grad", "ema.update"]
+    )
     assert make_cfg().train.clip_grad == 10.0

@@ -108,8 +108,9 @@ def moving_square_frames(n: int = 7) -> list[tuple[np.ndarray, tuple[int, int, i
 
 
 def cfg(tmp_path: Path, **kw):
-    return make_cfg({"imgsz": 160, "device": "cpu", "verbose": False, "project": str(tmp_path / "runs"),
-                     "save": False, **kw})
+    return make_cfg(
+        {"imgsz": 160, "device": "cpu", "verbose": False, "project": str(tmp_path / "runs"), "save": False, **kw}
+    )
 
 
 def model_with(net: nn.Module) -> Model:
@@ -143,8 +144,9 @@ def test_results_hold_boxes_in_the_pictures_pixels(tmp_path: Path) -> None:
     np.testing.assert_allclose(r.conf, [0.9, 0.7], atol=1e-6)
     assert r.cls.tolist() == [0, 2] and r.names == SquareFinder.names and r.labels == ["red", "blue"]
     assert r.summary() == "1 red, 1 blue"
-    np.testing.assert_allclose(r.xywhn, [[45 / 160, 60 / 120, 50 / 160, 60 / 120], [120 / 160, 30 / 120, 40 / 160,
-                                                                                      40 / 120]], atol=1e-6)
+    np.testing.assert_allclose(
+        r.xywhn, [[45 / 160, 60 / 120, 50 / 160, 60 / 120], [120 / 160, 30 / 120, 40 / 160, 40 / 120]], atol=1e-6
+    )
     assert r.orig_img is not None and np.array_equal(r.orig_img, cv2.imread(str(path)))
 
 
@@ -220,7 +222,13 @@ def test_txt_rows_match_the_results(tmp_path: Path) -> None:
 
 def test_defaults_write_no_label_files(tmp_path: Path) -> None:
     c = make_cfg({})
-    assert (c.predict.save_txt, c.predict.save_conf, c.inputs.classes, c.predict.agnostic_nms, c.predict.half) == (False, False, None, False, False)
+    assert (c.predict.save_txt, c.predict.save_conf, c.inputs.classes, c.predict.agnostic_nms, c.predict.half) == (
+        False,
+        False,
+        None,
+        False,
+        False,
+    )
     path = save(tmp_path / "x.png", picture({0: (20, 30, 70, 90)}))
     predict(cfg(tmp_path, save=True, name="d"), SquareFinder(), str(path))
     assert sorted(p.name for p in (tmp_path / "runs" / "d").iterdir()) == ["x.png"]
@@ -235,8 +243,16 @@ def test_same_named_files_in_sub_folders_are_all_kept(tmp_path: Path) -> None:
     predict(cfg(tmp_path, save=True, save_txt=True, name="s"), SquareFinder(), str(src))
     out = tmp_path / "runs" / "s"
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert files == ["a/x.png", "b/x.png", "c.jpg", "c.png", "labels/a/x.txt", "labels/b/x.txt", "labels/c.txt",
-                     "labels/c_2.txt"]
+    assert files == [
+        "a/x.png",
+        "b/x.png",
+        "c.jpg",
+        "c.png",
+        "labels/a/x.txt",
+        "labels/b/x.txt",
+        "labels/c.txt",
+        "labels/c_2.txt",
+    ]
     assert (out / "labels/a/x.txt").read_text().split()[0] == "0"
     assert (out / "labels/b/x.txt").read_text().split()[0] == "2"
     assert (out / "labels/c.txt").read_text().split()[0] == "1" and (out / "labels/c_2.txt").read_text()[0] == "2"
@@ -293,8 +309,17 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 def test_stream_true_yields_one_result_at_a_time_and_keeps_what_was_written(tmp_path: Path) -> None:
     video = write_video(tmp_path / "long.avi", [f for f, _ in moving_square_frames(6)])
     model = model_with(SquareFinder())
-    gen = model.predict(str(video), stream=True, imgsz=160, device="cpu", verbose=False, batch=1, save=True,
-                        project=str(tmp_path / "runs"), name="g")
+    gen = model.predict(
+        str(video),
+        stream=True,
+        imgsz=160,
+        device="cpu",
+        verbose=False,
+        batch=1,
+        save=True,
+        project=str(tmp_path / "runs"),
+        name="g",
+    )
     assert isinstance(gen, types.GeneratorType)
     first, second = next(gen), next(gen)
     assert (first.frame, second.frame) == (0, 1)
@@ -317,25 +342,34 @@ def test_an_interrupt_keeps_a_playable_video_and_an_error_leaves_none(tmp_path: 
             return super().forward(x)
 
     with pytest.raises(KeyboardInterrupt):
-        list(stream_predict(cfg(tmp_path, save=True, batch=1, name="i"), StopsAtThird(KeyboardInterrupt), str(video),
-                            prepared=True))
+        list(
+            stream_predict(
+                cfg(tmp_path, save=True, batch=1, name="i"), StopsAtThird(KeyboardInterrupt), str(video), prepared=True
+            )
+        )
     assert len(read_video(tmp_path / "runs" / "i" / "cam.avi")) == 2
     with pytest.raises(RuntimeError):
-        list(stream_predict(cfg(tmp_path, save=True, batch=1, name="e"), StopsAtThird(RuntimeError), str(video),
-                            prepared=True))
+        list(
+            stream_predict(
+                cfg(tmp_path, save=True, batch=1, name="e"), StopsAtThird(RuntimeError), str(video), prepared=True
+            )
+        )
     assert not (tmp_path / "runs" / "e" / "cam.avi").exists() and no_temporary_files(tmp_path / "runs")
 
 
-def test_unreadable_files_named_directly_fail_and_are_skipped_in_a_folder(tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture) -> None:
+def test_unreadable_files_named_directly_fail_and_are_skipped_in_a_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     src = tmp_path / "mixed"
     (src / "sub").mkdir(parents=True)
     (src / "broken.avi").write_bytes(b"\x00garbage" * 64)
     (src / "broken.jpg").write_bytes(b"\xff\xd8not really")
     (src / "readme.md").write_text("hi")
     save(src / "sub" / "ok.png", picture({0: (10, 10, 40, 40)}))
-    for name, message in (("broken.avi", "cannot read video '.*broken.avi': OpenCV cannot open it"),
-                          ("broken.jpg", "cannot read image '.*broken.jpg'")):
+    for name, message in (
+        ("broken.avi", "cannot read video '.*broken.avi': OpenCV cannot open it"),
+        ("broken.jpg", "cannot read image '.*broken.jpg'"),
+    ):
         with pytest.raises(DatasetError, match=message):
             predict(cfg(tmp_path), SquareFinder(), str(src / name))
     results = predict(cfg(tmp_path), SquareFinder(), str(src))
@@ -382,8 +416,9 @@ def test_batched_and_unbatched_real_predictions_agree() -> None:
 # --- Model.predict ----------------------------------------------------------------------------------------------
 
 
-def test_model_predict_writes_nothing_by_default_and_leaves_the_weights_alone(tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_predict_writes_nothing_by_default_and_leaves_the_weights_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     model = Model("n.yaml")
     net = model.net
@@ -440,8 +475,9 @@ def test_half_runs_in_float16_on_cuda(tmp_path: Path) -> None:
 
 
 def detrain(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "detrain.cli", "predict", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "detrain.cli", "predict", *args], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def test_cli_predicts_a_folder_of_images_and_videos(tmp_path: Path) -> None:
@@ -457,15 +493,18 @@ def test_cli_predicts_a_folder_of_images_and_videos(tmp_path: Path) -> None:
     assert "video 1/3 (frame 4/4)" in proc.stdout and f"results in {Path('runs/predict/exp')}" in proc.stdout
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ((), "error: predict needs source=<an image, a video"),
-    (("source=broken.avi",), "error: cannot read video 'broken.avi': OpenCV cannot open it"),
-    (("source=x.png", "classes=a"), "error: invalid value for 'classes': 'a'"),
-    (("source=x.png", "classes=3,80"), "error: invalid value for 'classes': [80] not among the model's 80 classes"),
-])
-def test_cli_usage_errors_are_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...], message: str,
-                                                  monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), "error: predict needs source=<an image, a video"),
+        (("source=broken.avi",), "error: cannot read video 'broken.avi': OpenCV cannot open it"),
+        (("source=x.png", "classes=a"), "error: invalid value for 'classes': 'a'"),
+        (("source=x.png", "classes=3,80"), "error: invalid value for 'classes': [80] not among the model's 80 classes"),
+    ],
+)
+def test_cli_usage_errors_are_one_line_and_exit_2(
+    tmp_path: Path, args: tuple[str, ...], message: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "broken.avi").write_bytes(b"\x00garbage" * 64)
     save(tmp_path / "x.png", picture({}))

@@ -97,8 +97,9 @@ def test_symlink_planted_at_the_file_path_is_not_followed(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("how", ["another user's", "open to others"])
-def test_a_folder_taken_by_another_user_does_not_stop_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              how: str) -> None:
+def test_a_folder_taken_by_another_user_does_not_stop_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
     planted = mine(tmp_path)
     planted.mkdir(mode=0o700)
     (planted / file_name("k")).write_bytes(b"planted")
@@ -113,8 +114,9 @@ def test_a_folder_taken_by_another_user_does_not_stop_the_run(tmp_path: Path, mo
     assert Path(cache2.path).parent == Path(cache.path).parent
 
 
-def test_a_file_of_another_user_with_the_same_name_does_not_stop_the_run(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_of_another_user_with_the_same_name_does_not_stop_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What used to end the run with PermissionError: a file named like ours that we may not use."""
     first = build(tmp_path)
     planted, valid_looking = Path(first.path), Path(first.path).read_bytes()
@@ -160,8 +162,9 @@ CHILD = textwrap.dedent("""
 def start_child(directory: Path, key: str, when: str) -> subprocess.Popen:
     """A process holding a cache (or filling one) when it prints its line; the test then signals it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(directory), key, when], stdout=subprocess.PIPE,
-                             text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(directory), key, when], stdout=subprocess.PIPE, text=True, env=env
+    )
     assert child.stdout is not None
     for line in child.stdout:
         if line.startswith(("ready", "filling")):

@@ -2,14 +2,15 @@
 
 Rank 0 alone decides whether a start resumes and from which of its own checkpoints (``engine/resume_state.py``); the
 other ranks get that checkpoint from it. The processes run on 127.0.0.1 with gloo, one thread each, on a tiny model
-and 64-pixel images; "nodes" are launchers with their own working folder and project. Bounded-time requirements
-are checked with generous subprocess timeouts, never with timed asserts.
+and 64-pixel images; "nodes" are launchers with their own working folder and project. Faults come from outside
+detrain (tests/_faults.py): SIGKILL sent by the test, or, where the point must be exact, rank 0 killing or holding
+itself right after a checkpoint write (tests/_inject/sitecustomize.py). Bounded-time requirements are checked with
+generous subprocess timeouts, never with timed asserts.
 """
 
 from __future__ import annotations
 
 import csv
-import os
 import re
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _faults import fault_env, held, rank_of_torchrun, send, wait_for, workers_of
 from _processes import child_env, free_port
 
 from detrain.checkpoint import save_checkpoint
@@ -33,10 +35,9 @@ from detrain.preflight import check_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-40 s on an idle 2-core machine)
-TINY = dict(imgsz=64, workers=0, warmup_epochs=0, close_mosaic=0, val=False, plots=False, verbose=False,
-            optimizer="SGD", seed=0)
-
-
+TINY = dict(
+    imgsz=64, workers=0, warmup_epochs=0, close_mosaic=0, val=False, plots=False, verbose=False, optimizer="SGD", seed=0
+)
 
 
 def _cli(args: dict) -> list[str]:
@@ -113,14 +114,28 @@ def test_a_start_outside_the_epoch_is_refused(bad) -> None:
 # ------------------------------------------------------------------ rank 0's choice (one process: no group)
 
 
-def _ckpt(path: Path, epoch: int, launch: object = "L1", job: object = None, mid: object = None, nb: int = 4,
-          **extra: object) -> Path:
+def _ckpt(
+    path: Path, epoch: int, launch: object = "L1", job: object = None, mid: object = None, nb: int = 4, **extra: object
+) -> Path:
     """A small checkpoint with the fields the choice reads (the trainer writes the same, with real weights)."""
-    state = {"model": {"yaml": None, "scale": "n", "nc": 1, "names": {0: "a"}, "imgsz": 64,
-                       "state_dict": {"w": torch.zeros(1)}},
-             "ema": None, "epoch": epoch, "optimizer": {"state": {}, "param_groups": []},
-             "train_args": {"epochs": 5, "project": str(path.parents[2]), "name": path.parents[1].name},
-             "batches_per_epoch": nb, "launch_id": launch, "job_id": job, **extra}
+    state = {
+        "model": {
+            "yaml": None,
+            "scale": "n",
+            "nc": 1,
+            "names": {0: "a"},
+            "imgsz": 64,
+            "state_dict": {"w": torch.zeros(1)},
+        },
+        "ema": None,
+        "epoch": epoch,
+        "optimizer": {"state": {}, "param_groups": []},
+        "train_args": {"epochs": 5, "project": str(path.parents[2]), "name": path.parents[1].name},
+        "batches_per_epoch": nb,
+        "launch_id": launch,
+        "job_id": job,
+        **extra,
+    }
     if mid is not None:
         state["mid_epoch"] = {"next_batch": mid, "step_images": 4, "mean_items": torch.ones(3), "n_images": 4}
     return save_checkpoint(state, path)
@@ -140,7 +155,11 @@ def test_a_restart_resumes_from_the_furthest_checkpoint_of_its_launch(tmp_path: 
     _ckpt(run / "weights" / "mid.pt", epoch=1, mid=3)  # 3 batches into epoch 2 (0-based 2)
     start = _agree(tmp_path, _launch(), save_dir=run)
     assert start.ckpt is not None and start.ckpt["mid_epoch"]["next_batch"] == 3
-    assert start.save_dir == run and start.cfg.train.resume == str(run / "weights" / "mid.pt") and start.cfg.train.epochs == 5
+    assert (
+        start.save_dir == run
+        and start.cfg.train.resume == str(run / "weights" / "mid.pt")
+        and start.cfg.train.epochs == 5
+    )
     assert f"resuming from {run / 'weights' / 'mid.pt'} at epoch 3, 3/4 batches done" in capsys.readouterr().out
     # a mid.pt that the epoch's last.pt has superseded (the run died between the two files) is behind it
     _ckpt(run / "weights" / "last.pt", epoch=2)
@@ -186,9 +205,17 @@ def test_a_restart_after_an_explicit_resume_continues_from_what_it_wrote(tmp_pat
     assert start.ckpt is not None and start.ckpt["epoch"] == 3
 
 
-@pytest.mark.parametrize(("field", "value"), [("next_batch", 10**9), ("next_batch", 0), ("next_batch", "2"),
-                                          ("step_images", -4), ("mean_items", torch.ones(2)),
-                                          ("mean_items", torch.tensor([1.0, float("nan"), 0.0]))])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("next_batch", 10**9),
+        ("next_batch", 0),
+        ("next_batch", "2"),
+        ("step_images", -4),
+        ("mean_items", torch.ones(2)),
+        ("mean_items", torch.tensor([1.0, float("nan"), 0.0])),
+    ],
+)
 def test_a_malformed_mid_epoch_position_is_one_line_naming_the_file(tmp_path: Path, field, value) -> None:
     mid = tmp_path / "run" / "weights" / "mid.pt"
     _ckpt(mid, epoch=0, mid=1)
@@ -219,8 +246,21 @@ def test_a_file_that_is_no_checkpoint_where_mid_pt_belongs_is_named(tmp_path: Pa
 
 def test_resuming_weights_without_a_training_state_is_one_line(tmp_path: Path) -> None:
     weights = tmp_path / "w.pt"
-    save_checkpoint({"model": {"yaml": None, "scale": "n", "nc": 1, "names": {0: "a"}, "imgsz": 64,
-                               "state_dict": {"w": torch.zeros(1)}}, "ema": None, "epoch": -1}, weights)
+    save_checkpoint(
+        {
+            "model": {
+                "yaml": None,
+                "scale": "n",
+                "nc": 1,
+                "names": {0: "a"},
+                "imgsz": 64,
+                "state_dict": {"w": torch.zeros(1)},
+            },
+            "ema": None,
+            "epoch": -1,
+        },
+        weights,
+    )
     with pytest.raises(CheckpointError, match="holds weights but no training state"):
         _agree(tmp_path, _launch(), resume=str(weights))
 
@@ -250,9 +290,16 @@ def test_only_the_node_that_hosts_rank_0_needs_the_resume_file(tmp_path: Path, m
     check_inputs("train", make_cfg({"resume": missing}), World(rank=3, world_size=4, launcher="torchrun"))
 
 
-@pytest.mark.parametrize(("value", "message"), [("-1", "a value from 0.0 to 10080.0"), ("nan", "a finite number"),
-                                            ("1e9", "a value from 0.0 to 10080.0"), ("soon", "a number"),
-                                            ("5", "0 with save=false")])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("-1", "a value from 0.0 to 10080.0"),
+        ("nan", "a finite number"),
+        ("1e9", "a value from 0.0 to 10080.0"),
+        ("soon", "a number"),
+        ("5", "0 with save=false"),
+    ],
+)
 def test_a_bad_save_interval_is_one_line(value, message) -> None:
     with pytest.raises(ConfigError, match=re.escape("invalid value for 'save_interval': ")) as err:
         make_cfg({"save_interval": value, "save": message != "0 with save=false"})
@@ -260,26 +307,6 @@ def test_a_bad_save_interval_is_one_line(value, message) -> None:
 
 
 # ------------------------------------------------------------------ processes
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _worker_of(launcher: int) -> int | None:
-    """The training worker the launcher's elastic agent spawned (multiprocessing's spawn_main; not its
-    resource tracker)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and _ppid(int(entry.name)) == launcher:
-            try:
-                if b"spawn_main" in (entry / "cmdline").read_bytes():
-                    return int(entry.name)
-            except OSError:
-                continue
-    return None
 
 
 def _start_nodes(homes: list[Path], args: list[dict], envs: list[dict[str, str]]) -> list[subprocess.Popen]:
@@ -304,22 +331,35 @@ def test_a_killed_worker_on_node_1_resumes_from_node_0s_checkpoint(data: Path, t
     never holds it), and node 0's results.csv has every epoch once."""
     port = free_port()
     homes = [tmp_path / "node0", tmp_path / "node1"]
-    common = {**TINY, "data": str(data), "batch": 8, "epochs": 3, "device": "cpu", "nnodes": 2,
-              "master_addr": "127.0.0.1", "master_port": port, "max_restarts": 1, "dist_timeout": 30,
-              "project": "runs", "name": "x", "exist_ok": True}
+    common = {
+        **TINY,
+        "data": str(data),
+        "batch": 8,
+        "epochs": 3,
+        "device": "cpu",
+        "nnodes": 2,
+        "master_addr": "127.0.0.1",
+        "master_port": port,
+        "max_restarts": 1,
+        "dist_timeout": 30,
+        "project": "runs",
+        "name": "x",
+        "exist_ok": True,
+    }
     nodes = _start_nodes(homes, [{**common, "node_rank": r} for r in (0, 1)], [child_env(), child_env()])
     last = homes[0] / "runs" / "x" / "weights" / "last.pt"
     node1_pt: set[str] = set()
     try:
         deadline = time.monotonic() + LIMIT_S
         while not last.is_file():  # epoch 1 is saved on node 0
-            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), \
-                (homes[0] / "out.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline and all(p.poll() is None for p in nodes), (
+                homes[0] / "out.txt"
+            ).read_text()[-3000:]
             node1_pt |= {str(p) for p in homes[1].rglob("*.pt")}
             time.sleep(0.1)
-        worker = _worker_of(nodes[1].pid)
-        assert worker is not None, "node 1's worker not found among its launcher's children"
-        os.kill(worker, signal.SIGKILL)
+        worker = workers_of(nodes[1].pid)
+        assert len(worker) == 1, f"node 1's worker not found among its launcher's children: {worker}"
+        send(worker, signal.SIGKILL)
         while any(p.poll() is None for p in nodes):
             assert time.monotonic() < deadline, "the nodes did not finish"
             node1_pt |= {str(p) for p in homes[1].rglob("*.pt")}
@@ -336,25 +376,35 @@ def test_a_killed_worker_on_node_1_resumes_from_node_0s_checkpoint(data: Path, t
 
 
 def test_a_node_joining_a_group_that_never_failed_resumes_with_it(data: Path, tmp_path: Path) -> None:
-    """nnodes=1:2 (c10d): node 0 trains alone and holds at the start of epoch 2; node 1 joins, the agent restarts
+    """nnodes=1:2 (c10d): node 0 trains alone and holds right after epoch 1's last.pt; node 1 joins, the agent restarts
     node 0's worker for the new membership with no higher restart count, and rank 0 still resumes from its last.pt,
     sending it to node 1's worker."""
     port, go = free_port(), tmp_path / "go"
     homes = [tmp_path / "node0", tmp_path / "node1"]
-    common = {**TINY, "data": str(data), "batch": 8, "epochs": 3, "device": "cpu", "nnodes": "1:2",
-              "rdzv_backend": "c10d", "master_addr": "127.0.0.1", "master_port": port, "dist_timeout": 30,
-              "project": "runs", "name": "x", "exist_ok": True}
+    common = {
+        **TINY,
+        "data": str(data),
+        "batch": 8,
+        "epochs": 3,
+        "device": "cpu",
+        "nnodes": "1:2",
+        "rdzv_backend": "c10d",
+        "master_addr": "127.0.0.1",
+        "master_port": port,
+        "dist_timeout": 30,
+        "project": "runs",
+        "name": "x",
+        "exist_ok": True,
+    }
     last = homes[0] / "runs" / "x" / "weights" / "last.pt"
-    nodes = _start_nodes(homes[:1], [{**common, "node_rank": 0}], [child_env(DETRAIN_TEST_HOLD_AT=f"1:0:{go}")])
+    nodes = _start_nodes(homes[:1], [{**common, "node_rank": 0}], [fault_env("last.pt", 0, "hold", until=go)])
     try:
         deadline = time.monotonic() + LIMIT_S
-        while not last.is_file():
-            assert time.monotonic() < deadline and nodes[0].poll() is None, (homes[0] / "out.txt").read_text()
-            time.sleep(0.1)
+        held(go, LIMIT_S)
+        assert last.is_file()
         nodes += _start_nodes(homes[1:], [{**common, "node_rank": 1}], [child_env()])
-        while _worker_of(nodes[1].pid) is None:  # node 1 is in the group
-            assert time.monotonic() < deadline and nodes[1].poll() is None, (homes[1] / "out.txt").read_text()
-            time.sleep(0.1)
+        wait_for(lambda: workers_of(nodes[1].pid) or nodes[1].poll() is not None, LIMIT_S, "node 1 never started")
+        assert nodes[1].poll() is None, (homes[1] / "out.txt").read_text()  # node 1 is in the group
         go.touch()
         for p in nodes:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -376,8 +426,10 @@ def test_a_single_process_killed_mid_epoch_resumes_at_that_step_exactly(data: Pa
     _ok(_run(_cli({**args, "project": str(tmp_path / "a")}), child_env()))  # the same thread count as the others
     straight = tmp_path / "a" / "run"
     died = tmp_path / "b" / "run"
-    proc = _run(_cli({**args, "project": str(tmp_path / "b"), "save_interval": 1e-9}),
-                child_env(DETRAIN_TEST_KILL_AFTER_MID="1:3:0"))
+    proc = _run(
+        _cli({**args, "project": str(tmp_path / "b"), "save_interval": 1e-9}),
+        fault_env("mid.pt", 0, "kill", next_batch=3),
+    )  # within epoch 2, after batch 3
     assert proc.returncode == -signal.SIGKILL, proc.stdout[-3000:] + proc.stderr[-3000:]
     mid = _load(died / "weights" / "mid.pt")
     assert (mid["epoch"], mid["mid_epoch"]["next_batch"], mid["last_update"]) == (0, 3, 5)
@@ -390,15 +442,20 @@ def test_a_single_process_killed_mid_epoch_resumes_at_that_step_exactly(data: Pa
         assert _rows(died)[1][col] == _rows(straight)[1][col]
 
 
-def test_two_workers_restarted_mid_epoch_resume_at_the_step_with_the_uninterrupted_weights(data: Path,
-                                                                                        tmp_path: Path) -> None:
+def test_two_workers_restarted_mid_epoch_resume_at_the_step_with_the_uninterrupted_weights(
+    data: Path, tmp_path: Path
+) -> None:
     """mid.pt is saved after every step (save_interval of a few nanoseconds); rank 0 is killed after the one of
     batch 2 of epoch 2, the launcher restarts both, and they go on from batch 3 to the weights (model and EMA, with
     each rank's own BatchNorm statistics) of a run that never saved mid.pt nor stopped."""
     args = {**TINY, "data": str(data), "epochs": 2, "batch": 4, "nbs": 4, "device": "cpu,cpu", "name": "run"}
     _ok(_run(_cli({**args, "project": str(tmp_path / "a")}), child_env()))
-    out = _ok(_run(_cli({**args, "project": str(tmp_path / "b"), "save_interval": 1e-9, "max_restarts": 1}),
-                   child_env(DETRAIN_TEST_KILL_AFTER_MID="1:2:0")))  # rank 0 dies right after writing mid.pt
+    out = _ok(
+        _run(
+            _cli({**args, "project": str(tmp_path / "b"), "save_interval": 1e-9, "max_restarts": 1}),
+            fault_env("mid.pt", 0, "kill", next_batch=2),
+        )
+    )  # rank 0 dies right after writing mid.pt
     run = tmp_path / "b" / "run"
     assert f"restart 1: resuming from {run / 'weights' / 'mid.pt'} at epoch 2, 2/4 batches done" in out, out[-3000:]
     _assert_same_weights(tmp_path / "a" / "run" / "weights" / "last.pt", run / "weights" / "last.pt")
@@ -406,14 +463,50 @@ def test_two_workers_restarted_mid_epoch_resume_at_the_step_with_the_uninterrupt
 
 
 def test_torchrun_max_restarts_resumes_in_the_first_attempts_folder(data: Path, tmp_path: Path) -> None:
-    """torchrun restarts both ranks after rank 1 dies at the start of epoch 2; rank 0 finds the run folder the first
-    attempt made (runs/run, not runs/run2) by the agent it runs under, and goes on from its last.pt."""
-    args = {**TINY, "data": str(data), "epochs": 2, "batch": 8, "device": "cpu", "name": "run",
-            "project": str(tmp_path / "runs")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "detrain.cli", "train",
-           *(f"{k}={v}" for k, v in args.items())]
-    out = _ok(_run(cmd, child_env(DETRAIN_TEST_KILL_AT="1:1")))
+    """torchrun restarts both ranks after rank 1 is SIGKILLed between epochs 1 and 2 (rank 0 holds right after
+    epoch 1's last.pt); rank 0 finds the run folder the first attempt made (runs/run, not runs/run2) by the agent it
+    runs under, and goes on from its last.pt."""
+    args = {
+        **TINY,
+        "data": str(data),
+        "epochs": 2,
+        "batch": 8,
+        "device": "cpu",
+        "name": "run",
+        "project": str(tmp_path / "runs"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "detrain.cli",
+        "train",
+        *(f"{k}={v}" for k, v in args.items()),
+    ]
+    go = tmp_path / "go"  # never made: torchrun stops the held rank 0 when rank 1 dies
+    with open(tmp_path / "out.txt", "w") as log:  # the child keeps its own descriptor
+        torchrun = subprocess.Popen(
+            cmd, env=fault_env("last.pt", 0, "hold", until=go), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        held(go, LIMIT_S)
+        rank1 = rank_of_torchrun(torchrun.pid, 1)
+        assert rank1 is not None, "rank 1 not found among torchrun's children"
+        send(rank1, signal.SIGKILL)
+        torchrun.wait(timeout=LIMIT_S)
+    finally:
+        _stop([torchrun])
+    out = (tmp_path / "out.txt").read_text()
+    assert torchrun.returncode == 0, out[-4000:]
     run = tmp_path / "runs" / "run"
     assert f"restart 1: resuming from {run / 'weights' / 'last.pt'} at epoch 2" in out, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["run"]
@@ -421,9 +514,16 @@ def test_torchrun_max_restarts_resumes_in_the_first_attempts_folder(data: Path, 
 
 
 def test_a_requeued_slurm_job_resumes_in_its_own_folder(data: Path, tmp_path: Path) -> None:
-    args = {**TINY, "data": str(data), "epochs": 2, "batch": 8, "device": "cpu", "name": "run",
-            "project": str(tmp_path / "runs")}
-    first = _run(_cli(args), child_env(SLURM_JOB_ID="4242", DETRAIN_TEST_KILL_AT="1:0"))  # dies starting epoch 2
+    args = {
+        **TINY,
+        "data": str(data),
+        "epochs": 2,
+        "batch": 8,
+        "device": "cpu",
+        "name": "run",
+        "project": str(tmp_path / "runs"),
+    }
+    first = _run(_cli(args), fault_env("last.pt", 0, "kill", SLURM_JOB_ID="4242"))  # dies after epoch 1's last.pt
     assert first.returncode == -signal.SIGKILL, first.stdout[-3000:] + first.stderr[-3000:]
     run = tmp_path / "runs" / "run"
     assert _epochs(run) == ["1"]

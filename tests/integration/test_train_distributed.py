@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import csv
 import json
-import os
+import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
+from _faults import chaos, fault_env, held, send, wait_for, workers_of
 from _processes import child_env, free_port, run_together
 
 from detrain.data.synthetic import generate_shapes
@@ -27,11 +27,29 @@ REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-30 s on an idle 2-core machine)
 
 # augmentation off, one optimizer step per batch, no warmup: 1 and 2 workers must take the same steps
-EXACT = dict(imgsz=64, batch=16, nbs=16, workers=0, warmup_epochs=0, close_mosaic=0, optimizer="SGD", seed=0,
-             deterministic=True, mosaic=0.0, fliplr=0.0, hsv_h=0.0, hsv_s=0.0, hsv_v=0.0, translate=0.0, scale=0.0,
-             val=False, plots=False, verbose=False, sync_bn=True, exist_ok=True)
-
-
+EXACT = dict(
+    imgsz=64,
+    batch=16,
+    nbs=16,
+    workers=0,
+    warmup_epochs=0,
+    close_mosaic=0,
+    optimizer="SGD",
+    seed=0,
+    deterministic=True,
+    mosaic=0.0,
+    fliplr=0.0,
+    hsv_h=0.0,
+    hsv_s=0.0,
+    hsv_v=0.0,
+    translate=0.0,
+    scale=0.0,
+    val=False,
+    plots=False,
+    verbose=False,
+    sync_bn=True,
+    exist_ok=True,
+)
 
 
 def _kv(args: dict) -> list[str]:
@@ -44,8 +62,21 @@ def _cli(*args: str) -> list[str]:
 
 def _torchrun(args: dict) -> list[str]:
     """``detrain train`` as 2 ranks of torchrun on one node."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), "-m", "detrain.cli", "train", *_kv(args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "detrain.cli",
+        "train",
+        *_kv(args),
+    ]
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float = LIMIT_S, **kw) -> subprocess.CompletedProcess:
@@ -131,37 +162,59 @@ def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data
 
 # ------------------------------------------------------------------ multi-node, torchrun, faults
 
-FAST = dict(imgsz=64, batch=8, workers=0, warmup_epochs=0, close_mosaic=0, val=False, plots=False, verbose=False,
-            exist_ok=True, name="run")
-
-
-def _tagged(tag: str) -> list[int]:
-    """Live processes whose environment carries ``DETRAIN_TEST_TAG=tag`` (every descendant of a test's child)."""
-    needle = f"DETRAIN_TEST_TAG={tag}".encode()
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    stat = (entry / "stat").read_text()
-                    if stat.rsplit(")", 1)[1].split()[0] != "Z":  # a zombie is already dead
-                        pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
+FAST = dict(
+    imgsz=64,
+    batch=8,
+    workers=0,
+    warmup_epochs=0,
+    close_mosaic=0,
+    val=False,
+    plots=False,
+    verbose=False,
+    exist_ok=True,
+    name="run",
+)
 
 
 def _no_orphans(tag: str) -> None:
-    deadline = time.monotonic() + 30  # let the OS finish reaping; a leftover after that is an orphan
-    while _tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _tagged(tag), f"processes left behind: {_tagged(tag)}"
+    """No process whose environment carries the test's tag (every descendant of its child) is alive 30 s after the
+    run ended (the OS may still be reaping); a leftover after that is an orphan."""
+    chaos.wait_until(lambda: not chaos.tagged(tag), 30, 0.5)
+    assert not chaos.tagged(tag), f"processes left behind: {chaos.tagged(tag)}"
+
+
+def _popen(cmd: list[str], env: dict[str, str], logs: Path) -> subprocess.Popen:
+    """Start a launcher whose output goes to ``logs``/out.txt and err.txt (no pipe to fill while the test waits)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "out.txt", "w") as out, open(logs / "err.txt", "w") as err:  # the child keeps its own
+        return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err)
+
+
+def _end(proc: subprocess.Popen, logs: Path, timeout: float = LIMIT_S) -> subprocess.CompletedProcess:
+    """Wait for a launcher started by :func:`_popen` (a hang guard: killed after ``timeout``)."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the launcher did not end within {timeout} s; output:\n{(logs / 'err.txt').read_text()}")
+    return subprocess.CompletedProcess(
+        proc.args, proc.returncode, (logs / "out.txt").read_text(), (logs / "err.txt").read_text()
+    )
 
 
 def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path) -> None:
     port = free_port()
-    common = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nnodes": 2, "master_addr": "127.0.0.1",
-              "master_port": port, "project": str(tmp_path / "runs")}
+    common = {
+        **FAST,
+        "data": str(data),
+        "epochs": 1,
+        "device": "cpu",
+        "nnodes": 2,
+        "master_addr": "127.0.0.1",
+        "master_port": port,
+        "project": str(tmp_path / "runs"),
+    }
     ends = run_together([_cli(*_kv({**common, "node_rank": r})) for r in (0, 1)], child_env(), REPO, LIMIT_S)
     for r, (code, out) in enumerate(ends):
         assert code == 0, f"node {r} exit {code}\n{out[-3000:]}"
@@ -187,33 +240,67 @@ def test_fewer_workers_than_planned_keep_their_batch_and_accumulate(data: Path, 
     """Elastic membership: 2 ranks of a run planned for 2 nodes x 2 (nnodes=1:2; here one node under torchrun)
     keep the per-rank batch of 4 ranks (8 / 4 = 2) and take 2 steps of 4 images per update of 8, so a
     16-image epoch is 4 steps and 2 updates, as it would be with all 4 ranks."""
-    args = {**FAST, "data": str(data), "epochs": 1, "device": "cpu", "nbs": 8, "nnodes": "1:2",
-            "project": str(tmp_path / "runs")}
+    args = {
+        **FAST,
+        "data": str(data),
+        "epochs": 1,
+        "device": "cpu",
+        "nbs": 8,
+        "nnodes": "1:2",
+        "project": str(tmp_path / "runs"),
+    }
     proc = _run(_torchrun(args), child_env())
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "accumulate to 8 images; 2 worker(s) on cpu" in out
-    assert ("elastic: 2 of the 4 planned workers; each keeps its batch of 2 and 2 steps of 4 images make an update "
-            "(planned: 8)") in " ".join(out.split())
+    assert (
+        "elastic: 2 of the 4 planned workers; each keeps its batch of 2 and 2 steps of 4 images make an update "
+        "(planned: 8)"
+    ) in " ".join(out.split())
     ckpt = torch.load(tmp_path / "runs" / "run" / "weights" / "last.pt", map_location="cpu", weights_only=True)
     assert ckpt["ema"]["updates"] == 2
 
 
 def test_a_batch_the_planned_world_cannot_split_stops_before_starting(data: Path, tmp_path: Path) -> None:
-    args = {**FAST, "data": str(data), "batch": 6, "device": "cpu,cpu", "nnodes": "1:2", "master_port": free_port(),
-            "project": str(tmp_path / "runs")}
+    args = {
+        **FAST,
+        "data": str(data),
+        "batch": 6,
+        "device": "cpu,cpu",
+        "nnodes": "1:2",
+        "master_port": free_port(),
+        "project": str(tmp_path / "runs"),
+    }
     proc = _run(_cli(*_kv(args)), child_env(), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: batch=6 does not split evenly over the 4 workers this run is planned for; use a multiple of 4, e.g. 8"]
+        "error: batch=6 does not split evenly over the 4 workers this run is planned for; use a multiple of 4, e.g. 8"
+    ]
     assert not (tmp_path / "runs").exists()
 
 
 def test_a_killed_worker_is_restarted_and_the_run_completes(data: Path, tmp_path: Path) -> None:
-    args = {**FAST, "data": str(data), "epochs": 2, "device": "cpu,cpu", "max_restarts": 1,
-            "project": str(tmp_path / "runs")}
-    tag = uuid.uuid4().hex
-    proc = _run(_cli(*_kv(args)), child_env(DETRAIN_TEST_KILL_AT="1:1", DETRAIN_TEST_TAG=tag))  # rank 1, 2nd epoch
+    args = {
+        **FAST,
+        "data": str(data),
+        "epochs": 2,
+        "device": "cpu,cpu",
+        "max_restarts": 1,
+        "project": str(tmp_path / "runs"),
+    }
+    tag, go = uuid.uuid4().hex, tmp_path / "go"  # go is never made: the launcher stops the held rank 0
+    launcher = _popen(
+        _cli(*_kv(args)), fault_env("last.pt", 0, "hold", until=go, **{chaos.TAG_ENV: tag}), tmp_path / "logs"
+    )
+    try:
+        rank0 = held(go, LIMIT_S)  # right after epoch 1's last.pt
+        workers = workers_of(launcher.pid)
+        assert len(workers) == 2 and workers[0] == rank0, (workers, rank0)
+        send(workers[1], signal.SIGKILL)  # rank 1, between epochs 1 and 2
+        proc = _end(launcher, tmp_path / "logs")
+    except BaseException:
+        send(chaos.tagged(tag), signal.SIGKILL)
+        raise
     _ok(proc)
     out = proc.stdout + proc.stderr
     assert "restart 1: resuming from" in out, out[-3000:]
@@ -230,10 +317,22 @@ def test_a_killed_worker_is_restarted_and_the_run_completes(data: Path, tmp_path
 
 
 def test_a_dead_worker_without_restarts_ends_the_run_with_its_rank(data: Path, tmp_path: Path) -> None:
-    args = {**FAST, "data": str(data), "epochs": 2, "device": "cpu,cpu", "project": str(tmp_path / "runs")}
+    args = {**FAST, "data": str(data), "epochs": 20, "device": "cpu,cpu", "project": str(tmp_path / "runs")}
     tag = uuid.uuid4().hex
-    # 60 s after the kill at the start of the first epoch (plus start-up on a loaded 2-core machine)
-    proc = _run(_cli(*_kv(args)), child_env(DETRAIN_TEST_KILL_AT="0:1", DETRAIN_TEST_TAG=tag), timeout=150)
+    launcher = _popen(_cli(*_kv(args)), child_env(**{chaos.TAG_ENV: tag}), tmp_path / "logs")
+    try:
+        # rank 1 is SIGKILLed once rank 0 has started training (its events.jsonl exists); many epochs, so that the
+        # run cannot end before the kill
+        started = tmp_path / "runs" / "run" / "events.jsonl"
+        wait_for(lambda: started.exists() or launcher.poll() is not None, LIMIT_S, "training never started")
+        workers = workers_of(launcher.pid)
+        assert len(workers) == 2, workers
+        send(workers[1], signal.SIGKILL)
+        # 60 s after the kill (plus start-up on a loaded 2-core machine)
+        proc = _end(launcher, tmp_path / "logs", timeout=150)
+    except BaseException:
+        send(chaos.tagged(tag), signal.SIGKILL)
+        raise
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
     # the last line is detrain's own one-line report (torch's elastic agent logs its traceback above it)

@@ -33,9 +33,19 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_a_tiny_model_learns_the_synthetic_set(tmp_path):
     data = _fit_yaml(tmp_path, n=32, imgsz=96)
     epochs = 40
-    result = Model("n.yaml").train(data=str(data), epochs=epochs, imgsz=96, batch=8, nbs=8, device="cpu",
-                                   workers=0, warmup_epochs=0, close_mosaic=0, project=str(tmp_path / "runs"),
-                                   verbose=False)
+    result = Model("n.yaml").train(
+        data=str(data),
+        epochs=epochs,
+        imgsz=96,
+        batch=8,
+        nbs=8,
+        device="cpu",
+        workers=0,
+        warmup_epochs=0,
+        close_mosaic=0,
+        project=str(tmp_path / "runs"),
+        verbose=False,
+    )
     rows = _rows(result["save_dir"])
     assert [int(r["epoch"]) for r in rows] == list(range(1, epochs + 1))
     map50 = [float(r["metrics/mAP50"]) for r in rows]
@@ -51,9 +61,22 @@ def test_a_tiny_model_learns_the_synthetic_set(tmp_path):
 
 
 def _tiny_args(data: Path, project: Path, epochs: int) -> dict:
-    return dict(data=str(data), epochs=epochs, imgsz=64, batch=8, nbs=16, device="cpu", workers=0,
-                warmup_epochs=1, close_mosaic=1, project=str(project), name="run", exist_ok=True, verbose=False,
-                optimizer="SGD")
+    return dict(
+        data=str(data),
+        epochs=epochs,
+        imgsz=64,
+        batch=8,
+        nbs=16,
+        device="cpu",
+        workers=0,
+        warmup_epochs=1,
+        close_mosaic=1,
+        project=str(project),
+        name="run",
+        exist_ok=True,
+        verbose=False,
+        optimizer="SGD",
+    )
 
 
 # Updates are counted over the run (2 batches an epoch here): of 2 batches they end with each epoch; of 3 (nbs 24),
@@ -88,8 +111,11 @@ def test_resume_continues_exactly(tmp_path, nbs, warmup, last_update):
 
 
 def test_cli_train_with_a_bad_dataset_is_one_line_and_exit_2(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "detrain.cli", "train", f"data={tmp_path / 'nope.yaml'}",
-                           "epochs=1"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "detrain.cli", "train", f"data={tmp_path / 'nope.yaml'}", "epochs=1"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "nope.yaml" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -99,12 +125,24 @@ def test_nbs_auto_updates_every_batch_from_scratch_and_gathers_64_images_when_fi
     """optimizer=auto, nbs=auto (the defaults): a short run from a yaml updates after every batch; the same run
     from weights gathers 64 images (8 batches of 8) per update, as YOLO's nominal batch."""
     data = _fit_yaml(tmp_path, n=16, imgsz=64)
-    common = dict(data=str(data), epochs=4, imgsz=64, batch=8, device="cpu", workers=0, close_mosaic=0, val=False,
-                  plots=False, verbose=False, exist_ok=True)
+    common = dict(
+        data=str(data),
+        epochs=4,
+        imgsz=64,
+        batch=8,
+        device="cpu",
+        workers=0,
+        close_mosaic=0,
+        val=False,
+        plots=False,
+        verbose=False,
+        exist_ok=True,
+    )
     scratch = Path(Model("n.yaml").train(**common, project=str(tmp_path / "a"), name="run")["save_dir"])
     first = torch.load(scratch / "weights" / "last.pt", weights_only=True)
     assert first["accumulate"] == 1 and first["last_update"] == 7  # 2 batches x 4 epochs, each one an update
-    tuned = Path(Model(str(scratch / "weights" / "last.pt")).train(**common, project=str(tmp_path / "b"),
-                                                                  name="run")["save_dir"])
+    tuned = Path(
+        Model(str(scratch / "weights" / "last.pt")).train(**common, project=str(tmp_path / "b"), name="run")["save_dir"]
+    )
     second = torch.load(tuned / "weights" / "last.pt", weights_only=True)
     assert second["accumulate"] == 8 and second["train_args"]["nbs"] == "auto"

@@ -28,8 +28,23 @@ from detrain.nn.model import DetectionModel
 NAMES = {0: "circle", 1: "rectangle", 2: "triangle"}
 RELEASE_N = Path(__file__).resolve().parents[2] / ".." / "shared" / "weights" / "yolov8n.pt"
 # every run: no augmentation randomness that matters, one optimizer step per batch, no warmup
-TINY = dict(epochs=2, imgsz=64, batch=8, nbs=8, device="cpu", workers=0, warmup_epochs=0, close_mosaic=0,
-            optimizer="SGD", lr0=0.01, val=False, plots=False, verbose=False, exist_ok=True, name="run")
+TINY = dict(
+    epochs=2,
+    imgsz=64,
+    batch=8,
+    nbs=8,
+    device="cpu",
+    workers=0,
+    warmup_epochs=0,
+    close_mosaic=0,
+    optimizer="SGD",
+    lr0=0.01,
+    val=False,
+    plots=False,
+    verbose=False,
+    exist_ok=True,
+    name="run",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -47,8 +62,9 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _save_model(model: DetectionModel, path: Path) -> Path:
-    return save_checkpoint({"model": {**model_meta(model, 64), "state_dict": model.state_dict()}, "ema": None,
-                            "epoch": -1}, path)
+    return save_checkpoint(
+        {"model": {**model_meta(model, 64), "state_dict": model.state_dict()}, "ema": None, "epoch": -1}, path
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,23 +129,36 @@ def test_frozen_layers_stay_identical_on_two_ddp_workers(data: Path, start: Path
     _check_frozen(run, start, freeze_first=3)
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    ("10", list(range(10))), ("0,1,2", [0, 1, 2]), ("[0, 1]", [0, 1]), ([4, 2, 4], [2, 4]), ("[5]", [5]),
-    ("", []), ("null", []), (0, []),
-])
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("10", list(range(10))),
+        ("0,1,2", [0, 1, 2]),
+        ("[0, 1]", [0, 1]),
+        ([4, 2, 4], [2, 4]),
+        ("[5]", [5]),
+        ("", []),
+        ("null", []),
+        (0, []),
+    ],
+)
 def test_freeze_names_the_first_layers_or_the_ones_listed(value, expected) -> None:
     model = DetectionModel(nc=2)
     assert freeze.freeze_layers(model, make_cfg({"freeze": value}).train.freeze) == expected
-    fixed = sorted({int(n.split(".")[1]) for n, p in model.named_parameters()
-                    if not p.requires_grad and ".dfl." not in n})  # the DFL's fixed kernel never trains
+    fixed = sorted(
+        {int(n.split(".")[1]) for n, p in model.named_parameters() if not p.requires_grad and ".dfl." not in n}
+    )  # the DFL's fixed kernel never trains
     assert fixed == [i for i in expected if any(True for _ in model.model[i].parameters())]
 
 
-@pytest.mark.parametrize(("value", "message"), [
-    (23, "the model has 23 layers (0 to 22) and freezing all of them leaves nothing to train"),
-    ([0, 23], "the model has layers 0 to 22, not 23"),
-    (list(range(23)), "names all 23 layers"),
-])
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (23, "the model has 23 layers (0 to 22) and freezing all of them leaves nothing to train"),
+        ([0, 23], "the model has layers 0 to 22, not 23"),
+        (list(range(23)), "names all 23 layers"),
+    ],
+)
 def test_freeze_beyond_the_model_is_one_line(value, message) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
         freeze.freeze_layers(DetectionModel(nc=2), value)
@@ -206,8 +235,9 @@ def test_time_replans_the_epochs_and_keeps_the_lr_schedule_whole(data: Path, tmp
     assert "metrics/mAP50" in rows[-1]  # val=false still scores the last epoch
 
 
-def test_a_resumed_time_run_has_only_what_is_left_and_keeps_freeze(data: Path, start: Path, tmp_path: Path,
-                                                                  monkeypatch) -> None:
+def test_a_resumed_time_run_has_only_what_is_left_and_keeps_freeze(
+    data: Path, start: Path, tmp_path: Path, monkeypatch
+) -> None:
     _clock(monkeypatch, [0, 60])  # 60 s an epoch: 3 epochs fit in 180 s; then the time is up (1e9 s)
     args = {**TINY, "epochs": 100, "time": 0.05, "lrf": 0.1, "freeze": 3, "save_period": 1}
     straight = Path(Model(str(start)).train(data=str(data), **args, project=str(tmp_path / "a"))["save_dir"])
@@ -315,8 +345,11 @@ def test_pretrained_false_keeps_a_weights_files_architecture_only(start: Path, c
 def test_training_starts_from_the_pretrained_file(data: Path, start: Path, tmp_path: Path, capsys) -> None:
     """model= a yaml, pretrained= a file, every layer but the head frozen: after training the frozen layers hold
     exactly the file's weights, so the run started from them."""
-    run = Path(Model("n.yaml").train(data=str(data), **TINY, pretrained=str(start), freeze=22,
-                                     project=str(tmp_path))["save_dir"])
+    run = Path(
+        Model("n.yaml").train(data=str(data), **TINY, pretrained=str(start), freeze=22, project=str(tmp_path))[
+            "save_dir"
+        ]
+    )
     n = len(DetectionModel(nc=3).state_dict())
     assert f"transferred {n}/{n} items from pretrained weights {start}" in capsys.readouterr().out
     _check_frozen(run, start, freeze_first=22)

@@ -56,9 +56,18 @@ def _val(base: dict[str, Any], **kw: Any) -> dict[str, Any]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("val_dist")
     yaml_file = make_dataset(root / "ds", n_val=N_VAL)
-    base = {"model": str(_checkpoint(root / "w.pt")), "data": str(yaml_file), "imgsz": 64, "batch": 4, "workers": 0,
-            "save_json": True, "plots": False, "verbose": False, "project": str(root / "runs"),
-            "master_port": _free_port()}
+    base = {
+        "model": str(_checkpoint(root / "w.pt")),
+        "data": str(yaml_file),
+        "imgsz": 64,
+        "batch": 4,
+        "workers": 0,
+        "save_json": True,
+        "plots": False,
+        "verbose": False,
+        "project": str(root / "runs"),
+        "master_port": _free_port(),
+    }
     one = _val(base, device="cpu", name="one")
     two = _val(base, device="cpu,cpu", name="two")
     return {"base": base, "one": one, "two": two}

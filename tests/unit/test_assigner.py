@@ -170,8 +170,9 @@ def reference_assign(scores, pd_boxes, anchors, labels, gts, mask_gt, topk, alph
     return fg, gt_idx, target
 
 
-def _random_problem(gen: torch.Generator, b: int, m: int, nc: int, gt_size: tuple[float, float]
-                    ) -> tuple[torch.Tensor, ...]:
+def _random_problem(
+    gen: torch.Generator, b: int, m: int, nc: int, gt_size: tuple[float, float]
+) -> tuple[torch.Tensor, ...]:
     """Anchors of a 64 px image at stride 8, ``m`` random boxes per image with sides in ``gt_size`` (min,
     span), their labels, and predicted boxes jittered around every anchor so that many IoUs are non-zero."""
     anchors = grid_anchors(8)

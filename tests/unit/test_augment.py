@@ -20,8 +20,16 @@ from detrain.data.train_sample import SamplePlan, SampleSource, plan_sample, ren
 
 BACKGROUND = (40, 40, 40)
 # Distinct, saturated colours (BGR): one per object, so each object can be found again by its colour.
-COLOURS = [(0, 0, 255), (0, 255, 0), (255, 0, 0), (0, 255, 255), (255, 0, 255), (255, 255, 0), (0, 128, 255),
-           (255, 128, 0)]
+COLOURS = [
+    (0, 0, 255),
+    (0, 255, 0),
+    (255, 0, 0),
+    (0, 255, 255),
+    (255, 0, 255),
+    (255, 255, 0),
+    (0, 128, 255),
+    (255, 128, 0),
+]
 NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
 ONE_IMAGE = {**NO_HSV, "mosaic": 0.0, "fliplr": 0.0}  # the random affine alone (translate 0.1, scale 0.5)
 SHOWN_AS_IT_IS = {**ONE_IMAGE, "translate": 0.0, "scale": 0.0}  # no geometry at all: a square image maps 1:1
@@ -36,9 +44,17 @@ def scene(h: int, w: int, boxes: list[tuple[int, int, int, int]], first_cls: int
     return img, Labels(cls, np.array(boxes, np.float32).reshape(-1, 4))
 
 
-def sample(images: list[np.ndarray], labels: list[Labels], index: int, hyp: dict[str, float], imgsz: int,
-           seed: int = 0, epoch: int = 0, out_hw: tuple[int, int] | None = None,
-           pool: list[int] | None = None) -> tuple[np.ndarray, Labels, SamplePlan]:
+def sample(
+    images: list[np.ndarray],
+    labels: list[Labels],
+    index: int,
+    hyp: dict[str, float],
+    imgsz: int,
+    seed: int = 0,
+    epoch: int = 0,
+    out_hw: tuple[int, int] | None = None,
+    pool: list[int] | None = None,
+) -> tuple[np.ndarray, Labels, SamplePlan]:
     """The training sample of ``index`` (BGR, labels in its pixels, the plan), made as ``DetectionDataset`` makes it
     from images at their load size: the same generator, planner, renderer and colour step."""
     load_hw = [load_size(im.shape[:2], imgsz) for im in images]
@@ -68,8 +84,9 @@ def iou(a: np.ndarray, b: np.ndarray) -> float:
     return inter / union if union > 0 else 0.0
 
 
-def assert_boxes_on_objects(img: np.ndarray, labels: Labels, min_iou: float = 0.8,
-                            classes: set[int] | None = None) -> None:
+def assert_boxes_on_objects(
+    img: np.ndarray, labels: Labels, min_iou: float = 0.8, classes: set[int] | None = None
+) -> None:
     """Each surviving box covers its object: it contains the object's pixels (1.5 px slack for interpolation)
     and its IoU with their bounding box is above 0.85, or ``min_iou`` for a box cut by the border: a rotated
     object cut by the border fills less of its clipped box, hence the lower thresholds for rotation and shear,
@@ -96,12 +113,15 @@ def assert_boxes_on_objects(img: np.ndarray, labels: Labels, min_iou: float = 0.
 SCENE_BOXES = [(20, 30, 90, 100), (130, 40, 200, 90), (60, 120, 150, 180)]
 
 
-@pytest.mark.parametrize(("kw", "min_iou"), [
-    ({}, 0.85),  # the defaults: scale 0.5, translate 0.1 (the fast, axis-aligned path)
-    ({"degrees": 30.0, "scale": 0.3}, 0.6),
-    ({"shear": 10.0, "translate": 0.05}, 0.7),
-    ({"perspective": 0.0008, "scale": 0.2}, 0.6),
-])
+@pytest.mark.parametrize(
+    ("kw", "min_iou"),
+    [
+        ({}, 0.85),  # the defaults: scale 0.5, translate 0.1 (the fast, axis-aligned path)
+        ({"degrees": 30.0, "scale": 0.3}, 0.6),
+        ({"shear": 10.0, "translate": 0.05}, 0.7),
+        ({"perspective": 0.0008, "scale": 0.2}, 0.6),
+    ],
+)
 def test_random_affine_keeps_boxes_on_objects(kw: dict, min_iou: float) -> None:
     img, labels = scene(200, 240, SCENE_BOXES)
     kept = 0
@@ -126,10 +146,17 @@ def test_flips_move_boxes_with_the_pixels(lr: bool, ud: bool) -> None:
     img, labels = scene(240, 240, SCENE_BOXES)
     hyp = {**SHOWN_AS_IT_IS, "fliplr": float(lr), "flipud": float(ud)}
     out, lab, _ = sample([img], [labels], 0, hyp, 240)
-    assert np.array_equal(out, img[::-1 if ud else 1, ::-1 if lr else 1])  # exactly the mirrored pixels
+    assert np.array_equal(out, img[:: -1 if ud else 1, :: -1 if lr else 1])  # exactly the mirrored pixels
     b = labels.boxes_xyxy
-    expected = np.stack((240 - b[:, 2] if lr else b[:, 0], 240 - b[:, 3] if ud else b[:, 1],
-                         240 - b[:, 0] if lr else b[:, 2], 240 - b[:, 1] if ud else b[:, 3]), 1)
+    expected = np.stack(
+        (
+            240 - b[:, 2] if lr else b[:, 0],
+            240 - b[:, 3] if ud else b[:, 1],
+            240 - b[:, 0] if lr else b[:, 2],
+            240 - b[:, 1] if ud else b[:, 3],
+        ),
+        1,
+    )
     assert np.allclose(lab.boxes_xyxy, expected) and lab.cls.tolist() == [0, 1, 2]
     assert_boxes_on_objects(out, lab, 0.99)
 
@@ -140,8 +167,10 @@ def test_flip_probabilities() -> None:
     assert np.array_equal(out, img) and lab.boxes_xyxy.tolist() == [[5, 5, 20, 30]]
     out, lab, _ = sample([img], [labels], 0, {**SHOWN_AS_IT_IS, "fliplr": 1.0}, 64)
     assert np.array_equal(out, img[:, ::-1]) and lab.boxes_xyxy.tolist() == [[44, 5, 59, 30]]
-    flipped = [sample([img], [labels], 0, {**SHOWN_AS_IT_IS, "fliplr": 0.5}, 64, seed)[1].boxes_xyxy[0, 0] == 44
-               for seed in range(40)]
+    flipped = [
+        sample([img], [labels], 0, {**SHOWN_AS_IT_IS, "fliplr": 0.5}, 64, seed)[1].boxes_xyxy[0, 0] == 44
+        for seed in range(40)
+    ]
     assert 10 <= sum(flipped) <= 30  # about half: drawn per sample, not once for all
 
 
@@ -184,8 +213,9 @@ def test_cutmix_pastes_a_free_rectangle_of_the_partner_with_its_boxes() -> None:
     untouched = base.copy()
     seen = {"pasted": 0, "clipped": 0, "dropped": 0}
     for seed in range(40):
-        out, labels, plan = sample([base, partner], [base_labels, partner_labels], 0,
-                                   {**SHOWN_AS_IT_IS, "cutmix": 1.0}, 128, seed, pool=[0, 1])
+        out, labels, plan = sample(
+            [base, partner], [base_labels, partner_labels], 0, {**SHOWN_AS_IT_IS, "cutmix": 1.0}, 128, seed, pool=[0, 1]
+        )
         assert out.shape == base.shape and out.dtype == np.uint8 and plan.cutmix is not None
         for k, v in check_cutmix(out, labels, base, base_labels, partner, partner_labels, 1).items():
             seen[k] += v
@@ -197,8 +227,9 @@ def test_cutmix_without_a_free_rectangle_changes_nothing() -> None:
     base, base_labels = scene(64, 64, [(0, 0, 64, 64)])  # one object fills the image: no rectangle is free
     partner, partner_labels = grid_scene(64, 64, 14, 10, 1, COLOURS[1])
     for seed in range(10):
-        out, labels, _ = sample([base, partner], [base_labels, partner_labels], 0,
-                                {**SHOWN_AS_IT_IS, "cutmix": 1.0}, 64, seed, pool=[0, 1])
+        out, labels, _ = sample(
+            [base, partner], [base_labels, partner_labels], 0, {**SHOWN_AS_IT_IS, "cutmix": 1.0}, 64, seed, pool=[0, 1]
+        )
         assert (out == base).all() and labels.cls.tolist() == [0]
 
 
@@ -265,13 +296,16 @@ def test_letterbox_numerics_and_boxes() -> None:
 
 def test_box_candidates_rule() -> None:
     before = np.array([[0, 0, 100, 100]] * 5, np.float32)
-    after = np.array([
-        [0, 0, 50, 50],  # 25 % of the area: kept
-        [0, 0, 100, 2],  # only 2 px tall: a sliver
-        [0, 0, 30, 30],  # 9 % of the area: lost most of it
-        [0, 0, 3, 350],  # aspect > 100 would need a longer one; this is kept (area 10.5 %, ar 117 > 100: dropped)
-        [0, 0, 60, 60],
-    ], np.float32)
+    after = np.array(
+        [
+            [0, 0, 50, 50],  # 25 % of the area: kept
+            [0, 0, 100, 2],  # only 2 px tall: a sliver
+            [0, 0, 30, 30],  # 9 % of the area: lost most of it
+            [0, 0, 3, 350],  # aspect > 100 would need a longer one; this is kept (area 10.5 %, ar 117 > 100: dropped)
+            [0, 0, 60, 60],
+        ],
+        np.float32,
+    )
     assert box_candidates(before, after).tolist() == [True, False, False, False, True]
     # The random zoom does not count as a loss: at scale 0.5 a box at 30 % of its size keeps 36 % of the area.
     assert box_candidates(before[:1], np.array([[0, 0, 30, 30]], np.float32), scale=0.5).tolist() == [True]

@@ -22,12 +22,15 @@ def test_the_planned_world_splits_the_batch_and_accumulates_to_nbs(batch: int, w
     assert plan.update_images == plan.step_images * plan.accumulate
 
 
-@pytest.mark.parametrize(("world", "expected"), [
-    (4, BatchPlan(16, 64, 1, 64, 4)),
-    (2, BatchPlan(16, 32, 2, 64, 4)),  # half the ranks: twice the steps, the same 64 images per update
-    (1, BatchPlan(16, 16, 4, 64, 4)),
-    (3, BatchPlan(16, 48, 1, 64, 4)),  # 64 / 48 images: the nearest whole number of steps
-])
+@pytest.mark.parametrize(
+    ("world", "expected"),
+    [
+        (4, BatchPlan(16, 64, 1, 64, 4)),
+        (2, BatchPlan(16, 32, 2, 64, 4)),  # half the ranks: twice the steps, the same 64 images per update
+        (1, BatchPlan(16, 16, 4, 64, 4)),
+        (3, BatchPlan(16, 48, 1, 64, 4)),  # 64 / 48 images: the nearest whole number of steps
+    ],
+)
 def test_a_smaller_world_keeps_the_per_rank_batch_and_accumulates_more(world: int, expected: BatchPlan) -> None:
     assert batch_plan(64, 64, world, planned_world=4) == expected
 

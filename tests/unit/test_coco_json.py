@@ -27,8 +27,9 @@ def test_coco80_to_91() -> None:
 
 
 def test_predictions_to_coco_rounds_and_maps() -> None:
-    rows = predictions_to_coco(7, np.array([[1.23456, 2.0, 11.0, 5.55555]]), np.array([0.1234567]),
-                               np.array([11]), category_ids=COCO80_TO_91)
+    rows = predictions_to_coco(
+        7, np.array([[1.23456, 2.0, 11.0, 5.55555]]), np.array([0.1234567]), np.array([11]), category_ids=COCO80_TO_91
+    )
     assert rows == [{"image_id": 7, "category_id": 13, "bbox": [1.235, 2.0, 9.765, 3.556], "score": 0.12346}]
     assert predictions_to_coco(1, np.zeros((0, 4)), np.zeros(0), np.zeros(0)) == []
     json.dumps(rows)  # plain Python types only
@@ -84,11 +85,14 @@ def test_load_predictions_groups_by_image_in_file_order(tmp_path: Path) -> None:
 
 
 def test_load_coco_annotations(tmp_path: Path) -> None:
-    gt = {"images": [{"id": 3, "file_name": "a.jpg", "width": 10, "height": 20}, {"id": 4}],
-          "annotations": [{"id": 1, "image_id": 3, "category_id": 5, "bbox": [1, 2, 3, 4], "area": 7.5,
-                           "iscrowd": 1},
-                          {"id": 2, "image_id": 3, "category_id": 5, "bbox": [0, 0, 2, 2]}],
-          "categories": [{"id": 5, "name": "dog"}]}
+    gt = {
+        "images": [{"id": 3, "file_name": "a.jpg", "width": 10, "height": 20}, {"id": 4}],
+        "annotations": [
+            {"id": 1, "image_id": 3, "category_id": 5, "bbox": [1, 2, 3, 4], "area": 7.5, "iscrowd": 1},
+            {"id": 2, "image_id": 3, "category_id": 5, "bbox": [0, 0, 2, 2]},
+        ],
+        "categories": [{"id": 5, "name": "dog"}],
+    }
     images, gts, cats = load_coco_annotations(write(tmp_path, "gt.json", gt))
     assert images[0] == {"id": 3, "file_name": "a.jpg", "width": 10, "height": 20}
     assert gts[3].area.tolist() == [7.5, 4.0] and gts[3].iscrowd.tolist() == [True, False]
@@ -118,8 +122,9 @@ def test_evaluate_coco_json_equals_pycocotools(tmp_path: Path, seed: int) -> Non
 
 
 @pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared reference data not present")
-@pytest.mark.parametrize(("name", "gt_file"), [("coco8_val", "coco8_val_gt_coco.json"),
-                                               ("coco128", "coco128_gt_coco.json")])
+@pytest.mark.parametrize(
+    ("name", "gt_file"), [("coco8_val", "coco8_val_gt_coco.json"), ("coco128", "coco128_gt_coco.json")]
+)
 def test_reference_yolov8n_predictions(name: str, gt_file: str) -> None:
     expected = json.loads((REFERENCE / f"yolov8n_{name}_pycocotools.json").read_text())
     m = evaluate_coco_json(REFERENCE / gt_file, REFERENCE / f"yolov8n_{name}_predictions.json")

@@ -24,9 +24,29 @@ def test_defaults_validate_and_freeze():
 
 
 def test_cli_strings_are_coerced():
-    cfg = make_cfg(parse_cli_args(["epochs=3", "--imgsz", "320", "device=0,1", "amp=false", "conf=null",
-                                   "--cos-lr", "resume=runs/x/weights/last.pt", "cache=true"]))
-    assert (cfg.train.epochs, cfg.inputs.imgsz, cfg.distributed.device, cfg.train.amp, cfg.predict.conf, cfg.train.cos_lr) == (3, 320, "0,1", False, None, True)
+    cfg = make_cfg(
+        parse_cli_args(
+            [
+                "epochs=3",
+                "--imgsz",
+                "320",
+                "device=0,1",
+                "amp=false",
+                "conf=null",
+                "--cos-lr",
+                "resume=runs/x/weights/last.pt",
+                "cache=true",
+            ]
+        )
+    )
+    assert (
+        cfg.train.epochs,
+        cfg.inputs.imgsz,
+        cfg.distributed.device,
+        cfg.train.amp,
+        cfg.predict.conf,
+        cfg.train.cos_lr,
+    ) == (3, 320, "0,1", False, None, True)
     assert cfg.train.resume == "runs/x/weights/last.pt" and cfg.inputs.cache == "ram"
     assert make_cfg({"device": [0, 1]}).distributed.device == [0, 1]
     assert make_cfg({"device": "0"}).distributed.device == 0

@@ -66,9 +66,13 @@ def test_readme_keys_table_shows_the_defaults() -> None:
         if len(values) == len(names):
             for k, v in zip(names, values):
                 want = truth[k]
-                assert v == ("null" if want is None else str(want).lower() if isinstance(want, bool) else
-                             ("''" if want == "" else str(want))) or v == str(want), \
-                    f"README says {k}={v}, default {want}"
+                assert v == (
+                    "null"
+                    if want is None
+                    else str(want).lower()
+                    if isinstance(want, bool)
+                    else ("''" if want == "" else str(want))
+                ) or v == str(want), f"README says {k}={v}, default {want}"
 
 
 def test_every_key_has_its_comment_and_is_in_some_help() -> None:

@@ -21,8 +21,11 @@ from detrain.data.download import DownloadLimits, download_dataset, marker_name
 from detrain.errors import DatasetError
 
 HEADER = "train: images/train\nval: images/val\nnames: [thing]\n"
-TOY = {"toy/images/train/a.jpg": b"jpg-a", "toy/images/val/b.jpg": b"jpg-b",
-       "toy/labels/train/a.txt": b"0 .5 .5 .1 .1\n"}
+TOY = {
+    "toy/images/train/a.jpg": b"jpg-a",
+    "toy/images/val/b.jpg": b"jpg-b",
+    "toy/labels/train/a.txt": b"0 .5 .5 .1 .1\n",
+}
 
 
 def _zip(path: Path, members: dict[str, bytes]) -> Path:
@@ -32,8 +35,9 @@ def _zip(path: Path, members: dict[str, bytes]) -> Path:
     return path
 
 
-def _tar(path: Path, files: dict[str, bytes], links: dict[str, str] | None = None,
-         hardlinks: dict[str, str] | None = None) -> Path:
+def _tar(
+    path: Path, files: dict[str, bytes], links: dict[str, str] | None = None, hardlinks: dict[str, str] | None = None
+) -> Path:
     with tarfile.open(path, "w:gz") as tf:
         for name, data in files.items():
             info = tarfile.TarInfo(name)
@@ -74,8 +78,11 @@ def test_archive_entry_named_like_a_users_folder_never_touches_it(served, tmp_pa
     project = _users_folder(tmp_path / "project")
     (tmp_path / "data.yaml").write_text(f"path: project\n{HEADER}download: {server.url('evil.zip')}\n")
     before, around = _tree(project), sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(DatasetError, match=r"refusing to download .*evil\.zip into .*project: the folder exists and "
-                                           r"holds no completed detrain download"):
+    with pytest.raises(
+        DatasetError,
+        match=r"refusing to download .*evil\.zip into .*project: the folder exists and "
+        r"holds no completed detrain download",
+    ):
         load_dataset_yaml(tmp_path / "data.yaml")
     assert _tree(project) == before
     assert server.hits == []  # refused before fetching anything
@@ -125,8 +132,9 @@ def test_path_dot_dot_cannot_reach_the_users_folders(served, tmp_path):
 def test_download_dir_escaping_the_dataset_is_refused(served, tmp_path, where):
     server, www = served
     _zip(www / "a.zip", {"a/x.jpg": b"x"})
-    (tmp_path / "data.yaml").write_text(f"path: ds\n{HEADER}download:\n  - url: {server.url('a.zip')}\n"
-                                        f"    dir: '{where}'\n")
+    (tmp_path / "data.yaml").write_text(
+        f"path: ds\n{HEADER}download:\n  - url: {server.url('a.zip')}\n    dir: '{where}'\n"
+    )
     with pytest.raises(DatasetError, match=r"download: entry 1: dir: .* must be a folder inside .*ds \(relative"):
         load_dataset_yaml(tmp_path / "data.yaml")
     assert server.hits == [] and sorted(p.name for p in tmp_path.iterdir()) == ["data.yaml", "www"]
@@ -139,8 +147,9 @@ def test_download_dir_through_a_symlink_is_refused(served, tmp_path):
     elsewhere.mkdir()
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "images").symlink_to(elsewhere)
-    (tmp_path / "data.yaml").write_text(f"path: ds\n{HEADER}download:\n  - url: {server.url('train.zip')}\n"
-                                        f"    dir: images/train\n")
+    (tmp_path / "data.yaml").write_text(
+        f"path: ds\n{HEADER}download:\n  - url: {server.url('train.zip')}\n    dir: images/train\n"
+    )
     with pytest.raises(DatasetError, match=r"into .*ds/images/train: it resolves to .*elsewhere/train, outside .*ds"):
         load_dataset_yaml(tmp_path / "data.yaml")
     assert list(elsewhere.iterdir()) == [] and server.hits == []
@@ -168,8 +177,11 @@ def test_incomplete_existing_target_is_refused(served, tmp_path):
     (dest / "images" / "train").mkdir(parents=True)
     (dest / "images" / "train" / "half.jpg").write_bytes(b"half of an earlier copy")
     before = _tree(dest)
-    with pytest.raises(DatasetError, match=r"into .*toy: the folder exists and holds no completed detrain download "
-                                           r"\(no \.detrain-download-\* file\), so it is never written into"):
+    with pytest.raises(
+        DatasetError,
+        match=r"into .*toy: the folder exists and holds no completed detrain download "
+        r"\(no \.detrain-download-\* file\), so it is never written into",
+    ):
         download_dataset(server.url("toy.zip"), dest, progress=False)
     assert _tree(dest) == before and server.hits == []
 
@@ -248,8 +260,11 @@ def test_zip_bomb_is_refused_before_extraction(served, tmp_path):
     bomb = _zip(www / "bomb.zip", {"toy/zeros.bin": bytes(8 << 20)})
     assert bomb.stat().st_size < 64 << 10
     limits = DownloadLimits(max_unpacked_bytes=10**6)
-    with pytest.raises(DatasetError, match=r"bomb\.zip: its files unpack to at least 8388608 bytes, over "
-                                           r"download_max_unpacked_gb \(0\.001 GB\)"):
+    with pytest.raises(
+        DatasetError,
+        match=r"bomb\.zip: its files unpack to at least 8388608 bytes, over "
+        r"download_max_unpacked_gb \(0\.001 GB\)",
+    ):
         download_dataset(server.url("bomb.zip"), tmp_path / "toy", progress=False, limits=limits)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".toy.download.lock", "www"]
 
@@ -262,8 +277,11 @@ def test_tar_bomb_header_is_refused_under_the_default_caps(served, tmp_path):
         info.size = 300 * 10**9
         tf.addfile(info)
     assert (www / "bomb.tar.gz").stat().st_size < 1024
-    with pytest.raises(DatasetError, match=r"unpack to at least 300000000000 bytes, over "
-                                           r"download_max_unpacked_gb \(200 GB"):
+    with pytest.raises(
+        DatasetError,
+        match=r"unpack to at least 300000000000 bytes, over "
+        r"download_max_unpacked_gb \(200 GB",
+    ):
         download_dataset(server.url("bomb.tar.gz"), tmp_path / "toy", progress=False)
     assert not (tmp_path / "toy").exists()
 
@@ -282,10 +300,14 @@ def test_too_many_members_are_refused(served, tmp_path):
 def test_wrong_sha256_leaves_nothing(served, tmp_path):
     server, www = served
     data = _zip(www / "toy.zip", TOY).read_bytes()
-    (tmp_path / "data.yaml").write_text(f"path: toy\n{HEADER}download:\n  url: {server.url('toy.zip')}\n"
-                                        f"  sha256: {'f' * 64}\n")
-    with pytest.raises(DatasetError, match=rf"toy\.zip has sha256 {hashlib.sha256(data).hexdigest()}, expected "
-                                           rf"{'f' * 64}: deleted it"):
+    (tmp_path / "data.yaml").write_text(
+        f"path: toy\n{HEADER}download:\n  url: {server.url('toy.zip')}\n  sha256: {'f' * 64}\n"
+    )
+    with pytest.raises(
+        DatasetError,
+        match=rf"toy\.zip has sha256 {hashlib.sha256(data).hexdigest()}, expected "
+        rf"{'f' * 64}: deleted it",
+    ):
         load_dataset_yaml(tmp_path / "data.yaml")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".toy.download.lock", "data.yaml", "www"]
 
@@ -293,16 +315,20 @@ def test_wrong_sha256_leaves_nothing(served, tmp_path):
 def test_right_sha256_is_accepted(served, tmp_path):
     server, www = served
     sha = hashlib.sha256(_zip(www / "toy.zip", TOY).read_bytes()).hexdigest()
-    (tmp_path / "data.yaml").write_text(f"path: toy\n{HEADER}download:\n  - url: {server.url('toy.zip')}\n"
-                                        f"    sha256: {sha.upper()}\n")
+    (tmp_path / "data.yaml").write_text(
+        f"path: toy\n{HEADER}download:\n  - url: {server.url('toy.zip')}\n    sha256: {sha.upper()}\n"
+    )
     assert len(load_dataset_yaml(tmp_path / "data.yaml").train) == 1
 
 
-@pytest.mark.parametrize(("entry", "message"), [
-    ("sha256: abc", r"download: sha256: 'abc' is not a sha256; give the 64 hex digits sha256sum prints$"),
-    ("sha256: 1234", r"download: sha256: 1234 is not a sha256; .* in quotes \(YAML read this one as a number\)"),
-    ("sha265: " + "0" * 64, r"download: unknown key 'sha265'; valid keys: url, dir, sha256"),
-])
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("sha256: abc", r"download: sha256: 'abc' is not a sha256; give the 64 hex digits sha256sum prints$"),
+        ("sha256: 1234", r"download: sha256: 1234 is not a sha256; .* in quotes \(YAML read this one as a number\)"),
+        ("sha265: " + "0" * 64, r"download: unknown key 'sha265'; valid keys: url, dir, sha256"),
+    ],
+)
 def test_malformed_download_entries_are_clear_errors(served, tmp_path, entry, message):
     server, _ = served
     (tmp_path / "data.yaml").write_text(f"path: toy\n{HEADER}download:\n  url: {server.url('toy.zip')}\n  {entry}\n")
@@ -317,8 +343,11 @@ def test_https_to_http_redirect_is_refused(served, tmp_path, monkeypatch):
     _zip(www / "toy.zip", TOY)
     policy = net.redirect_allowed
     monkeypatch.setattr(net, "redirect_allowed", lambda old, new: policy(old.replace("http:", "https:", 1), new))
-    with pytest.raises(DatasetError, match=r"cannot download .*moved/toy\.zip: refused the redirect from .* to "
-                                           r"http://127\.0\.0\.1:\d+/toy\.zip: an https download must not continue"):
+    with pytest.raises(
+        DatasetError,
+        match=r"cannot download .*moved/toy\.zip: refused the redirect from .* to "
+        r"http://127\.0\.0\.1:\d+/toy\.zip: an https download must not continue",
+    ):
         download_dataset(server.url("moved/toy.zip"), tmp_path / "toy", progress=False)
     assert server.hits == ["/moved/toy.zip"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".toy.download.lock", "www"]
@@ -333,8 +362,11 @@ def test_redirect_within_http_is_followed(served, tmp_path):
 
 def test_oversized_content_length_is_refused_before_reading(served, tmp_path):
     server, _ = served
-    with pytest.raises(DatasetError, match=r"huge: the server announces 60000000000 bytes, over download_max_gb "
-                                           r"\(50 GB\); raise download_max_gb or download it by hand"):
+    with pytest.raises(
+        DatasetError,
+        match=r"huge: the server announces 60000000000 bytes, over download_max_gb "
+        r"\(50 GB\); raise download_max_gb or download it by hand",
+    ):
         download_dataset(server.url("huge"), tmp_path / "toy", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".toy.download.lock", "www"]
 
@@ -343,8 +375,9 @@ def test_body_longer_than_the_cap_is_cut_off(served, tmp_path):
     server, www = served
     (www / "big.bin").write_bytes(bytes(5000))
     with pytest.raises(DatasetError, match=r"the server sent more than 1000 bytes, over download_max_gb"):
-        download_dataset(server.url("nolength/big.bin"), tmp_path / "toy", progress=False,
-                         limits=DownloadLimits(max_bytes=1000))
+        download_dataset(
+            server.url("nolength/big.bin"), tmp_path / "toy", progress=False, limits=DownloadLimits(max_bytes=1000)
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == [".toy.download.lock", "www"]
 
 
@@ -364,7 +397,8 @@ def test_the_cfg_caps_reach_the_download(served, tmp_path):
     _zip(www / "toy.zip", {**TOY, "toy/pad.bin": bytes(4000)})
     (tmp_path / "data.yaml").write_text(f"path: toy\n{HEADER}download: {server.url('toy.zip')}\n")
     cfg = make_cfg({"data": str(tmp_path / "data.yaml"), "download_max_unpacked_gb": 1e-6})
-    with pytest.raises(DatasetError,
-                       match=r"unpack to at least 40\d\d bytes, over download_max_unpacked_gb \(1e-06 GB"):
+    with pytest.raises(
+        DatasetError, match=r"unpack to at least 40\d\d bytes, over download_max_unpacked_gb \(1e-06 GB"
+    ):
         load_split(cfg.inputs.data, "train", cfg, verbose=False)
     assert not (tmp_path / "toy").exists()

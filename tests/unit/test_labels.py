@@ -131,19 +131,23 @@ def test_boxes_slightly_outside_are_clipped_and_the_image_kept(tmp_path):
     """What Ultralytics accepts (centre within 1 % of the image, size at most 1.01) is kept, clipped to the image."""
     img = _image(tmp_path / "images" / "train" / "a.jpg")
     other = _image(tmp_path / "images" / "train" / "b.jpg", seed=1)
-    _label(img, "0 0.005 0.5 0.02 0.2\n"  # left edge at -0.005
-                "1 0.5 1.008 0.2 0.04\n"  # centre below the image, within the tolerance
-                "2 0.5 0.5 1.01 1.0\n"  # a hair wider than the image
-                "2 -0.009 0.3 0.01 0.1\n"  # entirely outside: nothing left after clipping
-                "0 0.5 0.5 0.2 0.2\n")
+    _label(
+        img,
+        "0 0.005 0.5 0.02 0.2\n"  # left edge at -0.005
+        "1 0.5 1.008 0.2 0.04\n"  # centre below the image, within the tolerance
+        "2 0.5 0.5 1.01 1.0\n"  # a hair wider than the image
+        "2 -0.009 0.3 0.01 0.1\n"  # entirely outside: nothing left after clipping
+        "0 0.5 0.5 0.2 0.2\n",
+    )
     _label(other, "0 0.5 0.5 1.0000005 0.2\n")  # rounding of the label text: clipped, not counted
     records, report = load_labels([img, other], nc=3, progress=False)
     assert report.found == 2 and report.corrupt == 0 and report.clipped == 3
     assert "2 with labels, 0 missing, 0 empty, 0 corrupt, 3 boxes clipped to the image (cache:" in report.summary()
     boxes = records[0].bboxes_xywhn.astype(np.float64)
     assert records[0].cls.tolist() == [0, 1, 2, 0]
-    np.testing.assert_allclose(boxes[:3], [[0.0075, 0.5, 0.015, 0.2], [0.5, 0.994, 0.2, 0.012], [0.5, 0.5, 1, 1]],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        boxes[:3], [[0.0075, 0.5, 0.015, 0.2], [0.5, 0.994, 0.2, 0.012], [0.5, 0.5, 1, 1]], atol=1e-6
+    )
     corners = np.concatenate([boxes[:, :2] - boxes[:, 2:] / 2, boxes[:, :2] + boxes[:, 2:] / 2], 1)
     assert corners.min() >= 0 and corners.max() <= 1 + 1e-6
     np.testing.assert_allclose(records[1].bboxes_xywhn, [[0.5, 0.5, 1.0, 0.2]], atol=1e-6)
@@ -161,9 +165,19 @@ def test_polygon_slightly_outside_is_clipped(tmp_path):
 
 @pytest.mark.parametrize(
     "text",
-    ["0 1.005 0.5 0.3 0.2", "0 -0.01 0.5 0.05 0.2", "0 0.5 0.5 1.01 1.01", "0 0.5 0.5 0 0.2", "0 0.999 0.001 0.9 0.9",
-     "0 1.011 0.5 0.1 0.1", "0 0.5 -0.02 0.1 0.1", "0 0.5 0.5 1.02 0.1", "0 0.5 0.5 -0.001 0.1",
-     "0 0.1 0.1 1.2 0.1 1.2 0.5", "0 -0.05 0.1 1.0 0.1 1.0 0.5"],
+    [
+        "0 1.005 0.5 0.3 0.2",
+        "0 -0.01 0.5 0.05 0.2",
+        "0 0.5 0.5 1.01 1.01",
+        "0 0.5 0.5 0 0.2",
+        "0 0.999 0.001 0.9 0.9",
+        "0 1.011 0.5 0.1 0.1",
+        "0 0.5 -0.02 0.1 0.1",
+        "0 0.5 0.5 1.02 0.1",
+        "0 0.5 0.5 -0.001 0.1",
+        "0 0.1 0.1 1.2 0.1 1.2 0.5",
+        "0 -0.05 0.1 1.0 0.1 1.0 0.5",
+    ],
 )
 def test_accepts_whatever_ultralytics_accepts(tmp_path, monkeypatch, text):
     """The same verdict as Ultralytics' verify_image_label (when it is importable, e.g. PYTHONPATH=/opt/ulib)."""

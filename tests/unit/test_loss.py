@@ -124,15 +124,18 @@ def test_anchors_are_cached_per_feature_shape() -> None:
     first = criterion._anchors(maps, torch.float32, torch.device("cpu"))
     again = criterion._anchors([m.clone() for m in maps], torch.float32, torch.device("cpu"))
     assert first[0] is again[0]
-    other = criterion._anchors([torch.zeros(1, CHANNELS, 4, 8), torch.zeros(1, CHANNELS, 2, 4)], torch.float32,
-                               torch.device("cpu"))
+    other = criterion._anchors(
+        [torch.zeros(1, CHANNELS, 4, 8), torch.zeros(1, CHANNELS, 2, 4)], torch.float32, torch.device("cpu")
+    )
     assert other[0].shape == (4 * 8 + 2 * 4, 2)
 
 
 def test_half_precision_maps_are_scored_in_float32() -> None:
     gen = torch.Generator().manual_seed(0)
-    maps = [torch.randn(1, CHANNELS, 8, 8, generator=gen).bfloat16().requires_grad_(),
-            torch.randn(1, CHANNELS, 4, 4, generator=gen).bfloat16().requires_grad_()]
+    maps = [
+        torch.randn(1, CHANNELS, 8, 8, generator=gen).bfloat16().requires_grad_(),
+        torch.randn(1, CHANNELS, 4, 4, generator=gen).bfloat16().requires_grad_(),
+    ]
     loss, _ = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)(maps, *random_labels(gen, [2]))
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     loss.backward()
@@ -173,8 +176,9 @@ def test_two_half_batches_with_shared_normalizer_reproduce_the_full_batch_gradie
 
     half_grads, half_items = [], []
     for rank in range(2):
-        criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, normalizer_reduce=lambda t: global_sum.clone(),
-                                  world_size=2)
+        criterion = DetectionLoss(
+            NC, STRIDES, reg_max=REG_MAX, normalizer_reduce=lambda t: global_sum.clone(), world_size=2
+        )
         xr, *labels = half(rank)
         loss, items = criterion(head(xr), *labels)  # global_batch defaults to 2 images * 2 ranks
         loss.backward()
@@ -207,12 +211,14 @@ def dense_reference_loss(maps: list[torch.Tensor], batch_idx, cls, bboxes_xywhn,
     pred = torch.cat([m.reshape(b, m.shape[1], -1) for m in maps], 2).permute(0, 2, 1)
     distri, logits = pred.split((4 * REG_MAX, NC), -1)
     anchors, stride = make_anchors(maps, torch.tensor(strides), 0.5)
-    boxes = dist2bbox(distri.reshape(b, -1, 4, REG_MAX).softmax(-1) @ torch.arange(REG_MAX, dtype=pred.dtype),
-                      anchors, xywh=False)
+    boxes = dist2bbox(
+        distri.reshape(b, -1, 4, REG_MAX).softmax(-1) @ torch.arange(REG_MAX, dtype=pred.dtype), anchors, xywh=False
+    )
     size = maps[0].shape[2] * strides[0]
     gt_cls, gt_boxes, mask = pad_targets(batch_idx, cls.to(pred), xywh2xyxy(bboxes_xywhn.to(pred) * size), b)
-    target = TaskAlignedAssigner(10, NC, min_side=strides[1])(logits.detach().sigmoid(), boxes.detach() * stride,
-                                                              anchors * stride, gt_cls, gt_boxes, mask)
+    target = TaskAlignedAssigner(10, NC, min_side=strides[1])(
+        logits.detach().sigmoid(), boxes.detach() * stride, anchors * stride, gt_cls, gt_boxes, mask
+    )
     norm = target.scores.sum().clamp(min=1)
     loss_cls = nn.functional.binary_cross_entropy_with_logits(logits, target.scores, reduction="sum")
     fg = target.fg_mask

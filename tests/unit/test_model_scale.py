@@ -69,13 +69,19 @@ def test_model_yaml_with_scale_s_builds_s_not_l(tmp_path: Path, capsys: pytest.C
 
 
 def test_custom_yaml_that_names_no_scale_is_refused_not_built_as_m(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """custom.yaml ends in 'm': it used to build YOLOv8-M. Several scales and none named: the user must choose."""
     monkeypatch.chdir(tmp_path)
     path = _write(tmp_path / "custom.yaml")
-    message = (f"model yaml {path} defines scales {ALL_SCALES} but names none: add a line such as 'scale: n' to it")
-    for build in (lambda: architecture(str(path)), lambda: check_model(str(path)), lambda: build_model(str(path)),
-                  lambda: DetectionModel(path), lambda: Model(str(path))):
+    message = f"model yaml {path} defines scales {ALL_SCALES} but names none: add a line such as 'scale: n' to it"
+    for build in (
+        lambda: architecture(str(path)),
+        lambda: check_model(str(path)),
+        lambda: build_model(str(path)),
+        lambda: DetectionModel(path),
+        lambda: Model(str(path)),
+    ):
         with pytest.raises(ConfigError) as e:
             build()
         assert str(e.value) == message
@@ -114,8 +120,20 @@ def test_bundled_names_build_real_models() -> None:
     assert _built_scale(DetectionModel("yolov8.yaml", nc=2)) == "n"
 
 
-@pytest.mark.parametrize("name", ["model.yaml", "custom.yaml", "mymodel-s.yaml", "yolov8s-p2.yaml", "small.yaml",
-                                  "yolov9s.yaml", "xl.yaml", "s.yaml.bak", "S.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.yaml",
+        "custom.yaml",
+        "mymodel-s.yaml",
+        "yolov8s-p2.yaml",
+        "small.yaml",
+        "yolov9s.yaml",
+        "xl.yaml",
+        "s.yaml.bak",
+        "S.yaml",
+    ],
+)
 def test_other_names_imply_no_scale(name: str) -> None:
     assert bundled_scale(name) is None
     assert bundled_scale(f"configs/{name}") is None
@@ -129,14 +147,17 @@ def test_a_bundled_name_on_disk_takes_its_scale_from_the_name_when_it_names_none
     assert _built_scale(build_model(str(agreeing), nc=2)[0]) == "n"
 
 
-@pytest.mark.parametrize(("name", "own", "implied"), [("yolov8s.yaml", "m", "s"), ("n.yaml", "s", "n"),
-                                                      ("x.yml", "n", "x")])
-def test_a_bundled_name_whose_yaml_names_another_scale_is_an_error(tmp_path: Path, name: str, own: str,
-                                                                   implied: str,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("name", "own", "implied"), [("yolov8s.yaml", "m", "s"), ("n.yaml", "s", "n"), ("x.yml", "n", "x")]
+)
+def test_a_bundled_name_whose_yaml_names_another_scale_is_an_error(
+    tmp_path: Path, name: str, own: str, implied: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = _write(tmp_path / name, scale=own)
-    message = (f"model yaml {path} says 'scale: {own}' but its name {name} means scale {implied}: rename the file "
-               f"(e.g. custom.yaml) to build {own}, or make that line 'scale: {implied}'")
+    message = (
+        f"model yaml {path} says 'scale: {own}' but its name {name} means scale {implied}: rename the file "
+        f"(e.g. custom.yaml) to build {own}, or make that line 'scale: {implied}'"
+    )
     for build in (lambda: architecture(str(path)), lambda: DetectionModel(path), lambda: load_model_yaml(path)):
         with pytest.raises(ConfigError) as e:
             build()
@@ -146,7 +167,8 @@ def test_a_bundled_name_whose_yaml_names_another_scale_is_an_error(tmp_path: Pat
 
 
 def test_a_yolov8_yaml_in_the_working_directory_does_not_stand_in_for_a_scale_name(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """s.yaml means the packaged architecture at s, not whatever yolov8.yaml lies in the current folder."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "yolov8.yaml").write_text("backbone: []\nhead: []\n")
@@ -164,16 +186,19 @@ def test_single_scale_yaml_needs_no_scale(tmp_path: Path) -> None:
     assert model.scale == "n" and model.model[0].conv.out_channels == 16
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"scale": "q"}, f"scale 'q' is not one of {ALL_SCALES}"),
-    ({"scale": 5}, f"scale 5 is not one of {ALL_SCALES}"),
-    ({"scale": ["s"]}, f"scale ['s'] is not one of {ALL_SCALES}"),
-    ({"scale": "s" * 10_000}, "is not one of"),
-    ({"scales": "nsmlx", "scale": "s"}, "'scales' must map scale names to [depth, width, max_channels]"),
-    ({"scales": {"s": "wide"}, "scale": "s"}, "model scale s: expected [depth, width, max_channels]"),
-    ({"scales": {"s": [0.33, -1, 1024]}, "scale": "s"}, "model scale s: expected [depth, width, max_channels]"),
-    ({"scales": {"s": [0.33, True, 1024]}, "scale": "s"}, "model scale s: expected [depth, width, max_channels]"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"scale": "q"}, f"scale 'q' is not one of {ALL_SCALES}"),
+        ({"scale": 5}, f"scale 5 is not one of {ALL_SCALES}"),
+        ({"scale": ["s"]}, f"scale ['s'] is not one of {ALL_SCALES}"),
+        ({"scale": "s" * 10_000}, "is not one of"),
+        ({"scales": "nsmlx", "scale": "s"}, "'scales' must map scale names to [depth, width, max_channels]"),
+        ({"scales": {"s": "wide"}, "scale": "s"}, "model scale s: expected [depth, width, max_channels]"),
+        ({"scales": {"s": [0.33, -1, 1024]}, "scale": "s"}, "model scale s: expected [depth, width, max_channels]"),
+        ({"scales": {"s": [0.33, True, 1024]}, "scale": "s"}, "model scale s: expected [depth, width, max_channels]"),
+    ],
+)
 def test_hostile_scale_values_are_one_clear_error(tmp_path: Path, changes: dict[str, Any], message: str) -> None:
     path = _write(tmp_path / "custom.yaml", **changes)
     with pytest.raises(ConfigError, match="model") as e:

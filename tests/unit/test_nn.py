@@ -16,21 +16,56 @@ from detrain.nn.modules import C2f, Conv, Detect, Upsample, conv2d
 # Taken from the official YOLOv8 checkpoints / reference implementation (nc=80): parameter count
 # (DFL's fixed weight included), number of state-dict entries, and a few key -> shape pairs.
 EXPECTED = {
-    "n": (3_157_200, 355, {
-        "model.0.conv.weight": (16, 3, 3, 3), "model.21.cv2.conv.weight": (256, 384, 1, 1),
-        "model.9.cv2.conv.weight": (256, 512, 1, 1), "model.22.cv3.2.1.conv.weight": (80, 80, 3, 3)}),
-    "s": (11_166_560, 355, {
-        "model.0.conv.weight": (32, 3, 3, 3), "model.21.cv2.conv.weight": (512, 768, 1, 1),
-        "model.9.cv2.conv.weight": (512, 1024, 1, 1), "model.22.cv3.2.1.conv.weight": (128, 128, 3, 3)}),
-    "m": (25_902_640, 475, {
-        "model.0.conv.weight": (48, 3, 3, 3), "model.21.cv2.conv.weight": (576, 1152, 1, 1),
-        "model.9.cv2.conv.weight": (576, 1152, 1, 1), "model.22.cv3.2.1.conv.weight": (192, 192, 3, 3)}),
-    "l": (43_691_520, 595, {
-        "model.0.conv.weight": (64, 3, 3, 3), "model.21.cv2.conv.weight": (512, 1280, 1, 1),
-        "model.9.cv2.conv.weight": (512, 1024, 1, 1), "model.22.cv3.2.1.conv.weight": (256, 256, 3, 3)}),
-    "x": (68_229_648, 595, {
-        "model.0.conv.weight": (80, 3, 3, 3), "model.21.cv2.conv.weight": (640, 1600, 1, 1),
-        "model.9.cv2.conv.weight": (640, 1280, 1, 1), "model.22.cv2.0.2.weight": (64, 80, 1, 1)}),
+    "n": (
+        3_157_200,
+        355,
+        {
+            "model.0.conv.weight": (16, 3, 3, 3),
+            "model.21.cv2.conv.weight": (256, 384, 1, 1),
+            "model.9.cv2.conv.weight": (256, 512, 1, 1),
+            "model.22.cv3.2.1.conv.weight": (80, 80, 3, 3),
+        },
+    ),
+    "s": (
+        11_166_560,
+        355,
+        {
+            "model.0.conv.weight": (32, 3, 3, 3),
+            "model.21.cv2.conv.weight": (512, 768, 1, 1),
+            "model.9.cv2.conv.weight": (512, 1024, 1, 1),
+            "model.22.cv3.2.1.conv.weight": (128, 128, 3, 3),
+        },
+    ),
+    "m": (
+        25_902_640,
+        475,
+        {
+            "model.0.conv.weight": (48, 3, 3, 3),
+            "model.21.cv2.conv.weight": (576, 1152, 1, 1),
+            "model.9.cv2.conv.weight": (576, 1152, 1, 1),
+            "model.22.cv3.2.1.conv.weight": (192, 192, 3, 3),
+        },
+    ),
+    "l": (
+        43_691_520,
+        595,
+        {
+            "model.0.conv.weight": (64, 3, 3, 3),
+            "model.21.cv2.conv.weight": (512, 1280, 1, 1),
+            "model.9.cv2.conv.weight": (512, 1024, 1, 1),
+            "model.22.cv3.2.1.conv.weight": (256, 256, 3, 3),
+        },
+    ),
+    "x": (
+        68_229_648,
+        595,
+        {
+            "model.0.conv.weight": (80, 3, 3, 3),
+            "model.21.cv2.conv.weight": (640, 1600, 1, 1),
+            "model.9.cv2.conv.weight": (640, 1280, 1, 1),
+            "model.22.cv2.0.2.weight": (64, 80, 1, 1),
+        },
+    ),
 }
 
 # YOLOv8n checkpoint keys that exercise every kind of nesting.

@@ -16,8 +16,9 @@ def _net() -> nn.Module:
 
 def test_three_groups_decay_only_on_weights():
     net = _net()
-    opt, name, lr = optim.build_optimizer(net, make_cfg({"optimizer": "SGD"}), nc=2, total_iterations=10,
-                                          weight_decay=5e-4)
+    opt, name, lr = optim.build_optimizer(
+        net, make_cfg({"optimizer": "SGD"}), nc=2, total_iterations=10, weight_decay=5e-4
+    )
     assert name == "SGD" and lr == 0.01
     biases, weights, bn = opt.param_groups
     assert len(biases["params"]) == 3 and len(weights["params"]) == 2 and len(bn["params"]) == 1
@@ -124,16 +125,18 @@ def test_ema_leaves_integer_buffers_as_copied():
 def test_fused_update_kernel_on_cpu_and_kept_when_loading_a_state():
     net = _net()
     for name in ("SGD", "AdamW"):
-        opt, _, _ = optim.build_optimizer(net, make_cfg({"optimizer": name}), nc=2, total_iterations=10,
-                                          weight_decay=5e-4)
+        opt, _, _ = optim.build_optimizer(
+            net, make_cfg({"optimizer": name}), nc=2, total_iterations=10, weight_decay=5e-4
+        )
         assert all(g["fused"] for g in opt.param_groups)
         net(torch.rand(1, 3, 8, 8)).sum().backward()
         opt.step()
         state = opt.state_dict()
         for group in state["param_groups"]:  # as an older or other-device checkpoint would have it
             group["fused"], group["foreach"] = None, True
-        again, _, _ = optim.build_optimizer(net, make_cfg({"optimizer": name}), nc=2, total_iterations=10,
-                                            weight_decay=5e-4)
+        again, _, _ = optim.build_optimizer(
+            net, make_cfg({"optimizer": name}), nc=2, total_iterations=10, weight_decay=5e-4
+        )
         optim.load_optimizer_state(again, state)
         assert all(g["fused"] and not g.get("foreach") for g in again.param_groups)
         assert state["param_groups"][0]["fused"] is None  # the caller's dict is left as it was
@@ -147,8 +150,9 @@ def test_fused_sgd_takes_the_same_step_as_the_per_tensor_loop():
     nets[1].load_state_dict(nets[0].state_dict())
     opts = []
     for net, fused in zip(nets, (True, False)):
-        opt, _, _ = optim.build_optimizer(net, make_cfg({"optimizer": "SGD"}), nc=2, total_iterations=10,
-                                          weight_decay=5e-4)
+        opt, _, _ = optim.build_optimizer(
+            net, make_cfg({"optimizer": "SGD"}), nc=2, total_iterations=10, weight_decay=5e-4
+        )
         if not fused:
             groups = [{**g, "fused": None, "foreach": False} for g in opt.param_groups]
             opt = torch.optim.SGD(groups, lr=0.01, momentum=0.937, nesterov=True)

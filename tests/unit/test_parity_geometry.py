@@ -68,14 +68,48 @@ class Replay:
 
 
 def _dataset(ul, root: Path, imgsz: int):
-    off = ("hsv_h", "hsv_s", "hsv_v", "degrees", "translate", "scale", "shear", "perspective", "flipud", "fliplr",
-           "mixup", "cutmix", "copy_paste")
-    args = SimpleNamespace(**dict.fromkeys(off, 0.0),
-                           mosaic=1.0, copy_paste_mode="flip", mask_ratio=4, overlap_mask=True, bgr=0.0,
-                           fraction=1.0, cache=False, single_cls=False, classes=None, imgsz=imgsz, task="detect")
+    off = (
+        "hsv_h",
+        "hsv_s",
+        "hsv_v",
+        "degrees",
+        "translate",
+        "scale",
+        "shear",
+        "perspective",
+        "flipud",
+        "fliplr",
+        "mixup",
+        "cutmix",
+        "copy_paste",
+    )
+    args = SimpleNamespace(
+        **dict.fromkeys(off, 0.0),
+        mosaic=1.0,
+        copy_paste_mode="flip",
+        mask_ratio=4,
+        overlap_mask=True,
+        bgr=0.0,
+        fraction=1.0,
+        cache=False,
+        single_cls=False,
+        classes=None,
+        imgsz=imgsz,
+        task="detect",
+    )
     data = {"names": {i: str(i) for i in range(80)}, "nc": 80, "channels": 3}
-    return ul.YOLODataset(img_path=str(root / "images" / "train"), imgsz=imgsz, augment=False, hyp=args,
-                          rect=False, batch_size=4, stride=32, pad=0.0, data=data, task="detect")
+    return ul.YOLODataset(
+        img_path=str(root / "images" / "train"),
+        imgsz=imgsz,
+        augment=False,
+        hyp=args,
+        rect=False,
+        batch_size=4,
+        stride=32,
+        pad=0.0,
+        data=data,
+        task="detect",
+    )
 
 
 def _ultralytics_sample(ul, dataset, imgsz: int, seed: int, affine: dict[str, float]) -> tuple[Any, list[float]]:
@@ -100,8 +134,7 @@ def _ultralytics_sample(ul, dataset, imgsz: int, seed: int, affine: dict[str, fl
     return out, draws
 
 
-def _detrain_sample(root: Path, imgsz: int, draws: list[float], affine: dict[str, float]) -> tuple[np.ndarray,
-                                                                                                   Labels]:
+def _detrain_sample(root: Path, imgsz: int, draws: list[float], affine: dict[str, float]) -> tuple[np.ndarray, Labels]:
     files = sorted((root / "images" / "train").iterdir())[:4]
     images, labels = [], []
     for f in files:

@@ -30,8 +30,12 @@ def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.T
     counts = [12, 0, 3, 25]  # an empty image, and a crowded one
     idx, cls, boxes = [], [], []
     for i, k in enumerate(counts):
-        side = torch.exp(torch.empty(k, 2).uniform_(torch.log(torch.tensor(3.0)), torch.log(torch.tensor(128.0)),
-                                                     generator=gen)) / IMGSZ
+        side = (
+            torch.exp(
+                torch.empty(k, 2).uniform_(torch.log(torch.tensor(3.0)), torch.log(torch.tensor(128.0)), generator=gen)
+            )
+            / IMGSZ
+        )
         centre = torch.rand(k, 2, generator=gen) * (1 - side) + side / 2
         idx.append(torch.full((k,), float(i)))
         cls.append(torch.randint(0, NC, (k, 1), generator=gen).float())
@@ -68,14 +72,18 @@ def test_loss_and_every_gradient_agree_with_ultralytics(seed: int) -> None:
             p_theirs.add_(noise)
 
     their_loss, their_items = v8DetectionLoss(theirs)(
-        theirs(imgs), {"batch_idx": batch_idx, "cls": cls, "bboxes": bboxes})
+        theirs(imgs), {"batch_idx": batch_idx, "cls": cls, "bboxes": bboxes}
+    )
     their_loss.sum().backward()
     maps = ours(imgs)
     our_loss, our_items = DetectionLoss(NC, ours.stride, reg_max=ours.reg_max)(maps, batch_idx, cls, bboxes)
     our_loss.backward()
 
-    their_items = torch.stack([v.detach().reshape(()) for v in their_items.values()]) \
-        if isinstance(their_items, dict) else their_items.detach()
+    their_items = (
+        torch.stack([v.detach().reshape(()) for v in their_items.values()])
+        if isinstance(their_items, dict)
+        else their_items.detach()
+    )
     torch.testing.assert_close(our_items, their_items, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(our_loss.detach(), their_loss.detach().sum(), rtol=1e-5, atol=1e-5)
     compared = 0

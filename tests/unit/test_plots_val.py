@@ -24,8 +24,7 @@ def some_metrics():
         gt = rng.uniform(0, 200, (5, 2))
         gt_xyxy = np.concatenate((gt, gt + rng.uniform(10, 80, (5, 2))), 1)
         det = gt_xyxy + rng.normal(0, 3, gt_xyxy.shape)
-        stats.append(match_image(det, rng.random(5), rng.integers(0, 3, 5), gt_xyxy, rng.integers(0, 3, 5),
-                                 image_id=i))
+        stats.append(match_image(det, rng.random(5), rng.integers(0, 3, 5), gt_xyxy, rng.integers(0, 3, 5), image_id=i))
     return coco_summary(stats, nc=3)
 
 
@@ -33,8 +32,14 @@ def test_all_validation_plots(tmp_path: Path) -> None:
     cm = ConfusionMatrix(nc=3)
     cm.update(np.array([[0, 0, 10, 10, 0.9, 1]]), np.array([[0, 0, 10, 10]]), np.array([2]))
     paths = plot_all(tmp_path / "val", some_metrics(), cm, ["a", "b", "c"])
-    assert [p.name for p in paths] == ["PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png",
-                                      "confusion_matrix.png", "confusion_matrix_normalized.png"]
+    assert [p.name for p in paths] == [
+        "PR_curve.png",
+        "F1_curve.png",
+        "P_curve.png",
+        "R_curve.png",
+        "confusion_matrix.png",
+        "confusion_matrix_normalized.png",
+    ]
     assert all(is_png(p) for p in paths)
 
 
@@ -52,8 +57,9 @@ def test_confusion_matrix_of_many_classes(tmp_path: Path) -> None:
 
 def test_results_png(tmp_path: Path) -> None:
     csv_path = tmp_path / "results.csv"
-    csv_path.write_text("epoch, train/box_loss, metrics/mAP50(B), lr/pg0\n1, 1.5, 0.1, 0.01\n2, 1.2, 0.2, 0.009\n"
-                        "3, nan, 0.25, 0.008\n")
+    csv_path.write_text(
+        "epoch, train/box_loss, metrics/mAP50(B), lr/pg0\n1, 1.5, 0.1, 0.01\n2, 1.2, 0.2, 0.009\n3, nan, 0.25, 0.008\n"
+    )
     out = plot_results_csv(csv_path)
     assert out == tmp_path / "results.png" and is_png(out)
     empty = tmp_path / "empty.csv"

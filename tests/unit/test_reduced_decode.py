@@ -44,8 +44,15 @@ def _marker_jpeg(path: Path, h: int, w: int, centre_xy: tuple[float, float], ori
     return str(path)
 
 
-def _miss(file: str, centre_xy: tuple[float, float], reduce: int, m: np.ndarray, imgsz: int,
-          out_wh: tuple[int, int], old_placement: bool = False) -> np.ndarray:
+def _miss(
+    file: str,
+    centre_xy: tuple[float, float],
+    reduce: int,
+    m: np.ndarray,
+    imgsz: int,
+    out_wh: tuple[int, int],
+    old_placement: bool = False,
+) -> np.ndarray:
     """How far (x, y output pixels) the spot lands from the centre of its label, a box centred on ``centre_xy``
     (file pixels, as displayed), with the file as one training tile (the dataset's plan and render path) decoded at
     1/``reduce``. ``old_placement`` stretches the decode onto the load size, as before ``ReducedImage``."""
@@ -53,8 +60,9 @@ def _miss(file: str, centre_xy: tuple[float, float], reduce: int, m: np.ndarray,
     lh, lw = load_size((h0, w0), imgsz)
     cx, cy = centre_xy[0] * lw / w0, centre_xy[1] * lh / h0
     label = Labels([0], [[cx - 20, cy - 20, cx + 20, cy + 20]])
-    plan = SamplePlan(0, [LayerPlan([TilePlan(0, (lw, lh), (0, 0), reduce)], (lw, lh), m, 1.0)], out_wh,
-                      hsv=np.zeros(3))
+    plan = SamplePlan(
+        0, [LayerPlan([TilePlan(0, (lw, lh), (0, 0), reduce)], (lw, lh), m, 1.0)], out_wh, hsv=np.zeros(3)
+    )
 
     def pixels(index: int, r: int) -> np.ndarray:
         img = read_image(file, r)
@@ -70,7 +78,7 @@ def _miss(file: str, centre_xy: tuple[float, float], reduce: int, m: np.ndarray,
 def _centroid(img: np.ndarray, near_xy: np.ndarray, radius: int = 30) -> np.ndarray:
     """The brightness-weighted centre of the pixels within ``radius`` of ``near_xy`` (the spot on black)."""
     x0, y0 = int(near_xy[0]) - radius, int(near_xy[1]) - radius
-    g = img[y0: y0 + 2 * radius, x0: x0 + 2 * radius, 1].astype(np.float64)
+    g = img[y0 : y0 + 2 * radius, x0 : x0 + 2 * radius, 1].astype(np.float64)
     ys, xs = np.mgrid[: g.shape[0], : g.shape[1]]
     return np.array([((xs + x0 + 0.5) * g).sum(), ((ys + y0 + 0.5) * g).sum()]) / g.sum()
 
@@ -112,10 +120,17 @@ def test_png_is_not_decoded_at_reduced_scale(tmp_path):
 def test_marker_lands_where_the_full_decode_puts_it(tmp_path, f, orientation):
     """Odd sizes (1 more than a multiple of 8: the most overhang) and every kind of EXIF axis reversal."""
     file = _marker_jpeg(tmp_path / "m.jpg", 1203, 1601, (1361.0, 1023.0), orientation)
-    shown = {1: (1361.0, 1023.0), 3: (1601 - 1361.0, 1203 - 1023.0), 6: (1203 - 1023.0, 1361.0),
-             8: (1023.0, 1601 - 1361.0)}[orientation]  # where the spot is once OpenCV has turned the image
-    for m, out_wh in [(np.eye(3), (800, 800)), (translation(20, 10) @ scaling(0.6, 0.6), (600, 600)),
-                      (_rotation(10, 400, 300), (800, 800))]:
+    shown = {
+        1: (1361.0, 1023.0),
+        3: (1601 - 1361.0, 1203 - 1023.0),
+        6: (1203 - 1023.0, 1361.0),
+        8: (1023.0, 1601 - 1361.0),
+    }[orientation]  # where the spot is once OpenCV has turned the image
+    for m, out_wh in [
+        (np.eye(3), (800, 800)),
+        (translation(20, 10) @ scaling(0.6, 0.6), (600, 600)),
+        (_rotation(10, 400, 300), (800, 800)),
+    ]:
         assert np.abs(_miss(file, shown, 1, m, 800, out_wh)).max() < 0.05  # the full decode, for reference
         miss = _miss(file, shown, f, m, 800, out_wh)
         assert np.abs(miss).max() < 0.05, (f, orientation, miss)
@@ -148,9 +163,17 @@ def test_jpeg_header_reader_survives_hostile_bytes(tmp_path):
     assert ok
     body = enc.ravel().tobytes()
     # APP1 Exif with a little-endian TIFF header whose IFD0 holds one Orientation tag (6)
-    tiff = b"II*\x00" + (8).to_bytes(4, "little") + (1).to_bytes(2, "little") + \
-        (0x0112).to_bytes(2, "little") + (3).to_bytes(2, "little") + (1).to_bytes(4, "little") + \
-        (6).to_bytes(2, "little") + b"\x00\x00" + (0).to_bytes(4, "little")
+    tiff = (
+        b"II*\x00"
+        + (8).to_bytes(4, "little")
+        + (1).to_bytes(2, "little")
+        + (0x0112).to_bytes(2, "little")
+        + (3).to_bytes(2, "little")
+        + (1).to_bytes(4, "little")
+        + (6).to_bytes(2, "little")
+        + b"\x00\x00"
+        + (0).to_bytes(4, "little")
+    )
     payload = b"Exif\x00\x00" + tiff
     seed = body[:2] + b"\xff\xe1" + (len(payload) + 2).to_bytes(2, "big") + payload + body[2:]
     assert jpeg_header(np.frombuffer(seed, np.uint8)) == (53, 37, 6)
@@ -161,8 +184,9 @@ def test_jpeg_header_reader_survives_hostile_bytes(tmp_path):
         for pos in rng.integers(0, 80, size=int(rng.integers(1, 6))):
             b[int(pos)] = int(rng.integers(256))
         cases.append(bytes(b))
-    cases += [b"\xff\xd8" + rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes()
-              for _ in range(100)]
+    cases += [
+        b"\xff\xd8" + rng.integers(0, 256, int(rng.integers(0, 200)), dtype=np.uint8).tobytes() for _ in range(100)
+    ]
     for k, data in enumerate(cases):
         out = jpeg_header(np.frombuffer(data, np.uint8))
         assert out is None or (len(out) == 3 and all(isinstance(v, int) for v in out) and 1 <= out[2] <= 8)

@@ -27,10 +27,18 @@ REFERENCE = SHARED / "data" / "reference"
 
 # name -> (dataset yaml, reference predictions, COCO ground truth, pycocotools summary of the reference)
 CASES = {
-    "coco8": ("coco8.yaml", "yolov8n_coco8_val_predictions.json", "coco8_val_gt_coco.json",
-              "yolov8n_coco8_val_pycocotools.json"),
-    "coco128": ("coco128.yaml", "yolov8n_coco128_predictions.json", "coco128_gt_coco.json",
-                "yolov8n_coco128_pycocotools.json"),
+    "coco8": (
+        "coco8.yaml",
+        "yolov8n_coco8_val_predictions.json",
+        "coco8_val_gt_coco.json",
+        "yolov8n_coco8_val_pycocotools.json",
+    ),
+    "coco128": (
+        "coco128.yaml",
+        "yolov8n_coco128_predictions.json",
+        "coco128_gt_coco.json",
+        "yolov8n_coco128_pycocotools.json",
+    ),
 }
 REFERENCE_MAP = {"coco8": 0.635579, "coco128": 0.467052}  # pycocotools mAP50-95 of the reference detections
 
@@ -51,9 +59,20 @@ def _run(name: str, out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from detrain.distributed.world import World
     from detrain.engine.evaluate import run_val
 
-    cfg = make_cfg({"model": str(WEIGHTS), "data": str(SHARED / "data" / CASES[name][0]), "imgsz": 640,
-                    "batch": 8, "save_json": True, "device": "cpu", "project": str(out), "plots": False,
-                    "workers": 0, "verbose": False})
+    cfg = make_cfg(
+        {
+            "model": str(WEIGHTS),
+            "data": str(SHARED / "data" / CASES[name][0]),
+            "imgsz": 640,
+            "batch": 8,
+            "save_json": True,
+            "device": "cpu",
+            "project": str(out),
+            "plots": False,
+            "workers": 0,
+            "verbose": False,
+        }
+    )
     metrics = run_val(cfg, World(device="cpu"))
     rows = json.loads((Path(metrics["save_dir"]) / "predictions.json").read_text())
     return metrics, rows
@@ -67,8 +86,9 @@ def _iou_ltwh(a: list[float], b: list[float]) -> float:
     return inter / union if union > 0 else 0.0
 
 
-def _unmatched(reference: list[dict[str, Any]], ours: list[dict[str, Any]], min_score: float = MIN_SCORE
-               ) -> tuple[int, list[str]]:
+def _unmatched(
+    reference: list[dict[str, Any]], ours: list[dict[str, Any]], min_score: float = MIN_SCORE
+) -> tuple[int, list[str]]:
     """(reference detections scoring >= ``min_score`` checked, descriptions of those detrain did not reproduce)."""
     by_key: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
     for d in ours:
@@ -78,15 +98,25 @@ def _unmatched(reference: list[dict[str, Any]], ours: list[dict[str, Any]], min_
         if ref["score"] < min_score:
             continue
         checked += 1
-        found = [d for d in by_key[(ref["image_id"], ref["category_id"])]
-                 if _iou_ltwh(d["bbox"], ref["bbox"]) >= MIN_IOU and abs(d["score"] - ref["score"]) <= MAX_SCORE_DIFF]
+        found = [
+            d
+            for d in by_key[(ref["image_id"], ref["category_id"])]
+            if _iou_ltwh(d["bbox"], ref["bbox"]) >= MIN_IOU and abs(d["score"] - ref["score"]) <= MAX_SCORE_DIFF
+        ]
         if not found:
-            near = max(by_key[(ref["image_id"], ref["category_id"])], default=None,
-                       key=lambda d: _iou_ltwh(d["bbox"], ref["bbox"]))
-            what = "nothing of that class" if near is None else (
-                f"nearest {near['bbox']} score {near['score']} (IoU {_iou_ltwh(near['bbox'], ref['bbox']):.3f})")
-            problems.append(f"image {ref['image_id']} class {ref['category_id']} {ref['bbox']} "
-                            f"score {ref['score']}: {what}")
+            near = max(
+                by_key[(ref["image_id"], ref["category_id"])],
+                default=None,
+                key=lambda d: _iou_ltwh(d["bbox"], ref["bbox"]),
+            )
+            what = (
+                "nothing of that class"
+                if near is None
+                else (f"nearest {near['bbox']} score {near['score']} (IoU {_iou_ltwh(near['bbox'], ref['bbox']):.3f})")
+            )
+            problems.append(
+                f"image {ref['image_id']} class {ref['category_id']} {ref['bbox']} score {ref['score']}: {what}"
+            )
     return checked, problems
 
 
@@ -111,7 +141,8 @@ def _check_all_scores(name: str, rows: list[dict[str, Any]]) -> None:
     checked, problems = _unmatched(reference, rows, min_score=0.0)
     assert len(problems) <= 0.01 * checked, (
         f"{len(problems)} of {checked} reference detections (any score) not reproduced (validation NMS must be "
-        "multi-label, boxes mapped back with per-axis gains); first ones:\n" + "\n".join(problems[:5]))
+        "multi-label, boxes mapped back with per-axis gains); first ones:\n" + "\n".join(problems[:5])
+    )
 
 
 def _check(name: str, metrics: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -149,8 +180,7 @@ def test_coco8_detections_match_reference(coco8_run: tuple[dict[str, Any], list[
     assert not problems, "\n".join(problems)
 
 
-def test_coco8_low_score_detections_match_reference(coco8_run: tuple[dict[str, Any], list[dict[str, Any]]]
-                                                   ) -> None:
+def test_coco8_low_score_detections_match_reference(coco8_run: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
     _check_all_scores("coco8", coco8_run[1])
 
 
@@ -159,8 +189,9 @@ def test_coco8_predictions_json_format(coco8_run: tuple[dict[str, Any], list[dic
     _, rows = coco8_run
     assert rows
     assert {r["image_id"] for r in rows} == {36, 42, 49, 61}
-    assert all(1 <= r["category_id"] <= 80 and len(r["bbox"]) == 4 and r["bbox"][2] >= 0 and r["bbox"][3] >= 0
-               for r in rows)
+    assert all(
+        1 <= r["category_id"] <= 80 and len(r["bbox"]) == 4 and r["bbox"][2] >= 0 and r["bbox"][3] >= 0 for r in rows
+    )
     assert all(0.001 <= r["score"] <= 1 for r in rows)  # > conf=0.001 before rounding to 5 decimals
 
 

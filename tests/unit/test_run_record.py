@@ -30,8 +30,13 @@ def test_the_record_is_results_events_manifest_and_best_pt_and_nothing_else(tmp_
     run_record.restore(tmp_path / "b", record)
     for name in record:
         assert (tmp_path / "b" / name).read_bytes() == (src / name).read_bytes()
-    assert sorted(p.name for p in (tmp_path / "b").rglob("*")) == ["best.pt", "events.jsonl", "manifest.json",
-                                                                  "results.csv", "weights"]
+    assert sorted(p.name for p in (tmp_path / "b").rglob("*")) == [
+        "best.pt",
+        "events.jsonl",
+        "manifest.json",
+        "results.csv",
+        "weights",
+    ]
 
 
 def test_a_symlink_in_the_holders_folder_is_not_followed(tmp_path: Path) -> None:
@@ -51,8 +56,9 @@ def test_a_fifo_in_the_holders_folder_does_not_block_the_read(tmp_path: Path) ->
     assert run_record.collect(src) == {}
 
 
-def test_an_oversized_file_is_left_out_and_oversized_events_travel_as_their_last_whole_lines(tmp_path: Path,
-                                                                                             monkeypatch) -> None:
+def test_an_oversized_file_is_left_out_and_oversized_events_travel_as_their_last_whole_lines(
+    tmp_path: Path, monkeypatch
+) -> None:
     monkeypatch.setattr(run_record, "LIMITS", {"results.csv": 8, "events.jsonl": 10})
     src = tmp_path / "a"
     src.mkdir()
@@ -61,8 +67,17 @@ def test_an_oversized_file_is_left_out_and_oversized_events_travel_as_their_last
     assert run_record.collect(src) == {"events.jsonl": b"third\n"}
 
 
-@pytest.mark.parametrize("record", [None, ["results.csv"], {"../../escape.csv": b"x"}, {"/tmp/x": b"x"},
-                                    {"results.csv": "text, not bytes"}, {"results.csv": b"x" * ((16 << 20) + 1)}])
+@pytest.mark.parametrize(
+    "record",
+    [
+        None,
+        ["results.csv"],
+        {"../../escape.csv": b"x"},
+        {"/tmp/x": b"x"},
+        {"results.csv": "text, not bytes"},
+        {"results.csv": b"x" * ((16 << 20) + 1)},
+    ],
+)
 def test_a_forged_record_writes_nothing(tmp_path: Path, record: object) -> None:
     run_record.restore(tmp_path / "run", record)
     assert not (tmp_path / "run").exists() and not (tmp_path.parent / "escape.csv").exists()

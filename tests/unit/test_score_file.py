@@ -46,8 +46,11 @@ def test_unknown_image_id_is_named(split: dict[str, Any], tmp_path: Path) -> Non
 
 def test_unknown_category_is_named(split: dict[str, Any], tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"detection 2: unknown category_id 4 \(valid: \[1, 2, 3\]\)"):
-        _score(split, tmp_path, [_ok(split), _ok(split, category_id=3), _ok(split, category_id=4),
-                                 _ok(split, category_id=0)])
+        _score(
+            split,
+            tmp_path,
+            [_ok(split), _ok(split, category_id=3), _ok(split, category_id=4), _ok(split, category_id=0)],
+        )
 
 
 def test_nan_box_is_named(split: dict[str, Any], tmp_path: Path) -> None:
@@ -73,7 +76,7 @@ def test_negative_size_is_named(split: dict[str, Any], tmp_path: Path) -> None:
         ({"annotations": []}, r"a COCO results file is a json list of detections, got dict"),
         ([{"image_id": 1, "bbox": [0, 0, 1, 1], "score": 0.5}], r"detection 0: expected an object with image_id"),
         ([[1, 1, 0, 0, 1, 1, 0.5]], r"detection 0: expected an object"),
-        ("[{\"image_id\": 1,", r"not valid json"),
+        ('[{"image_id": 1,', r"not valid json"),
     ],
     ids=["dict", "missing-key", "row-list", "truncated"],
 )
@@ -104,7 +107,10 @@ def test_empty_predictions_score_zero(split: dict[str, Any], tmp_path: Path) -> 
 
 def test_a_perfect_file_scores_one(split: dict[str, Any], tmp_path: Path) -> None:
     gt = split_ground_truth(split["data"])
-    rows = [{"image_id": g.image_id, "category_id": int(gt.category_ids[c]), "bbox": box, "score": 0.9}
-            for g in gt.images.values() for box, c in zip(g.boxes_ltwh.tolist(), g.cls.tolist())]
+    rows = [
+        {"image_id": g.image_id, "category_id": int(gt.category_ids[c]), "bbox": box, "score": 0.9}
+        for g in gt.images.values()
+        for box, c in zip(g.boxes_ltwh.tolist(), g.cls.tolist())
+    ]
     m = _score(split, tmp_path, rows)
     assert m["map"] == pytest.approx(1.0) and m["n_images"] == 4

@@ -25,16 +25,28 @@ def layout(items) -> list[tuple[str, str]]:
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
     root = tmp_path / "data"
-    for name in ("a/x.jpg", "b/x.jpg", "b/c/y.PNG", "clip.mp4", "notes.txt", "labels.json", ".hidden.jpg",
-                 ".cache/z.jpg"):
+    for name in (
+        "a/x.jpg",
+        "b/x.jpg",
+        "b/c/y.PNG",
+        "clip.mp4",
+        "notes.txt",
+        "labels.json",
+        ".hidden.jpg",
+        ".cache/z.jpg",
+    ):
         touch(root / name)
     return root
 
 
 def test_a_folder_is_walked_recursively_in_order_keeping_relative_paths(tree: Path) -> None:
     src = parse_source(str(tree))
-    assert layout(src.items) == [("video", "clip.mp4"), ("image", "a/x.jpg"), ("image", "b/x.jpg"),
-                                 ("image", "b/c/y.PNG")]
+    assert layout(src.items) == [
+        ("video", "clip.mp4"),
+        ("image", "a/x.jpg"),
+        ("image", "b/x.jpg"),
+        ("image", "b/c/y.PNG"),
+    ]
     assert not src.single
     # non-images are reported, hidden files and folders are not entered
     assert sorted(Path(p).name for p in src.skipped) == ["labels.json", "notes.txt"]
@@ -62,8 +74,9 @@ def test_a_glob_places_outputs_below_its_fixed_part(tree: Path) -> None:
     assert layout(climbing.items) == [("image", "x.jpg")]
 
 
-def test_a_txt_list_resolves_lines_from_cwd_then_its_folder(tree: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_txt_list_resolves_lines_from_cwd_then_its_folder(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     listing = touch(tree / "list.txt", b"a/x.jpg\n\n  data/b/x.jpg  \nb/c\nnotes.txt\n")
     src = parse_source(str(listing))
@@ -80,11 +93,14 @@ def test_a_txt_list_may_name_files_anywhere_but_outputs_stay_inside(tmp_path: Pa
     assert [str(i.rel) for i in src.items] == ["o.jpg", "o.jpg"]  # the writer keeps them apart (_2)
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    (b"a.jpg\nmissing.jpg\n", "line 2: 'missing.jpg' does not exist"),
-    (b"\xff\xfe\x00binary", "is not UTF-8 text"),
-    (b"\n  \n", "names no files"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"a.jpg\nmissing.jpg\n", "line 2: 'missing.jpg' does not exist"),
+        (b"\xff\xfe\x00binary", "is not UTF-8 text"),
+        (b"\n  \n", "names no files"),
+    ],
+)
 def test_a_bad_txt_list_is_one_line_naming_it(tmp_path: Path, content: bytes, message: str) -> None:
     touch(tmp_path / "a.jpg")
     listing = touch(tmp_path / "l.txt", content)
@@ -94,8 +110,10 @@ def test_a_bad_txt_list_is_one_line_naming_it(tmp_path: Path, content: bytes, me
 
 
 def test_single_files_cameras_and_streams(tree: Path) -> None:
-    assert (layout(parse_source(str(tree / "a" / "x.jpg")).items), parse_source(str(tree / "clip.mp4")).single) == \
-        ([("image", "x.jpg")], True)
+    assert (layout(parse_source(str(tree / "a" / "x.jpg")).items), parse_source(str(tree / "clip.mp4")).single) == (
+        [("image", "x.jpg")],
+        True,
+    )
     camera = parse_source("1").items[0]
     assert (camera.kind, camera.target, str(camera.rel), camera.live) == ("camera", "1", "camera1", True)
     stream = parse_source("rtsp://admin:s3cret@10.1.2.3:554/live/cam.1?x=y").items[0]
@@ -110,15 +128,18 @@ def test_a_file_named_like_a_camera_index_is_the_file(tmp_path: Path, monkeypatc
         parse_source("0")
 
 
-@pytest.mark.parametrize(("source", "message"), [
-    ("", "predict needs source="),
-    ("   ", "predict needs source="),
-    ("/no/such/dir", "source '/no/such/dir' does not exist"),
-    ("file:///etc/passwd", "URL scheme 'file' is not a stream"),
-    ("ftp://u:pw@host/x.mp4", r"'ftp://u:\*\*\*@host/x.mp4'"),
-    ("/no/such/*.jpg", "glob '/no/such/\\*.jpg' has no images"),
-    ("bad\nname.jpg", "source 'bad\\?name.jpg' does not exist"),  # a newline cannot forge a second line
-])
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("", "predict needs source="),
+        ("   ", "predict needs source="),
+        ("/no/such/dir", "source '/no/such/dir' does not exist"),
+        ("file:///etc/passwd", "URL scheme 'file' is not a stream"),
+        ("ftp://u:pw@host/x.mp4", r"'ftp://u:\*\*\*@host/x.mp4'"),
+        ("/no/such/*.jpg", "glob '/no/such/\\*.jpg' has no images"),
+        ("bad\nname.jpg", "source 'bad\\?name.jpg' does not exist"),  # a newline cannot forge a second line
+    ],
+)
 def test_bad_sources_are_one_line(source: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as e:
         parse_source(source)

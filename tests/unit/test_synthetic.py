@@ -56,7 +56,7 @@ def test_labels_are_valid_and_boxes_fit_the_drawn_shapes(tmp_path):
         h, w = r.shape_hw
         assert max(h, w) == 96 and min(h, w) >= int(96 * 0.6)
         assert cv2.imread(r.im_file).shape[:2] == (h, w)
-        for (cx, cy, bw, bh) in r.bboxes_xywhn:
+        for cx, cy, bw, bh in r.bboxes_xywhn:
             assert 0 < bw <= 1 and 0 < bh <= 1
             x0, y0 = round((cx - bw / 2) * w), round((cy - bh / 2) * h)
             x1, y1 = round((cx + bw / 2) * w), round((cy + bh / 2) * h)

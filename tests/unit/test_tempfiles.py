@@ -17,8 +17,10 @@ def test_results_and_checkpoints_follow_the_umask(tmp_path: Path, mask: int) -> 
     old = os.umask(mask)
     try:
         assert umask() == mask
-        written = [atomic_write_text(tmp_path / "results.csv", "epoch\n1\n"),
-                   save_checkpoint({"epoch": 1}, tmp_path / "weights" / "last.pt")]
+        written = [
+            atomic_write_text(tmp_path / "results.csv", "epoch\n1\n"),
+            save_checkpoint({"epoch": 1}, tmp_path / "weights" / "last.pt"),
+        ]
     finally:
         os.umask(old)
     for path in written:

@@ -23,8 +23,14 @@ from detrain.engine.validator import validate
 from detrain.metrics import SUMMARY_KEYS
 
 SCALARS = (*SUMMARY_KEYS, "precision", "recall", "fitness", "conf", "n_images")
-PLOTS = ("PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png", "confusion_matrix.png",
-         "confusion_matrix_normalized.png")
+PLOTS = (
+    "PR_curve.png",
+    "F1_curve.png",
+    "P_curve.png",
+    "R_curve.png",
+    "confusion_matrix.png",
+    "confusion_matrix_normalized.png",
+)
 
 
 def _cfg(yaml_file: Path, **kw: Any):
@@ -35,8 +41,9 @@ def _validate(yaml_file: Path, save_dir: Path, plots: bool = False, **kw: Any) -
     cfg = _cfg(yaml_file, save_json=True, plots=plots, **kw)
     data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
     loader = build_val_loader(data, cfg, cfg.train.batch, 0, 1)
-    metrics = validate(ColourModel(), loader, data, cfg, torch.device("cpu"), save_dir=save_dir, plots=plots,
-                       verbose=False)
+    metrics = validate(
+        ColourModel(), loader, data, cfg, torch.device("cpu"), save_dir=save_dir, plots=plots, verbose=False
+    )
     return metrics, data
 
 
@@ -110,8 +117,10 @@ def test_non_numeric_stems_get_stable_indices(tmp_path: Path) -> None:
 
 
 def test_image_and_category_id_rules() -> None:
-    assert image_ids(["d/000000000139.jpg", "d/000000000285.jpg"]) == {"d/000000000139.jpg": 139,
-                                                                      "d/000000000285.jpg": 285}
+    assert image_ids(["d/000000000139.jpg", "d/000000000285.jpg"]) == {
+        "d/000000000139.jpg": 139,
+        "d/000000000285.jpg": 285,
+    }
     assert image_ids(["d/7.jpg", "e/7.jpg"]) == {"d/7.jpg": 0, "e/7.jpg": 1}  # repeated numbers: indices
     assert image_ids(["d/2.jpg", "d/a.jpg"]) == {"d/2.jpg": 0, "d/a.jpg": 1}
     coco = dict(enumerate(COCO80_NAMES))
@@ -120,14 +129,18 @@ def test_image_and_category_id_rules() -> None:
     assert yolo_category_ids({0: "person", 1: "car"}).tolist() == [1, 2]
 
 
-@pytest.mark.parametrize(("yaml_name", "val", "expected"), [
-    ("coco.yaml", "images/val", list(COCO80_TO_91)),  # the bundled full-COCO yaml's name
-    ("mine.yaml", "val2017.txt", list(COCO80_TO_91)),  # COCO's own image list
-    ("coco8.yaml", "images/val", list(range(1, 81))),  # a subset of COCO: class + 1, as YOLOv8 writes it
-    ("coco128.yaml", "images/train2017", list(range(1, 81))),  # a COCO folder name alone is not full COCO
-])
-def test_full_coco_in_yolo_layout_writes_the_91_id_categories(tmp_path: Path, yaml_name: str, val: str,
-                                                              expected: list[int]) -> None:
+@pytest.mark.parametrize(
+    ("yaml_name", "val", "expected"),
+    [
+        ("coco.yaml", "images/val", list(COCO80_TO_91)),  # the bundled full-COCO yaml's name
+        ("mine.yaml", "val2017.txt", list(COCO80_TO_91)),  # COCO's own image list
+        ("coco8.yaml", "images/val", list(range(1, 81))),  # a subset of COCO: class + 1, as YOLOv8 writes it
+        ("coco128.yaml", "images/train2017", list(range(1, 81))),  # a COCO folder name alone is not full COCO
+    ],
+)
+def test_full_coco_in_yolo_layout_writes_the_91_id_categories(
+    tmp_path: Path, yaml_name: str, val: str, expected: list[int]
+) -> None:
     yaml_file = make_dataset(tmp_path / "ds", n_val=4)
     if val.endswith(".txt"):
         files = sorted((tmp_path / "ds" / "images" / "val").iterdir())
@@ -136,8 +149,11 @@ def test_full_coco_in_yolo_layout_writes_the_91_id_categories(tmp_path: Path, ya
         (tmp_path / "ds" / "images" / "val").rename(tmp_path / "ds" / val)
         (tmp_path / "ds" / "labels" / "val").rename(tmp_path / "ds" / val.replace("images", "labels"))
     target = yaml_file.with_name(yaml_name)
-    target.write_text(yaml_file.read_text().replace(f"names: {NAMES}", f"names: {list(COCO80_NAMES)}")
-                      .replace("val: images/val", f"val: {val}"))
+    target.write_text(
+        yaml_file.read_text()
+        .replace(f"names: {NAMES}", f"names: {list(COCO80_NAMES)}")
+        .replace("val: images/val", f"val: {val}")
+    )
     cfg = _cfg(target)
     gt = split_ground_truth(load_split(cfg.inputs.data, "val", cfg, verbose=False))
     assert gt.category_ids.tolist() == expected and gt.source == "YOLO labels"
@@ -203,9 +219,15 @@ def test_annotations_json_beside_yolo_images_is_used_for_evaluation(tmp_path: Pa
 def test_annotations_json_that_does_not_fit_falls_back_to_yolo_labels(tmp_path: Path) -> None:
     yaml_file = make_dataset(tmp_path / "ds", n_val=4)
     (tmp_path / "ds" / "annotations").mkdir()
-    (tmp_path / "ds" / "annotations" / "instances_val.json").write_text(json.dumps(
-        {"images": [{"id": 1, "file_name": "other.jpg"}], "annotations": [],
-         "categories": [{"id": 1, "name": "x"}, {"id": 2, "name": "y"}, {"id": 3, "name": "z"}]}))
+    (tmp_path / "ds" / "annotations" / "instances_val.json").write_text(
+        json.dumps(
+            {
+                "images": [{"id": 1, "file_name": "other.jpg"}],
+                "annotations": [],
+                "categories": [{"id": 1, "name": "x"}, {"id": 2, "name": "y"}, {"id": 3, "name": "z"}],
+            }
+        )
+    )
     cfg = _cfg(yaml_file)
     gt = split_ground_truth(load_split(cfg.inputs.data, "val", cfg, verbose=False))
     assert gt.json_file is None and gt.source == "YOLO labels"

@@ -157,10 +157,13 @@ def test_a_malformed_sha_is_a_clear_error(tmp_path: Path, bad: str) -> None:
         resolve_weights(tmp_path / "x.pt", sha256=bad)
 
 
-@pytest.mark.parametrize(("prefix", "message"), [
-    ("cut", "broke off after {half} of {size} bytes"),  # the server hangs up mid-body
-    ("more", "the server sent more than {size} bytes"),  # a body longer than the release file is cut off
-])
+@pytest.mark.parametrize(
+    ("prefix", "message"),
+    [
+        ("cut", "broke off after {half} of {size} bytes"),  # the server hangs up mid-body
+        ("more", "the server sent more than {size} bytes"),  # a body longer than the release file is cut off
+    ],
+)
 def test_a_broken_transfer_leaves_nothing(
     served: tuple[Server, bytes], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefix: str, message: str
 ) -> None:
@@ -191,9 +194,7 @@ def test_recorded_hashes_are_the_default_release_files() -> None:
     assert (hub.file_sha256(SHARED_PT), SHARED_PT.stat().st_size) == (n.sha256, n.size)
 
 
-def test_missing_on_server_is_a_clear_error(
-    served: tuple[Server, bytes], tmp_path: Path
-) -> None:
+def test_missing_on_server_is_a_clear_error(served: tuple[Server, bytes], tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"cannot download yolov8m.pt .*put the file at"):
         resolve_weights("m.pt", progress=False)
     assert list((tmp_path / "cache").iterdir()) == []

@@ -16,12 +16,31 @@ from detrain.errors import DistributedError
 
 ENGINE = Path(__file__).resolve().parents[2] / "detrain" / "engine"
 
-TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-            "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
-            "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_USE_AGENT_STORE": "True"}
-SRUN = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-        "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
-        "SLURM_JOB_ID": "1234", "SLURM_RESTART_COUNT": "1"}
+TORCHRUN = {
+    "RANK": "3",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "GROUP_WORLD_SIZE": "2",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+    "TORCHELASTIC_RUN_ID": "job7",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
+SRUN = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_NODEID": "1",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_ID": "1234",
+    "SLURM_RESTART_COUNT": "1",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -118,8 +137,10 @@ def test_values_that_only_inform_are_ignored_when_malformed() -> None:
 
 
 def test_engine_code_reads_no_launcher_variable_itself() -> None:
-    names = re.compile(r"\b(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|TORCHELASTIC_\w+|SLURM_\w+|"
-                       r"DETRAIN_DEVICE|MASTER_ADDR|MASTER_PORT)\b")
+    names = re.compile(
+        r"\b(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|TORCHELASTIC_\w+|SLURM_\w+|"
+        r"DETRAIN_DEVICE|MASTER_ADDR|MASTER_PORT)\b"
+    )
     for path in sorted(ENGINE.glob("*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             reads_env = "os.environ" in line or "getenv" in line or "env_int" in line

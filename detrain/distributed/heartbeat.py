@@ -1,0 +1,109 @@
+"""Each rank's sign of life in the rendezvous store, so that a rank whose collective timed out (or lost a peer) can
+name the rank that stopped: a process that is stopped (SIGSTOP), dead, or frozen with the interpreter lock held
+stops counting, while a rank merely waiting inside a collective keeps counting.
+
+A daemon thread adds 1 to this rank's counter every ``every_s`` seconds through its own store client (the
+collectives' client is never shared between threads). :func:`silent_ranks` reads every counter twice, a few beats
+apart, and returns the ranks whose counter did not move. The keys are per restart attempt, like the barriers'.
+
+>>> silent_ranks()  # no group, no heartbeat: nobody to name
+[]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as tdist
+
+EVERY_S = 1.0
+_PREFIX = "detrain/heartbeat"
+
+_beat: Heartbeat | None = None
+
+
+class Heartbeat:
+    """This rank's counter, advanced by a daemon thread, and a reader of every rank's counter."""
+
+    def __init__(self, store: Any, rank: int, world: int, every_s: float = EVERY_S) -> None:
+        self.store = store
+        self.rank = rank
+        self.world = world
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="detrain-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop counting (the counters of the others can still be read)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.every_s + 5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(str(self.rank), 1)
+            except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to tell
+                return
+            self._stop.wait(self.every_s)
+
+    def counts(self) -> list[int] | None:
+        """Every rank's counter (``add`` of 0 reads without a wait for a missing key), or None without a store."""
+        try:
+            return [int(self.store.add(str(r), 0)) for r in range(self.world)]
+        except Exception:  # noqa: BLE001 - no store, no answer: nobody can be named
+            return None
+
+    def silent(self, watch_s: float | None = None) -> list[int]:
+        """The other ranks whose counter did not move in ``watch_s`` seconds (three beats by default); [] when the
+        store cannot tell."""
+        before = self.counts()
+        time.sleep(3 * self.every_s if watch_s is None else watch_s)
+        after = self.counts()
+        if before is None or after is None:
+            return []
+        return [r for r in range(self.world) if r != self.rank and after[r] == before[r]]
+
+
+def start(addr: str, port: int, restarts: int, rank: int, world: int, every_s: float = EVERY_S) -> None:
+    """Start this process's heartbeat in the store at ``addr:port`` (quietly none where it cannot be reached)."""
+    global _beat
+    stop()
+    try:
+        client = tdist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
+    except Exception:  # noqa: BLE001 - e.g. a store that is not a TCPStore: run without a heartbeat
+        _beat = None
+        return
+    store = tdist.PrefixStore(f"{_PREFIX}/attempt_{restarts}", client)
+    _beat = Heartbeat(store, rank, world, every_s).start()
+
+
+def stop() -> None:
+    """Stop counting; :func:`silent_ranks` still reads the others (a rank reports after leaving the group)."""
+    if _beat is not None:
+        _beat.stop()
+
+
+def forget() -> None:
+    """Drop the heartbeat altogether (a new group starts afresh)."""
+    global _beat
+    stop()
+    _beat = None
+
+
+def silent_ranks(watch_s: float | None = None) -> list[int]:
+    """The ranks that gave no sign of life for ``watch_s`` seconds, as this process's heartbeat sees them."""
+    beat = _beat
+    if beat is None:
+        return []
+    with contextlib.suppress(Exception):
+        return beat.silent(watch_s)
+    return []

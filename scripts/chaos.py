@@ -1,0 +1,782 @@
+"""A fault matrix for distributed training on one machine: each "node" is its own ``detrain train`` launcher on
+127.0.0.1 with its own working folder (its own copy of the dataset, its own ``project=runs``: nothing shared but
+the network), a tiny model (scale n) and 64-pixel synthetic images, on CPU (gloo). Faults are real signals sent
+from here when a node's run folder shows the moment (a results.csv row, weights/mid.pt) to processes found as
+descendants of the launchers in /proc; nothing in detrain knows about them.
+
+Cases (``--cases`` picks some, by letter or name):
+
+a worker_kill      nnodes=2 max_restarts=1: SIGKILL of node 1's worker after epoch 1 (the fault-tolerance issue's
+                   two-node command, with its keys only): both nodes finish every epoch, each epoch once in node 0's
+                   results.csv, and node 1 never holds a checkpoint
+b node_leaves      nnodes=1:2 rdzv_backend=c10d max_restarts=1: SIGKILL of node 1's launcher and its workers at
+                   once (a machine that dies) after epoch 1: node 0 goes on alone and finishes
+c node_joins       nnodes=1:2 rdzv_backend=c10d: node 1 starts after node 0's first epoch: the group grows to two
+                   workers, resumes from node 0's last.pt and finishes (node 0's worker is held with SIGSTOP while
+                   node 1 starts, and let go once its agent asks it to stop for the new round, so a fast machine
+                   cannot finish before the join)
+d rank_stopped     nnodes=2: SIGSTOP of node 1's worker (rank 1) after epoch 1: every launcher ends with a last
+                   line naming rank 1 within dist_timeout + 30 s, and no process of the run is left
+e launcher_sigterm nnodes=2: SIGTERM of node 0's launcher after epoch 1: every process of both nodes gone within
+                   10 s, each node's last line says so, weights/last.pt loads
+f mid_epoch_kill   device=cpu,cpu max_restarts=1 save_interval: SIGKILL of rank 0 right after a weights/mid.pt
+                   half-way through epoch 2 or later (rank 0 is held with SIGSTOP while mid.pt is read): the restart
+                   resumes at the batch after mid.pt, each epoch once in results.csv
+g busy_port        master_port held by another socket: one line naming the port before training, exit code 2
+h no_master        node_rank=1 and nobody at master_addr:master_port: one line after the 60 s wait for the master,
+                   before training, exit code 2
+
+Every case returns a :class:`Result` (a row of the printed table); the exit code is 1 when any case failed. Every
+process a case started is killed when it ends, however it ends (Ctrl-C included): each node runs in its own session
+and carries a tag in its environment that every descendant inherits.
+
+Example::
+
+    nice -n 19 python scripts/chaos.py                     # every case, full size (about 6 minutes on 2 cores)
+    python scripts/chaos.py --cases a,f --small            # the sizes tests/integration/test_chaos.py uses
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a source checkout too
+
+from detrain.procfs import stat_fields, status_value  # noqa: E402
+
+TAG_ENV = "CHAOS_TAG"  # in every process a case starts (inherited by all descendants): what cleanup looks for
+
+
+# ------------------------------------------------------------------ sizes and results
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big each run is: the full matrix, or the smallest runs that still exercise each case (pytest)."""
+
+    epochs: int = 10
+    n_train: int = 32
+    batch: int = 16
+    dist_timeout: float = 30.0
+    limit_s: float = 600.0  # a case that has not ended by then hangs: it fails and is killed
+    issue_keys: bool = True  # case a runs the issue's command as written (validation, plots...), not the quick keys
+
+
+FULL = Size()
+SMALL = Size(epochs=3, n_train=16, batch=8, dist_timeout=10.0, limit_s=300.0, issue_keys=False)
+
+
+@dataclass
+class Result:
+    """One row of the table."""
+
+    case: str
+    expected: str
+    observed: str = ""
+    ok: bool = False
+    seconds: float = 0.0
+    epochs: str = "-"  # the epoch column of node 0's results.csv: "1-10" when each epoch is there once, in order
+    checkpoint: str = "-"  # whether node 0's weights/last.pt loads with detrain's safe loader
+    problems: list[str] = field(default_factory=list)
+
+    def check(self, condition: bool, problem: str) -> None:
+        if not condition:
+            self.problems.append(problem)
+
+
+# ------------------------------------------------------------------ processes, through /proc
+
+
+def _stat(pid: int) -> list[str] | None:
+    return stat_fields(pid)
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped; not a zombie, not gone."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] not in ("Z", "X", "x")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields is not None and fields[1] == str(pid) and fields[0] not in ("Z", "X", "x"):
+                found.append(int(entry.name))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _started(pid: int) -> tuple[int, int]:
+    fields = _stat(pid)
+    return (int(fields[19]) if fields and len(fields) > 19 else 0, pid)  # field 22: start time in clock ticks
+
+
+def workers_of(launcher: int) -> list[int]:
+    """The training workers a launcher's elastic agent spawned (multiprocessing's ``spawn_main``; not its resource
+    tracker), in the order they started: local rank 0 first."""
+    found = []
+    for pid in children(launcher):
+        try:
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return sorted(found, key=_started)
+
+
+def tagged(tag: str) -> list[int]:
+    """Live processes whose environment carries ``CHAOS_TAG=tag``: every process of one case."""
+    needle = f"{TAG_ENV}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0") and alive(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def pending(pid: int, sig: signal.Signals) -> bool:
+    """``sig`` waits for delivery to ``pid`` (e.g. a SIGTERM sent to a stopped process)."""
+    mask = 0
+    for key in ("SigPnd", "ShdPnd"):
+        value = status_value(pid, key)
+        with contextlib.suppress(TypeError, ValueError):
+            mask |= int(value, 16)  # type: ignore[arg-type]
+    return bool(mask & (1 << (int(sig) - 1)))
+
+
+def send(pids: list[int] | int, sig: signal.Signals) -> None:
+    for pid in [pids] if isinstance(pids, int) else pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def wait_until(what: Callable[[], object], limit_s: float, step_s: float = 0.05) -> object:
+    """``what()`` once it is truthy, else None after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        value = what()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(step_s)
+
+
+# ------------------------------------------------------------------ nodes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_data(root: Path, n_train: int) -> Path:
+    """The synthetic shapes set (64 px), written once per size under ``root``."""
+    from detrain.data.synthetic import generate_shapes
+
+    folder = root / f"shapes{n_train}"
+    if not (folder / "data.yaml").is_file():
+        generate_shapes(folder, n_train=n_train, n_val=2, imgsz=64, seed=0)
+    return folder
+
+
+def child_env(tag: str) -> dict[str, str]:
+    """This checkout's detrain, one thread per process, outside any launcher or SLURM job, tagged."""
+    drop = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_RUN_ID",
+        "TEST_FAULT",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SLURM_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = "1"
+    env[TAG_ENV] = tag
+    return env
+
+
+class Node:
+    """One ``detrain train`` launcher in its own folder (``home``) and session, output in ``home/out.txt``."""
+
+    def __init__(self, home: Path, args: dict[str, object], env: dict[str, str]) -> None:
+        self.home = home
+        self.args = args
+        home.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "detrain.cli", "train", *(f"{k}={v}" for k, v in args.items())]
+        with open(home / "out.txt", "w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                cmd, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.pid = self.proc.pid
+
+    @property
+    def run(self) -> Path:
+        return self.home / "runs" / "x"
+
+    def out(self) -> str:
+        try:
+            return (self.home / "out.txt").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def last_line(self) -> str:
+        lines = [x for x in self.out().splitlines() if x.strip()]
+        return lines[-1] if lines else ""
+
+    def rows(self) -> list[str]:
+        return results_epochs(self.run)
+
+    def workers(self) -> list[int]:
+        return workers_of(self.pid)
+
+    def ended(self) -> bool:
+        return self.proc.poll() is not None
+
+
+def results_epochs(run: Path) -> list[str]:
+    try:
+        with open(run / "results.csv") as f:
+            return [r["epoch"].strip() for r in csv.DictReader(f)]
+    except (OSError, KeyError):
+        return []
+
+
+def epochs_text(epochs: list[str]) -> str:
+    if not epochs:
+        return "-"
+    if epochs == [str(e) for e in range(1, len(epochs) + 1)]:
+        return f"1-{len(epochs)}" if len(epochs) > 1 else "1"
+    return ",".join(epochs)
+
+
+def checkpoint_text(path: Path) -> tuple[bool, str, dict | None]:
+    """Whether ``path`` loads with detrain's safe loader (:func:`detrain.checkpoint.load_checkpoint`)."""
+    from detrain.checkpoint import load_checkpoint
+    from detrain.errors import CheckpointError
+
+    if not path.exists():
+        return False, "none", None
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        return False, f"fails: {str(e)[:80]}", None
+    return True, f"loads (epoch {int(ckpt['epoch']) + 1})", ckpt
+
+
+class Cluster:
+    """The nodes of one case; on exit every process carrying the case's tag is killed (SIGKILL works on stopped
+    processes too), whatever happened."""
+
+    def __init__(self, work: Path, size: Size, name: str) -> None:
+        self.work = work / name
+        if self.work.exists():
+            shutil.rmtree(self.work)
+        self.work.mkdir(parents=True)
+        self.size = size
+        self.tag = f"{name}-{uuid.uuid4().hex[:12]}"
+        self.data = make_data(work, size.n_train)
+        self.nodes: list[Node] = []
+        self.port = free_port()
+
+    def common(self, issue: bool = False, **extra: object) -> dict[str, object]:
+        """Every node's arguments: the fault-tolerance issue's two-node command (``issue``: its keys only, with the
+        dataset and this size's epochs, batch and dist_timeout), else that with validation, plots, warmup and mosaic
+        closing off (faster; what the case checks does not depend on them)."""
+        s = self.size
+        quick = {} if issue else {"warmup_epochs": 0, "close_mosaic": 0, "val": False, "plots": False, "seed": 0}
+        return {
+            "data": "data/data.yaml",
+            "imgsz": 64,
+            "batch": s.batch,
+            "epochs": s.epochs,
+            "workers": 0,
+            "device": "cpu",
+            **quick,
+            "dist_timeout": s.dist_timeout,
+            "master_addr": "127.0.0.1",
+            "master_port": self.port,
+            "project": "runs",
+            "name": "x",
+            "exist_ok": True,
+            **extra,
+        }
+
+    def start(self, index: int, args: dict[str, object]) -> Node:
+        """Node ``index`` in ``work/<case>/node<index>``, with its own copy of the dataset."""
+        home = self.work / f"node{index}"
+        shutil.copytree(self.data, home / "data")
+        node = Node(home, args, child_env(self.tag))
+        self.nodes.append(node)
+        return node
+
+    def wait_all(self, limit_s: float) -> bool:
+        """Every node's launcher ended within ``limit_s``."""
+        return bool(wait_until(lambda: all(n.ended() for n in self.nodes), limit_s, 0.2))
+
+    def leftovers(self, grace_s: float = 10.0) -> list[int]:
+        """Processes of the case still alive ``grace_s`` after the launchers ended (the OS may still be reaping)."""
+        wait_until(lambda: not tagged(self.tag), grace_s, 0.2)
+        return tagged(self.tag)
+
+    def kill_all(self) -> None:
+        for _ in range(3):
+            pids = tagged(self.tag) + [n.pid for n in self.nodes if not n.ended()]
+            if not pids:
+                break
+            send(pids, signal.SIGKILL)
+            time.sleep(0.2)
+        for node in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.proc.wait(timeout=5)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill_all()
+
+
+def _describe(node: Node, tail: int = 1) -> str:
+    code = node.proc.poll()
+    lines = [x.strip() for x in node.out().splitlines() if x.strip()][-tail:]
+    return f"exit {code}: {' | '.join(lines)[:300]}" if lines else f"exit {code}"
+
+
+def _wait_saved(node: Node, limit_s: float, others: list[Node] = ()) -> bool:
+    """Node's first epoch is saved (weights/last.pt is written whole, after the epoch's results.csv row), before
+    any node of the case ended."""
+    last = node.run / "weights" / "last.pt"
+    return bool(
+        wait_until(lambda: last.exists() or node.ended() or any(o.ended() for o in others), limit_s) and last.exists()
+    )
+
+
+def _finish(result: Result, cluster: Cluster, main: Node, t0: float, epochs: int | None) -> Result:
+    """Common checks of a run that must finish: every launcher exit 0, each epoch once, last.pt loads."""
+    rows = main.rows()
+    result.epochs = epochs_text(rows)
+    loads, text, ckpt = checkpoint_text(main.run / "weights" / "last.pt")
+    result.checkpoint = text
+    if epochs is not None:
+        for i, node in enumerate(cluster.nodes):
+            result.check(node.proc.poll() == 0, f"node {i} {_describe(node, 3)}")
+        result.check(rows == [str(e) for e in range(1, epochs + 1)], f"results.csv epochs {rows}")
+        result.check(loads and ckpt is not None and int(ckpt["epoch"]) == epochs - 1, f"last.pt {text}")
+        for i, node in enumerate(cluster.nodes[1:], 1):
+            stray = sorted(str(p.relative_to(node.home)) for p in node.home.rglob("*.pt"))
+            result.check(not stray, f"node {i} holds checkpoints {stray}")
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _close(result: Result, observed: str) -> Result:
+    result.ok = not result.problems
+    result.observed = observed if result.ok else "; ".join(result.problems)[:600]
+    return result
+
+
+# ------------------------------------------------------------------ the cases
+
+
+def case_worker_kill(work: Path, size: Size = FULL) -> Result:
+    """(a) SIGKILL of node 1's worker after epoch 1, nnodes=2 max_restarts=1: both nodes resume and finish."""
+    result = Result(
+        "a worker_kill",
+        f"both nodes exit 0; node 0 resumes ('restart 1'); epochs 1-{size.epochs} once; node 1 holds no .pt",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "worker_kill") as c:
+        args = c.common(issue=size.issue_keys, nnodes=2, max_restarts=1)
+        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
+        if not _wait_saved(n0, size.limit_s, [n1]):
+            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+            return _close(_finish(result, c, n0, t0, None), "")
+        victims = n1.workers()
+        result.check(len(victims) == 1, f"node 1 workers {victims}")
+        send(victims, signal.SIGKILL)
+        result.check(c.wait_all(size.limit_s), "the nodes did not end")
+        _finish(result, c, n0, t0, size.epochs)
+        resumed = re.search(r"restart 1: resuming from \S+last\.pt at epoch (\d+)", n0.out())
+        result.check(resumed is not None, "node 0 did not say 'restart 1: resuming from ...last.pt'")
+        return _close(
+            result, f"killed node 1's worker after epoch 1; {resumed.group(0) if resumed else ''}; both exit 0"
+        )
+
+
+def case_node_leaves(work: Path, size: Size = FULL) -> Result:
+    """(b) SIGKILL of node 1's launcher and workers under nnodes=1:2 c10d: node 0 continues alone and finishes."""
+    result = Result("b node_leaves", f"node 0 goes on with 1 worker and exits 0; epochs 1-{size.epochs} once")
+    t0 = time.monotonic()
+    with Cluster(work, size, "node_leaves") as c:
+        args = c.common(nnodes="1:2", rdzv_backend="c10d", max_restarts=1)
+        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
+        if not _wait_saved(n0, size.limit_s, [n1]):
+            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+            return _close(_finish(result, c, n0, t0, None), "")
+        two = "2 worker(s)" in n0.out()
+        result.check(two, "node 1 was not in the group before it was killed")
+        machine = [n1.pid, *descendants(n1.pid)]
+        send(machine, signal.SIGKILL)  # the whole machine at once
+        result.check(bool(wait_until(n0.ended, size.limit_s, 0.2)), "node 0 did not end")
+        _finish(result, c, n0, t0, None)
+        rows = n0.rows()
+        result.check(n0.proc.poll() == 0, f"node 0 {_describe(n0, 3)}")
+        result.check(rows == [str(e) for e in range(1, size.epochs + 1)], f"results.csv epochs {rows}")
+        loads, text, ckpt = checkpoint_text(n0.run / "weights" / "last.pt")
+        result.check(loads and ckpt is not None and int(ckpt["epoch"]) == size.epochs - 1, f"last.pt {text}")
+        result.check(
+            "1 worker(s) on cpu" in n0.out().split("2 worker(s) on cpu", 1)[-1], "node 0 did not go on with 1 worker"
+        )
+        resumed = re.search(r"(restart \d+|group restarted): resuming from \S+ at epoch \d+", n0.out())
+        return _close(
+            result,
+            f"node 1 SIGKILLed (launcher + worker); node 0: "
+            f"{resumed.group(0) if resumed else 'no resume line'}; exit 0",
+        )
+
+
+def case_node_joins(work: Path, size: Size = FULL) -> Result:
+    """(c) node 1 starts after node 0's first epoch under nnodes=1:2 c10d: the group grows and finishes."""
+    result = Result(
+        "c node_joins",
+        "the group grows to 2 workers, resumes from last.pt ('group restarted'); both "
+        f"exit 0; epochs 1-{size.epochs} once",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "node_joins") as c:
+        args = c.common(nnodes="1:2", rdzv_backend="c10d")
+        n0 = c.start(0, {**args, "node_rank": 0})
+        if not _wait_saved(n0, size.limit_s):
+            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}")
+            return _close(_finish(result, c, n0, t0, None), "")
+        held = n0.workers()
+        send(held, signal.SIGSTOP)  # hold node 0's training while node 1 starts (released below)
+        n1 = c.start(1, {**args, "node_rank": 1})
+        # node 0's agent sees node 1 waiting and stops its worker (SIGTERM, pending while it is stopped)
+        asked = wait_until(
+            lambda: all(pending(p, signal.SIGTERM) or not alive(p) for p in held) or n1.ended(), size.limit_s
+        )
+        send(held, signal.SIGCONT)
+        result.check(bool(asked) and not n1.ended(), f"node 0's agent did not restart for node 1: {_describe(n1)}")
+        result.check(c.wait_all(size.limit_s), "the nodes did not end")
+        _finish(result, c, n0, t0, size.epochs)
+        resumed = re.search(r"group restarted: resuming from \S+last\.pt at epoch (\d+)", n0.out())
+        result.check(resumed is not None, "node 0 did not say 'group restarted: resuming from ...last.pt'")
+        result.check(n0.out().count("2 worker(s) on cpu") >= 1, "node 0 never trained with 2 workers")
+        return _close(
+            result, f"node 1 joined after epoch 1; {resumed.group(0) if resumed else ''}; 2 workers; both exit 0"
+        )
+
+
+def case_rank_stopped(work: Path, size: Size = FULL) -> Result:
+    """(d) SIGSTOP of rank 1 (node 1's worker) after epoch 1: every launcher ends naming rank 1, no orphans."""
+    bound = size.dist_timeout + 30
+    result = Result(
+        "d rank_stopped",
+        f"every launcher ends, its last line naming rank 1, within dist_timeout + 30 s "
+        f"({bound:g} s) of the stop; no process left",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "rank_stopped") as c:
+        args = c.common(nnodes=2)
+        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
+        if not _wait_saved(n0, size.limit_s, [n1]):
+            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+            return _close(_finish(result, c, n0, t0, None), "")
+        stopped = n1.workers()
+        result.check(len(stopped) == 1, f"node 1 workers {stopped}")
+        send(stopped, signal.SIGSTOP)
+        t_stop = time.monotonic()
+        ends: list[float | None] = [None, None]
+        while time.monotonic() - t_stop < bound + 30 and not all(n.ended() for n in c.nodes):
+            for i, n in enumerate(c.nodes):
+                if ends[i] is None and n.ended():
+                    ends[i] = time.monotonic() - t_stop
+            time.sleep(0.1)
+        for i, n in enumerate(c.nodes):
+            if ends[i] is None and n.ended():
+                ends[i] = time.monotonic() - t_stop
+        left = c.leftovers()
+        _finish(result, c, n0, t0, None)
+        for i, n in enumerate(c.nodes):
+            line = n.last_line()
+            result.check(
+                ends[i] is not None and ends[i] <= bound,
+                f"node {i} {'still running' if ends[i] is None else f'ended after {ends[i]:.0f} s'}",
+            )
+            result.check(n.proc.poll() not in (0, None), f"node {i} exit {n.proc.poll()}")
+            result.check(bool(re.search(r"\brank 1\b", line)), f"node {i} last line: {line[:200]!r}")
+        result.check(not left, f"processes left: {left}")
+        said = "; ".join(
+            f"node {i} after {e:.0f} s: '{c.nodes[i].last_line()[:200]}'" for i, e in enumerate(ends) if e is not None
+        )
+        return _close(result, f"{said}; no process left")
+
+
+def case_launcher_sigterm(work: Path, size: Size = FULL) -> Result:
+    """(e) SIGTERM of node 0's launcher (nnodes=2) after epoch 1: every process of both nodes gone within 10 s,
+    each node's last line says why, last.pt loads."""
+    result = Result(
+        "e launcher_sigterm",
+        "every process of both nodes gone within 10 s; each ends with one line ('stopped by SIGTERM'); last.pt loads",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "launcher_sigterm") as c:
+        args = c.common(nnodes=2)
+        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
+        if not _wait_saved(n0, size.limit_s, [n1]):
+            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+            return _close(_finish(result, c, n0, t0, None), "")
+        send(n0.pid, signal.SIGTERM)
+        t_term = time.monotonic()
+        gone = wait_until(lambda: not tagged(c.tag), 10.0, 0.1)
+        took = time.monotonic() - t_term
+        left = tagged(c.tag)
+        c.wait_all(5.0)
+        _finish(result, c, n0, t0, None)
+        result.check(bool(gone), f"left after 10 s: {left}")
+        for i, n in enumerate(c.nodes):
+            result.check(n.proc.poll() == 2, f"node {i} {_describe(n)}")
+            result.check("stopped by SIGTERM" in n.last_line(), f"node {i} last line: {n.last_line()[:200]!r}")
+        loads, text, _ = checkpoint_text(n0.run / "weights" / "last.pt")
+        result.check(loads, f"last.pt {text}")
+        return _close(result, f"all gone after {took:.1f} s; " + " / ".join(_describe(n) for n in c.nodes))
+
+
+def case_mid_epoch_kill(work: Path, size: Size = FULL) -> Result:
+    """(f) SIGKILL of rank 0 right after a mid.pt half-way through epoch 2 or later (save_interval; half this size's
+    batch, for more steps per epoch), device=cpu,cpu max_restarts=1: the restart resumes at the batch after mid.pt;
+    each epoch once."""
+    result = Result(
+        "f mid_epoch_kill",
+        f"the restart resumes from mid.pt at its batch; exit 0; epochs 1-{size.epochs} once; no mid.pt left",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "mid_epoch_kill") as c:
+        n0 = c.start(
+            0, c.common(device="cpu,cpu", max_restarts=1, batch=max(2, size.batch // 2), save_interval=1e-9)
+        )  # mid.pt after every step
+        mid, last = n0.run / "weights" / "mid.pt", n0.run / "weights" / "last.pt"
+        if not _wait_saved(n0, size.limit_s):
+            result.problems.append(f"no epoch 1: {_describe(n0, 3)}")
+            return _close(_finish(result, c, n0, t0, None), "")
+        where, seen = None, None
+        deadline = time.monotonic() + size.limit_s
+        while where is None and time.monotonic() < deadline and not n0.ended():
+            if _identity(mid) in (None, seen):  # no mid.pt, or the one already looked at
+                time.sleep(0.005)
+                continue
+            rank0 = n0.workers()[:1]
+            send(rank0, signal.SIGSTOP)  # only rank 0 writes: mid.pt and last.pt stand still now
+            seen = _identity(mid)
+            _, _, m = checkpoint_text(mid)
+            _, _, done = checkpoint_text(last)
+            # a mid.pt of the epoch after last.pt's (not one the epoch's last.pt already superseded), half-way
+            if (
+                m is not None
+                and done is not None
+                and int(m["epoch"]) == int(done["epoch"])
+                and int(m["mid_epoch"]["next_batch"]) >= max(1, int(m["batches_per_epoch"]) // 2)
+            ):
+                where = (int(m["epoch"]) + 2, int(m["mid_epoch"]["next_batch"]), int(m["batches_per_epoch"]))
+                send(rank0, signal.SIGKILL)
+            else:
+                send(rank0, signal.SIGCONT)
+        result.check(where is not None, "no mid.pt within an epoch to kill at")
+        result.check(c.wait_all(size.limit_s), "the launcher did not end")
+        _finish(result, c, n0, t0, size.epochs)
+        if where is not None:
+            epoch, batch, nb = where
+            line = (
+                f"restart 1: resuming from {Path('runs/x/weights/mid.pt')} at epoch {epoch}, {batch}/{nb} batches done"
+            )
+            result.check(
+                line in n0.out() or line.replace("runs/x", str(n0.run)) in n0.out(), f"no '{line}' in the output"
+            )
+        result.check(not mid.exists(), "mid.pt left after the run")
+        return _close(
+            result,
+            f"killed rank 0 after mid.pt at epoch {where[0]}, batch {where[1]}/{where[2]}; resumed there; exit 0"
+            if where
+            else "",
+        )
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(inode, modification time) of a file: a new one replaced atomically has another."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def case_busy_port(work: Path, size: Size = FULL) -> Result:
+    """(g) master_port held by another socket: one line before training, exit code 2."""
+    result = Result("g busy_port", "exit 2; one line 'master_port=P is already in use'; no run folder")
+    t0 = time.monotonic()
+    with Cluster(work, size, "busy_port") as c, socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        n0 = c.start(0, c.common(nnodes=2, node_rank=0, master_port=port))
+        result.check(bool(wait_until(n0.ended, size.limit_s, 0.1)), "the launcher did not end")
+        _finish(result, c, n0, t0, None)
+        lines = [x for x in n0.out().splitlines() if x.strip()]
+        result.check(n0.proc.poll() == 2, f"exit {n0.proc.poll()}")
+        line = f"error: master_port={port} is already in use on this machine; choose another port or stop what holds it"
+        result.check(lines == [line], f"output {lines[-5:]}")
+        result.check(not (n0.home / "runs").exists(), "a run folder was made")
+        return _close(result, f"{_describe(n0)}")
+
+
+def case_no_master(work: Path, size: Size = FULL) -> Result:
+    """(h) node_rank=1 with nobody at master_addr:master_port: one line before training, exit code 2."""
+    result = Result(
+        "h no_master", "exit 2; one line 'cannot reach the master at 127.0.0.1:P within 60s'; no run folder"
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "no_master") as c:
+        n1 = c.start(1, c.common(nnodes=2, node_rank=1))
+        result.check(bool(wait_until(n1.ended, size.limit_s, 0.2)), "the launcher did not end")
+        _finish(result, c, n1, t0, None)
+        lines = [x for x in n1.out().splitlines() if x.strip()]
+        result.check(n1.proc.poll() == 2, f"exit {n1.proc.poll()}")
+        result.check(
+            len(lines) == 1 and lines[0].startswith(f"error: cannot reach the master at 127.0.0.1:{c.port} within 60s"),
+            f"output {lines[-5:]}",
+        )
+        result.check(not (n1.home / "runs").exists(), "a run folder was made")
+        return _close(result, f"{_describe(n1)[:150]}")
+
+
+CASES: dict[str, Callable[[Path, Size], Result]] = {
+    "a": case_worker_kill,
+    "b": case_node_leaves,
+    "c": case_node_joins,
+    "d": case_rank_stopped,
+    "e": case_launcher_sigterm,
+    "f": case_mid_epoch_kill,
+    "g": case_busy_port,
+    "h": case_no_master,
+}
+NAMES = {
+    "worker_kill": "a",
+    "node_leaves": "b",
+    "node_joins": "c",
+    "rank_stopped": "d",
+    "launcher_sigterm": "e",
+    "mid_epoch_kill": "f",
+    "busy_port": "g",
+    "no_master": "h",
+}
+
+
+def run_case(letter: str, work: Path, size: Size) -> Result:
+    """One case; an unexpected error in the harness itself is a failed row, not a crash of the matrix."""
+    try:
+        return CASES[letter](work, size)
+    except KeyboardInterrupt:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported in the row
+        return Result(f"{letter} {CASES[letter].__name__[5:]}", "-", f"harness error: {type(e).__name__}: {e}")
+
+
+def table(results: list[Result]) -> str:
+    """A Markdown table of the results."""
+    head = ["case", "expected", "observed", "ok", "seconds", "epochs in results.csv", "last.pt"]
+    rows = [
+        [r.case, r.expected, r.observed, "yes" if r.ok else "NO", f"{r.seconds:.0f}", r.epochs, r.checkpoint]
+        for r in results
+    ]
+    clean = [[c.replace("|", "\\|").replace("\n", " ") for c in row] for row in rows]
+    return "\n".join(
+        ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(row) + " |" for row in clean]
+    )
+
+
+def pick(text: str) -> list[str]:
+    """``"a,f"``, ``"af"``, ``"worker_kill,busy_port"`` -> case letters, in the order given."""
+    picked: list[str] = []
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        if part in NAMES:
+            picked.append(NAMES[part])
+        elif all(ch in CASES for ch in part):
+            picked += list(part)
+        else:
+            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-h or the names {', '.join(NAMES)}")
+    return picked
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cases", default="abcdefgh", help="letters or names, comma-separated (default: all)")
+    parser.add_argument("--small", action="store_true", help="the smallest runs that exercise each case")
+    parser.add_argument("--work", type=Path, default=None, help="folder for the nodes (default: a temporary one)")
+    parser.add_argument("--keep", action="store_true", help="keep the nodes' folders (with --work, always kept)")
+    a = parser.parse_args(argv)
+    letters = pick(a.cases)
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated matrix cleans up as Ctrl-C does
+    size = SMALL if a.small else FULL
+    work = a.work or Path(tempfile.mkdtemp(prefix="detrain_chaos_"))
+    results = []
+    try:
+        for letter in letters:
+            r = run_case(letter, work, size)
+            results.append(r)
+            print(f"{'ok  ' if r.ok else 'FAIL'} {r.case}: {r.observed} ({r.seconds:.0f} s)", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted; every process of the cases was stopped", file=sys.stderr)
+        return 130
+    finally:
+        if a.work is None and not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        elif results:
+            print(f"nodes' folders in {work}")
+    print()
+    print(table(results))
+    return 0 if results and all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

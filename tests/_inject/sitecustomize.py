@@ -1,0 +1,89 @@
+"""Test-only fault injection at an exact point of a training run, from outside detrain.
+
+Tests put this folder first on a child's PYTHONPATH (``tests/_faults.py``: ``fault_env``), so that Python imports
+this module at the start of that child and of every process it spawns (launcher, elastic workers, torchrun
+ranks). It does nothing unless ``TEST_FAULT`` holds a rule, a JSON object:
+
+* ``after``: ``"last.pt"`` or ``"mid.pt"``, the checkpoint whose atomic write is the point (only rank 0 writes
+  checkpoints, so the rule acts in rank 0's process);
+* ``epoch``: the written checkpoint's ``epoch`` field (the last finished epoch, 0-based: a last.pt with epoch 0
+  is written at the end of the first epoch, a mid.pt with epoch 0 within the second);
+* ``next_batch`` (mid.pt only): act at the first mid.pt of that epoch whose ``mid_epoch.next_batch`` is at least
+  this;
+* ``then``: ``"kill"`` (SIGKILL this process once the file is in place) or ``"hold"`` (write ``<until>.held``
+  holding this pid, then wait until the file ``until`` exists, or at most 300 s, and go on).
+
+The rule acts on the launcher's first attempt only (``TORCHELASTIC_RESTART_COUNT`` absent or 0), so a restarted
+group runs on. It watches the run through Python's audit hooks (the ``os.rename`` event that ``os.replace``
+raises, :pep:`578`), so nothing in detrain knows about it: the checkpoint's temporary file is read with
+``torch.load(weights_only=True)`` to learn its epoch and position, before the rename. To act *after* the file is
+in place, "kill" does the rename itself and dies; "hold" puts a copy in place atomically and lets the original
+rename replace it with the same bytes after the hold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+_RULE = json.loads(os.environ["TEST_FAULT"]) if os.environ.get("TEST_FAULT") else None
+_busy = False  # the hook's own file operations raise audit events too
+
+
+def _first_attempt() -> bool:
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+
+
+def _matches(src: str) -> bool:
+    import torch
+
+    ckpt = torch.load(src, map_location="cpu", weights_only=True)
+    if ckpt.get("epoch") != _RULE["epoch"]:
+        return False
+    if _RULE["after"] == "mid.pt":
+        return int(ckpt["mid_epoch"]["next_batch"]) >= int(_RULE["next_batch"])
+    return True
+
+
+def _hold(until: str, src: str, dst: str) -> None:
+    import shutil
+
+    copy = f"{dst}.fault-copy"
+    shutil.copyfile(src, copy)
+    os.replace(copy, dst)
+    with open(f"{until}.held.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(f"{until}.held.tmp", f"{until}.held")
+    import time
+
+    deadline = time.monotonic() + 300
+    while not os.path.exists(until) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _audit(event: str, args: tuple) -> None:
+    global _RULE, _busy
+    if event != "os.rename" or _RULE is None or _busy:
+        return
+    src, dst = str(args[0]), str(args[1])
+    if os.path.basename(dst) != _RULE["after"] or os.path.basename(os.path.dirname(dst)) != "weights":
+        return
+    _busy = True
+    try:
+        if not _first_attempt() or not _matches(src):
+            return
+        rule, _RULE = _RULE, None  # once per process
+        if rule["then"] == "kill":
+            os.replace(src, dst)
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        _hold(rule["until"], src, dst)
+    finally:
+        _busy = False
+
+
+if _RULE is not None:
+    import sys
+
+    sys.addaudithook(_audit)

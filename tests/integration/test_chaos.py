@@ -1,0 +1,136 @@
+"""scripts/chaos.py's fault matrix, each case at its smallest size (``chaos.SMALL``: 3 epochs of 16 images at 64 px,
+scale n, dist_timeout=10): a worker killed on node 1, a node leaving and one joining an elastic group, a stopped
+rank, a SIGTERMed node 0 launcher, a kill right after a mid-epoch checkpoint, a busy port and an unreachable master.
+
+Every node is a real ``detrain train`` launcher on 127.0.0.1 with its own folder; faults are real signals. The only
+time bounds checked are the behaviour under test (a stopped rank: every node ends within dist_timeout + 30 s; a
+SIGTERM: every process gone within 10 s); the rest run under the case's hang guard (``Size.limit_s``). Two cases
+spend most of their minute waiting (the unreachable master: 60 s for the master; a node leaving: about 30 s of
+torch's c10d rendezvous), so they start at once in threads and run beside the others.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
+
+
+def _load():
+    if "chaos" in sys.modules:
+        return sys.modules["chaos"]
+    spec = importlib.util.spec_from_file_location("chaos", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["chaos"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+chaos = _load()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("chaos")
+
+
+BACKGROUND = {
+    "b": "test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish",
+    "h": "test_h_an_unreachable_master_is_one_line_before_training",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background(request: pytest.FixtureRequest, work: Path):
+    """Start the cases that mostly wait at once, each in a thread, when their test is selected; the test collects
+    the result (a case kills every process it started however it ends)."""
+    results: dict[str, object] = {}
+    selected = {item.name for item in request.session.items}
+    threads = {
+        letter: threading.Thread(
+            target=lambda x=letter: results.update({x: chaos.run_case(x, work, chaos.SMALL)}), daemon=True
+        )
+        for letter, test in BACKGROUND.items()
+        if test in selected
+    }
+    for thread in threads.values():
+        thread.start()
+    yield results, threads
+    for thread in threads.values():
+        thread.join()
+
+
+def _collected(background, letter: str):
+    results, threads = background
+    threads[letter].join()
+    return results[letter]
+
+
+def _ok(result) -> None:
+    assert result.ok, f"{result.case}: {result.observed}"
+
+
+def test_a_a_killed_worker_on_node_1_resumes_on_both_nodes(work: Path) -> None:
+    result = chaos.run_case("a", work, chaos.SMALL)
+    _ok(result)
+    assert result.epochs == "1-3" and result.checkpoint == "loads (epoch 3)"
+
+
+def test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish(background) -> None:
+    result = _collected(background, "b")
+    _ok(result)
+    assert result.epochs == "1-3" and result.checkpoint == "loads (epoch 3)"
+
+
+def test_c_a_node_joining_mid_run_grows_the_group_which_finishes(work: Path) -> None:
+    result = chaos.run_case("c", work, chaos.SMALL)
+    _ok(result)
+    assert result.epochs == "1-3" and "group restarted: resuming from" in result.observed
+
+
+def test_d_a_stopped_rank_ends_every_node_with_a_line_naming_it(work: Path) -> None:
+    result = chaos.run_case("d", work, chaos.SMALL)
+    _ok(result)
+    assert "rank 1 stopped responding" in result.observed
+
+
+def test_e_a_sigtermed_launcher_leaves_no_process_and_a_loadable_last_pt(work: Path) -> None:
+    result = chaos.run_case("e", work, chaos.SMALL)
+    _ok(result)
+    assert result.checkpoint.startswith("loads")
+
+
+def test_f_a_kill_after_a_mid_epoch_checkpoint_resumes_at_its_batch(work: Path) -> None:
+    result = chaos.run_case("f", work, chaos.SMALL)
+    _ok(result)
+    assert result.epochs == "1-3" and "resumed there" in result.observed
+
+
+def test_g_a_busy_master_port_is_one_line_before_training(work: Path) -> None:
+    _ok(chaos.run_case("g", work, chaos.SMALL))
+
+
+def test_h_an_unreachable_master_is_one_line_before_training(background) -> None:
+    _ok(_collected(background, "h"))
+
+
+def test_cases_are_picked_by_letter_or_name_and_anything_else_is_refused() -> None:
+    assert chaos.pick("a,f") == ["a", "f"] and chaos.pick("abcdefgh") == list("abcdefgh")
+    assert chaos.pick("worker_kill, no_master") == ["a", "h"]
+    with pytest.raises(SystemExit, match="'z' is not a case"):
+        chaos.pick("a,z")
+
+
+def test_the_epoch_column_shows_a_run_of_each_epoch_once_or_the_rows_as_they_are() -> None:
+    assert chaos.epochs_text(["1", "2", "3"]) == "1-3"
+    assert chaos.epochs_text(["1", "2", "2", "3"]) == "1,2,2,3" and chaos.epochs_text([]) == "-"
+    row = chaos.Result("a x", "expected | piped", "seen", ok=True, seconds=3.2)
+    assert chaos.table([row]).splitlines()[-1] == "| a x | expected \\| piped | seen | yes | 3 | - | - |"

@@ -1,0 +1,183 @@
+"""Every node ends when the run ends (detrain.distributed.job_watch) and a rank that waited in vain names the rank
+whose heartbeat stopped (detrain.distributed.heartbeat, dist.silent_peers_error): in one process, on a real
+TCPStore on 127.0.0.1, with intervals of a few hundredths of a second. The whole story, with processes, is
+tests/integration/test_chaos.py's stopped rank."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as tdist
+
+from detrain.distributed import dist, heartbeat
+from detrain.distributed.job_watch import END_KEY, JobWatch
+from detrain.distributed.master_store import host_store
+from detrain.errors import DistributedError
+
+LIMIT_S = 30  # a hang guard, not a timing
+
+
+@pytest.fixture
+def server():
+    store = host_store("127.0.0.1", 0, bind="127.0.0.1", timeout=timedelta(seconds=5))
+    yield store
+    del store
+
+
+def _client(server) -> tdist.TCPStore:
+    return tdist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5))
+
+
+def _interrupted() -> bool:
+    """Wait (at most LIMIT_S) for the KeyboardInterrupt a watch sends to this, the main thread."""
+    deadline = time.monotonic() + LIMIT_S
+    try:
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+# ------------------------------------------------------------------ heartbeats
+
+
+def test_a_rank_whose_heartbeat_stopped_is_named_and_a_beating_one_is_not(server) -> None:
+    beats = [
+        heartbeat.Heartbeat(tdist.PrefixStore("hb", _client(server)), r, 3, every_s=0.02).start() for r in range(3)
+    ]
+    try:
+        assert beats[0].silent(watch_s=0.3) == []
+        beats[2].stop()  # as a SIGSTOPped or dead process: its counter stands still
+        assert beats[0].silent(watch_s=0.3) == [2]
+        assert beats[1].silent(watch_s=0.3) == [2]
+    finally:
+        for b in beats:
+            b.stop()
+
+
+def test_without_a_store_nobody_is_named(server) -> None:
+    beat = heartbeat.Heartbeat(tdist.PrefixStore("hb", _client(server)), 0, 2, every_s=0.02)
+    beat.store = None  # what a store whose host ended gives: errors
+    assert beat.counts() is None and beat.silent(watch_s=0.01) == []
+
+
+@pytest.mark.parametrize(
+    ("message", "waited"),
+    [
+        (
+            "RuntimeError: [/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 10000ms for send operation",
+            True,
+        ),
+        ("RuntimeError: [/gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:50379", True),
+        (
+            (
+                "DistributedError: all_reduce_sum failed on rank 0 of 2: timed out after 5s waiting for the "
+                f"other ranks {dist.PEER_LOST_MARK} [x]"
+            ),
+            True,
+        ),
+        ("RuntimeError: Application timeout caused pair closure", True),
+        ("DistBackendError: [/gloo/pair.cc:1] Connection reset by peer", True),
+        ("DistributedError: batch=6 does not split evenly", False),
+        ("RuntimeError: CUDA out of memory", False),
+        ("ValueError: timed out reading a label file", False),  # not gloo's words: this rank's own failure
+    ],
+)
+def test_only_a_wait_for_a_peer_asks_the_heartbeats(message: str, waited: bool) -> None:
+    assert dist.waited_for_a_peer(message) is waited
+
+
+def test_the_silent_rank_is_named_in_one_line(server, monkeypatch) -> None:
+    monkeypatch.setattr(heartbeat, "silent_ranks", lambda watch_s=None: [1])
+    error = dist.silent_peers_error(RuntimeError("[/gloo/tcp/pair.cc:1] Timed out waiting 10000ms for recv\nmore"))
+    assert isinstance(error, DistributedError)
+    assert str(error) == (
+        f"rank 1 stopped responding: no heartbeat for 3s {dist.PEER_LOST_MARK} [Timed out waiting 10000ms for recv]"
+    )
+    assert dist.silent_peers_error(ValueError("Timed out")) is None  # not a wait for a peer
+    monkeypatch.setattr(heartbeat, "silent_ranks", lambda watch_s=None: [])
+    assert dist.silent_peers_error(RuntimeError("gloo: Connection reset by peer")) is None  # all alive: keep it
+
+
+def test_the_launcher_report_leads_with_the_silent_rank() -> None:
+    from types import SimpleNamespace
+
+    from detrain.distributed.launch_failures import describe_failure, explained
+
+    text = str(DistributedError(f"rank 1 stopped responding: no heartbeat for 3s {dist.PEER_LOST_MARK} [Timed out]"))
+    message = f"DistributedError: {text}"
+    failure = SimpleNamespace(
+        message={"message": message}, timestamp=1, exitcode=1, error_file_data={"message": {"message": message}}
+    )
+    error = SimpleNamespace(failures={0: failure})
+    assert describe_failure(error, 0) == "rank 1 stopped responding (no heartbeat for 3s, seen by worker rank 0)"
+    assert explained(error)  # one of detrain's own errors: elastic's traceback adds nothing
+
+
+# ------------------------------------------------------------------ the end of the run reaches every node
+
+
+def test_a_reason_published_by_one_node_stops_the_others(server) -> None:
+    watch = JobWatch("127.0.0.1", server.port, node_rank=1, poll_s=0.02).start()
+    node0 = JobWatch("127.0.0.1", server.port, node_rank=0)
+    # node 0 publishes from another thread: the interrupt goes to the main thread, as in node 1's launcher
+    publisher = threading.Thread(
+        target=node0.publish, args=("node 0: worker rank 0 failed:\nrank 1 stopped",), kwargs={"wait_s": LIMIT_S}
+    )
+    try:
+        publisher.start()
+        assert _interrupted()
+        publisher.join(LIMIT_S)
+    finally:
+        watch.stop()
+    assert not publisher.is_alive()  # node 0 went as soon as the other node had read it (nnodes=2)
+    assert watch.reason == "the run ended on node 0: worker rank 0 failed: rank 1 stopped"
+    assert int(_client(server).add("detrain/job/seen", 0)) == 1
+
+
+def test_a_completed_run_stops_nobody(server) -> None:
+    watch = JobWatch("127.0.0.1", server.port, node_rank=1, poll_s=0.02).start()
+    JobWatch("127.0.0.1", server.port, node_rank=0).publish("")
+    deadline = time.monotonic() + LIMIT_S
+    while watch._thread.is_alive() and time.monotonic() < deadline:  # it reads "" and stops watching
+        time.sleep(0.01)
+    assert not watch._thread.is_alive() and watch.reason is None
+
+
+def test_a_forged_reason_is_one_short_line(server) -> None:
+    """A hostile peer on the store's port writes the key: escapes, newlines, bad UTF-8, megabytes."""
+    _client(server).set(END_KEY, b"node 9: \x1b[2J\nerror: forged\r\n" + b"\xff\xfe" + b"A" * 2_000_000)
+    watch = JobWatch("127.0.0.1", server.port, node_rank=1, poll_s=0.02).start()
+    try:
+        assert _interrupted()
+    finally:
+        watch.stop()
+    assert "\n" not in watch.reason and "\r" not in watch.reason and len(watch.reason) < 350
+    assert watch.reason.startswith("the run ended on node 9: \x1b[2J error: forged \ufffd\ufffdAAA")
+
+
+def test_losing_node_0_stops_a_node_and_kills_its_stopped_worker() -> None:
+    server = host_store("127.0.0.1", 0, bind="127.0.0.1", timeout=timedelta(seconds=5))
+    worker = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(LIMIT_S,), daemon=True)
+    worker.start()
+    os.kill(worker.pid, signal.SIGSTOP)  # a stopped worker never acts on the agent's SIGTERM
+    watch = JobWatch("127.0.0.1", server.port, node_rank=1, poll_s=0.02, lost_after_s=0.3, kill_after_s=0.1)
+    watch.start()
+    try:
+        time.sleep(0.1)
+        del server  # node 0's launcher ends: its store with it
+        assert _interrupted()
+        worker.join(LIMIT_S)
+    finally:
+        watch.stop()
+        if worker.is_alive():
+            worker.kill()
+    assert watch.reason is not None and watch.reason.startswith("lost node 0's launcher at 127.0.0.1:")
+    assert worker.exitcode == -signal.SIGKILL
