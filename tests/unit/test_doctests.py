@@ -15,8 +15,10 @@ import io
 import os
 import pkgutil
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import detrain
@@ -26,14 +28,33 @@ FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 PROMPT = re.compile(r"^\s*>>>", re.M)
 
 
+# numpy's own defaults: the examples show arrays as numpy prints them, whatever another library imported in this
+# process set (Ultralytics, imported by the parity tests, sets a global float format)
+NUMPY_DEFAULT_PRINT = {
+    "edgeitems": 3,
+    "threshold": 1000,
+    "floatmode": "maxprec",
+    "precision": 8,
+    "suppress": False,
+    "linewidth": 75,
+    "nanstr": "nan",
+    "infstr": "inf",
+    "sign": "-",
+    "formatter": None,
+    "legacy": False,
+}
+
+
 @pytest.fixture
-def quiet_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty working folder, HOME inside it, and the environment without detrain's own variables."""
+def quiet_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty working folder, HOME inside it, the environment without detrain's own variables, and numpy printing
+    as it does by default."""
     for key in [k for k in os.environ if k.startswith("DETRAIN_")]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    return tmp_path
+    with np.printoptions(**NUMPY_DEFAULT_PRINT):
+        yield tmp_path
 
 
 @pytest.mark.parametrize("name", MODULES)
