@@ -27,6 +27,7 @@ from __future__ import annotations
 import _thread
 import contextlib
 import multiprocessing
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as tdist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from detrain.errors import DistributedError
 
@@ -151,13 +153,20 @@ def ended_together(addr: str, port: int, node_rank: int, lo: int, hi: int) -> It
     watch = JobWatch(addr, port, node_rank, hi).start() if hi > 1 else None
     try:
         yield watch
-    except (DistributedError, KeyboardInterrupt) as e:
+    except (DistributedError, KeyboardInterrupt, SignalException) as e:
+        # SignalException: the watch's interrupt reached torch's SIGINT handler outside the launch's own handling
+        # (while this node was already reporting another failure)
         if watch is not None:
             watch.stop()
             if watch.reason:  # another node ended the run: this node's own error only follows from that
                 raise DistributedError(watch.reason) from None
-            if lo == hi or node_rank == 0:  # with nnodes=MIN:MAX the others may leave; node 0 may not
-                watch.publish(f"node {node_rank}: {e or 'interrupted'}")
+        if watch is not None and (lo == hi or node_rank == 0):  # with nnodes=MIN:MAX the others may leave
+            what = "interrupted" if isinstance(e, SignalException) else (str(e) or "interrupted")
+            watch.publish(f"node {node_rank}: {what}")
+        if isinstance(e, SignalException):  # as the launch reports one it catches itself
+            if e.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            raise DistributedError(f"stopped by {signal.Signals(e.sigval).name}; all workers were terminated") from None
         raise
     finally:
         if watch is not None:
