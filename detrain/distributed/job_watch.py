@@ -27,7 +27,6 @@ from __future__ import annotations
 import _thread
 import contextlib
 import multiprocessing
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -37,6 +36,7 @@ from typing import Any
 import torch.distributed as tdist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from detrain.distributed.launch_failures import signal_stop
 from detrain.errors import DistributedError
 
 END_KEY = "detrain/job/end"  # the reason the run ended with ("" when it completed)
@@ -164,9 +164,7 @@ def ended_together(addr: str, port: int, node_rank: int, lo: int, hi: int) -> It
             what = "interrupted" if isinstance(e, SignalException) else (str(e) or "interrupted")
             watch.publish(f"node {node_rank}: {what}")
         if isinstance(e, SignalException):  # as the launch reports one it catches itself
-            if e.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
-            raise DistributedError(f"stopped by {signal.Signals(e.sigval).name}; all workers were terminated") from None
+            raise signal_stop(e) from None
         raise
     finally:
         if watch is not None:

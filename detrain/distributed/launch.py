@@ -32,7 +32,7 @@ from detrain.distributed import dist, netif, run_identity
 from detrain.distributed.devices import DeviceKind, DevicePlan, parse_device
 from detrain.distributed.job_watch import ended_together
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
-from detrain.distributed.launch_failures import describe_failure, explained, is_consequence
+from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
 from detrain.distributed.master_store import host_store
 from detrain.distributed.world import DEVICE_ENV, LAUNCHER_ENV, World
 from detrain.errors import DistributedError
@@ -201,9 +201,7 @@ def launch(
                 held.drop()  # the one line below is the whole story
             raise DistributedError(describe_failure(e, max_restarts)) from None
         except SignalException as e:
-            if e.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
-            raise DistributedError(f"stopped by {signal.Signals(e.sigval).name}; all workers were terminated") from None
+            raise signal_stop(e) from None
         except (RendezvousError, RuntimeError, ValueError, TimeoutError) as e:  # rendezvous / store failures
             cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             if node_rank > 0 and type(e).__name__ == "RendezvousConnectionError":

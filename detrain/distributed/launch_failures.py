@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import re
+import signal
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from detrain.distributed import dist
 from detrain.errors import CheckpointError, ConfigError, DatasetError, DetrainError, DistributedError
 
 DETRAIN_ERRORS = tuple(c.__name__ for c in (DetrainError, ConfigError, DatasetError, CheckpointError, DistributedError))
+
+
+def signal_stop(e: SignalException) -> KeyboardInterrupt | DistributedError:
+    """The launcher stopped by a signal (torch's agent turns SIGINT/SIGTERM into ``SignalException``): SIGINT is a
+    Ctrl-C (``KeyboardInterrupt``), any other one line saying which signal stopped it."""
+    if e.sigval == signal.SIGINT:
+        return KeyboardInterrupt()
+    return DistributedError(f"stopped by {signal.Signals(e.sigval).name}; all workers were terminated")
 
 
 def describe_failure(e: ChildFailedError, max_restarts: int) -> str:

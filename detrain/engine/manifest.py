@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import platform
-import stat
 import subprocess
 from collections.abc import Iterable
 from datetime import datetime, timezone
@@ -28,6 +27,7 @@ import torch
 
 import detrain
 from detrain.data.labels import img2label_path
+from detrain.file_tail import read_regular
 from detrain.log import atomic_write_text
 
 MAX_MANIFEST_BYTES = 1 << 20  # an earlier manifest.json larger than this is not read back (a fresh one is written)
@@ -138,20 +138,13 @@ def build_manifest(args: dict[str, Any], dataset: dict[str, Any] | None) -> dict
 
 def read_manifest(path: str | Path) -> dict[str, Any] | None:
     """An earlier manifest.json as a dict; None when absent, not a regular file, too large or not a JSON object."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
+    raw = read_regular(path, MAX_MANIFEST_BYTES, tail=False)
+    if raw is None:
         return None
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_MANIFEST_BYTES:
-            return None
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = json.loads(f.read(MAX_MANIFEST_BYTES + 1))
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
         return None
-    finally:
-        os.close(fd)
     return data if isinstance(data, dict) else None
 
 
