@@ -9,7 +9,7 @@ __all__ = ["Model", "__version__"]
 
 def __getattr__(name: str):  # lazy, so `import detrain` stays cheap for the CLI and workers
     if name == "Model":
-        from detrain.model import Model
+        from detrain.api import Model
 
         return Model
     raise AttributeError(name)

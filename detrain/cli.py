@@ -16,8 +16,8 @@ from typing import Any
 import typer
 
 from detrain import __version__
-from detrain.config import COMMAND_KEYS, comments, defaults, make_cfg, parse_cli_args
-from detrain.config_keys import SECTION_OF, TITLES
+from detrain.config.cfg import COMMAND_KEYS, comments, defaults, make_cfg, parse_cli_args
+from detrain.config.keys import SECTION_OF, TITLES
 from detrain.errors import DetrainError
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
@@ -25,7 +25,7 @@ _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option
 
 def _keys_help(command: str) -> str:
     """The keys a command takes, under their sections' headings, with their defaults and help lines (the source
-    of both: detrain/config_keys.py)."""
+    of both: detrain/config/keys.py)."""
     notes = comments()
     lines = []
     section = None
@@ -57,7 +57,7 @@ def _args(ctx: typer.Context) -> dict[str, Any]:
 def train(ctx: typer.Context) -> None:
     """Train a detector: detrain train data=coco8.yaml model=n.yaml epochs=3 device=0,1"""
     cfg = make_cfg(_args(ctx))
-    from detrain.runner import run_task
+    from detrain.run.task import run_task
 
     run_task("train", cfg)
 
@@ -66,7 +66,7 @@ def train(ctx: typer.Context) -> None:
 def val(ctx: typer.Context) -> None:
     """Evaluate weights (COCO-exact mAP): detrain val model=best.pt data=coco8.yaml device=cpu,cpu"""
     cfg = make_cfg(_args(ctx))
-    from detrain.runner import run_task
+    from detrain.run.task import run_task
 
     run_task("val", cfg)
 
@@ -75,7 +75,7 @@ def val(ctx: typer.Context) -> None:
 def predict(ctx: typer.Context) -> None:
     """Detect objects in images, videos, cameras and streams: detrain predict model=best.pt source=path/to/images"""
     cfg = make_cfg(_args(ctx))
-    from detrain.engine.predictor import stream_predict
+    from detrain.engine.predict.predictor import stream_predict
 
     results = stream_predict(cfg)
     try:
@@ -88,7 +88,7 @@ def predict(ctx: typer.Context) -> None:
 @app.command(context_settings=_EXTRA, epilog=_keys_help("export"))
 def export(ctx: typer.Context) -> None:
     """Export weights to ONNX or TorchScript: detrain export model=best.pt format=torchscript"""
-    from detrain.model import Model
+    from detrain.api import Model
 
     args = _args(ctx)
     sha256 = make_cfg({"weights_sha256": args.pop("weights_sha256", "")}).inputs.weights_sha256
@@ -100,7 +100,7 @@ def export(ctx: typer.Context) -> None:
 def info(ctx: typer.Context) -> None:
     """Describe a model: layers, parameters, GFLOPs at imgsz, strides, classes: detrain info model=best.pt"""
     cfg = make_cfg(_args(ctx))
-    from detrain.model import Model
+    from detrain.api import Model
     from detrain.nn.info import print_info
 
     model = Model(cfg.inputs.model, weights_sha256=cfg.inputs.weights_sha256)
@@ -113,7 +113,7 @@ def convert(
     dst: str = typer.Argument(..., help="the detrain checkpoint to write"),
 ) -> None:
     """Convert a YOLOv8 checkpoint into a detrain one that loads with torch.load(weights_only=True)."""
-    from detrain.checkpoint import load_checkpoint, save_checkpoint
+    from detrain.weights.checkpoint import load_checkpoint, save_checkpoint
 
     ckpt = load_checkpoint(src)
     save_checkpoint({k: v for k, v in ckpt.items() if k not in ("format", "version", "date")}, dst)
@@ -123,7 +123,7 @@ def convert(
 @app.command()
 def checks() -> None:
     """Print the environment: versions, CUDA / NCCL / gloo availability and devices."""
-    from detrain.env_report import report
+    from detrain.system.env_report import report
 
     typer.echo(report())
 

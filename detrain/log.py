@@ -17,7 +17,7 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from detrain.tempfiles import temp_beside
+from detrain.system.tempfiles import temp_beside
 
 # a log file or a pipe still gets full-width lines
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)

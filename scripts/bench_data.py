@@ -69,7 +69,7 @@ def ultralytics_importable() -> bool:
 
 def records_for(files: list[str], nc: int) -> list[Any]:
     """Verified label records."""
-    from detrain.data.labels import load_labels
+    from detrain.data.labels.verify import load_labels
 
     records, _ = load_labels(files, nc, cache=False, progress=False)
     return records
@@ -168,7 +168,7 @@ def child(args: argparse.Namespace) -> None:
             return
     loader = build(args.child_workers)
     if args.child == "detrain":
-        from detrain.data.batch_memory import release_batch
+        from detrain.data.memory.batch_memory import release_batch
 
         ips = images_per_second(loader, args.warmup, args.batches, release_batch)
     else:

@@ -33,7 +33,7 @@ from detrain.distributed.launch import check_batch, launch, parse_device
 
 def bench_worker(args: dict[str, Any]) -> dict[str, float]:
     """Time ``iters`` training steps on this rank's share of the global batch; rank 0's numbers come back."""
-    from detrain.loss import DetectionLoss
+    from detrain.nn.loss import DetectionLoss
     from detrain.nn.model import DetectionModel
 
     torch.set_num_threads(args["threads"])

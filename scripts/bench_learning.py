@@ -156,7 +156,7 @@ def split_images(images: list[str], val_fraction: float, seed: int) -> tuple[lis
 
 def label_of(image: Path) -> Path:
     """The label file of an image (the last ``/images/`` becomes ``/labels/``), as both tools find it."""
-    from detrain.data.labels import img2label_path
+    from detrain.data.labels.verify import img2label_path
 
     return Path(img2label_path(image))
 

@@ -3,7 +3,7 @@ Ultralytics' ``cache=ram`` on the same ranks when it is importable (e.g. ``PYTHO
 
 Each run is a fresh ``python`` process that does what ``detrain train`` does with ``device=cpu`` or
 ``device=cpu,cpu``: one rank in the process itself, or two ranks started by ``detrain.distributed.launch.launch``
-(torch's elastic agent). Every rank verifies the labels, builds the training loader of ``detrain.engine.data`` with
+(torch's elastic agent). Every rank verifies the labels, builds the training loader of ``detrain.data.prepare`` with
 ``cache=ram`` and ``--workers`` loader workers, and runs ``--steps`` training steps of YOLOv8 ``--scale`` (the
 DDP model, loss and SGD of a real run) on its slice of each global batch. The Ultralytics run builds its own
 ``YOLODataset(cache="ram")`` and ``InfiniteDataLoader`` on each rank instead, and trains the same detrain model.
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_data import mirror, train_images, ultralytics_importable, ultralytics_loader  # noqa: E402
 
-# this user's private folders, the usual one and the fallbacks (detrain/data/private_dir.py)
+# this user's private folders, the usual one and the fallbacks (detrain/data/memory/private_dir.py)
 CACHE_GLOBS = (f"/dev/shm/detrain-{os.geteuid()}/detrain-ram-*", f"/dev/shm/detrain-{os.geteuid()}-*/detrain-ram-*")
 KB = 1024
 
@@ -141,7 +141,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
     from detrain.distributed import dist
     from detrain.distributed.launch import check_batch
-    from detrain.loss import DetectionLoss
+    from detrain.nn.loss import DetectionLoss
     from detrain.nn.model import DetectionModel
 
     dist.setup(timeout_s=1800.0)
@@ -189,8 +189,8 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _detrain_loader(args: dict[str, Any], local_batch: int, rank: int, world: int) -> Any:
-    from detrain.config import make_cfg
-    from detrain.engine.data import build_train_loader, load_split
+    from detrain.config.cfg import make_cfg
+    from detrain.data.prepare import build_train_loader, load_split
 
     cfg = make_cfg(
         {

@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
-from detrain.engine.optim import kernel_options
-from detrain.loss import DetectionLoss
+from detrain.engine.train.optim import kernel_options
+from detrain.nn.loss import DetectionLoss
 from detrain.nn.model import DetectionModel
 
 

@@ -58,7 +58,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a source checkout too
 
-from detrain.procfs import stat_fields, status_value  # noqa: E402
+from detrain.system.procfs import stat_fields, status_value  # noqa: E402
 
 TAG_ENV = "CHAOS_TAG"  # in every process a case starts (inherited by all descendants): what cleanup looks for
 
@@ -284,9 +284,9 @@ def epochs_text(epochs: list[str]) -> str:
 
 
 def checkpoint_text(path: Path) -> tuple[bool, str, dict | None]:
-    """Whether ``path`` loads with detrain's safe loader (:func:`detrain.checkpoint.load_checkpoint`)."""
-    from detrain.checkpoint import load_checkpoint
+    """Whether ``path`` loads with detrain's safe loader (:func:`detrain.weights.checkpoint.load_checkpoint`)."""
     from detrain.errors import CheckpointError
+    from detrain.weights.checkpoint import load_checkpoint
 
     if not path.exists():
         return False, "none", None

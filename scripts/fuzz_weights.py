@@ -6,7 +6,7 @@
 
 Each case takes a base file (``../shared/weights/yolov8n.pt`` as Ultralytics wrote it, or the same weights saved
 as a detrain checkpoint with RNG state), applies one structured mutation (or, one case in ten, a stack of
-them) and calls ``detrain.checkpoint.load_checkpoint`` on the result in a forked child (``_fuzz_sandbox``):
+them) and calls ``detrain.weights.checkpoint.load_checkpoint`` on the result in a forked child (``_fuzz_sandbox``):
 
 - pickle level (``_fuzz_pickle``, data.pkl re-zipped with a correct CRC so the mutation reaches the
   unpickler): opcodes dropped, duplicated, swapped; globals renamed; storage dtypes, sizes and keys, tensor
@@ -84,8 +84,8 @@ class Case:
 
 def make_detrain_base(weights: Path, folder: Path) -> Path:
     """The YOLOv8 weights as a detrain checkpoint (what ``detrain convert`` writes), plus a run's RNG state."""
-    from detrain.checkpoint import load_checkpoint, save_checkpoint
-    from detrain.engine.reproduce import rng_state
+    from detrain.engine.train.reproduce import rng_state
+    from detrain.weights.checkpoint import load_checkpoint, save_checkpoint
 
     ckpt = load_checkpoint(weights)
     ckpt.update(rng=rng_state(), epoch=3, train_args={"imgsz": 640, "epochs": 10, "name": "fuzz"})
@@ -122,7 +122,7 @@ def load_target(path: Path) -> Callable[[], str]:
     """What each child runs: load the file and touch what every caller reads (the model's weights)."""
 
     def target() -> str:
-        from detrain.checkpoint import load_checkpoint
+        from detrain.weights.checkpoint import load_checkpoint
 
         ckpt: Any = load_checkpoint(path)
         weights = ckpt["model"]["state_dict"]

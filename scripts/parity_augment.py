@@ -1,7 +1,7 @@
 """Do detrain's augmented training images follow the same distributions as Ultralytics'? One table, side by side.
 
 Both training loaders are built the way their trainers build them, with default hyperparameters, on the same
-images: detrain's through ``detrain.engine.data`` (``load_split`` + ``build_train_loader``), Ultralytics' through
+images: detrain's through ``detrain.data.prepare`` (``load_split`` + ``build_train_loader``), Ultralytics' through
 ``build_yolo_dataset(mode="train")`` + ``build_dataloader``, seeded, for ``--epochs`` epochs of a 100-epoch run
 (mosaic on). detrain's samples do not depend on its worker count; Ultralytics' do: each loader worker keeps its
 own mosaic buffer of the images it loaded, so ``--ultralytics-workers 8`` (its trainer's default) draws partners
@@ -174,7 +174,7 @@ def mirror_dataset(data: str, folder: Path) -> tuple[Path, dict[int, str]]:
     import yaml
 
     from detrain.data.dataset_yaml import load_dataset_yaml
-    from detrain.data.labels import img2label_path
+    from detrain.data.labels.verify import img2label_path
 
     info = load_dataset_yaml(data, download=False)
     (folder / "images" / "train").mkdir(parents=True)
@@ -225,8 +225,8 @@ def detrain_plans(shapes_hw: Callable[[], Sequence[tuple[int, int]]]) -> Iterato
 
 
 def run_detrain(data_yaml: Path, imgsz: int, batch: int, epochs: int, seed: int, cache: str = "") -> Stats:
-    from detrain.config import make_cfg
-    from detrain.engine.data import build_train_loader, load_split
+    from detrain.config.cfg import make_cfg
+    from detrain.data.prepare import build_train_loader, load_split
 
     cfg = make_cfg(
         {"data": str(data_yaml), "imgsz": imgsz, "batch": batch, "workers": 0, "seed": seed, "cache": cache or False}
@@ -248,8 +248,8 @@ def run_detrain(data_yaml: Path, imgsz: int, batch: int, epochs: int, seed: int,
 def validation_detail(data_yaml: Path, imgsz: int, batch: int) -> tuple[float, float]:
     """(p50, mean) of :func:`detail` over the validation images (the same pixels in both pipelines: detrain's
     validation preprocessing is Ultralytics' exactly), a reference for what the model is scored on."""
-    from detrain.config import make_cfg
-    from detrain.engine.data import build_val_loader, load_split
+    from detrain.config.cfg import make_cfg
+    from detrain.data.prepare import build_val_loader, load_split
 
     cfg = make_cfg({"data": str(data_yaml), "imgsz": imgsz, "batch": batch, "workers": 0})
     loader = build_val_loader(load_split(cfg.inputs.data, "val", cfg, verbose=False), cfg, batch, 0, 1)

@@ -1,5 +1,5 @@
 """One rank of a group whose ranks each play a node with a disk of its own (their own working folder): it runs
-:func:`detrain.engine.resume_state.agree` once per case and writes what it agreed on to ``agreed.json`` there.
+:func:`detrain.engine.train.resume_state.agree` once per case and writes what it agreed on to ``agreed.json`` there.
 
 Run as ``python _agree_node.py CASES_JSON`` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, LOCAL_RANK 0
 and LOCAL_WORLD_SIZE 1 (every rank is the first process of its node). A case: ``{"save_dir": str | None,
@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from detrain.config import make_cfg
+from detrain.config.cfg import make_cfg
 from detrain.distributed import dist
-from detrain.engine import resume_state
+from detrain.engine.train import resume_state
 from detrain.errors import DetrainError
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-from detrain.callbacks import TrainEvent
 from detrain.distributed import dist
+from detrain.engine.train.callbacks import TrainEvent
 
 
 def record(path: str, event: TrainEvent) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from detrain.data.instances import Labels
+from detrain.data.samples.instances import Labels
 
 PARTNER_BACKGROUND = (200, 120, 0)  # BGR, unlike any colour the base scenes use
 

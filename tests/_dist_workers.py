@@ -142,9 +142,9 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
     """Build the training loader with cache=ram (one loader worker), take two batches; every rank's view."""
     import glob
 
-    from detrain.config import make_cfg
+    from detrain.config.cfg import make_cfg
+    from detrain.data.prepare import build_train_loader, load_split
     from detrain.distributed.launch import check_batch
-    from detrain.engine.data import build_train_loader, load_split
 
     dist.setup(timeout_s=60.0)
     cfg = make_cfg(
@@ -187,8 +187,8 @@ def slow_prepare(args: dict[str, Any]) -> int:
     4 s to prepare the dataset, as a download or a large label check would; returns the number of records."""
     from unittest import mock
 
-    from detrain.config import make_cfg
-    from detrain.engine import data as engine_data
+    from detrain.config.cfg import make_cfg
+    from detrain.data import prepare as engine_data
 
     dist.setup(timeout_s=2.0)
     cfg = make_cfg({"data": args["data"], "dist_timeout": 2, "prepare_timeout": args["prepare_timeout"]})
@@ -249,7 +249,7 @@ if __name__ == "__main__":
 def pending_grads(args: dict[str, Any]) -> dict[str, Any]:
     """Each rank's own gradients (rank r: r + 1 everywhere, no gradient for one parameter on rank 1) are replaced
     by their mean over the ranks; rank 0 returns what it then holds."""
-    from detrain.engine import accumulation
+    from detrain.engine.train import accumulation
 
     dist.setup(timeout_s=30.0)
     net = torch.nn.Linear(3, 2)

@@ -11,7 +11,7 @@ from detrain.distributed import dist
 def time_estimates(args: dict[str, Any]) -> list[list[int]]:
     """Each rank reads its own clock (``args["ticks"][rank]``: the seconds it reads at the start and after each
     epoch); returns, per epoch, what every rank got from ``epochs_that_fit`` (all-gathered)."""
-    from detrain.engine import time_budget
+    from detrain.engine.train import time_budget
 
     dist.setup(timeout_s=30.0)
     ticks = iter(args["ticks"][dist.rank()])

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from detrain.data.augment import apply_hsv, letterbox, merged_hyp
-from detrain.data.batch_memory import Batch, BatchBlock, whole_block
-from detrain.data.decode_cache import LANES, DecodeCache
 from detrain.data.image_io import check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side
-from detrain.data.instances import Labels
-from detrain.data.ram_cache import DEFAULT_TIMEOUT_S, RamCache, cache_key, run_tag
-from detrain.data.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
+from detrain.data.memory.batch_memory import Batch, BatchBlock, whole_block
+from detrain.data.memory.decode_cache import LANES, DecodeCache
+from detrain.data.memory.ram_cache import DEFAULT_TIMEOUT_S, RamCache, cache_key, run_tag
+from detrain.data.samples.augment import apply_hsv, letterbox, merged_hyp
+from detrain.data.samples.instances import Labels
+from detrain.data.samples.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
 from detrain.errors import ConfigError, DatasetError
 
 MAX_SUBSTITUTIONS = 16  # unreadable images in a row before giving up on a sample
@@ -114,14 +114,14 @@ class DetectionDataset(Dataset):
     """Samples for training (augmented) or validation (YOLOv8-exact letterbox) from label records.
 
     ``records`` are ``LabelRecord``-like (``im_file``, ``shape_hw``, ``cls`` (n,), ``bboxes_xywhn`` (n, 4));
-    ``hyp`` holds the augmentation keys of :data:`detrain.data.augment.DEFAULT_HYP` (missing ones take the
+    ``hyp`` holds the augmentation keys of :data:`detrain.data.samples.augment.DEFAULT_HYP` (missing ones take the
     defaults). ``close_mosaic_epoch``: from this epoch on (``set_epoch``) mosaic, mixup and cutmix are off.
     ``cache``: None (decode the files, at reduced JPEG scale where a sample shows an image small enough), 'disk'
     (decoded originals as ``.npy`` beside the images: the same samples) or 'ram' (load-size images, once per node
     in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly);
     ``cache_timeout_s``: how long the other local ranks wait for local rank 0 to fill the RAM cache.
 
-    >>> from detrain.data.labels import LabelRecord
+    >>> from detrain.data.labels.verify import LabelRecord
     >>> _ = cv2.imwrite("a.png", np.zeros((48, 64, 3), np.uint8))
     >>> records = [LabelRecord("a.png", (48, 64), np.array([1]), np.array([[0.5, 0.5, 0.25, 0.5]], np.float32))]
     >>> ds = DetectionDataset(records, imgsz=64, augment=False, rect=True, batch_size=1)

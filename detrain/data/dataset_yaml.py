@@ -33,9 +33,9 @@ import yaml
 from detrain.assets import asset_dir
 from detrain.data import synthetic
 from detrain.data.download import DownloadLimits, download_dataset, file_lock, is_url
-from detrain.data.labels import img2label_path
+from detrain.data.labels.verify import img2label_path
 from detrain.errors import DatasetError
-from detrain.net import is_sha256
+from detrain.system.net import is_sha256
 
 __all__ = [
     "IMG_FORMATS",

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO, Any
 
-from detrain import net
 from detrain.errors import DatasetError
+from detrain.system import net
 
 try:  # POSIX only; elsewhere concurrent downloads are not coordinated.
     import fcntl

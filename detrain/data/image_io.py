@@ -24,7 +24,7 @@ import cv2
 import numpy as np
 
 from detrain.errors import DatasetError
-from detrain.tempfiles import temp_beside
+from detrain.system.tempfiles import temp_beside
 
 _REDUCED_FLAGS = {
     1: cv2.IMREAD_COLOR,

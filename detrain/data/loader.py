@@ -42,7 +42,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler, default_collate
 
 from detrain.data.dataset import Pick
-from detrain.data.decode_cache import LANES
+from detrain.data.memory.decode_cache import LANES
 
 POOL_SIZE = 8  # slots per pool group: a group lies within one rank's slice when the per-rank batch is a multiple
 POOL_WINDOW = 4  # batches of a lane in one pool (4 x 8 = 32 partner candidates per image)

@@ -5,7 +5,7 @@ launcher and under torchrun) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE
 MASTER_ADDR, MASTER_PORT and TORCHELASTIC_*; ``srun`` sets SLURM_*, translated to torch's names by
 :mod:`detrain.distributed.slurm`; detrain's launcher adds the worker's device (DETRAIN_DEVICE) and marks the
 workers it spawned (DETRAIN_LAUNCHER). :meth:`World.from_env` is the one place that reads them: the launching
-process reads its world once (:func:`detrain.runner.run_task`) and every worker once, at its entry (the trainer's
+process reads its world once (:func:`detrain.run.task.run_task`) and every worker once, at its entry (the trainer's
 and the validator's), and hands the object to whatever needs it (``dist.setup``, the trainer, the checkpoint
 search, the run's trace). Nothing under ``detrain/engine`` reads these variables itself.
 

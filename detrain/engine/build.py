@@ -49,7 +49,7 @@ def build_model(
     from detrain.nn.model import DetectionModel
 
     if is_weights(model):
-        from detrain.checkpoint import load_checkpoint, model_from_checkpoint
+        from detrain.weights.checkpoint import load_checkpoint, model_from_checkpoint
         from detrain.weights.hub import resolve_weights
 
         ckpt = load_checkpoint(resolve_weights(str(model), sha256=weights_sha256 or None))

@@ -13,7 +13,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from detrain.boxes import dist2bbox, make_anchors
+from detrain.nn.boxes import dist2bbox, make_anchors
 
 BN_EPS = 1e-3
 BN_MOMENTUM = 0.03

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from detrain import net
 from detrain.errors import CheckpointError
-from detrain.tempfiles import temp_beside
+from detrain.system import net
+from detrain.system.tempfiles import temp_beside
 
 __all__ = [
     "DEFAULT_URL",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from detrain.distributed.launch import launch, parse_device
-from detrain.engine import accumulation
+from detrain.engine.train import accumulation
 
 
 def _backward(net: nn.Module, x: torch.Tensor) -> None:

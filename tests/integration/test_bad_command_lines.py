@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from detrain import cli
-from detrain.config import make_cfg, parse_cli_args
+from detrain.config.cfg import make_cfg, parse_cli_args
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -220,18 +220,18 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
     import torch.distributed.launcher.api as elastic
 
-    import detrain.checkpoint
-    import detrain.engine.evaluate
-    import detrain.engine.predictor
-    import detrain.engine.trainer
-    import detrain.export
+    import detrain.engine.evaluate.val_worker
+    import detrain.engine.export
+    import detrain.engine.predict.predictor
+    import detrain.engine.train.trainer
+    import detrain.weights.checkpoint
 
     monkeypatch.setattr(elastic, "elastic_launch", tripwire)
-    monkeypatch.setattr(detrain.engine.trainer, "train_worker", tripwire)
-    monkeypatch.setattr(detrain.engine.evaluate, "val_worker", tripwire)
-    monkeypatch.setattr(detrain.engine.predictor, "build_model", tripwire)
-    monkeypatch.setattr(detrain.export, "export_onnx", tripwire)
-    monkeypatch.setattr(detrain.checkpoint, "save_checkpoint", tripwire)
+    monkeypatch.setattr(detrain.engine.train.trainer, "train_worker", tripwire)
+    monkeypatch.setattr(detrain.engine.evaluate.val_worker, "val_worker", tripwire)
+    monkeypatch.setattr(detrain.engine.predict.predictor, "build_model", tripwire)
+    monkeypatch.setattr(detrain.engine.export, "export_onnx", tripwire)
+    monkeypatch.setattr(detrain.weights.checkpoint, "save_checkpoint", tripwire)
     return tmp_path
 
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from detrain.data import batch_memory
-from detrain.data.batch_memory import Batch, release_batch
 from detrain.data.dataset import DetectionDataset
-from detrain.data.labels import LabelRecord as Rec
+from detrain.data.labels.verify import LabelRecord as Rec
 from detrain.data.loader import build_dataloader
+from detrain.data.memory import batch_memory
+from detrain.data.memory.batch_memory import Batch, release_batch
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ import torch
 from _processes import one_thread  # noqa: F401 (a fixture)
 
 from detrain import Model
-from detrain.callbacks import EVENTS, TrainEvent, unsendable_reason
 from detrain.data.synthetic import generate_shapes
+from detrain.engine.train.callbacks import EVENTS, TrainEvent, unsendable_reason
 from detrain.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -40,9 +40,9 @@ from _pickle_forge import (
     write_torch_zip,
 )
 
-from detrain.checkpoint import load_checkpoint, save_checkpoint
 from detrain.errors import CheckpointError
 from detrain.weights import limits, safe_torch
+from detrain.weights.checkpoint import load_checkpoint, save_checkpoint
 from detrain.weights.inert import inert_class
 from detrain.weights.ultralytics import load_ultralytics_checkpoint, ultralytics_info
 
@@ -61,7 +61,7 @@ def _refused(path: Path, pattern: str) -> str:
 
 _CHILD = """
 import sys
-from detrain.checkpoint import load_checkpoint
+from detrain.weights.checkpoint import load_checkpoint
 from detrain.errors import CheckpointError
 for p in sys.argv[1:]:
     print("loading", p, flush=True)
@@ -777,7 +777,7 @@ def test_ultralytics_info_keeps_good_metadata() -> None:
 
 def test_a_full_detrain_checkpoint_still_loads_exactly_as_torch_gives_it(tmp_path: Path) -> None:
     """Optimizer, scheduler, RNG and metadata state pass the vetting read; the values are torch.load's own."""
-    from detrain.engine.reproduce import rng_state
+    from detrain.engine.train.reproduce import rng_state
     from detrain.nn.model import DetectionModel
 
     model = DetectionModel(scale="n", nc=2, names={0: "a", 1: "b"})

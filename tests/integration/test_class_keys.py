@@ -14,14 +14,14 @@ import torch
 from _val_data import ColourModel, make_coco_json_dataset, make_dataset
 from torch import nn
 
-from detrain.checkpoint import save_checkpoint
-from detrain.config import make_cfg, parse_cli_args
+from detrain.config.cfg import make_cfg, parse_cli_args
+from detrain.data.labels.ground_truth import split_ground_truth
+from detrain.data.prepare import build_train_loader, build_val_loader, load_split
 from detrain.engine.build import build_model
-from detrain.engine.data import build_train_loader, build_val_loader, load_split
-from detrain.engine.ground_truth import split_ground_truth
-from detrain.engine.score_file import score_predictions_file
-from detrain.engine.validator import predict_batch, validate
+from detrain.engine.evaluate.score_file import score_predictions_file
+from detrain.engine.evaluate.validator import predict_batch, validate
 from detrain.errors import ConfigError
+from detrain.weights.checkpoint import save_checkpoint
 
 
 def _cfg(yaml_file: Path, **kw: Any):

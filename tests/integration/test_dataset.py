@@ -15,13 +15,14 @@ import pytest
 import torch
 from _cutmix_check import check_cutmix, grid_scene
 
-from detrain.boxes import scale_boxes_to_original, xywh2xyxy
-from detrain.data import image_io, ram_cache
+from detrain.data import image_io
 from detrain.data.dataset import DetectionDataset, Pick, rect_batch_shapes
-from detrain.data.instances import Labels
-from detrain.data.labels import LabelRecord as Rec
-from detrain.data.ram_cache import RamCache
+from detrain.data.labels.verify import LabelRecord as Rec
+from detrain.data.memory import ram_cache
+from detrain.data.memory.ram_cache import RamCache
+from detrain.data.samples.instances import Labels
 from detrain.errors import DatasetError
+from detrain.nn.boxes import scale_boxes_to_original, xywh2xyxy
 
 NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
 # BGR colours of the objects (one per class) and of the image backgrounds (one per image).

@@ -23,11 +23,17 @@ from _processes import one_thread  # noqa: F401 (a fixture)
 from detrain import Model
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.world_layout import membership_change
-from detrain.engine import events as events_mod
-from detrain.engine.events import EventLog
-from detrain.engine.manifest import dataset_fingerprint, git_commit, read_manifest, split_fingerprint, write_start
-from detrain.engine.run_trace import RunTrace, ended
-from detrain.engine.trainer import Trainer
+from detrain.engine.telemetry import events as events_mod
+from detrain.engine.telemetry.events import EventLog
+from detrain.engine.telemetry.manifest import (
+    dataset_fingerprint,
+    git_commit,
+    read_manifest,
+    split_fingerprint,
+    write_start,
+)
+from detrain.engine.telemetry.run_trace import RunTrace, ended
+from detrain.engine.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from detrain.checkpoint import model_meta, save_checkpoint
-from detrain.config import CHOICES
+from detrain.config.cfg import CHOICES
+from detrain.engine.export import SUFFIXES, export_model, export_onnx, export_torchscript
 from detrain.errors import ConfigError, DetrainError
-from detrain.export import SUFFIXES, export_model, export_onnx, export_torchscript
 from detrain.nn.model import DetectionModel
+from detrain.weights.checkpoint import model_meta, save_checkpoint
 
 # torch announces the deprecation of torch.jit; loading a TorchScript export is still what users do with one
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.load` is deprecated:FutureWarning")

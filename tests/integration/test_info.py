@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from detrain import Model
-from detrain.checkpoint import model_meta, save_checkpoint
 from detrain.errors import ConfigError
 from detrain.nn.info import model_info
 from detrain.nn.model import DetectionModel
+from detrain.weights.checkpoint import model_meta, save_checkpoint
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 YOLOV8N = SHARED / "weights" / "yolov8n.pt"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from detrain.data.dataset import DetectionDataset
-from detrain.data.labels import LabelRecord as Rec
+from detrain.data.labels.verify import LabelRecord as Rec
 from detrain.data.loader import GlobalBatchSampler, ShardSampler, build_dataloader
 
 BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 60, 60), (60, 20, 60)]

@@ -25,8 +25,8 @@ import pytest
 import torch
 from _processes import child_env, free_port
 
-from detrain.checkpoint import save_checkpoint
 from detrain.data.synthetic import generate_shapes
+from detrain.weights.checkpoint import save_checkpoint
 
 LIMIT_S = 240  # a node that has not ended by then hangs (each run takes ~10-60 s on an idle 2-core machine)
 # 32 images in batches of 8: each epoch has steps enough that the signal lands before the run could finish

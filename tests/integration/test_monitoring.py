@@ -23,12 +23,12 @@ import torch
 from _processes import one_thread, run_together  # noqa: F401 (a fixture)
 from torch import nn
 
-from detrain.config import make_cfg
+from detrain.config.cfg import make_cfg
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.world_layout import number_nodes
-from detrain.engine import epoch_stats
-from detrain.engine.proc_usage import ProcessUsage, child_pids, cpu_ticks, rss_bytes
-from detrain.engine.step_clock import StepClock
+from detrain.engine.telemetry import epoch_stats
+from detrain.engine.telemetry.proc_usage import ProcessUsage, child_pids, cpu_ticks, rss_bytes
+from detrain.engine.telemetry.step_clock import StepClock
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).resolve().parents[1] / "_observe_workers.py"
@@ -344,7 +344,7 @@ def test_step_clock_times_the_wait_for_data_and_the_forward_apart() -> None:
 def test_results_png_leaves_the_per_node_columns_to_tensorboard(tmp_path: Path, monkeypatch) -> None:
     from matplotlib.axes import Axes
 
-    from detrain.plots_val import plot_results_csv
+    from detrain.plots.val import plot_results_csv
 
     titles: list[str] = []
     real = Axes.set_title

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as tdist
 from _sockets import listening
 
-from detrain.config import make_cfg
+from detrain.config.cfg import make_cfg
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed import dist, netif, run_identity
 from detrain.distributed.launch import launch, parse_device

@@ -26,9 +26,9 @@ from torch import nn
 
 from detrain import Model
 from detrain.cli import main as cli_main
-from detrain.config import make_cfg
-from detrain.engine.predictor import predict, stream_predict
-from detrain.engine.results import Results
+from detrain.config.cfg import make_cfg
+from detrain.engine.predict.predictor import predict, stream_predict
+from detrain.engine.predict.results import Results
 from detrain.errors import ConfigError, DatasetError
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"

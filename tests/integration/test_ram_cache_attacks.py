@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detrain.data import owned_files, private_dir
-from detrain.data.process_owner import Owner, start_ticks
-from detrain.data.ram_cache import RamCache, file_name, remove_stale
-from detrain.data.ram_cache_file import HEADER, Layout
+from detrain.data.memory import owned_files, private_dir
+from detrain.data.memory.process_owner import Owner, start_ticks
+from detrain.data.memory.ram_cache import RamCache, file_name, remove_stale
+from detrain.data.memory.ram_cache_file import HEADER, Layout
 from detrain.errors import DatasetError
 
 SHAPES = [(5, 7), (3, 4), (8, 8)]
@@ -141,7 +141,7 @@ def test_a_file_of_another_user_with_the_same_name_does_not_stop_the_run(
 CHILD = textwrap.dedent("""
     import signal, sys, time
     import numpy as np
-    from detrain.data.ram_cache import RamCache
+    from detrain.data.memory.ram_cache import RamCache
     directory, key, when = sys.argv[1:4]
     if when == "own-handler":
         signal.signal(signal.SIGTERM, lambda s, f: sys.exit(3))  # a caller's handler: must still run

@@ -23,15 +23,15 @@ import torch
 from _faults import fault_env, held, rank_of_torchrun, send, wait_for, workers_of
 from _processes import child_env, free_port
 
-from detrain.checkpoint import save_checkpoint
-from detrain.config import make_cfg
+from detrain.config.cfg import make_cfg
 from detrain.data.loader import GlobalBatchSampler
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.world import World
-from detrain.engine import resume_state
-from detrain.engine.resume_state import Launch
+from detrain.engine.train import resume_state
+from detrain.engine.train.resume_state import Launch
 from detrain.errors import CheckpointError, ConfigError
-from detrain.preflight import check_inputs
+from detrain.run.preflight import check_inputs
+from detrain.weights.checkpoint import save_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-40 s on an idle 2-core machine)

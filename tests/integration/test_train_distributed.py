@@ -110,8 +110,8 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 _RUN_TASK = """
 import json, sys
-from detrain.config import make_cfg
-from detrain.runner import run_task
+from detrain.config.cfg import make_cfg
+from detrain.run.task import run_task
 print("RESULT " + json.dumps(run_task("train", make_cfg(json.loads(sys.argv[1])))["save_dir"]))
 """
 

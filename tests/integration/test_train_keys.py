@@ -1,7 +1,7 @@
 """freeze=, time= and pretrained=, each tested by what it changes in a real (tiny) training run or model.
 
 Runs are tiny (64 px, 16 images, scale n, one thread, workers=0). ``time=`` runs on a controlled clock
-(``detrain.engine.time_budget.clock`` replaced), so the number of epochs it computes is exact, not timed.
+(``detrain.engine.train.time_budget.clock`` replaced), so the number of epochs it computes is exact, not timed.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from detrain import Model
-from detrain.checkpoint import load_checkpoint, model_meta, save_checkpoint
-from detrain.config import make_cfg
+from detrain.config.cfg import make_cfg
 from detrain.data.dataset import DetectionDataset
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.launch import launch, parse_device
-from detrain.engine import freeze, pretrained, time_budget
+from detrain.engine.train import freeze, pretrained, time_budget
 from detrain.errors import CheckpointError, ConfigError
 from detrain.nn.model import DetectionModel
+from detrain.weights.checkpoint import load_checkpoint, model_meta, save_checkpoint
 
 NAMES = {0: "circle", 1: "rectangle", 2: "triangle"}
 RELEASE_N = Path(__file__).resolve().parents[2] / ".." / "shared" / "weights" / "yolov8n.pt"

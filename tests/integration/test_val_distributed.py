@@ -17,10 +17,10 @@ import pytest
 import torch
 from _val_data import NAMES, make_dataset
 
-from detrain.checkpoint import model_meta, save_checkpoint
-from detrain.config import make_cfg
+from detrain.config.cfg import make_cfg
 from detrain.metrics import SUMMARY_KEYS
-from detrain.runner import run_task
+from detrain.run.task import run_task
+from detrain.weights.checkpoint import model_meta, save_checkpoint
 
 N_VAL = 10
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from detrain.assigner import TaskAlignedAssigner, anchors_inside_boxes
+from detrain.nn.assigner import TaskAlignedAssigner, anchors_inside_boxes
 
 
 def grid_anchors(cells: int = 8, stride: float = 8.0) -> torch.Tensor:

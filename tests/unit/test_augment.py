@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from _cutmix_check import check_cutmix, grid_scene
 
-from detrain.data.affine import _warp_general, box_candidates, flip_matrix, scaling, translation, warp_into
-from detrain.data.augment import apply_hsv, letterbox, merged_hyp
 from detrain.data.image_io import load_size
-from detrain.data.instances import Labels
-from detrain.data.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
+from detrain.data.samples.affine import _warp_general, box_candidates, flip_matrix, scaling, translation, warp_into
+from detrain.data.samples.augment import apply_hsv, letterbox, merged_hyp
+from detrain.data.samples.instances import Labels
+from detrain.data.samples.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
 
 BACKGROUND = (40, 40, 40)
 # Distinct, saturated colours (BGR): one per object, so each object can be found again by its colour.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from detrain.data.loader import GlobalBatchSampler
-from detrain.engine.batch_plan import BatchPlan, batch_plan, planned_world_size
+from detrain.engine.train.batch_plan import BatchPlan, batch_plan, planned_world_size
 from detrain.errors import ConfigError
 
 

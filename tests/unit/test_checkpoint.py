@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detrain import checkpoint
-from detrain.checkpoint import load_checkpoint, model_from_checkpoint, model_meta, save_checkpoint
 from detrain.errors import CheckpointError
 from detrain.nn.model import DetectionModel
+from detrain.weights import checkpoint
+from detrain.weights.checkpoint import load_checkpoint, model_from_checkpoint, model_meta, save_checkpoint
 
 
 def _ckpt(model: DetectionModel) -> dict:

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detrain.coco_json import (
+from detrain.errors import DatasetError
+from detrain.metrics.coco_json import (
     COCO80_TO_91,
     evaluate_coco_json,
     load_coco_annotations,
     load_predictions,
     predictions_to_coco,
 )
-from detrain.errors import DatasetError
 
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "data" / "reference"
 

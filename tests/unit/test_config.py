@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from detrain.config import Cfg, comments, defaults, make_cfg, parse_cli_args
+from detrain.config.cfg import Cfg, comments, defaults, make_cfg, parse_cli_args
 from detrain.errors import ConfigError
 
 

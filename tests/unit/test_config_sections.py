@@ -1,4 +1,4 @@
-"""The config in sections (detrain/config_keys.py) is the one source of every key's default, valid values and help:
+"""The config in sections (detrain/config/keys.py) is the one source of every key's default, valid values and help:
 cfg/default.yaml is generated from it, ``--help`` prints it, ``make_cfg`` enforces it, and each value is read and
 checked once. tests/test_config.py and tests/test_bad_command_lines.py cover the messages of bad values one by one;
 these tests hold the structure and the hostile shapes of input the sections bring."""
@@ -13,13 +13,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-import detrain.config as config
-import detrain.config_values as values
-from detrain import cli, config_yaml
-from detrain.config import COMMAND_KEYS, Cfg, make_cfg, parse_cli_args, parse_value
-from detrain.config_keys import SECTION_OF, SECTIONS, SPECS, TYPES, comments, defaults
+import detrain.config.cfg as config
+import detrain.config.values as values
+from detrain import cli
+from detrain.config import default_yaml as config_yaml
+from detrain.config.cfg import COMMAND_KEYS, Cfg, make_cfg, parse_cli_args, parse_value
+from detrain.config.keys import SECTION_OF, SECTIONS, SPECS, TYPES, comments, defaults
 from detrain.errors import ConfigError
-from detrain.run_plan import RunPlan
+from detrain.run.plan import RunPlan
 
 
 def _squeezed(text: str) -> str:
@@ -228,7 +229,8 @@ def test_nnodes_is_parsed_once_and_its_range_kept(monkeypatch) -> None:
 
 
 def test_the_workers_take_the_checked_config_as_it_is(monkeypatch) -> None:
-    from detrain.engine import evaluate, trainer
+    from detrain.engine.evaluate import val_worker as evaluate
+    from detrain.engine.train import trainer
 
     seen: list[Any] = []
 

@@ -272,7 +272,7 @@ def test_shared_coco8_loads_4_train_4_val(tmp_path):
     assert info.names[0] == "person" and info.nc == 80
     assert all(Path(p).is_file() and "/images/train/" in p for p in info.train)
 
-    from detrain.data.labels import load_labels
+    from detrain.data.labels.verify import load_labels
 
     records, report = load_labels(info.val, info.nc, progress=False)
     assert report.corrupt == 0 and report.found == 4 and sum(len(r.cls) for r in records) == 17

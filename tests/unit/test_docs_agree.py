@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from detrain.cli import _keys_help
-from detrain.config import COMMAND_KEYS, comments, defaults, make_cfg
+from detrain.config.cfg import COMMAND_KEYS, comments, defaults, make_cfg
 from detrain.errors import ConfigError
 
 README = Path(__file__).resolve().parents[2] / "README.md"

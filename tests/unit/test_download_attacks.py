@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from _http_server import served  # noqa: F401 (a fixture)
 
-from detrain import net
 from detrain.data.dataset_yaml import load_dataset_yaml
 from detrain.data.download import DownloadLimits, download_dataset, marker_name
 from detrain.errors import DatasetError
+from detrain.system import net
 
 HEADER = "train: images/train\nval: images/val\nnames: [thing]\n"
 TOY = {
@@ -390,8 +390,8 @@ def test_interrupted_download_leaves_nothing(served, tmp_path):
 
 
 def test_the_cfg_caps_reach_the_download(served, tmp_path):
-    from detrain.config import make_cfg
-    from detrain.engine.data import load_split
+    from detrain.config.cfg import make_cfg
+    from detrain.data.prepare import load_split
 
     server, www = served
     _zip(www / "toy.zip", {**TOY, "toy/pad.bin": bytes(4000)})

@@ -11,7 +11,7 @@ import cv2
 import numpy as np
 import pytest
 
-from detrain.data.labels import (
+from detrain.data.labels.verify import (
     LabelReport,
     dataset_hash,
     default_cache_path,
@@ -277,7 +277,7 @@ def test_cache_is_reused_then_invalidated_by_changes(tmp_path):
 
 
 def test_cache_of_an_older_version_is_rebuilt(tmp_path, monkeypatch):
-    from detrain.data import label_cache
+    from detrain.data.labels import cache as label_cache
 
     img = _image(tmp_path / "images" / "a.png")
     _label(img, "0 0.5 0.5 0.2 0.2\n")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from detrain.assigner import TaskAlignedAssigner
-from detrain.loss import (
+from detrain.nn.assigner import TaskAlignedAssigner
+from detrain.nn.loss import (
     DetectionLoss,
     bce_with_logits_sum_sparse,
     distribution_focal_loss,
@@ -205,7 +205,7 @@ def test_autocast_of_the_caller_does_not_lower_the_loss_precision() -> None:
 def dense_reference_loss(maps: list[torch.Tensor], batch_idx, cls, bboxes_xywhn, strides) -> torch.Tensor:
     """The loss written plainly over every anchor: dense sigmoid and box decode, the assigner's dense
     targets, BCE against the (B, N, nc) target scores. Returns the (3,) items."""
-    from detrain.boxes import bbox2dist, bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
+    from detrain.nn.boxes import bbox2dist, bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
 
     b = maps[0].shape[0]
     pred = torch.cat([m.reshape(b, m.shape[1], -1) for m in maps], 2).permute(0, 2, 1)

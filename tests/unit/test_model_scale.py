@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import yaml
 
+from detrain.api import Model
 from detrain.cli import main as cli_main
 from detrain.engine.build import architecture, build_model, check_model
 from detrain.errors import ConfigError
-from detrain.model import Model
 from detrain.nn.model import DetectionModel, bundled_scale, load_model_yaml, packaged_architecture
 
 STEM_WIDTH = {"n": 16, "s": 32, "m": 48, "l": 64, "x": 80}

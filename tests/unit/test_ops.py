@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from detrain.boxes import xywh2xyxy
-from detrain.ops import non_max_suppression
+from detrain.nn.boxes import xywh2xyxy
+from detrain.nn.postprocess import non_max_suppression
 
 
 def _iou(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from detrain.config import make_cfg
-from detrain.engine import optim
-from detrain.engine.ema import ModelEMA
+from detrain.config.cfg import make_cfg
+from detrain.engine.train import optim
+from detrain.engine.train.ema import ModelEMA
 
 
 def _net() -> nn.Module:

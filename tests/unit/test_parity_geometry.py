@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 from _ultralytics import offline_ultralytics
 
-from detrain.data.affine import random_affine_matrix
-from detrain.data.compose import Tile, render
 from detrain.data.image_io import read_image, resize_long_side
-from detrain.data.instances import Labels
-from detrain.data.mosaic import mosaic_origins
+from detrain.data.samples.affine import random_affine_matrix
+from detrain.data.samples.compose import Tile, render
+from detrain.data.samples.instances import Labels
+from detrain.data.samples.mosaic import mosaic_origins
 
 COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
 CASES = 24  # samples per setting (fixed seeds)

@@ -18,7 +18,7 @@ os.environ.setdefault("YOLO_OFFLINE", "1")
 ultralytics = pytest.importorskip("ultralytics")
 
 from detrain.engine.build import build_model  # noqa: E402
-from detrain.loss import DetectionLoss  # noqa: E402
+from detrain.nn.loss import DetectionLoss  # noqa: E402
 
 NC, IMGSZ, BATCH = 80, 256, 4
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from detrain.metrics import ConfusionMatrix, coco_summary, match_image
-from detrain.plots_val import plot_all, plot_confidence_curve, plot_confusion_matrix, plot_results_csv
+from detrain.plots.val import plot_all, plot_confidence_curve, plot_confusion_matrix, plot_results_csv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -15,10 +15,10 @@ import cv2
 import numpy as np
 import pytest
 
-from detrain.data.affine import scaling, translation
 from detrain.data.image_io import ReducedImage, jpeg_header, load_size, pixel_extent, read_image
-from detrain.data.instances import Labels
-from detrain.data.train_sample import LayerPlan, SamplePlan, TilePlan, render_geometry
+from detrain.data.samples.affine import scaling, translation
+from detrain.data.samples.instances import Labels
+from detrain.data.samples.train_sample import LayerPlan, SamplePlan, TilePlan, render_geometry
 
 COCO128 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco128" / "images" / "train2017"
 

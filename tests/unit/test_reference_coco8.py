@@ -55,9 +55,9 @@ def _missing(name: str) -> list[Path]:
 
 def _run(name: str, out: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``detrain val`` on the real path: (metrics, the rows of its predictions.json)."""
-    from detrain.config import make_cfg
+    from detrain.config.cfg import make_cfg
     from detrain.distributed.world import World
-    from detrain.engine.evaluate import run_val
+    from detrain.engine.evaluate.val_worker import run_val
 
     cfg = make_cfg(
         {

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from _val_data import make_dataset
 
-from detrain.config import make_cfg
-from detrain.engine.data import load_split
-from detrain.engine.ground_truth import split_ground_truth
-from detrain.engine.score_file import score_predictions_file
+from detrain.config.cfg import make_cfg
+from detrain.data.labels.ground_truth import split_ground_truth
+from detrain.data.prepare import load_split
+from detrain.engine.evaluate.score_file import score_predictions_file
 from detrain.errors import DatasetError
 
 

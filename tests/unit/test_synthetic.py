@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
-from detrain.data.labels import load_labels
+from detrain.data.labels.verify import load_labels
 from detrain.data.synthetic import DEFAULTS, SHAPE_NAMES, fingerprint, generate_shapes
 from detrain.errors import DatasetError
 

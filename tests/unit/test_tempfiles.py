@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from detrain.checkpoint import save_checkpoint
 from detrain.log import atomic_write_text
-from detrain.tempfiles import temp_beside, umask
+from detrain.system.tempfiles import temp_beside, umask
+from detrain.weights.checkpoint import save_checkpoint
 
 
 @pytest.mark.parametrize("mask", [0o022, 0o077, 0o002])

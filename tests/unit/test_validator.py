@@ -14,13 +14,13 @@ import pytest
 import torch
 from _val_data import NAMES, ColourModel, make_coco_json_dataset, make_dataset
 
-from detrain.coco_json import COCO80_TO_91, load_predictions
-from detrain.config import make_cfg
-from detrain.engine.data import build_val_loader, load_split
-from detrain.engine.ground_truth import COCO80_NAMES, image_ids, is_coco80, split_ground_truth, yolo_category_ids
-from detrain.engine.score_file import score_predictions_file
-from detrain.engine.validator import validate
+from detrain.config.cfg import make_cfg
+from detrain.data.labels.ground_truth import COCO80_NAMES, image_ids, is_coco80, split_ground_truth, yolo_category_ids
+from detrain.data.prepare import build_val_loader, load_split
+from detrain.engine.evaluate.score_file import score_predictions_file
+from detrain.engine.evaluate.validator import validate
 from detrain.metrics import SUMMARY_KEYS
+from detrain.metrics.coco_json import COCO80_TO_91, load_predictions
 
 SCALARS = (*SUMMARY_KEYS, "precision", "recall", "fitness", "conf", "n_images")
 PLOTS = (

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from _http_server import Server
 
-from detrain import net
 from detrain.errors import CheckpointError
+from detrain.system import net
 from detrain.weights import hub
 from detrain.weights.hub import ReleaseFile, canonical_name, resolve_weights
 

@@ -141,7 +141,7 @@ def test_engine_code_reads_no_launcher_variable_itself() -> None:
         r"\b(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|TORCHELASTIC_\w+|SLURM_\w+|"
         r"DETRAIN_DEVICE|MASTER_ADDR|MASTER_PORT)\b"
     )
-    for path in sorted(ENGINE.glob("*.py")):
+    for path in sorted(ENGINE.rglob("*.py")):
         for n, line in enumerate(path.read_text().splitlines(), 1):
             reads_env = "os.environ" in line or "getenv" in line or "env_int" in line
             assert not (reads_env and names.search(line)), f"{path.name}:{n} reads the launcher's variables: {line}"

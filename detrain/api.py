@@ -1,0 +1,185 @@
+"""The Python API: the same engine as the CLI, returning plain Python data.
+
+>>> from detrain import Model
+>>> model = Model("n.yaml")                                   # a fresh YOLOv8n-layout model
+>>> model.add_callback("on_fit_epoch_end", lambda e: print(e.epoch, e.metrics.get("metrics/mAP50")))
+
+Then (minutes of training, so not run as a test)::
+
+    metrics = model.train(data="shapes.yaml", epochs=3, imgsz=160, device="cpu")
+    metrics["map50"]
+    results = Model("runs/train/exp/weights/best.pt").predict("images/")
+    results[0].boxes, results[0].conf, results[0].cls, results[0].plot()
+    for r in Model("best.pt").predict("clip.mp4", stream=True): ...  # one frame at a time
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from detrain.config.cfg import make_cfg
+from detrain.engine.build import build_model, increment_run_dir, is_weights
+from detrain.engine.predict.results import Results
+from detrain.engine.train.callbacks import CallbackFn, check_event
+from detrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from detrain.nn.info import ModelInfo
+
+
+class Model:
+    """A detector from an architecture yaml (``n.yaml`` … ``x.yaml``) or weights (detrain or YOLOv8 ``.pt``).
+
+    ``Model("missing.pt")`` raises :class:`detrain.errors.CheckpointError` naming the file.
+    ``weights_sha256`` is the sha256 the weights must have (as the ``weights_sha256`` key): needed to
+    download a bare name detrain holds no hash for, and checked against any weights file when given.
+    """
+
+    def __init__(self, model: str | Path = "n.yaml", weights_sha256: str = "") -> None:
+        self.source = str(model)
+        self.net, self.ckpt = build_model(self.source, verbose=False, weights_sha256=weights_sha256)
+        self._prepared: tuple[torch.nn.Module, tuple[Any, ...], torch.nn.Module] | None = None
+        self.callbacks: dict[str, list[CallbackFn]] = {}
+
+    @property
+    def names(self) -> dict[int, str]:
+        return dict(self.net.names)
+
+    def add_callback(self, event: str, fn: Callable[..., Any]) -> None:
+        """Call ``fn(info)`` (``info``: a :class:`~detrain.engine.train.callbacks.TrainEvent`) at ``event`` of every
+        later
+        ``train()``, after the callbacks added before it. The events (Ultralytics' names):
+        ``on_pretrain_routine_start``, ``on_pretrain_routine_end``, ``on_train_start``, ``on_train_epoch_start``,
+        ``on_train_epoch_end``, ``on_model_save``, ``on_fit_epoch_end``, ``on_train_end``
+        (see :mod:`detrain.engine.train.callbacks`).
+
+        They run on rank 0 only, in the process that trains it. Training on several workers (``device="cpu,cpu"``,
+        ``[0, 1]``) sends them to the spawned workers by reference, so there ``fn`` must be a function defined
+        with ``def`` at the top level of an importable module: a lambda or a closure is refused when such a
+        ``train()`` starts. A callback that raises stops the run with its exception; the epoch's last.pt is
+        already written at ``on_model_save`` and ``on_fit_epoch_end``. ``detrain train`` has no callbacks.
+        """
+        check_event(event)
+        if not callable(fn):
+            raise ConfigError(
+                f"add_callback({event!r}, {fn!r}): the callback must be callable (a function of one "
+                "argument, the TrainEvent)"
+            )
+        self.callbacks.setdefault(event, []).append(fn)
+
+    def train(self, **kwargs: Any) -> dict[str, Any] | None:
+        """Train with the CLI's keys; ``device=[0, 1]`` or ``"cpu,cpu"`` trains on several workers.
+
+        Returns the final validation metrics; afterwards this Model holds the best weights. The callbacks of
+        :meth:`add_callback` fire on rank 0 during the run. On a node other than node 0 of a multi-node run
+        (``node_rank > 0``), which holds neither the metrics nor the run folder, it returns None.
+        """
+        cfg = make_cfg({"model": self.source, **kwargs})
+        from detrain.run.task import run_task
+
+        result = run_task("train", cfg, self.callbacks)
+        if result is None:
+            return None
+        best = Path(result["save_dir"]) / "weights" / "best.pt"
+        if best.is_file():
+            self.source = str(best)
+            self.net, self.ckpt = build_model(self.source, verbose=False)
+        return result
+
+    def val(self, **kwargs: Any) -> dict[str, Any] | None:
+        """Validate (COCO-exact metrics) with the CLI's keys; returns the metrics dict (None on a node other than
+        node 0 of a multi-node run)."""
+        cfg = make_cfg({"model": self.source, **kwargs})
+        from detrain.run.task import run_task
+
+        return run_task("val", cfg)
+
+    def predict(self, source: Any, stream: bool = False, **kwargs: Any) -> list[Results] | Iterator[Results]:
+        """Detections per picture, as :class:`~detrain.engine.predict.results.Results` (path, frame, orig_shape, boxes
+        xyxy in pixels, conf, cls, names; ``.plot()`` draws them), in the source's order.
+
+        ``source``: an image, a video, a folder, a glob, a ``.txt`` list, a camera index, a stream URL, a list of
+        paths, or BGR image arrays (one, or a list). ``stream=True`` returns a generator that reads, predicts and
+        yields one picture at a time, for videos and cameras. Takes the CLI's keys (``conf``, ``classes``,
+        ``batch``, ``device``, ``half``...); unlike the CLI it writes files only with ``save=True`` or
+        ``save_txt=True``. The weights are not changed: inference runs on a prepared copy, kept for the next call
+        while the weights stay as they are.
+        """
+        from detrain.engine.predict.predictor import inference_device, stream_predict
+
+        kwargs.setdefault("save", False)
+        text = source if isinstance(source, (str, Path, int)) and not isinstance(source, bool) else None
+        cfg = make_cfg({"model": self.source, "source": "" if text is None else str(text), **kwargs})
+        device, half = inference_device(cfg, note=False)
+        results = stream_predict(
+            cfg,
+            self._inference_net(device, half),
+            None if text is not None else source,
+            prepared=True,
+            collecting=not stream,
+            device=device,
+        )
+        return results if stream else list(results)
+
+    def _inference_net(self, device: torch.device, half: bool) -> torch.nn.Module:
+        """A fused copy of ``self.net`` on ``device`` for predict; made again when the weights change (another
+        net, new names, or any parameter or buffer written since: every tensor's version is part of the key)."""
+        from detrain.engine.predict.predictor import prepare_model
+
+        key = (
+            str(device),
+            half,
+            tuple(sorted(dict(self.net.names).items())),
+            tuple(t._version for t in self.net.state_dict(keep_vars=True).values()),
+        )
+        if self._prepared is None or self._prepared[0] is not self.net or self._prepared[1] != key:
+            self._prepared = (self.net, key, prepare_model(self.net, device, half))
+        return self._prepared[2]
+
+    def info(self, imgsz: int = 640, verbose: bool = True) -> ModelInfo:
+        """Layers, parameters (as is and fused), gradients, GFLOPs at ``imgsz``, strides and classes.
+
+        With ``verbose`` the per-layer table (index, from, repeats, params, module, arguments, GFLOPs) and
+        a summary line are printed too. ``imgsz`` must be a multiple of 32, as for every command.
+
+        >>> info = Model("n.yaml").info(imgsz=640, verbose=False)
+        >>> info.params, info.fused_params, round(info.gflops, 1), info.stride, info.nc
+        (3157200, 3151904, 8.7, (8, 16, 32), 80)
+        """
+        from detrain.nn.info import model_info, print_info
+
+        cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose})
+        report = model_info(self.net, cfg.inputs.imgsz)
+        if cfg.output.verbose:
+            print_info(report, title=self.source)
+        return report
+
+    def export(self, **kwargs: Any) -> Path:
+        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``) or TorchScript (``format=torchscript``)
+        at ``imgsz``; returns the file's path: beside ``.pt`` weights (``best.onnx``, ``best.torchscript``),
+        else ``runs/export/exp*/model.<suffix>``."""
+        from detrain.engine.export import SUFFIXES, export_model
+
+        cfg = make_cfg({"model": self.source, **kwargs})
+        suffix = SUFFIXES[cfg.export.format]
+        out = (
+            Path(self.source).with_suffix(suffix)
+            if is_weights(self.source)
+            else increment_run_dir(cfg.output.project, cfg.output.name, "export", cfg.output.exist_ok)
+            / f"model{suffix}"
+        )
+        return export_model(
+            self.net,
+            out,
+            format=cfg.export.format,
+            imgsz=cfg.inputs.imgsz,
+            opset=cfg.export.opset,
+            dynamic_batch=cfg.export.dynamic,
+        )
+
+    def __repr__(self) -> str:
+        return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"

@@ -1,0 +1,417 @@
+"""Every argument of every command, in sections, each with its type, default, valid values and one-line help.
+
+This file is the one source: ``make_cfg`` (``detrain.config.cfg``) checks values against it, ``detrain <command>
+--help`` prints its help lines, and ``cfg/default.yaml`` is generated from it (``python -m detrain.config``;
+a unit test fails when the shipped file differs). Keys stay flat where users give them (``epochs=10``,
+``Model.train(epochs=10)``, args.yaml, a checkpoint's train_args); code reads them by section:
+``cfg.train.epochs``. No key is named like a section.
+
+>>> SECTION_OF["epochs"], SPECS["lrf"].low, SPECS["lrf"].high, SPECS["optimizer"].choices
+('train', 0.0, 1.0, ('auto', 'SGD', 'AdamW', 'Adam'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+from detrain.config.values import (
+    auto_or_count,
+    cache_mode,
+    class_ids,
+    flag_or_weights,
+    folder,
+    freeze,
+    multiple_of_32,
+    node_count,
+    node_range,
+    sha256_or_empty,
+    zero_only,
+)
+
+Device = str | int | list
+WEEK_S = 7 * 24 * 3600  # the longest timeout: a typo beyond it would overflow the timers instead of waiting
+YEAR_H = 365 * 24  # the longest time= budget in hours: beyond it a value is a typo (time is hours, not seconds)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a key's value may be, and its one-line help (``--help`` and the comment in cfg/default.yaml).
+
+    ``low``/``high``: inclusive bounds of a number (None: unbounded on that side; integers stop at INT_LIMIT).
+    ``pattern``: (regular expression, what it allows) for a non-empty string. ``non_empty``: what to give when
+    '' would only fail later. ``parse`` reads the value instead of the field's type (id lists, nbs, cache);
+    ``check`` runs after the bounds and returns the value normalised."""
+
+    help: str
+    choices: tuple[Any, ...] = ()
+    low: float | None = None
+    high: float | None = None
+    pattern: tuple[str, str] | None = None
+    non_empty: str = ""
+    parse: Callable[[str, Any], Any] | None = None
+    check: Callable[[str, Any], Any] | None = None
+
+
+def key(
+    default: Any,
+    help_text: str,
+    *,
+    choices: tuple[Any, ...] = (),
+    low: float | None = None,
+    high: float | None = None,
+    pattern: tuple[str, str] | None = None,
+    non_empty: str = "",
+    parse: Callable[[str, Any], Any] | None = None,
+    check: Callable[[str, Any], Any] | None = None,
+) -> Any:
+    """A field of a section: its default, and its :class:`Spec` (help, choices, bounds, checks) beside it."""
+    spec = Spec(help_text, choices, low, high, pattern, non_empty, parse, check)
+    return field(default=default, metadata={"spec": spec})
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a command works on: the model, its weights, the dataset and how its images are read."""
+
+    model: str = key(
+        "n.yaml",
+        "architecture yaml (n/s/m/l/x.yaml, yolov8s.yaml, or a path to a yaml that says scale:), or weights (.pt)",
+        non_empty="an architecture yaml (n.yaml ... x.yaml, a path) or weights (.pt)",
+    )
+    weights_sha256: str = key(
+        "",
+        "sha256 the model= weights must have ('' = unchecked); lets a name with no recorded hash download",
+        check=sha256_or_empty,
+    )
+    pretrained: bool | str = key(
+        True,
+        "true (a model= .pt starts from its weights; false: its architecture "
+        "from scratch) or weights (.pt) whose layers of the same name and shape start "
+        "a model= yaml",
+        check=flag_or_weights,
+    )
+    data: str = key(
+        "shapes.yaml",
+        "dataset yaml; shapes.yaml is the built-in synthetic set (generated locally, no network)",
+        non_empty="a dataset yaml (a path, or a bundled name such as coco8.yaml)",
+    )
+    download_max_gb: float = key(
+        50.0, "largest archive a dataset yaml's download: may fetch, in GB (bigger ones are refused)", low=0.0
+    )
+    download_max_unpacked_gb: float = key(
+        200.0, "largest total size one dataset archive may unpack to, in GB (refuses zip bombs)", low=0.0
+    )
+    download_max_files: int = key(2000000, "most files and folders one dataset archive may hold", low=1)
+    imgsz: int = key(640, "input size in pixels (multiple of 32)", low=32, high=8192, check=multiple_of_32)
+    fraction: float = key(1.0, "fraction of the training images to use (for quick experiments)", low=0.0, high=1.0)
+    single_cls: bool = key(
+        False,
+        "train and val: every object is one class, 'item' (the model gets 1 class; val collapses predictions to it)",
+    )
+    classes: list | None = key(
+        None,
+        "only these class ids, e.g. classes=0,2 (null = every class): train/val "
+        "keep only their labels and score only them; predict keeps only their "
+        "detections",
+        parse=class_ids,
+    )
+    cache: bool | str = key(
+        False,
+        "cache decoded images: false, ram (shared per node) or disk",
+        choices=(False, "ram", "disk"),
+        parse=cache_mode,
+    )
+
+
+@dataclass(frozen=True)
+class Train:
+    """How long and how a model trains: the schedule, the optimiser and the training batches."""
+
+    epochs: int = key(100, "number of epochs to train", low=1)
+    time: float | None = key(
+        None,
+        "hours to train, overriding epochs: re-estimated after every epoch, the lr "
+        "schedule and close_mosaic refitted (null or 0 = off; at most 8760)",
+        low=0.0,
+        high=YEAR_H,
+    )
+    batch: int = key(
+        16,
+        "global batch per step over all workers (must divide by them; with nnodes=MIN:MAX, by all "
+        "MAX nodes' workers); predict: pictures per forward pass",
+        low=1,
+    )
+    patience: int = key(100, "stop after this many epochs without a better fitness (0 = never stop early)", low=0)
+    resume: bool | str = key(False, "true (resume the last run of project/name) or a path to weights/last.pt")
+    optimizer: str = key(
+        "auto", "SGD, AdamW or auto (AdamW for short runs, SGD for long ones)", choices=("auto", "SGD", "AdamW", "Adam")
+    )
+    lr0: float = key(0.01, "initial learning rate", low=0.0)
+    lrf: float = key(0.01, "final learning rate as a fraction of lr0", low=0.0, high=1.0)
+    momentum: float = key(0.937, "SGD momentum (nesterov) or AdamW beta1", low=0.0, high=1.0)
+    weight_decay: float = key(0.0005, "weight decay at the nominal batch size (nbs; 64 with nbs=auto)", low=0.0)
+    warmup_epochs: float = key(3.0, "warmup length in epochs (at most epochs - 1; 0 = off)", low=0.0)
+    warmup_momentum: float = key(0.8, "momentum at the start of warmup", low=0.0, high=1.0)
+    warmup_bias_lr: float = key(0.1, "bias learning rate at the start of warmup", low=0.0)
+    cos_lr: bool = key(False, "cosine instead of linear learning-rate decay")
+    nbs: int | str = key(
+        "auto",
+        "images per optimizer update (gradients accumulate up to it): auto = 64, or "
+        "the batch itself for short runs from scratch (optimizer=auto picks AdamW)",
+        low=1,
+        parse=auto_or_count,
+    )
+    clip_grad: float = key(10.0, "clip the gradient norm to this value (0 = off)", low=0.0)
+    amp: bool = key(True, "automatic mixed precision on CUDA (bf16 where supported, else fp16 with a grad scaler)")
+    seed: int = key(0, "random seed of the run (0 to 2147483647)", low=0)
+    deterministic: bool = key(True, "use deterministic algorithms where torch offers them")
+    close_mosaic: int = key(10, "turn mosaic off for the last N epochs", low=0)
+    freeze: int | list | None = key(
+        None,
+        "freeze the first N layers (freeze=10) or the layers listed "
+        "(freeze=0,1,2): their weights stay fixed, BatchNorm statistics still adapt",
+        parse=freeze,
+    )
+    multi_scale: bool = key(False, "vary imgsz by +-50% per batch (chosen on rank 0, shared by all ranks)")
+    rect: bool = key(False, "rectangular training batches (no mosaic)")
+    val: bool = key(True, "validate after every epoch")
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The gains of the three loss terms."""
+
+    box: float = key(7.5, "box (CIoU) loss gain", low=0.0)
+    cls: float = key(0.5, "classification (BCE) loss gain", low=0.0)
+    dfl: float = key(1.5, "distribution focal loss gain", low=0.0)
+
+
+@dataclass(frozen=True)
+class Augment:
+    """How training images are changed, each drawn per image from (seed, epoch, index)."""
+
+    hsv_h: float = key(0.015, "hue jitter (fraction)", low=0.0, high=1.0)
+    hsv_s: float = key(0.7, "saturation jitter (fraction)", low=0.0, high=1.0)
+    hsv_v: float = key(0.4, "value jitter (fraction)", low=0.0, high=1.0)
+    degrees: float = key(0.0, "rotation (+- degrees)", low=0.0, high=180.0)
+    translate: float = key(0.1, "translation (+- fraction)", low=0.0, high=1.0)
+    scale: float = key(0.5, "scale gain (+- fraction)", low=0.0, high=1.0)
+    shear: float = key(0.0, "shear (+- degrees)", low=0.0, high=180.0)
+    perspective: float = key(0.0, "perspective (+- fraction, 0 to 0.001)", low=0.0, high=0.001)
+    flipud: float = key(0.0, "probability of a vertical flip", low=0.0, high=1.0)
+    fliplr: float = key(0.5, "probability of a horizontal flip", low=0.0, high=1.0)
+    mosaic: float = key(1.0, "probability of a 4-image mosaic", low=0.0, high=1.0)
+    mixup: float = key(0.0, "probability of mixup", low=0.0, high=1.0)
+    cutmix: float = key(
+        0.0,
+        "probability of CutMix: a rectangle of another training sample pasted where no box is, "
+        "with its boxes inside it",
+        low=0.0,
+        high=1.0,
+    )
+    copy_paste: float = key(
+        0.0,
+        "must stay 0: copy-paste needs instance polygons (segment labels); detrain's labels are boxes",
+        low=0.0,
+        high=1.0,
+        check=zero_only,
+    )
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """Where the workers run: devices, nodes, the rendezvous and its timeouts."""
+
+    device: Device = key("", "'' (first GPU, else cpu), cpu, cpu,cpu (2 gloo workers), 0, 0,1 (one worker per GPU)")
+    workers: int = key(4, "dataloader worker processes per rank", low=0, high=64)
+    nnodes: str = key("1", "number of nodes, or MIN:MAX for elastic membership (as torchrun)", check=node_count)
+    node_rank: int = key(0, "rank of this node among nnodes", low=0)
+    master_addr: str = key(
+        "127.0.0.1",
+        "address of the node with node_rank 0",
+        non_empty="the host name or address of the node with node_rank 0",
+    )
+    master_port: int = key(
+        0, "port of the rendezvous on the master (0 = pick a free one on a single node)", low=0, high=65535
+    )
+    rdzv_backend: str = key(
+        "static", "static (fixed nodes) or c10d (elastic membership, nnodes=MIN:MAX)", choices=("static", "c10d")
+    )
+    # a name safe in store keys and messages
+    run_id: str = key(
+        "",
+        "name of the job the nodes join ('' = derived from the arguments every node gives "
+        "alike); a node with another id is turned away",
+        pattern=(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", "'' or up to 64 letters, digits, '.', '_' or '-'"),
+    )
+    # interface names (Linux allows at most 15 characters)
+    socket_ifname: str = key(
+        "",
+        "network interface(s) for gloo/NCCL traffic, e.g. eth0 ('' = gloo: the one that "
+        "reaches master_addr, loopback on one machine)",
+        pattern=(
+            r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}(,[A-Za-z0-9][A-Za-z0-9._@:-]{0,14})*",
+            "'' or interface names like eth0 (comma-separated)",
+        ),
+    )
+    max_restarts: int = key(
+        0,
+        "restarts of the worker group after a worker dies or a node leaves (every node "
+        "resumes from the furthest last.pt or mid.pt of any node)",
+        low=0,
+    )
+    dist_timeout: float = key(
+        120.0,
+        "seconds a collective may wait for a slow or dead rank once training runs (at most 604800, a week)",
+        low=1,
+        high=WEEK_S,
+    )
+    prepare_timeout: float = key(
+        3600.0,
+        "seconds ranks wait while each node's first process downloads, verifies "
+        "labels, fills cache=ram (at most a week)",
+        low=1,
+        high=WEEK_S,
+    )
+    sync_bn: bool = key(False, "convert BatchNorm to SyncBatchNorm when training on several workers")
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """``nnodes`` as (MIN, MAX) nodes, as checked when the config was made."""
+        return node_range(self.nnodes)
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where a run writes and what it keeps and prints."""
+
+    project: str = key("", "folder for runs ('' = runs/<task>)", check=folder)
+    name: str = key("", "run folder name, one folder inside project ('' = exp, exp2, ...)", check=folder)
+    exist_ok: bool = key(False, "reuse an existing run folder instead of incrementing the name")
+    save: bool = key(
+        True,
+        "save checkpoints (weights/last.pt and best.pt); predict: annotated images and videos "
+        "(Model.predict: false unless given)",
+    )
+    save_period: int = key(-1, "also save weights/epochN.pt every N epochs (-1 = off)", low=-1)
+    save_interval: float = key(
+        0.0,
+        "also save weights/mid.pt every N minutes within an epoch, so a restart loses minutes, not an epoch (0 = off)",
+        low=0.0,
+        high=WEEK_S / 60,
+    )
+    plots: bool = key(True, "save plots (results.png, curves, confusion matrix, batches)")
+    tensorboard: bool = key(
+        False, 'log each epoch\'s results.csv row to tensorboard (pip install "detrain[tensorboard]")'
+    )
+    verbose: bool = key(True, "print per-class metrics and progress (info: the per-layer table)")
+
+
+@dataclass(frozen=True)
+class Predict:
+    """How predictions are made and scored: val's split and thresholds, predict's sources and outputs."""
+
+    split: str = key("val", "dataset split for `detrain val`: val, test or train", choices=("val", "test", "train"))
+    conf: float | None = key(None, "confidence threshold (null = 0.001 for val, 0.25 for predict)", low=0.0, high=1.0)
+    iou: float = key(0.7, "NMS IoU threshold", low=0.0, high=1.0)
+    max_det: int = key(300, "maximum detections per image", low=1)
+    agnostic_nms: bool = key(
+        False,
+        "val (also after each training epoch) and predict: NMS across classes (a box "
+        "suppresses overlapping boxes of any class)",
+    )
+    save_json: bool = key(False, "write predictions.json (COCO results format) next to metrics.json")
+    predictions: str = key("", "score an existing COCO-format predictions json instead of running a model")
+    source: str = key(
+        "",
+        "predict: an image, a video, a folder (recursive), a glob, a .txt list of paths, a camera "
+        "index (0) or a stream URL",
+    )
+    half: bool = key(False, "predict: half-precision inference on CUDA (ignored, with a note, on CPU)")
+    save_txt: bool = key(
+        False, "predict: write YOLO-format .txt results (labels/<name>.txt; none for a picture without detections)"
+    )
+    save_conf: bool = key(False, "predict: include the confidence in the .txt results")
+    line_width: int = key(
+        0, "predict: box line width in pixels (0 = from the image size; at most 32767)", low=0, high=32767
+    )
+
+
+@dataclass(frozen=True)
+class Export:
+    """The exported file's format and its options."""
+
+    format: str = key(
+        "onnx", "export format: onnx (.onnx) or torchscript (.torchscript)", choices=("onnx", "torchscript")
+    )
+    opset: int = key(17, "ONNX opset (onnx only)", low=11, high=23)
+    dynamic: bool = key(True, "dynamic batch dimension in the exported ONNX model (a TorchScript one takes any batch)")
+
+
+@dataclass(frozen=True)
+class Cfg:
+    """Every argument of every command, validated and frozen, by section: ``cfg.train.epochs``.
+
+    Made by ``detrain.config.cfg.make_cfg`` from flat keys; ``to_dict()`` gives them back flat (args.yaml,
+    checkpoints, run ids). ``Cfg()`` holds the defaults, in the form ``make_cfg()`` gives them."""
+
+    inputs: Inputs = field(default_factory=Inputs)
+    train: Train = field(default_factory=Train)
+    loss: Loss = field(default_factory=Loss)
+    augment: Augment = field(default_factory=Augment)
+    distributed: Distributed = field(default_factory=Distributed)
+    output: Output = field(default_factory=Output)
+    predict: Predict = field(default_factory=Predict)
+    export: Export = field(default_factory=Export)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key with its value, flat as users give them: ``{"model": "n.yaml", ..., "dynamic": True}``."""
+        return {name: _copy(getattr(getattr(self, SECTION_OF[name]), name)) for name in SECTION_OF}
+
+    def get(self, name: str) -> Any:
+        """The value of a key by its flat name (``cfg.get("epochs")`` is ``cfg.train.epochs``); KeyError for a
+        name that is no key."""
+        return getattr(getattr(self, SECTION_OF[name]), name)
+
+    def replace(self, **changes: Any) -> Cfg:
+        """A copy with some keys changed, by their flat names, each checked: ``cfg.replace(epochs=5)``."""
+        from detrain.config.cfg import replace_cfg
+
+        return replace_cfg(self, changes)
+
+
+def _copy(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
+
+
+# Section name -> its class, in the order of cfg/default.yaml and --help.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(Cfg)}  # type: ignore[misc]
+# Each section's heading in cfg/default.yaml and --help.
+TITLES: dict[str, str] = {
+    "inputs": "model and data",
+    "train": "training",
+    "loss": "loss gains",
+    "augment": "augmentation",
+    "distributed": "devices and processes",
+    "output": "output",
+    "predict": "validation and prediction",
+    "export": "export",
+}
+# key -> the section that holds it
+SECTION_OF: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+# key -> its Spec, and its type
+SPECS: dict[str, Spec] = {f.name: f.metadata["spec"] for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
+TYPES: dict[str, Any] = {name: typ for cls in SECTIONS.values() for name, typ in get_type_hints(cls).items()}
+
+
+def defaults() -> dict[str, Any]:
+    """key -> its default, flat, in section order."""
+    return Cfg().to_dict()
+
+
+def comments() -> dict[str, str]:
+    """key -> its one-line help."""
+    return {name: spec.help for name, spec in SPECS.items()}

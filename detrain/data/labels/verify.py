@@ -1,0 +1,126 @@
+"""Verify every image and YOLO label file once, in parallel, and cache the result beside the labels.
+
+A bad file never stops training: it is reported with its reason and skipped. The cache (`labels/<split>.cache`,
+an `.npz` read with `allow_pickle=False`) carries a hash of the file list, every file's size and mtime and
+`nc`, so any change to the dataset rebuilds it.
+
+This module ties the parts together: the checks of each file are in :mod:`detrain.data.labels.check`, the cache
+in :mod:`detrain.data.labels.cache`, the records and report in :mod:`detrain.data.labels.record`.
+
+A dataset's verification (:func:`load_labels`) ends in one line of its report, e.g. ``train: 128 images, 126 with
+labels, 2 missing, 0 empty, 0 corrupt (cache: .../labels/train2017.cache)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from detrain.data.labels.cache import dataset_hash, default_cache_path, read_cache, wait_for_cache, write_cache
+from detrain.data.labels.check import CORRUPT, FileCheck, verify_files
+from detrain.data.labels.record import LabelRecord, LabelReport
+from detrain.errors import DatasetError
+
+__all__ = [
+    "LabelRecord",
+    "LabelReport",
+    "dataset_hash",
+    "default_cache_path",
+    "img2label_path",
+    "load_labels",
+    "wait_for_cache",
+]
+
+
+def img2label_path(im_file: str | os.PathLike) -> str:
+    """The label file for an image: the last `/images/` becomes `/labels/` and the suffix `.txt`.
+
+    Example:
+        >>> img2label_path("/data/coco/images/train2017/000000000009.jpg")
+        '/data/coco/labels/train2017/000000000009.txt'
+    """
+    s = os.fspath(im_file)
+    a, b = f"{os.sep}images{os.sep}", f"{os.sep}labels{os.sep}"
+    if a in s:
+        head, tail = s.rsplit(a, 1)
+        s = head + b + tail
+    return os.path.splitext(s)[0] + ".txt"
+
+
+def load_labels(
+    img_files: list[str],
+    nc: int,
+    cache: bool = True,
+    workers: int = 4,
+    progress: bool = True,
+    build: bool = True,
+    timeout_s: float = 1800.0,
+    cache_path: str | Path | None = None,
+) -> tuple[list[LabelRecord], LabelReport]:
+    """Verify `img_files` and their YOLO labels; return the usable records and a report.
+
+    With `cache`, a cache whose hash matches is loaded instead of verifying again, and a fresh one is
+    written atomically after verifying. Under DDP let local rank 0 call with `build=True` and the other
+    ranks with `build=False`: they wait (up to `timeout_s`) for the cache the lead writes, then load it.
+
+    Example (two images, one of them labelled):
+        >>> import cv2
+        >>> for folder in ("data/images/train", "data/labels/train"):
+        ...     os.makedirs(folder)
+        >>> for name in ("a", "b"):
+        ...     _ = cv2.imwrite(f"data/images/train/{name}.png", np.zeros((48, 64, 3), np.uint8))
+        >>> with open("data/labels/train/a.txt", "w") as f:
+        ...     _ = f.write("1 0.5 0.5 0.25 0.5")  # class x y w h, normalised
+        >>> records, report = load_labels(["data/images/train/a.png", "data/images/train/b.png"], nc=2, progress=False)
+        >>> report.summary("train")
+        'train: 2 images, 1 with labels, 1 missing, 0 empty, 0 corrupt (cache: data/labels/train.cache)'
+        >>> [r.cls.tolist() for r in records]
+        [[1], []]
+    """
+    if isinstance(nc, bool) or not isinstance(nc, (int, np.integer)) or nc < 1:
+        raise DatasetError(f"load_labels: nc={nc!r} is invalid; it must be a positive integer")
+    nc = int(nc)
+    img_files = [os.fspath(f) for f in img_files]
+    label_files = [img2label_path(f) for f in img_files]
+    path = (Path(cache_path) if cache_path is not None else default_cache_path(label_files)) if cache else None
+    if path is not None and img_files:
+        digest = dataset_hash(img_files, label_files, nc)
+        cached = read_cache(path, digest)
+        if cached is None and not build:
+            wait_for_cache(path, timeout_s, digest)
+            cached = read_cache(path, digest)
+        if cached is not None:
+            return cached
+    results = verify_files(img_files, label_files, nc, workers, progress)
+    records, report = _assemble(img_files, label_files, results)
+    if path is not None and img_files:
+        try:
+            write_cache(path, digest, records, report)
+            report.cache_path = path
+        except OSError as e:
+            report.messages.append(
+                f"cannot write label cache {path} ({e.strerror or e}); verification runs again next time"
+            )
+    return records, report
+
+
+def _assemble(
+    img_files: list[str], label_files: list[str], results: list[FileCheck]
+) -> tuple[list[LabelRecord], LabelReport]:
+    report = LabelReport(total=len(results))
+    records: list[LabelRecord] = []
+    for im_file, r in zip(img_files, results):
+        setattr(report, r.status, getattr(report, r.status) + 1)
+        report.clipped += r.clipped
+        report.messages.extend(r.messages)
+        if r.status != CORRUPT:
+            records.append(LabelRecord(im_file, r.shape_hw, r.cls, r.bboxes))
+    if report.total and report.found == 0:
+        where = Path(label_files[0]).parent
+        report.messages.append(
+            f"no labels found for any of the {report.total} images (looked in {where} and alike); "
+            "training on backgrounds only"
+        )
+    return records, report

@@ -1,0 +1,171 @@
+"""From a dataset yaml to verified records and loaders, for one split, on one rank.
+
+Work that writes files (generating the synthetic set, downloading, building the label cache) is done by
+the first process of each node while the others wait at a named barrier, then they read what it wrote.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from detrain.config.cfg import Cfg
+from detrain.data.dataset import DetectionDataset
+from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
+from detrain.data.download import DownloadLimits
+from detrain.data.labels.class_filter import ClassFilter
+from detrain.data.labels.ground_truth import explicit_json, json_labels, json_split_gt
+from detrain.data.labels.verify import LabelRecord, load_labels
+from detrain.data.loader import build_dataloader
+from detrain.distributed import dist
+from detrain.errors import DatasetError
+
+PREPARE_TIMEOUT_S = 3600.0  # without a config: as cfg/default.yaml's prepare_timeout
+HYP_KEYS = (
+    "hsv_h",
+    "hsv_s",
+    "hsv_v",
+    "degrees",
+    "translate",
+    "scale",
+    "shear",
+    "perspective",
+    "flipud",
+    "fliplr",
+    "mosaic",
+    "mixup",
+    "cutmix",
+)
+
+
+@dataclass
+class SplitData:
+    """One split of a dataset with its verified labels (only those ``class_filter`` keeps)."""
+
+    info: DatasetInfo
+    split: str
+    records: list[LabelRecord]
+    # evaluation ground truth, built once by detrain.data.labels.ground_truth.split_ground_truth
+    ground_truth: Any = field(default=None, repr=False, compare=False)
+    class_filter: ClassFilter = field(default_factory=ClassFilter)
+
+    @property
+    def nc(self) -> int:
+        return len(self.names)
+
+    @property
+    def names(self) -> dict[int, str]:
+        return self.class_filter.names(self.info.names)
+
+
+def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = True) -> SplitData:
+    """Resolve ``data`` and verify the labels of ``split`` (train, val or test)."""
+    first = dist.local_rank() == 0
+    # a download or the labels of a large dataset can take far longer than a training step may
+    wait_s = cfg.distributed.prepare_timeout if cfg is not None else PREPARE_TIMEOUT_S
+    if not first:
+        dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
+    try:
+        limits = (
+            None
+            if cfg is None
+            else DownloadLimits.from_gb(
+                cfg.inputs.download_max_gb, cfg.inputs.download_max_unpacked_gb, cfg.inputs.download_max_files
+            )
+        )
+        info = load_dataset_yaml(data, limits=limits)
+        selection = ClassFilter.from_cfg(cfg)
+        selection.check(info.names, info.yaml_file)
+        files = getattr(info, split)
+        if not files:
+            raise DatasetError(f"{info.yaml_file}: the dataset has no '{split}' split")
+        records, report = load_labels(list(files), info.nc, cache=True, progress=verbose and dist.is_main())
+    finally:
+        if first:
+            dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
+    ground_truth, summary = None, report.summary()
+    json_file = explicit_json(info, split)
+    if json_file is not None:  # the split is a COCO json: its annotations are the labels
+        ground_truth = json_split_gt(json_file, records, info.names)
+        records, summary = json_labels(records, ground_truth, json_file)
+        ground_truth = selection.ground_truth(ground_truth)
+        if report.corrupt:
+            summary += f"; {report.corrupt} corrupt images left out"
+    if verbose and dist.is_main():
+        from detrain.log import console
+
+        console.print(f"{split}: {summary}")
+    if not records:
+        raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
+    if cfg is not None and split == "train" and cfg.inputs.fraction < 1.0:
+        records = records[: max(1, round(len(records) * cfg.inputs.fraction))]
+    split_data = SplitData(
+        info=info, split=split, records=selection.records(records), ground_truth=ground_truth, class_filter=selection
+    )
+    if ground_truth is not None and len(records) != len(ground_truth.images):  # a train fraction
+        split_data.ground_truth = None
+    return split_data
+
+
+def hyp_of(cfg: Cfg) -> dict[str, Any]:
+    """The augmentation settings the dataset takes."""
+    return {k: cfg.get(k) for k in HYP_KEYS}
+
+
+def build_train_loader(
+    data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int, planned_world: int | None = None
+) -> DataLoader:
+    """Augmented training batches; each rank gets its slice of every global batch (mosaic pools as planned for
+    ``planned_world`` ranks)."""
+    dataset = DetectionDataset(
+        data.records,
+        imgsz=cfg.inputs.imgsz,
+        augment=True,
+        hyp=hyp_of(cfg),
+        rect=cfg.train.rect,
+        batch_size=local_batch,
+        stride=32,
+        seed=cfg.train.seed,
+        cache=cfg.inputs.cache or None,
+        # time= moves the last epochs: the trainer closes mosaic then (time_budget.py)
+        close_mosaic_epoch=cfg.train.epochs - cfg.train.close_mosaic
+        if cfg.train.close_mosaic and not cfg.train.time
+        else None,
+        cache_timeout_s=cfg.distributed.prepare_timeout,
+    )
+    return build_dataloader(
+        dataset,
+        batch_size=local_batch,
+        shuffle=not cfg.train.rect,
+        workers=cfg.distributed.workers,
+        rank=rank,
+        world_size=world,
+        seed=cfg.train.seed,
+        planned_world=planned_world,
+    )
+
+
+def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int) -> DataLoader:
+    """Rectangular, unaugmented batches over disjoint shards (no padded duplicates)."""
+    dataset = DetectionDataset(
+        data.records,
+        imgsz=cfg.inputs.imgsz,
+        augment=False,
+        hyp=hyp_of(cfg),
+        rect=True,
+        batch_size=local_batch,
+        stride=32,
+        seed=cfg.train.seed,
+        cache=None,
+    )
+    return build_dataloader(
+        dataset,
+        batch_size=local_batch,
+        shuffle=False,
+        workers=min(cfg.distributed.workers, 2) if world > 1 else cfg.distributed.workers,
+        rank=rank,
+        world_size=world,
+        seed=cfg.train.seed,
+    )

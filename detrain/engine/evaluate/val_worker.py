@@ -1,0 +1,90 @@
+"""``detrain val``: evaluate weights (or an existing predictions file) on a dataset split, on any number of ranks.
+
+Each process ``detrain val`` starts runs ``val_worker({"cfg": make_cfg({"model": "best.pt", "data":
+"coco8.yaml"}), "plan": RunPlan()})``; :func:`run_val` is the same in this process, given its ``World``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from detrain.config.cfg import Cfg
+from detrain.data.prepare import build_val_loader, load_split
+from detrain.distributed import dist
+from detrain.distributed.world import World
+from detrain.engine.build import build_model, increment_run_dir, is_weights, set_cpu_threads
+from detrain.engine.evaluate.validator import validate
+from detrain.errors import ConfigError
+from detrain.log import console
+from detrain.run.plan import RunPlan
+
+
+def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[str, Any]:
+    """Validate on this rank's shard of ``world`` (on its device); every rank returns the same metrics. ``save_dir``:
+    the run folder the launching process picked (None: rank 0 picks it)."""
+    device = torch.device(world.device)
+    set_cpu_threads(device, world.local_world_size)
+    # rank 0 decides (other nodes may not know the folder the launching node picked)
+    save_dir = Path(
+        dist.broadcast_object(
+            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "val", cfg.output.exist_ok))
+            if world.is_main
+            else None
+        )
+    )
+    data = load_split(cfg.inputs.data, cfg.predict.split, cfg)
+    if cfg.predict.predictions:
+        from detrain.engine.evaluate.score_file import score_predictions_file
+
+        return score_predictions_file(cfg, data, save_dir)
+    weights = is_weights(cfg.inputs.model)
+    if not weights and world.is_main:
+        console.print(f"note: {cfg.inputs.model} is an architecture, not weights: validating random weights")
+    model, ckpt = build_model(
+        cfg.inputs.model,
+        nc=None if weights else data.nc,
+        names=None if weights else data.names,
+        verbose=world.is_main,
+        weights_sha256=cfg.inputs.weights_sha256,
+    )
+    if model.nc != data.nc and not cfg.inputs.single_cls:  # single_cls scores any model's detections as one class
+        args = ckpt.get("train_args") if isinstance(ckpt, dict) else None  # a checkpoint's word, only for the hint
+        trained_single = isinstance(args, dict) and args.get("single_cls") is True
+        hint = "; it was trained with single_cls=true: add single_cls=true" if trained_single else ""
+        raise ConfigError(
+            f"{cfg.inputs.model} predicts {model.nc} classes but {cfg.inputs.data} has {data.nc}; "
+            f"fine-tune it on the dataset first{hint}"
+        )
+    model = model.to(device).eval()
+    if hasattr(model, "fuse"):
+        model.fuse()
+    model = model.to(memory_format=torch.channels_last)
+    # Every rank runs whole single-process batches (the same rectangular shapes, so the same numbers for any
+    # number of ranks); the ranks share the batches, contiguous and disjoint.
+    loader = build_val_loader(data, cfg, cfg.train.batch, world.rank, world.world_size)
+    if world.is_main:
+        console.print(
+            f"validating {cfg.inputs.model} on {cfg.inputs.data} ({cfg.predict.split}: {len(data.records)} images) "
+            f"with {world.world_size} worker(s); results in {save_dir}"
+        )
+    metrics = validate(
+        model, loader, data, cfg, device, save_dir=save_dir, plots=cfg.output.plots, verbose=cfg.output.verbose
+    )
+    metrics["save_dir"] = str(save_dir)
+    return metrics
+
+
+def val_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of every rank for ``detrain val``: ``args`` holds the Cfg the command checked (``cfg``, not
+    checked again here) and the launching process's :class:`detrain.run.plan.RunPlan` (``plan``)."""
+    cfg: Cfg = args["cfg"]
+    plan: RunPlan = args["plan"]
+    world = World.from_env()  # this worker's place, read once
+    dist.setup(world, timeout_s=cfg.distributed.dist_timeout)
+    try:
+        return run_val(cfg, world, plan.save_dir)
+    finally:
+        dist.cleanup()

@@ -1,0 +1,206 @@
+"""Export a DetectionModel for inference without detrain: ONNX (``.onnx``) or TorchScript (``.torchscript``).
+
+Both hold one fused eval graph, input ``images`` (B, 3, H, W) float in [0, 1] -> output (B, 4 + nc, N):
+what the model gives in eval mode (xywh boxes in input pixels, sigmoid class scores), with no NMS inside,
+the layout YOLOv8 exports use, so existing post-processing keeps working. The image size is fixed at
+``imgsz`` (the anchors are constants of the graph); the batch size is free (ONNX: with ``dynamic``).
+
+ONNX uses torch's TorchScript-based exporter (``dynamo=False``): it needs no extra package, while the
+newer torch.export-based one needs ``onnxscript``. When the ``onnx`` package is installed, the class
+names, strides and image size are written into the file's metadata too.
+
+TorchScript is a trace of the same fused model, loaded by ``torch.jit.load`` with torch alone (no detrain,
+no Python source of the model). The same metadata travels in the archive as the extra file
+``detrain.json`` (``torch.jit.load(path, _extra_files={"detrain.json": ""})`` reads it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from detrain.errors import ConfigError, DetrainError
+from detrain.system.tempfiles import temp_beside
+
+if TYPE_CHECKING:
+    from detrain.nn.model import DetectionModel
+
+__all__ = ["SUFFIXES", "export_model", "export_onnx", "export_torchscript"]
+
+#: export format -> file suffix (the ``format=`` values ``detrain export`` takes)
+SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript"}
+
+
+def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[int, int]:
+    hw = (imgsz, imgsz) if isinstance(imgsz, int) else tuple(imgsz)
+    if len(hw) != 2 or any(not isinstance(v, int) or v <= 0 or v % stride for v in hw):
+        raise ConfigError(f"imgsz must be a positive multiple of {stride} (or two of them), got {imgsz!r}")
+    return hw[0], hw[1]
+
+
+def _graph_model(
+    model: DetectionModel, imgsz: int | tuple[int, int] | list[int]
+) -> tuple[DetectionModel, torch.Tensor, tuple[int, int], int]:
+    """(fused float32 eval copy on the CPU, an example input, (h, w), largest stride) for tracing.
+
+    A copy, so the caller's model keeps its BatchNorms, device, dtype and training mode.
+    """
+    stride = int(max(model.stride.tolist())) if len(model.stride) else 32
+    h, w = _image_size(imgsz, stride)
+    graph_model = copy.deepcopy(model).to("cpu", torch.float32).eval()
+    graph_model.fuse()
+    for p in graph_model.parameters():
+        p.requires_grad_(False)
+    example = torch.zeros(1, 3, h, w)
+    with torch.no_grad():
+        graph_model(example)  # builds the anchor cache for this size before tracing
+    return graph_model, example, (h, w), stride
+
+
+@contextlib.contextmanager
+def _atomic_file(out: Path) -> Iterator[Path]:
+    """A temporary path beside ``out`` to write; renamed onto ``out`` on success, removed on any failure.
+
+    A folder that cannot be made or written to is a one-line :class:`DetrainError` naming ``out``.
+    """
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = temp_beside(out, ".part")
+    except OSError as e:
+        raise DetrainError(f"cannot write the export {out}: {e.strerror or e}") from None
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _metadata(model: DetectionModel, imgsz: tuple[int, int], stride: int) -> dict[str, object]:
+    """What an exported file records about the model besides its graph."""
+    return {
+        "producer": "detrain",
+        "task": "detect",
+        "stride": stride,
+        "imgsz": list(imgsz),
+        "names": {int(k): str(v) for k, v in dict(getattr(model, "names", {}) or {}).items()},
+    }
+
+
+def export_model(
+    model: DetectionModel,
+    out_path: str | os.PathLike[str],
+    format: str = "onnx",
+    imgsz: int | tuple[int, int] = 640,
+    opset: int = 17,
+    dynamic_batch: bool = True,
+) -> Path:
+    """Write ``model`` in ``format`` (``onnx`` or ``torchscript``) and return the file's path.
+
+    ``opset`` and ``dynamic_batch`` apply to ONNX; a TorchScript file takes any batch size.
+
+    >>> from detrain.nn.model import DetectionModel
+    >>> export_model(DetectionModel(nc=1), "m.tflite", format="tflite")
+    Traceback (most recent call last):
+    ...
+    detrain.errors.ConfigError: invalid value for 'format': 'tflite'; expected one of onnx, torchscript
+    """
+    if format not in SUFFIXES:
+        raise ConfigError(f"invalid value for 'format': {format!r}; expected one of {', '.join(SUFFIXES)}")
+    if format == "torchscript":
+        return export_torchscript(model, out_path, imgsz=imgsz)
+    return export_onnx(model, out_path, imgsz=imgsz, opset=opset, dynamic_batch=dynamic_batch)
+
+
+def export_onnx(
+    model: DetectionModel,
+    out_path: str | os.PathLike[str],
+    imgsz: int | tuple[int, int] = 640,
+    opset: int = 17,
+    dynamic_batch: bool = True,
+) -> Path:
+    """Write ``model`` as an ONNX file and return its path; the model passed in is left untouched.
+
+    The graph is a fused (BatchNorm folded into convolutions) float32 copy in eval mode, input ``images``
+    (B, 3, H, W) float in [0, 1], output ``output0`` (B, 4 + nc, N). With ``dynamic_batch`` the batch size
+    is free; the image size is fixed at ``imgsz``. The file appears atomically: a failed export leaves no
+    file behind.
+
+    Example (seconds of tracing, so not run as a test): ``export_onnx(DetectionModel(scale="n", nc=3),
+    "model.onnx", imgsz=320)`` returns ``PosixPath('model.onnx')``.
+    """
+    out = Path(out_path)
+    graph_model, example, (h, w), stride = _graph_model(model, imgsz)
+    with _atomic_file(out) as tmp:
+        with _quiet_tracing():
+            torch.onnx.export(
+                graph_model,
+                (example,),
+                str(tmp),
+                input_names=["images"],
+                output_names=["output0"],
+                opset_version=opset,
+                dynamic_axes={"images": {0: "batch"}, "output0": {0: "batch"}} if dynamic_batch else None,
+                do_constant_folding=True,
+                dynamo=False,
+            )
+        _add_metadata(tmp, model, (h, w), stride)
+    return out
+
+
+def export_torchscript(
+    model: DetectionModel,
+    out_path: str | os.PathLike[str],
+    imgsz: int | tuple[int, int] = 640,
+) -> Path:
+    """Write ``model`` as a TorchScript archive and return its path; the model passed in is left untouched.
+
+    The archive is a trace of the fused float32 eval model on the CPU: ``torch.jit.load(path)`` gives a
+    module mapping (B, 3, H, W) float in [0, 1] at the exported ``imgsz`` to (B, 4 + nc, N), for any B,
+    without detrain installed. Names, stride and imgsz are in the extra file ``detrain.json``. The file
+    appears atomically: a failed export leaves no file behind.
+
+    Example (seconds of tracing, so not run as a test): ``export_torchscript(DetectionModel(scale="n", nc=3),
+    "model.torchscript", imgsz=320)`` returns ``PosixPath('model.torchscript')``.
+    """
+    out = Path(out_path)
+    graph_model, example, (h, w), stride = _graph_model(model, imgsz)
+    meta = json.dumps(_metadata(model, (h, w), stride))
+    with _atomic_file(out) as tmp, _quiet_tracing():
+        traced = torch.jit.trace(graph_model, (example,), check_trace=False)
+        torch.jit.save(traced, str(tmp), _extra_files={"detrain.json": meta})
+    return out
+
+
+@contextlib.contextmanager
+def _quiet_tracing() -> Iterator[None]:
+    """Tracing's expected warnings, hidden: torch.jit (and the TorchScript ONNX exporter) announce their
+    deprecation, and the tracer notes the constant anchors of the exported image size."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        yield
+
+
+def _add_metadata(path: Path, model: DetectionModel, imgsz: tuple[int, int], stride: int) -> None:
+    """Record names, stride and imgsz in the file (readers such as onnxruntime expose them); needs ``onnx``."""
+    try:
+        import onnx
+    except ImportError:  # the export itself does not need it
+        return
+    proto = onnx.load(str(path))
+    meta = _metadata(model, imgsz, stride)
+    for key, value in meta.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, str(value)
+    onnx.save(proto, str(path))

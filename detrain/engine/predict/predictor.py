@@ -1,0 +1,282 @@
+"""``detrain predict``: detections on images, videos, cameras and streams; drawn, written as YOLO text, returned.
+
+Pictures are letterboxed as validation letterboxes them (the long side to ``imgsz``, the short one padded to
+the next multiple of the stride) and go through the model in batches of up to ``batch`` consecutive pictures
+of the same letterboxed shape: a folder of same-sized photos or a video runs ``batch`` at a time, a mix of
+shapes runs in smaller batches, and every picture is predicted exactly as it would be alone. A camera or
+stream runs one frame at a time, as frames arrive.
+
+:func:`stream_predict` yields one :class:`~detrain.engine.predict.results.Results` per picture and holds at most one
+batch
+in memory (the CLI uses it); :func:`predict` returns the list. Both check their arguments before the first
+picture: a bad source, device or ``classes`` raises at once.
+
+>>> import cv2
+>>> from detrain.config.cfg import make_cfg
+>>> _ = cv2.imwrite("a.png", np.zeros((48, 64, 3), np.uint8))
+>>> cfg = make_cfg({"model": "n.yaml", "source": "a.png", "imgsz": 64, "device": "cpu", "save": False,
+...                 "verbose": False})
+>>> for r in stream_predict(cfg):  # a video gives one Results per frame, r.frame its number
+...     print(r.path, r.frame, r.orig_shape, r.boxes.shape[1:])
+a.png None (48, 64) (4,)
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from detrain.config.cfg import Cfg
+from detrain.data.frames import Frame, read_frames
+from detrain.data.samples.augment import letterbox
+from detrain.data.sources import Source, parse_source, shown
+from detrain.distributed.devices import parse_device
+from detrain.engine.build import build_model, increment_run_dir
+from detrain.engine.predict.output import PredictionWriter
+from detrain.engine.predict.results import Results
+from detrain.errors import ConfigError, DatasetError
+from detrain.log import console
+from detrain.nn.boxes import scale_boxes_to_original
+from detrain.nn.postprocess import non_max_suppression
+from detrain.run.preflight import check_inputs
+
+PREDICT_CONF = 0.25
+Batch = list[tuple[Frame, np.ndarray, float, tuple[int, int]]]  # (frame, letterboxed BGR, gain, (pad x, pad y))
+
+
+def say(text: str) -> None:
+    """One line on the console; file names are printed as they are, never read as rich markup."""
+    console.print(text, markup=False, highlight=False)
+
+
+def project_dir(cfg: Cfg) -> Path:
+    """The folder predict's run folders go in (``runs/predict`` or ``project``): never read as a source."""
+    return Path(cfg.output.project) if cfg.output.project else Path("runs") / "predict"
+
+
+def inference_device(cfg: Cfg, note: bool = True) -> tuple[torch.device, bool]:
+    """(device, half): the first device ``device`` names (the same rules as train and val: one clear line for a bad
+    value); half precision only on CUDA (else a ``note``)."""
+    device = torch.device(parse_device(cfg.distributed.device).device_for(0))
+    return device, use_half(cfg, device, note)
+
+
+def use_half(cfg: Cfg, device: torch.device, note: bool = True) -> bool:
+    """Whether to predict in half precision on ``device``: ``half=True`` on CUDA only (elsewhere a ``note``)."""
+    if cfg.predict.half and device.type != "cuda" and note:
+        say(f"half=True runs on CUDA only; predicting in float32 on {device.type}")
+    return cfg.predict.half and device.type == "cuda"
+
+
+def prepare_model(model: nn.Module, device: torch.device, half: bool, copy_first: bool = True) -> nn.Module:
+    """The model for inference: on ``device``, eval mode, BatchNorm folded, fp16 with ``half``, no gradients.
+
+    ``copy_first`` leaves ``model`` itself untouched (``Model.net`` stays trainable and where it was)."""
+    net = copy.deepcopy(model) if copy_first else model
+    net = net.to(device).eval()
+    fuse = getattr(net, "fuse", None)  # DetectionModel folds its BatchNorms; any other module stays as it is
+    if callable(fuse):
+        fuse()
+    if half:
+        net.half()
+    net.requires_grad_(False)
+    return net
+
+
+def check_classes(classes: list[int] | None, names: dict[int, str]) -> None:
+    """``classes`` must name classes the model has."""
+    unknown = [c for c in classes or [] if c not in names]
+    if unknown:
+        raise ConfigError(
+            f"invalid value for 'classes': {unknown} not among the model's {len(names)} classes (0 to {len(names) - 1})"
+        )
+
+
+def batches(frames: Iterable[Frame], size: int, imgsz: int, stride: int) -> Iterator[Batch]:
+    """Consecutive frames letterboxed and grouped: up to ``size`` of one shape; a live source's frames alone."""
+    pending: Batch = []
+    for frame in frames:
+        img, (gain, _), pad = letterbox(frame.image, (imgsz, imgsz), auto=True, stride=stride)
+        if pending and pending[0][1].shape != img.shape:
+            yield pending
+            pending = []
+        pending.append((frame, img, gain, pad))
+        if len(pending) >= size or frame.item.live:
+            yield pending
+            pending = []
+    if pending:
+        yield pending
+
+
+@torch.no_grad()
+def infer(
+    net: nn.Module,
+    images: list[np.ndarray],
+    device: torch.device,
+    half: bool,
+    conf: float,
+    iou: float,
+    max_det: int,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
+) -> list[torch.Tensor]:
+    """Detections (n, 6: x1 y1 x2 y2 conf cls, float32, CPU) per letterboxed BGR image of one shape, in its pixels."""
+    x = torch.from_numpy(np.stack(images)).to(device)  # (B, H, W, 3) BGR uint8
+    x = x.flip(-1).permute(0, 3, 1, 2)  # RGB, (B, 3, H, W) in channels-last memory, as validation feeds it
+    x = (x.half() if half else x.float()).div_(255)
+    preds = net(x)
+    if isinstance(preds, (tuple, list)):
+        preds = preds[0]
+    preds = preds.float()  # NMS offsets boxes by class * max_wh: past float16's range from class 9 on
+    max_wh = max(7680, 2 * max(x.shape[2:]))  # class offsets in NMS must exceed any coordinate
+    dets = non_max_suppression(
+        preds, conf_thres=conf, iou_thres=iou, max_det=max_det, classes=classes, agnostic=agnostic, max_wh=max_wh
+    )
+    return [d.float().cpu() for d in dets]
+
+
+def stream_predict(
+    cfg: Cfg,
+    model: nn.Module | None = None,
+    source: Any = None,
+    *,
+    prepared: bool = False,
+    collecting: bool = False,
+    device: torch.device | None = None,
+) -> Generator[Results, None, None]:
+    """Results one picture at a time for ``cfg`` (``source`` overrides ``cfg.predict.source``: a path, a list of them,
+    image arrays). ``model``: a module to use instead of building ``cfg.inputs.model`` (copied first unless
+    ``prepared``, see :func:`prepare_model`); ``device``: where it runs, as :func:`inference_device` resolved it
+    (resolved here from ``cfg.distributed.device`` when not given). Arguments are checked here; pictures are read as the
+    caller asks for results. Outputs go to ``runs/predict/<name>/`` when ``save`` or ``save_txt``."""
+    project = project_dir(cfg)
+    if device is None:
+        device = inference_device(cfg, note=False)[0]  # the same device rules as train and val
+    if model is None:
+        check_inputs("predict", cfg)
+    src = parse_source(cfg.predict.source if source is None else source, exclude=project)
+    half = use_half(cfg, device)
+    if model is None:
+        net = prepare_model(
+            build_model(cfg.inputs.model, verbose=False, weights_sha256=cfg.inputs.weights_sha256)[0],
+            device,
+            half,
+            copy_first=False,
+        )
+    else:
+        net = model if prepared else prepare_model(model, device, half)
+    names = {int(k): str(v) for k, v in dict(getattr(net, "names", {})).items()}
+    check_classes(cfg.inputs.classes, names)
+    if collecting and any(item.is_video for item in src.items):
+        say(
+            "note: a video's results all stay in memory until it ends; predict(..., stream=True) gives them one "
+            "frame at a time"
+        )
+    save_dir = (
+        increment_run_dir(cfg.output.project, cfg.output.name, "predict", cfg.output.exist_ok)
+        if cfg.output.save or cfg.predict.save_txt
+        else None
+    )
+    return _run(cfg, net, names, src, device, half, save_dir)
+
+
+def predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None) -> list[Results]:
+    """Every picture's :class:`Results`, in source order (see :func:`stream_predict`)."""
+    return list(stream_predict(cfg, model, source, collecting=True))
+
+
+def _run(
+    cfg: Cfg,
+    net: nn.Module,
+    names: dict[int, str],
+    src: Source,
+    device: torch.device,
+    half: bool,
+    save_dir: Path | None,
+) -> Generator[Results, None, None]:
+    conf = PREDICT_CONF if cfg.predict.conf is None else cfg.predict.conf
+    stride = max(int(getattr(net, "stride", torch.tensor([32.0])).max()), 32)
+    show: Callable[[str], None] = say if cfg.output.verbose else (lambda text: None)
+    if src.skipped:
+        first = ", ".join(src.skipped[:3]) + (", ..." if len(src.skipped) > 3 else "")
+        say(f"skipped {len(src.skipped)} file(s) that are neither images nor videos: {first}")
+    order = {item: i for i, item in enumerate(src.items, 1)}
+    writer = (
+        PredictionWriter(save_dir, cfg.output.save, cfg.predict.save_txt, cfg.predict.save_conf, cfg.predict.line_width)
+        if save_dir
+        else None
+    )
+    count, seconds, keep = 0, 0.0, False
+    try:
+        for batch in batches(read_frames(src, warn=say), cfg.train.batch, cfg.inputs.imgsz, stride):
+            start = time.perf_counter()
+            dets = infer(
+                net,
+                [img for _, img, _, _ in batch],
+                device,
+                half,
+                conf,
+                cfg.predict.iou,
+                cfg.predict.max_det,
+                cfg.inputs.classes,
+                cfg.predict.agnostic_nms,
+            )
+            elapsed = time.perf_counter() - start
+            seconds += elapsed
+            for (frame, _, gain, pad), det in zip(batch, dets):
+                scale_boxes_to_original(det[:, :4], gain, pad, frame.image.shape[:2])
+                d = det.numpy()
+                result = Results(
+                    frame.item.name,
+                    frame.index,
+                    frame.image.shape[:2],
+                    d[:, :4].copy(),
+                    d[:, 4].copy(),
+                    d[:, 5].astype(np.int64),
+                    dict(names),
+                    frame.image,
+                )
+                if writer is not None:
+                    writer.add(frame, result)
+                count += 1
+                show(
+                    f"{_where(frame, order[frame.item], len(src.items))}: {result.summary()}, "
+                    f"{1000 * elapsed / len(batch):.1f}ms"
+                )
+                yield result
+        if not count:
+            raise DatasetError(
+                f"source '{shown(str(cfg.predict.source))}': none of its {len(src.items)} image(s) or video(s) "
+                "could be read"
+            )
+        keep = True
+    except (KeyboardInterrupt, GeneratorExit):
+        keep = True  # what was written until the user stopped is whole and worth keeping
+        raise
+    finally:
+        if writer is not None:
+            writer.close(keep)
+        if count and cfg.output.verbose:
+            say(
+                f"{count} picture(s), {1000 * seconds / count:.1f}ms each (inference and NMS, batch up to "
+                f"{cfg.train.batch})"
+            )
+        if save_dir is not None and save_dir.exists():
+            say(f"results in {save_dir}")
+
+
+def _where(frame: Frame, index: int, total: int) -> str:
+    """``image 2/5 path``, ``video 1/1 (frame 3/120) path``, ``camera 0 (frame 3)``."""
+    if frame.index is None:
+        return f"image {index}/{total} {frame.item.name}"
+    of = f"/{frame.total}" if frame.total else ""
+    if frame.item.live:
+        return f"{frame.item.name} (frame {frame.index + 1})"
+    return f"video {index}/{total} (frame {frame.index + 1}{of}) {frame.item.name}"

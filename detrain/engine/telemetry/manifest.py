@@ -1,0 +1,206 @@
+"""``manifest.json``: what a run ran with - versions, platform, detrain's git commit, a fingerprint of the dataset's
+files, the full arguments - written atomically by rank 0 when the run starts, and updated on each restart.
+
+The dataset fingerprint is cheap by design: sha256 over the sorted (path relative to the dataset root, size) of
+every train and val image, its label file and the split's COCO json when there is one. It changes when a file is
+added, removed, renamed or changes size; it does not read contents (an edit that keeps the size is not seen).
+
+>>> m = build_manifest({"epochs": 3}, None)
+>>> sorted(m)[:4]
+['args', 'created', 'dataset', 'detrain']
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import detrain
+from detrain.data.labels.verify import img2label_path
+from detrain.log import atomic_write_text
+from detrain.system.file_tail import read_regular
+
+MAX_MANIFEST_BYTES = 1 << 20  # an earlier manifest.json larger than this is not read back (a fresh one is written)
+GIT_TIMEOUT_S = 5.0
+
+
+def dataset_fingerprint(root: str | Path, images: Iterable[str], extra: Iterable[str] = ()) -> dict[str, Any]:
+    """sha256 over the sorted (relative path, size) of ``images``, their label files (where present) and ``extra``
+    files; also the count of files and their total size. A listed image that is gone counts with size -1."""
+    root = Path(os.path.abspath(root))
+    entries: set[tuple[str, int]] = set()
+    for path in images:
+        entries.add((_relative(path, root), _size(path)))
+        label = img2label_path(path)
+        size = _size(label)
+        if size >= 0:
+            entries.add((_relative(label, root), size))
+    for path in extra:
+        entries.add((_relative(path, root), _size(path)))
+    h = hashlib.sha256()
+    for rel, size in sorted(entries):
+        h.update(f"{rel}\0{size}\n".encode("utf-8", "surrogateescape"))
+    return {
+        "fingerprint": f"sha256:{h.hexdigest()}",
+        "files": len(entries),
+        "bytes": sum(size for _, size in entries if size > 0),
+    }
+
+
+def split_fingerprint(datasets: Iterable[Any]) -> dict[str, Any]:
+    """The fingerprint of the train and val splits of loaded :class:`~detrain.data.prepare.SplitData` objects."""
+    datasets = list(datasets)
+    info = datasets[0].info
+    images: list[str] = []
+    jsons: list[str] = []
+    for d in datasets:
+        images += list(getattr(d.info, d.split) or [])
+        json_file = (d.info.coco_json or {}).get(d.split)
+        if json_file:
+            jsons.append(str(json_file))
+    return {"yaml": str(info.yaml_file), "root": str(info.root), **dataset_fingerprint(info.root, images, jsons)}
+
+
+def versions() -> dict[str, Any]:
+    """detrain's, Python's and the libraries' versions; CUDA, cuDNN and NCCL where this torch has them."""
+    out: dict[str, Any] = {
+        "detrain": detrain.__version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "nccl": None,
+    }
+    try:
+        import torchvision
+
+        out["torchvision"] = torchvision.__version__
+    except ImportError:
+        out["torchvision"] = None
+    if torch.backends.cudnn.is_available():
+        out["cudnn"] = torch.backends.cudnn.version()
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001 - a build without NCCL
+            pass
+    return out
+
+
+def git_commit(package_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """The commit (and whether the tree has changes) of the git checkout detrain itself lives in: the checkout
+    whose top folder holds the ``detrain`` package. None when it is not in one, git is absent or says no."""
+    here = Path(package_dir or Path(detrain.__file__).parent).resolve()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # GIT_DIR would name another repo
+    try:
+        top = _git(here, env, "rev-parse", "--show-toplevel")
+        if top is None or Path(top).resolve() != here.parent:
+            return None  # not a checkout, or a package installed inside some other project's repository
+        commit = _git(here, env, "rev-parse", "HEAD")
+        if commit is None:
+            return None
+        changes = _git(here, env, "status", "--porcelain", "--untracked-files=no")
+        return {"commit": commit, "dirty": None if changes is None else bool(changes)}
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def build_manifest(args: dict[str, Any], dataset: dict[str, Any] | None) -> dict[str, Any]:
+    """A fresh manifest for a run started now with ``args``."""
+    now = _now()
+    v = versions()
+    return {
+        "detrain": v.pop("detrain"),
+        "created": now,
+        "updated": now,
+        "versions": v,
+        "platform": platform.platform(),
+        "git": git_commit(),
+        "dataset": dataset,
+        "args": args,
+        "restarts": 0,
+        "launcher_restart_count": 0,
+        "resumed_from": None,
+    }
+
+
+def read_manifest(path: str | Path) -> dict[str, Any] | None:
+    """An earlier manifest.json as a dict; None when absent, not a regular file, too large or not a JSON object."""
+    raw = read_regular(path, MAX_MANIFEST_BYTES, tail=False)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_start(
+    path: str | Path,
+    args: dict[str, Any],
+    dataset: dict[str, Any] | None,
+    *,
+    restarted: bool,
+    launcher_restarts: int,
+    resumed_from: str | None,
+) -> dict[str, Any]:
+    """Write the manifest of a start: fresh on a first start; on a restart the earlier one (when readable) with
+    its restart count raised, ``launcher_restart_count`` and ``resumed_from`` set. Returns what was written."""
+    earlier = read_manifest(path) if restarted else None
+    manifest = earlier if earlier is not None else build_manifest(args, dataset)
+    if restarted:
+        manifest["restarts"] = (_count(manifest.get("restarts")) + 1) if earlier is not None else 1
+        manifest["launcher_restart_count"] = launcher_restarts
+        manifest["resumed_from"] = resumed_from
+        manifest["updated"] = _now()
+    atomic_write_text(path, json.dumps(manifest, indent=2, default=str) + "\n")
+    return manifest
+
+
+def _count(value: Any) -> int:
+    """An earlier manifest's count, if it is one (it is read back, so anything may stand there)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _git(cwd: Path, env: dict[str, str], *args: str) -> str | None:
+    proc = subprocess.run(
+        ["git", "-C", str(cwd), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=GIT_TIMEOUT_S,
+        stdin=subprocess.DEVNULL,
+    )
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def _relative(path: str | os.PathLike[str], root: Path) -> str:
+    p = Path(os.path.abspath(path))
+    try:
+        return p.relative_to(root).as_posix()
+    except ValueError:
+        return p.as_posix()  # outside the dataset root (a list file may name any path): absolute
+
+
+def _size(path: str | os.PathLike[str]) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return -1
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")

@@ -1,0 +1,102 @@
+"""Checkpoints within an epoch (``save_interval`` minutes), so that a restart loses minutes of training, not an epoch.
+
+``weights/mid.pt`` holds what ``last.pt`` holds, as it stands after the step just taken (``epoch`` is still the
+last finished one), plus where the epoch stands: ``mid_epoch = {next_batch, step_images, mean_items, n_images}``.
+A run resumed from it starts the epoch's sampler at ``next_batch``
+(:meth:`detrain.data.loader.GlobalBatchSampler.start_at`), so it sees the samples an uninterrupted run would (the
+augmentation draws from (seed, epoch, index)), and the epoch's running losses go on from the saved means. When the
+epoch ends, ``last.pt`` supersedes it and it is removed. Written atomically, like every checkpoint.
+
+When to save is read on rank 0's clock and shared with one all-reduce of one number after each step (only when
+``save_interval`` > 0), because every rank must save at the same step: saving needs collectives. Gradients still
+waiting for an update are averaged over the ranks first, as at an epoch's end
+(:mod:`detrain.engine.train.accumulation`),
+and what differs between ranks (random generators, BatchNorm statistics) is gathered. Under elastic
+membership a mid-epoch checkpoint of another world size continues at the batch of this run's plan that its images
+reach (a few images may be seen twice).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from detrain.distributed import dist
+from detrain.engine.train import accumulation
+from detrain.engine.train.ema import unwrap
+from detrain.engine.train.resume_state import MID, gather_per_rank
+from detrain.weights.checkpoint import save_checkpoint
+
+if TYPE_CHECKING:
+    from torch.utils.data import DataLoader
+
+    from detrain.engine.train.trainer import Trainer
+
+
+class MidEpoch:
+    """Saves ``mid.pt`` every ``minutes`` (0: never) and puts a resumed epoch back where ``mid.pt`` left it."""
+
+    def __init__(self, minutes: float, save: bool, wdir: Path, device: torch.device) -> None:
+        self.interval_s = float(minutes) * 60.0
+        self.enabled = minutes > 0 and save
+        self.save_files = save
+        self.path = wdir / MID
+        self.device = device
+        self.last_save = time.monotonic()
+        self.resume_at: tuple[int, torch.Tensor, int] | None = None
+
+    def restore(self, ckpt: dict[str, Any], nb: int, step_images: int) -> int:
+        """The batch a checkpoint's epoch continues at in this run's plan of ``nb`` batches of ``step_images``
+        images (0 for one saved at an epoch's end); the running losses are kept for :meth:`begin_epoch`. The fields
+        were checked by :func:`detrain.engine.train.resume_state.check_mid` on rank 0."""
+        mid = ckpt.get("mid_epoch")
+        if not mid:
+            return 0
+        batch, saved_step = int(mid["next_batch"]), int(mid["step_images"])
+        first = min(batch if saved_step == step_images else batch * saved_step // step_images, nb)
+        self.resume_at = (first, mid["mean_items"].float(), int(mid["n_images"]))
+        return first
+
+    def begin_epoch(self, loader: DataLoader) -> tuple[int, torch.Tensor, int]:
+        """(first batch, running mean losses, images so far) of the epoch about to run: (0, zeros, 0), except for
+        the epoch a mid-epoch checkpoint resumes, whose sampler then starts at its batch."""
+        first, items, images = self.resume_at or (0, torch.zeros(3), 0)
+        self.resume_at = None
+        if first:
+            loader.batch_sampler.start_at(first)  # type: ignore[union-attr]
+        return first, items.to(self.device), images
+
+    def after_batch(self, trainer: Trainer, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
+        """After batch ``i`` of ``epoch`` (every rank): save ``mid.pt`` when rank 0's clock says it is time."""
+        if not self.enabled or i + 1 >= trainer.nb:  # the epoch's end saves last.pt right after this batch
+            return
+        mine = dist.is_main() and time.monotonic() - self.last_save >= self.interval_s
+        if not dist.all_reduce_sum(torch.tensor([float(mine)], device=self.device)).item():
+            return
+        self.save(trainer, epoch, i, mean_items, n_images)
+        self.last_save = time.monotonic()
+
+    def save(self, trainer: Trainer, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
+        """Write ``mid.pt`` for the state after batch ``i`` of ``epoch`` (a collective: call on every rank)."""
+        pending = accumulation.pending_batches(epoch * trainer.nb + i, trainer.last_update) > 0
+        if pending and dist.is_distributed():
+            bare = unwrap(trainer.model)  # collective: one all-reduce of the waiting gradients, as at an epoch's end
+            accumulation.load_flat_gradients(bare, dist.reduce_mean(accumulation.flat_gradients(bare)))
+        trainer.per_rank = gather_per_rank(trainer.model, trainer.ema.ema)  # collective: what differs by rank
+        if dist.is_main():
+            state = trainer.checkpoint_state(epoch - 1, {}, pending)
+            state["mid_epoch"] = {
+                "next_batch": i + 1,
+                "step_images": int(trainer.plan.step_images),
+                "mean_items": mean_items.detach().float().cpu(),
+                "n_images": int(n_images),
+            }
+            save_checkpoint(state, self.path)
+
+    def epoch_done(self) -> None:
+        """Rank 0, once ``last.pt`` holds the finished epoch: the epoch's ``mid.pt`` is superseded."""
+        if self.save_files and dist.is_main():
+            self.path.unlink(missing_ok=True)

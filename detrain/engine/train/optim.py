@@ -1,0 +1,193 @@
+"""Optimizer, learning-rate schedule and warmup: the recipe YOLO users know, as plain functions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from detrain.config.cfg import Cfg
+
+NOMINAL_BATCH = 64  # images per update that lr0 and weight_decay are given for (nbs=auto)
+AUTO_LONG_RUN = 10_000  # optimizer=auto: above this many updates SGD, else AdamW
+
+
+def planned_updates(cfg: Cfg, n_images: int) -> int:
+    """Updates of the run as ``optimizer=auto`` counts them (Ultralytics' rule): one per ``nbs`` images (64 with
+    ``nbs=auto``, never fewer images than a batch) for ``epochs`` epochs.
+
+    >>> from detrain.config.cfg import make_cfg
+    >>> planned_updates(make_cfg({"epochs": 30}), 400)
+    210
+    """
+    return math.ceil(n_images / max(cfg.train.batch, weight_decay_batch(cfg))) * cfg.train.epochs
+
+
+def auto_choice(cfg: Cfg, nc: int, updates: int) -> tuple[str, float, float]:
+    """(optimizer, lr0, momentum) the run trains with: as given, or for ``optimizer=auto`` AdamW at a
+    class-count-fit rate for short runs (``updates`` up to 10,000), where SGD has no time to settle, and SGD at
+    ``lr0`` for long ones.
+
+    >>> from detrain.config.cfg import make_cfg
+    >>> auto_choice(make_cfg(), nc=8, updates=210)
+    ('AdamW', 0.000833, 0.9)
+    """
+    if cfg.train.optimizer != "auto":
+        return cfg.train.optimizer, cfg.train.lr0, cfg.train.momentum
+    if updates > AUTO_LONG_RUN:
+        return "SGD", cfg.train.lr0, cfg.train.momentum
+    return "AdamW", round(0.002 * 5 / (4 + nc), 6), 0.9
+
+
+def weight_decay_batch(cfg: Cfg) -> int:
+    """The batch ``weight_decay`` is given for: ``nbs``, or 64 with ``nbs=auto``."""
+    return NOMINAL_BATCH if cfg.train.nbs == "auto" else int(cfg.train.nbs)
+
+
+def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
+    """How many images an optimizer update gathers (gradients accumulate over the batches up to it).
+
+    A number in ``nbs`` is kept. ``nbs=auto`` is 64 (YOLO's nominal batch), except for short runs from scratch
+    that ``optimizer=auto`` trains with AdamW: there every batch updates. AdamW normalises the gradient's scale,
+    so gathering 64 images only divides the number of updates, and a short run is short of updates (30 epochs
+    of 400 images at batch 16: about 190 updates instead of 750; measured in docs/learning.md). Fine-tuning from
+    weights keeps 64: there more updates on a small set wear away what the weights knew.
+
+    >>> from detrain.config.cfg import make_cfg
+    >>> images_per_update(make_cfg(), "AdamW", from_weights=False), images_per_update(make_cfg(), "AdamW", True)
+    (16, 64)
+    """
+    if cfg.train.nbs != "auto":
+        return int(cfg.train.nbs)
+    if cfg.train.optimizer == "auto" and optimizer in ("AdamW", "Adam") and not from_weights:
+        return cfg.train.batch
+    return NOMINAL_BATCH
+
+
+def build_optimizer(
+    model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, weight_decay: float
+) -> tuple[torch.optim.Optimizer, str, float]:
+    """Three parameter groups: weights with decay, BatchNorm weights and biases without; the optimizer, lr0
+    and momentum of :func:`auto_choice` for ``total_iterations`` planned updates.
+    Returns (optimizer, name, lr0 actually used).
+    """
+    decay, no_decay_bn, biases = [], [], []
+    norm_types = tuple(v for k, v in nn.__dict__.items() if "Norm" in k and isinstance(v, type))
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            if pname == "bias":
+                biases.append(p)
+            elif isinstance(module, norm_types):
+                no_decay_bn.append(p)
+            else:
+                decay.append(p)
+    name, lr, momentum = auto_choice(cfg, nc, total_iterations)
+    groups = [
+        {"params": biases, "weight_decay": 0.0},
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay_bn, "weight_decay": 0.0},
+    ]
+    # all groups go to the constructor: that is where a fused optimizer checks its parameters and declares
+    # that it takes GradScaler's scale and inf flags itself
+    kernel = kernel_options(biases + decay + no_decay_bn)
+    if name in ("Adam", "AdamW"):
+        opt_cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
+        optimizer: torch.optim.Optimizer = opt_cls(groups, lr=lr, betas=(momentum, 0.999), weight_decay=0.0, **kernel)
+    else:
+        optimizer = torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True, weight_decay=0.0, **kernel)
+    for group in optimizer.param_groups:
+        group["initial_lr"] = lr
+    return optimizer, name, lr
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
+
+
+def kernel_options(params: Sequence[torch.Tensor]) -> dict[str, bool]:
+    """Optimizer keyword for the fastest update kernel: ``fused=True`` when every parameter is a float tensor
+    on one device type with fused SGD/Adam/AdamW kernels (CPU, CUDA), else ``{}`` (torch's default).
+
+    The fused kernels update every tensor of a group in one pass (on CPU about twice as fast as the
+    per-tensor loop that torch uses there by default) and compute the same update.
+
+    >>> kernel_options([torch.zeros(2)]), kernel_options([])
+    ({'fused': True}, {})
+    """
+    types = {p.device.type for p in params}
+    if len(types) == 1 and types <= set(_FUSED_DEVICES) and all(p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, keeping this run's kernel choice (``fused``/``foreach``).
+
+    A state dict carries each group's flags; loading one saved on another device, or by an older version,
+    would otherwise switch the kernel (or ask for a fused kernel the device lacks).
+    """
+    state = {**state, "param_groups": [dict(g) for g in state["param_groups"]]}
+    for saved, group in zip(state["param_groups"], optimizer.param_groups):
+        for key in ("fused", "foreach"):
+            if key in group:
+                saved[key] = group[key]
+            else:
+                saved.pop(key, None)
+    optimizer.load_state_dict(state)
+
+
+def lr_lambda(cfg: Cfg) -> Callable[[float], float]:
+    """Multiplier of lr0 at an epoch: linear from 1 to lrf, or cosine with cos_lr."""
+    epochs, lrf = cfg.train.epochs, cfg.train.lrf
+    if cfg.train.cos_lr:
+        return lambda e: ((1 - math.cos(e * math.pi / epochs)) / 2) * (lrf - 1) + 1
+    return lambda e: max(1 - e / epochs, 0) * (1.0 - lrf) + lrf
+
+
+def warmup_iterations(cfg: Cfg, batches_per_epoch: int) -> int:
+    """``warmup_epochs`` worth of iterations, leaving at least the last epoch out of warmup; 0 when off.
+
+    No minimum: on a small set (a few batches per epoch) a floor of 100 iterations would keep a short run
+    in warmup from start to end, its lr never reaching lr0.
+
+    >>> from detrain.config.cfg import make_cfg
+    >>> [warmup_iterations(make_cfg({"epochs": e, "warmup_epochs": 3.0}), 10) for e in (100, 3, 1)]
+    [30, 20, 0]
+    """
+    epochs = min(cfg.train.warmup_epochs, max(cfg.train.epochs - 1, 0))
+    return round(epochs * batches_per_epoch) if epochs > 0 else 0
+
+
+def apply_warmup(
+    optimizer: torch.optim.Optimizer,
+    cfg: Cfg,
+    ni: int,
+    n_warmup: int,
+    epoch_factor: float,
+    lr0: float,
+    momentum: float,
+    accumulate_target: float,
+) -> int:
+    """Set lr and momentum for iteration ``ni`` of warmup; returns the accumulation steps to use now.
+
+    Bias lr falls from ``warmup_bias_lr`` while the other groups rise from 0, both to ``lr0 * epoch_factor``.
+    With ``optimizer=auto`` the bias warmup starts at 0 too: auto picks small adaptive-rate settings for
+    short runs (fine-tuning), where a bias step of 0.1 would wreck pretrained weights in the first iteration.
+    SGD's momentum rises from ``warmup_momentum`` to ``momentum``; Adam's and AdamW's betas are left as built,
+    as in Ultralytics' recipe (their bias correction already tempers the first steps).
+    With warmup off (``n_warmup`` 0) nothing is touched and the accumulation is ``accumulate_target``.
+    """
+    if n_warmup <= 0:
+        return max(1, round(accumulate_target))
+    xi = [0, n_warmup]
+    accumulate = max(1, int(np.interp(ni, xi, [1, accumulate_target]).round()))
+    for j, group in enumerate(optimizer.param_groups):
+        start = cfg.train.warmup_bias_lr if (j == 0 and cfg.train.optimizer != "auto") else 0.0
+        group["lr"] = float(np.interp(ni, xi, [start, lr0 * epoch_factor]))
+        if "momentum" in group:
+            group["momentum"] = float(np.interp(ni, xi, [cfg.train.warmup_momentum, momentum]))
+    return accumulate

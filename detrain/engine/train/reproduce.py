@@ -1,0 +1,70 @@
+"""What makes a run repeatable and resumable: seeding, every random generator's state (stored in checkpoints
+in a form ``torch.load(weights_only=True)`` accepts), and finding the checkpoint ``resume`` means."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from detrain.config.cfg import Cfg
+from detrain.errors import ConfigError
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a run uses, so that resume continues exactly."""
+    legacy = np.random.get_state()
+    assert isinstance(legacy, tuple)  # the global generator is MT19937, whose state numpy gives as this tuple
+    name, keys, pos, has_gauss, gauss = legacy
+    # numpy's key array as a tensor: checkpoints hold only what torch.load(weights_only=True) accepts
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put back the generators :func:`rng_state` saved (CUDA's only where CUDA is available)."""
+    random.setstate(state["python"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed Python, numpy and torch; with ``deterministic``, ask torch (and cuBLAS) for deterministic kernels."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.deterministic = True
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def find_resume_checkpoint(cfg: Cfg) -> Path:
+    """``resume=path`` -> that file; ``resume=True`` -> last.pt of project/name (or the newest run)."""
+    if isinstance(cfg.train.resume, str):
+        path = Path(cfg.train.resume)
+    else:
+        root = Path(cfg.output.project) if cfg.output.project else Path("runs") / "train"
+        if cfg.output.name:
+            path = root / cfg.output.name / "weights" / "last.pt"
+        else:
+            candidates = sorted(root.glob("*/weights/last.pt"), key=lambda p: p.stat().st_mtime)
+            if not candidates:
+                raise ConfigError(f"resume=True but no {root}/*/weights/last.pt exists; pass resume=path/to/last.pt")
+            path = candidates[-1]
+    if not path.is_file():
+        raise ConfigError(f"resume: checkpoint not found: {path}")
+    return path

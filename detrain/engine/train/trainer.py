@@ -1,0 +1,626 @@
+"""The training loop of one worker (rank). Collectives go through :mod:`detrain.distributed.dist`, each named where
+the loop reaches it; only rank 0 writes.
+
+Usage (a training run, so not run as a test): ``metrics = Trainer(make_cfg({"data": "shapes.yaml", "epochs": 1,
+"imgsz": 128}), World()).train()`` trains in this process, as rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from detrain.config.cfg import Cfg
+from detrain.data.memory.batch_memory import release_batch
+from detrain.data.prepare import build_train_loader, build_val_loader, load_split
+from detrain.distributed import dist
+from detrain.distributed.world import World
+from detrain.distributed.world_layout import number_nodes
+from detrain.engine.build import build_model, increment_run_dir, set_cpu_threads
+from detrain.engine.evaluate.validator import validate
+from detrain.engine.telemetry import epoch_stats, run_trace
+from detrain.engine.telemetry.epoch_monitor import EpochMonitor
+from detrain.engine.train import accumulation, freeze, optim, pretrained, resume_state, time_budget
+from detrain.engine.train.batch_plan import batch_plan, check_split, planned_world_size
+from detrain.engine.train.callbacks import CallbackFn, Callbacks
+from detrain.engine.train.ema import ModelEMA, unwrap
+from detrain.engine.train.mid_epoch import MidEpoch
+from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
+from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
+from detrain.nn.loss import DetectionLoss
+from detrain.plots.train import plot_results, plot_train_batch
+from detrain.run.plan import RunPlan
+from detrain.weights.checkpoint import model_meta, save_checkpoint
+
+if TYPE_CHECKING:
+    from detrain.nn.model import DetectionModel
+
+LOSS_NAMES = ("box_loss", "cls_loss", "dfl_loss")
+
+
+@dataclass(frozen=True)
+class EpochResult:
+    """What one epoch's training gave, the same on every rank: its mean loss items over the ranks, its columns of
+    results.csv (losses, learning rates, speed) and its seconds."""
+
+    mean_items: torch.Tensor
+    losses: dict[str, float]
+    lrs: dict[str, float]
+    speed: dict[str, float]
+    seconds: float
+
+
+class Trainer:
+    """Trains one rank of ``world``. Every decision that could differ between ranks (best epoch, early stop, image
+    size) is taken once and shared, so no rank waits for another that has left the loop.
+
+    ``plan``: what the launching process decided for the run (:class:`detrain.run.plan.RunPlan`: the node count, the
+    run folder, the launch's id); the default is a plain process's."""
+
+    def __init__(
+        self, cfg: Cfg, world: World, plan: RunPlan | None = None, callbacks: dict[str, list[CallbackFn]] | None = None
+    ) -> None:
+        plan = RunPlan() if plan is None else plan
+        self.callbacks = Callbacks(callbacks)  # fired on rank 0 only (detrain.engine.train.callbacks)
+        # collective: every node looks on its own disk for this run's furthest checkpoint (rank 0 also for resume=);
+        # every rank gets the furthest of all from the rank that holds it (resume_state.py)
+        start = resume_state.agree(cfg, plan.save_dir, resume_state.Launch.here(world, plan.launch_id))
+        cfg, save_dir, self.resume_ckpt, self.launch = start.cfg, start.save_dir, start.ckpt, start.launch
+        self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
+        self.cfg, self.world = cfg, world
+        self.rank, self.main = world.rank, world.is_main
+        # the batch must split over the planned world whatever the accumulation: checked before anything loads
+        self.planned_world = planned_world_size(plan.nodes, world.world_size, world.local_world_size)
+        check_split(cfg.train.batch, self.planned_world)
+        self.device = torch.device(world.device)  # the launcher's choice for this rank (World.device)
+        set_cpu_threads(self.device, world.local_world_size)
+        # rank 0 decides (other nodes may not know the folder the launching node picked)
+        save_dir = dist.broadcast_object(
+            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "train", cfg.output.exist_ok))
+            if self.main
+            else None
+        )
+        self.save_dir = Path(save_dir)
+        self.wdir = self.save_dir / "weights"
+        self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device)  # save_interval: mid.pt
+
+    # ------------------------------------------------------------------ the loop
+    def train(self) -> dict[str, Any]:
+        """Run every epoch; returns the final metrics (the same dict on every rank). However it ends, rank 0 says
+        how in the run folder's events.jsonl (detrain.engine.telemetry.run_trace)."""
+        with run_trace.ended(self):
+            self._prepare()  # data, model, optimizer; the run folder's files; the starting weights' score
+            epoch = self.start_epoch
+            while epoch < self.cfg.train.epochs:  # time= re-plans cfg.train.epochs after every epoch
+                self.callbacks.fire("on_train_epoch_start", self, epoch + 1)
+                trained = self._train_epoch(epoch)  # every batch: forward, loss, backward; an update every accumulate
+                self._validate_epoch(epoch)  # val=true, or the last epoch: self.metrics, the same on every rank
+                improved, stop = self._agree(trained)  # best fitness so far, early stop: rank 0's word on every rank
+                self._fit_to_time(epoch)  # time=: as many epochs as fit, the lr schedule refitted to them
+                self._save_and_log(epoch, trained, improved)  # results.csv, last.pt / best.pt, the epoch's line
+                dist.barrier("end of epoch")
+                if stop:
+                    self._say(f"early stop: no improvement in the last {self.cfg.train.patience} epochs")
+                    break
+                epoch += 1
+            return self._finish()
+
+    # ------------------------------------------------------------------ before the first epoch
+    def _prepare(self) -> None:
+        """Everything before the first epoch: the callbacks around the set-up, the run folder's args.yaml and trace,
+        the epoch monitor and logs, and (fine-tuning) the starting weights' score."""
+        done = int(self.resume_ckpt["epoch"]) + 1 if self.resume_ckpt else 0
+        self.callbacks.fire("on_pretrain_routine_start", self, done)
+        self._setup()
+        self.callbacks.fire("on_pretrain_routine_end", self, self.start_epoch)
+        cfg = self.cfg
+        if self.main:
+            self.wdir.mkdir(parents=True, exist_ok=True)
+            save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
+            console.print(
+                f"training {cfg.inputs.model} on {cfg.inputs.data} for {cfg.train.epochs} epochs; "
+                f"results in {self.save_dir}"
+            )
+        # collective: every rank's place is gathered for the start event, then a barrier once rank 0 wrote it
+        self.trace = run_trace.start(
+            self.save_dir,
+            cfg,
+            self.world,
+            self.device,
+            first_epoch=self.start_epoch,
+            step=self.start_epoch * self.nb,
+            datasets=(self.data, self.val_data),
+            resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None,
+        )
+        self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world.node_rank)
+        self.csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
+        self.tb = TensorBoard(self.save_dir, cfg.output.tensorboard and self.main)
+        self.metrics: dict[str, Any] = {}  # the last validation's (kept by epochs that do not validate)
+        self.start_scores: dict[str, Any] = {}
+        if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.train.val:
+            # fine-tuning: score the starting weights, so the final mAP can be read against them
+            self.start_scores = self._validate(-1)
+            self._say(
+                f"starting weights: mAP50 {self.start_scores['map50']:.4f}  mAP50-95 {self.start_scores['map']:.4f}"
+            )
+        self.callbacks.fire("on_train_start", self, self.start_epoch)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.budget = (
+            time_budget.TimeBudget(cfg.train.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0)
+            if cfg.train.time
+            else None
+        )
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        seed_everything(cfg.train.seed + self.rank, cfg.train.deterministic)
+        self.data = load_split(cfg.inputs.data, "train", cfg)
+        self.val_data = load_split(cfg.inputs.data, "val", cfg)
+        self.nc, self.names = self.data.nc, self.data.names
+        model, _ = build_model(
+            cfg.inputs.model, nc=self.nc, names=self.names, verbose=self.main, weights_sha256=cfg.inputs.weights_sha256
+        )
+        # the recipe: optimizer=auto's choice, and from it how many images an update gathers (nbs=auto)
+        total_iters = optim.planned_updates(cfg, len(self.data.records))
+        opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
+        self.plan = batch_plan(
+            cfg.train.batch,
+            optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
+            self.world.world_size,
+            self.planned_world,
+        )
+        if self.resume_ckpt is None:  # pretrained=: a fresh init, or a file's matching layers (pretrained.py)
+            model = pretrained.start_weights(model, cfg, verbose=self.main)
+        frozen = freeze.freeze_layers(
+            model, cfg.train.freeze, verbose=self.main
+        )  # before the optimizer and DDP see them
+        if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
+            model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
+        self.model: nn.Module = model.to(self.device)  # DDP's wrapper around it, in a group
+        if self.device.type in ("cpu", "cuda"):
+            self.model = _to_channels_last(self.model)
+        self.ema = ModelEMA(self.model, fixed=freeze.parameter_names(model, frozen))
+        if self.resume_ckpt is not None and self.resume_ckpt.get("ema"):
+            self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
+            self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
+        if self.world.distributed:
+            if cfg.distributed.sync_bn and self.device.type == "cpu":
+                # torch's SyncBatchNorm (and DDP with it) runs on GPUs only; gloo CPU workers sync through ours
+                from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
+
+                self.model = convert_sync_batchnorm_cpu(self.model)  # collective: an all-reduce per BatchNorm
+            elif cfg.distributed.sync_bn:
+                self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)  # collective: torch's, per BatchNorm
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights; DDP
+            # all-reduces the gradients in the backward pass of every batch that ends with an update (_step)
+            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids, gradient_as_bucket_view=True)
+            if self.resume_ckpt is None or not self.resume_ckpt.get("ema"):
+                # DDP gave every rank rank 0's weights; the EMA was copied earlier from this rank's own
+                # (seed + rank) init, so ranks > 0 would validate a slightly different model
+                self.ema.ema.load_state_dict(unwrap(self.model).state_dict())
+            if self.resume_ckpt is not None:  # each rank's own BatchNorm statistics, as they were
+                resume_state.restore_rank_state(self.model, self.ema.ema, self.resume_ckpt, self.rank)
+        self.local_batch = self.plan.local_batch
+        self.train_loader = build_train_loader(
+            self.data, cfg, self.local_batch, self.rank, self.world.world_size, self.plan.planned_world
+        )
+        # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
+        # the number of ranks
+        self.val_loader = build_val_loader(self.val_data, cfg, cfg.train.batch, self.rank, self.world.world_size)
+        # collective: cache=ram is filled per node: the first step's collectives must not start the short training
+        # timeout on a node that is still filling
+        dist.barrier("training data ready on every node", cfg.distributed.prepare_timeout)
+        self.nb = len(self.train_loader)
+        # a run shorter than one planned update still steps (weight decay keeps the planned scaling)
+        self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.train.epochs)
+        # as planned, whatever the world now; per image as given for nbs images
+        weight_decay = cfg.train.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
+        self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
+            unwrap(self.model), cfg, self.nc, total_iters, weight_decay
+        )
+        first = self.optimizer.param_groups[0]
+        self.momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # SGD or Adam(W)
+        self.lf = optim.lr_lambda(cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
+        self.amp_dtype = None
+        if cfg.train.amp and self.device.type == "cuda":
+            self.amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        bare = self._bare()
+        # the normaliser's all-reduce is the training step's own (_step)
+        self.criterion = DetectionLoss(
+            nc=self.nc,
+            strides=bare.stride,
+            reg_max=bare.reg_max,
+            box=cfg.loss.box,
+            cls=cfg.loss.cls,
+            dfl=cfg.loss.dfl,
+            world_size=self.world.world_size,
+        )
+        self.start_epoch = 0
+        self.best_fitness: float | None = None
+        self.epochs_without_improvement = 0
+        self.last_update = -1  # global batch index of the last optimizer update
+        self.carried_grads: dict[str, torch.Tensor] | None = None  # a resumed run's waiting gradients
+        if self.resume_ckpt is not None:
+            self._restore(self.resume_ckpt)
+        if self.main:
+            plan, world_size = self.plan, self.world.world_size
+            console.print(
+                f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
+                f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
+                f"images; {world_size} worker(s) on {self.device.type}"
+            )
+            if plan.planned_world != world_size:
+                console.print(
+                    f"elastic: {world_size} of the {plan.planned_world} planned workers; each keeps its "
+                    f"batch of {plan.local_batch} and {plan.accumulate} steps of {plan.step_images} images "
+                    f"make an update (planned: {plan.update_images})"
+                )
+
+    def _restore(self, ckpt: dict[str, Any]) -> None:
+        optim.load_optimizer_state(self.optimizer, ckpt["optimizer"])  # keeps this run's kernel choice
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        if ckpt.get("scaler"):
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.start_epoch = int(ckpt["epoch"]) + 1
+        start_batch = self.mid.restore(ckpt, self.nb, self.plan.step_images)  # a mid.pt continues within its epoch
+        self.last_update = self.start_epoch * self.nb + start_batch - 1
+        if ckpt.get("batches_per_epoch") == self.nb and ckpt.get("accumulate") == self.accumulate_target:
+            # gradients still waiting for an update (accumulation.py); a different batch plan (another world
+            # size) starts its cadence afresh at this epoch instead
+            self.last_update = int(ckpt.get("last_update", self.last_update))
+            self.carried_grads = ckpt.get("pending_grads") or None
+        self.best_fitness = ckpt.get("best_fitness")
+        self.epochs_without_improvement = int(ckpt.get("epochs_without_improvement", 0))
+        rng = ckpt.get("rng_per_rank", {}).get(str(self.rank)) or ckpt.get("rng")
+        if rng:
+            set_rng_state(rng)
+        if self.start_epoch >= self.cfg.train.epochs and self.main:
+            console.print(
+                f"{self.cfg.train.resume}: training already finished {self.cfg.train.epochs} epochs; nothing to resume"
+            )
+
+    # ------------------------------------------------------------------ one epoch
+    def _train_epoch(self, epoch: int) -> EpochResult:
+        """Every batch of ``epoch`` (from a mid-epoch checkpoint's batch on, for the epoch it resumes), then the lr
+        schedule's step and the epoch's numbers from every rank."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        self._begin_epoch(epoch)
+        progress = EpochProgress(epoch, cfg.train.epochs, self.nb, LOSS_NAMES) if self.main else None
+        first, mean_items, n_images = self.mid.begin_epoch(self.train_loader)  # (0, zeros, 0) but after mid.pt
+        n_warmup = optim.warmup_iterations(cfg, self.nb)
+        step_times: list[float] = []
+        for i, batch in enumerate(self.monitor.timed(self.train_loader), first):
+            ts = time.perf_counter()
+            items, imgsz = self._train_batch(epoch, i, batch, n_warmup)
+            mean_items = (mean_items * i + items) / (i + 1)
+            n_images += int(batch["img"].shape[0])
+            if self.main and cfg.output.plots and epoch == self.start_epoch and i < 3:
+                plot_train_batch(batch, self.names, self.save_dir / f"train_batch{i}.jpg")
+            step_times.append(time.perf_counter() - ts)
+            if progress is not None:
+                progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
+            release_batch(batch)  # nothing reads this batch any more: its worker may fill the memory again
+            # collective (save_interval > 0): an all-reduce of rank 0's clock, then mid.pt when it is due
+            self.mid.after_batch(self, epoch, i, mean_items, n_images)
+        if progress is not None:
+            progress.close()
+        return self._end_epoch_training(epoch, mean_items, n_images, t0, step_times)
+
+    def _begin_epoch(self, epoch: int) -> None:
+        """The epoch's monitor, augmentation and sampler; mosaic closed when due; the model in training mode."""
+        cfg = self.cfg
+        self.monitor.begin_epoch()
+        self.train_loader.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
+        _set_sampler_epoch(self.train_loader, epoch)
+        if self.budget is not None:
+            time_budget.close_mosaic_when_due(self.train_loader.dataset, cfg, epoch, self.main)
+        elif cfg.train.close_mosaic and epoch == cfg.train.epochs - cfg.train.close_mosaic:
+            self._say(f"closing mosaic for the last {cfg.train.close_mosaic} epochs")
+        self.model.train()
+
+    def _train_batch(self, epoch: int, i: int, batch: dict[str, Any], n_warmup: int) -> tuple[torch.Tensor, int]:
+        """Batch ``i`` of ``epoch``: warmup's lr and momentum, forward, loss and backward, and an update once
+        ``accumulate`` batches have gathered since the last one; its loss items averaged over the ranks, its size."""
+        ni = i + self.nb * epoch
+        accumulate = self.accumulate_target
+        if ni <= n_warmup:
+            accumulate = optim.apply_warmup(
+                self.optimizer, self.cfg, ni, n_warmup, self.lf(epoch), self.lr0, self.momentum, self.accumulate_target
+            )
+        # updates are counted over the run, so gradients may wait across an epoch's end (accumulation.py)
+        will_step = ni - self.last_update >= accumulate
+        items, imgsz = self._step(batch, will_step)
+        if self.carried_grads is not None:  # a resumed run's waiting gradients join the first batch's
+            accumulation.add_saved(unwrap(self.model), self.carried_grads)
+            self.carried_grads = None
+        if will_step:
+            self._optimizer_step()
+            self.last_update = ni
+        return dist.reduce_mean(items.detach()), imgsz  # collective: the batch's loss items over the ranks, to log
+
+    def _step(self, batch: dict[str, Any], will_step: bool) -> tuple[torch.Tensor, int]:
+        """Forward, loss and backward of one batch; under DDP the gradients are all-reduced in the backward pass
+        only when ``will_step`` (the batches before an update keep theirs: ``no_sync``)."""
+        imgs = batch["img"].to(self.device, non_blocking=True)
+        imgs = imgs.contiguous(memory_format=torch.channels_last).float().div_(255)
+        if self.cfg.train.multi_scale:
+            imgs = self._multi_scale(imgs)
+        ddp = cast(nn.parallel.DistributedDataParallel, self.model)
+        sync_ctx = ddp.no_sync() if (self.world.distributed and not will_step) else contextlib.nullcontext()
+        with sync_ctx:
+            with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                head_maps = self.model(imgs)
+            targets = self.criterion.assign(
+                head_maps,
+                batch["batch_idx"].to(self.device),
+                batch["cls"].to(self.device),
+                batch["bboxes"].to(self.device),
+            )
+            # collective: the loss's normaliser, the target scores summed over every rank (each reaches it at every
+            # step, with or without boxes of its own)
+            summed_scores = dist.all_reduce_sum(targets.score_sum)
+            loss, items = self.criterion.score(targets, summed_scores, global_batch=self.plan.step_images)
+            self.scaler.scale(loss).backward()
+        return items, int(imgs.shape[-1])
+
+    def _multi_scale(self, imgs: torch.Tensor) -> torch.Tensor:
+        """A size from 0.5x to 1.5x imgsz, a multiple of 32, chosen on rank 0 and shared."""
+        base = self.cfg.inputs.imgsz
+        size = dist.broadcast_object(
+            random.randrange(int(base * 0.5), int(base * 1.5) + 32) // 32 * 32 if self.main else None
+        )  # collective: rank 0's size on every rank
+        factor = size / max(imgs.shape[2:])
+        if factor == 1:
+            return imgs
+        new = [math.ceil(x * factor / 32) * 32 for x in imgs.shape[2:]]
+        return nn.functional.interpolate(imgs, size=new, mode="bilinear", align_corners=False)
+
+    def _optimizer_step(self) -> None:
+        self.scaler.unscale_(self.optimizer)
+        if self.cfg.train.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.cfg.train.clip_grad)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.ema.update(self.model)
+
+    def _end_epoch_training(
+        self, epoch: int, mean_items: torch.Tensor, n_images: int, t0: float, step_times: list[float]
+    ) -> EpochResult:
+        """After the epoch's last batch: the lr schedule's step, the waiting gradients made the same on every rank,
+        the epoch's speed from every rank; ``on_train_epoch_end``."""
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        with warnings.catch_warnings():  # an epoch shorter than one update has not stepped the optimizer yet;
+            warnings.simplefilter("ignore", UserWarning)  # LambdaLR computes from the epoch, so nothing is lost
+            self.scheduler.step()
+        if self._gradients_wait(epoch) and self.world.distributed:
+            bare = unwrap(self.model)  # collective: the waiting gradients averaged over the ranks (one all-reduce)
+            accumulation.load_flat_gradients(bare, dist.reduce_mean(accumulation.flat_gradients(bare)))
+        epoch_time = time.perf_counter() - t0
+        speed = self._speed(epoch, n_images, epoch_time, step_times)
+        losses = {f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())}
+        lr_columns = {f"lr/pg{j}": lr for j, lr in enumerate(lrs)}
+        self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {**losses, **lr_columns})
+        return EpochResult(mean_items, losses, lr_columns, speed, epoch_time)
+
+    def _speed(self, epoch: int, n_images: int, epoch_time: float, step_times: list[float]) -> dict[str, float]:
+        """Images/s of the whole world, step times, the slowest rank and its data wait, each node's resources
+        (detrain.engine.telemetry.epoch_stats); stragglers go to events.jsonl."""
+        # collective: one all_gather_object of every rank's epoch numbers (a dict of a dozen numbers)
+        stats = number_nodes(dist.all_gather_object(self.monitor.sample(n_images, epoch_time, step_times)))
+        self.trace.epoch(epoch, stats)
+        return epoch_stats.columns(stats)
+
+    # ------------------------------------------------------------------ the end of an epoch
+    def _validate_epoch(self, epoch: int) -> None:
+        """Score the EMA weights after ``epoch`` when ``val`` is on, and after the last epoch in any case."""
+        if self.cfg.train.val or epoch + 1 == self.cfg.train.epochs:
+            self.metrics = self._validate(epoch)
+
+    def _validate(self, epoch: int) -> dict[str, Any]:
+        ema = self.ema.ema
+        if self.world.distributed:  # BatchNorm running stats differ per rank unless sync_bn: validate one model
+            for buf in ema.buffers():
+                if buf.dtype.is_floating_point:
+                    buf.copy_(dist.reduce_mean(buf))  # collective: every rank's statistics, averaged
+        # collective: each rank scores its share of the images; rank 0 gathers them and shares the metrics
+        return validate(
+            ema, self.val_loader, self.val_data, self.cfg, self.device, save_dir=None, plots=False, verbose=False
+        )
+
+    def _agree(self, trained: EpochResult) -> tuple[bool, bool]:
+        """(improved, stop): whether this epoch's fitness (mAP, or the negative loss without validation) is the best
+        so far, and whether patience has run out, which rank 0 decides for every rank."""
+        loss_fitness = -float(trained.mean_items.sum())
+        fitness = float(self.metrics.get("fitness", loss_fitness)) if self.metrics else loss_fitness
+        improved = self.best_fitness is None or fitness > self.best_fitness
+        if improved:
+            self.best_fitness = fitness
+            self.epochs_without_improvement = 0
+        else:
+            self.epochs_without_improvement += 1
+        patience = self.cfg.train.patience
+        stop = bool(dist.agree(patience > 0 and self.epochs_without_improvement >= patience))  # collective: rank 0's
+        return improved, stop
+
+    def _fit_to_time(self, epoch: int) -> None:
+        """time=: re-plan the run for the epochs that fit (rank 0's estimate, on every rank): the cfg, the lr
+        schedule (ending at lr0 * lrf after the new last epoch) and, through the cfg, warmup and close_mosaic. With
+        val=false the epoch that has become the last is scored."""
+        if self.budget is None:
+            return
+        epochs = self.budget.epochs_that_fit(epoch + 1)
+        if epochs != self.cfg.train.epochs:
+            self.cfg = time_budget.replanned(self.cfg, epochs)
+            self.lf = optim.lr_lambda(self.cfg)
+            self.scheduler = time_budget.rescheduled(self.optimizer, self.lf, epoch + 1)
+            self._say(f"time={self.cfg.train.time:g} h: {epochs} epochs fit ({self.budget.spent_s / 3600:.3g} h used)")
+        if (
+            epoch + 1 == self.cfg.train.epochs and not self.metrics
+        ):  # val=false still scores the last epoch as now planned
+            self.metrics = self._validate(epoch)
+
+    def _save_and_log(self, epoch: int, trained: EpochResult, improved: bool) -> None:
+        """The epoch's row in results.csv and TensorBoard, last.pt (best.pt when it improved), the epoch's line and
+        the callbacks after it (rank 0; every rank first gives what differs between ranks for last.pt)."""
+        cfg = self.cfg
+        row = {"epoch": epoch + 1, **trained.losses, **_metric_columns(self.metrics), **trained.lrs, **trained.speed}
+        if cfg.output.save:  # collective: what differs between ranks goes in last.pt too (an all_gather_object)
+            self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema)
+        if not self.main:
+            return
+        self.csv.add(row)
+        scalars = {k: float(v) for k, v in row.items() if k != "epoch"}
+        self.tb.log(scalars, epoch + 1)
+        self._save(epoch, self.metrics, improved)
+        self.mid.epoch_done()
+        if cfg.output.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
+            self.callbacks.fire("on_model_save", self, epoch + 1, scalars, improved)
+        shown = "  ".join(
+            f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items() if k.startswith(("train/", "metrics/"))
+        )
+        speed = trained.speed
+        console.print(
+            f"epoch {epoch + 1}/{cfg.train.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
+            f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
+            f"rank, {trained.seconds:.1f} s"
+        )
+        self.callbacks.fire("on_fit_epoch_end", self, epoch + 1, scalars, improved)
+
+    # ------------------------------------------------------------------ after the last epoch
+    def _finish(self) -> dict[str, Any]:
+        """Close the logs; rank 0 plots the run, says how it went and fires ``on_train_end``; every rank returns
+        rank 0's result."""
+        self.tb.close()
+        self.monitor.close()
+        metrics, start = self.metrics, self.start_scores
+        result = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list, np.ndarray))}
+        if start:
+            result["start_map50"], result["start_map"] = start["map50"], start["map"]
+        if self.main:
+            if self.cfg.output.plots:
+                plot_results(self.save_dir)
+            if start and metrics:
+                console.print(
+                    f"mAP50-95 {metrics['map']:.4f} after epoch {self.cfg.train.epochs} (started at "
+                    f"{start['map']:.4f}); mAP50 {metrics['map50']:.4f} (started at {start['map50']:.4f})"
+                )
+            console.print(f"done: {self.save_dir}")
+            self.callbacks.fire("on_train_end", self, None, result)
+        result["save_dir"] = str(self.save_dir)
+        return dist.broadcast_object(result)  # collective: rank 0's result on every rank
+
+    def _say(self, text: str) -> None:
+        """One line on the console, from rank 0."""
+        if self.main:
+            console.print(text)
+
+    def _bare(self) -> DetectionModel:
+        """The model itself, without DDP's wrapper."""
+        return cast("DetectionModel", unwrap(self.model))
+
+    def _gradients_wait(self, epoch: int) -> bool:
+        """Whether batches of ``epoch`` (at its end) hold gradients for an update still to come."""
+        return accumulation.pending_batches(self.nb * (epoch + 1) - 1, self.last_update) > 0
+
+    def checkpoint_state(self, epoch: int, metrics: dict[str, Any], pending: bool) -> dict[str, Any]:
+        """Everything a resumed run needs, after epoch ``epoch`` (0-based); ``pending``: gradients wait for an
+        update (averaged over the ranks already) and are saved too."""
+        bare = self._bare()
+        meta = model_meta(bare, self.cfg.inputs.imgsz)
+        return {
+            "model": {**meta, "state_dict": _cpu_state(bare)},
+            "ema": {"state_dict": _cpu_state(self.ema.ema), "updates": self.ema.updates},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            "epoch": epoch,
+            "best_fitness": self.best_fitness,
+            "epochs_without_improvement": self.epochs_without_improvement,
+            "last_update": self.last_update,
+            "batches_per_epoch": self.nb,
+            "accumulate": self.accumulate_target,
+            "pending_grads": accumulation.saved(bare) if pending else None,
+            "train_args": self.cfg.to_dict(),
+            "train_time_s": self.budget.spent_s if self.budget is not None else None,  # time=: what resume has left
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+            "rng": rng_state(),
+            **self.per_rank,  # rng_per_rank, buffers_per_rank
+            **self.launch.stamp(),  # which launch wrote it: a restart of this launch resumes from it
+        }
+
+    def _save(self, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
+        if not self.cfg.output.save:
+            return
+        state = self.checkpoint_state(epoch, metrics, self._gradients_wait(epoch))
+        save_checkpoint(state, self.wdir / "last.pt")
+        light = {
+            k: v
+            for k, v in state.items()
+            if k not in ("optimizer", "scheduler", "scaler", "rng", "rng_per_rank", "buffers_per_rank", "pending_grads")
+        }
+        if improved:
+            save_checkpoint(light, self.wdir / "best.pt")
+        if self.cfg.output.save_period > 0 and (epoch + 1) % self.cfg.output.save_period == 0:
+            save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
+
+
+def _to_channels_last(model: nn.Module) -> nn.Module:
+    """Channels-last weights, except 1x1 kernels kept in their plain layout (equally valid for them), which
+    is the layout autograd gives their gradients: DDP's buckets then need no strided copies."""
+    model = model.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 4 and p.shape[2:] == (1, 1):
+                p.data = p.data.reshape(p.shape[0], -1).clone().view(p.shape)  # strides (C, 1, 1, 1)
+    return model
+
+
+def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _metric_columns(metrics: dict[str, Any]) -> dict[str, float]:
+    names = {
+        "precision": "metrics/precision",
+        "recall": "metrics/recall",
+        "map50": "metrics/mAP50",
+        "map75": "metrics/mAP75",
+        "map": "metrics/mAP50-95",
+    }
+    return {col: float(metrics[k]) for k, col in names.items() if k in metrics}
+
+
+def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
+    for sampler in (getattr(loader, "batch_sampler", None), getattr(loader, "sampler", None)):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+def train_worker(args: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process): ``args``
+    holds the Cfg the command checked (``cfg``, pickled to spawned workers, not checked again here), the launching
+    process's :class:`detrain.run.plan.RunPlan` (``plan``) and the callbacks (``callbacks``, rank 0's)."""
+    cfg: Cfg = args["cfg"]
+    world = World.from_env()  # this worker's place, read once
+    dist.setup(world, timeout_s=cfg.distributed.dist_timeout)
+    try:
+        # after any restart, every node finds this launch's checkpoints in its run folder (resume_state.py)
+        return Trainer(cfg, world, args["plan"], args.get("callbacks")).train()
+    finally:
+        dist.cleanup()

@@ -1,0 +1,172 @@
+"""Checkpoints: atomic save, safe load, and the model they hold.
+
+A detrain checkpoint is a plain dict of tensors, numbers, strings and containers, so it loads with
+``torch.load(weights_only=True)``: nothing in it can run code. Ultralytics YOLOv8 files are read by the
+restricted unpickler in :mod:`detrain.weights.ultralytics` and converted on the fly.
+
+>>> from detrain.nn.model import DetectionModel
+>>> net = DetectionModel(nc=2, names={0: "cat", 1: "dog"})
+>>> path = save_checkpoint({"model": {**model_meta(net, 64), "state_dict": net.state_dict()}, "ema": None}, "best.pt")
+>>> model = model_from_checkpoint(load_checkpoint(path)); model.scale, model.names
+('n', {0: 'cat', 1: 'dog'})
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from detrain import __version__
+from detrain.errors import CheckpointError
+from detrain.system.tempfiles import temp_beside
+
+if TYPE_CHECKING:
+    from detrain.nn.model import DetectionModel
+
+FORMAT = "detrain-checkpoint"
+
+
+def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, fsync, then rename.
+
+    A crash or a full disk never leaves a half-written ``last.pt``: either the old file or the new one exists.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "format": FORMAT,
+        "version": __version__,
+        "date": _dt.datetime.now().isoformat(timespec="seconds"),
+        **state,
+    }
+    fd, tmp = temp_beside(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a detrain checkpoint, or convert an Ultralytics YOLOv8 one, without running anything in it.
+
+    Every file is first read by the restricted reader (:mod:`detrain.weights.safe_pickle`), which checks
+    the zip, the pickle and every size it declares and refuses anything a checkpoint does not need, so no
+    file reaches torch's own loader unvetted. An Ultralytics file is converted from what that reader built;
+    a detrain file is then loaded by ``torch.load(weights_only=True)``, exactly as it always was.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"weights file not found: {path}")
+    from detrain.weights import ultralytics as ul
+
+    vetted = ul.read_torch_zip(path)  # CheckpointError for anything refused; nothing in the file runs
+    if _is_detrain(vetted):
+        del vetted  # torch.load builds the real thing; the two need not live side by side
+        try:
+            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch says why (unsafe global, truncated zip) on its last line
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
+        if _is_detrain(ckpt):
+            _check_detrain(ckpt, path)
+            return ckpt
+    elif ul.is_ultralytics_record(vetted):  # pickled Ultralytics classes, as inert records
+        return from_ultralytics(ul.ultralytics_info(vetted, path))
+    raise CheckpointError(
+        f"{path} is not a detrain checkpoint (nor a YOLOv8 one); make one with 'detrain train' or 'detrain convert'"
+    )
+
+
+def _is_detrain(ckpt: Any) -> bool:
+    return isinstance(ckpt, dict) and isinstance(ckpt.get("format"), str) and ckpt["format"] == FORMAT
+
+
+def _check_weights(entry: Any, where: str, path: Path) -> None:
+    state = entry.get("state_dict") if isinstance(entry, dict) else None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise CheckpointError(f"{path} says it is a detrain checkpoint but its {where} has no state_dict of tensors")
+
+
+def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
+    """The entries every user of a checkpoint reads (the model's weights and description) have their types."""
+    _check_weights(ckpt.get("model"), "'model'", path)
+    meta = ckpt["model"]
+    nc, imgsz, yaml = meta.get("nc"), meta.get("imgsz"), meta.get("yaml")
+    if not (
+        isinstance(meta.get("scale"), str)
+        and type(nc) is int
+        and nc > 0
+        and isinstance(meta.get("names"), dict)
+        and (imgsz is None or type(imgsz) is int)
+        and (yaml is None or isinstance(yaml, (str, dict)))
+    ):
+        raise CheckpointError(
+            f"{path} says it is a detrain checkpoint but its model description (scale, nc, names, "
+            "imgsz, yaml) has the wrong types"
+        )
+    if ckpt.get("ema") is not None:
+        _check_weights(ckpt["ema"], "'ema'", path)
+
+
+def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
+    """Turn :func:`detrain.weights.ultralytics.load_ultralytics_checkpoint`'s dict into a detrain checkpoint."""
+    names = {int(k): str(v) for k, v in info["names"].items()}
+    return {
+        "format": FORMAT,
+        "version": __version__,
+        "model": {
+            "yaml": None,  # the packaged YOLOv8 architecture: identical layer layout
+            "scale": info["scale"],
+            "nc": int(info["nc"]),
+            "names": names,
+            "imgsz": int(info.get("imgsz") or 640),
+            "state_dict": info["state_dict"],
+        },
+        "ema": None,
+        "epoch": -1,
+        "source": "yolov8",
+    }
+
+
+def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True) -> DetectionModel:
+    """Build the DetectionModel a checkpoint describes and load its weights (the EMA ones when present)."""
+    from detrain.nn.model import DetectionModel
+
+    meta = ckpt["model"]
+    model = DetectionModel(
+        cfg=meta.get("yaml") or "yolov8.yaml", scale=meta["scale"], nc=meta["nc"], names=meta["names"]
+    )
+    ema = ckpt.get("ema")
+    state = ema["state_dict"] if (use_ema and ema) else meta["state_dict"]
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
+    )
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint does not fit the {meta['scale']} model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    model.imgsz = int(meta.get("imgsz") or 640)
+    return model
+
+
+def model_meta(model: DetectionModel, imgsz: int) -> dict[str, Any]:
+    """What a checkpoint records about a model besides its weights."""
+    return {
+        "yaml": getattr(model, "yaml", None),
+        "scale": model.scale,
+        "nc": model.nc,
+        "names": dict(model.names),
+        "imgsz": int(imgsz),
+    }
