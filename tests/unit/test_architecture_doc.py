@@ -1,0 +1,63 @@
+"""docs/architecture.md stays the map of the package: every module is named in its Layout block with one line, every
+name there is a module, and every package folder says in its ``__init__`` docstring what it holds."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "detrain"
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def layout_entries(text: str) -> dict[str, str]:
+    """The Layout section's code block -> {path inside detrain/: its one line}. Folders end with ``/``; a line's
+    indentation (two spaces a level) places it under the folder above it."""
+    section = text.split("\n## Layout", 1)[1]
+    block = section.split("```", 2)[1]
+    entries: dict[str, str] = {}
+    folders: list[str] = []
+    for line in block.splitlines():
+        match = re.match(r"^( *)(\S+)(?: +(.*))?$", line)
+        if not match or match.group(2) == "detrain/":
+            continue
+        depth = len(match.group(1)) // 2 - 1
+        name = match.group(2)
+        del folders[depth:]
+        path = "".join(folders) + name
+        if name.endswith("/"):
+            folders.append(name)
+        entries[path] = (match.group(3) or "").strip()
+    return entries
+
+
+def modules() -> set[str]:
+    return {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")}
+
+
+def test_every_module_is_named_once_with_a_line_and_every_name_is_a_module() -> None:
+    entries = layout_entries(DOC.read_text())
+    named = {path for path in entries if path.endswith(".py")}
+    package_inits = {m for m in modules() if m.endswith("__init__.py") and m != "__init__.py"}
+    assert sorted(modules() - package_inits - named) == [], "modules missing from docs/architecture.md's Layout"
+    assert sorted(named - modules()) == [], "names in docs/architecture.md's Layout that are no module"
+    assert [p for p in named if not entries[p]] == [], "a module named without its one line"
+    folders = {str(p.parent.relative_to(PACKAGE)) + "/" for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE}
+    assert sorted(folders - set(entries)) == [], "package folders missing from the Layout"
+
+
+def test_layout_parser_places_names_under_their_folders() -> None:
+    text = "x\n## Layout\n```\ndetrain/\n  a.py   one\n  b/     folder\n    c.py two\n  d.py   three\n```\n"
+    assert layout_entries(text) == {"a.py": "one", "b/": "folder", "b/c.py": "two", "d.py": "three"}
+
+
+@pytest.mark.parametrize("init", sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("__init__.py")))
+def test_every_package_folder_says_what_it_holds(init: str) -> None:
+    doc = ast.get_docstring(ast.parse((PACKAGE / init).read_text()))
+    assert doc and len(doc.split()) >= 8, f"detrain/{init} needs a docstring saying what the folder holds"
