@@ -37,28 +37,13 @@ from detrain.distributed.master_store import host_store
 from detrain.distributed.world import DEVICE_ENV, LAUNCHER_ENV, World
 from detrain.errors import DistributedError
 
-__all__ = ["DeviceKind", "DevicePlan", "check_batch", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
+__all__ = ["DeviceKind", "DevicePlan", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
 
 T = TypeVar("T")
 
 _HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 _CONSEQUENCE_GRACE_S = 3.0
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
-
-
-def check_batch(batch: int, world: int) -> int:
-    """Check that the global ``batch`` splits evenly over ``world`` ranks; return the per-rank batch.
-
-    Example:
-        >>> check_batch(16, 2)
-        8
-    """
-    if world < 1 or batch < world or batch % world:
-        up = max(world, -(-batch // world) * world)
-        raise DistributedError(
-            f"batch={batch} does not split evenly over {world} workers; use a multiple of {world}, e.g. {up}"
-        )
-    return batch // world
 
 
 def in_launcher_env() -> bool:

@@ -23,7 +23,6 @@ import torch
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.launch import (
     DevicePlan,
-    check_batch,
     in_launcher_env,
     launch,
     parse_device,
@@ -122,12 +121,7 @@ def test_device_for_each_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
         DevicePlan("cuda", (0,), 1).device_for(1, 2)  # torchrun started 2 processes but device=0
 
 
-def test_check_batch_and_nnodes() -> None:
-    assert check_batch(16, 2) == 8
-    with pytest.raises(DistributedError, match=r"multiple of 4, e\.g\. 12"):
-        check_batch(10, 4)
-    with pytest.raises(DistributedError):
-        check_batch(1, 2)
+def test_parse_nnodes() -> None:
     assert parse_nnodes("2") == (2, 2)
     assert parse_nnodes(3) == (3, 3)
     assert parse_nnodes("1:4") == (1, 4)
