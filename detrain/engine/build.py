@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from detrain.distributed.devices import cpu_threads_per_worker
 from detrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -112,13 +112,7 @@ def architecture(model: str) -> tuple[str, str]:
 
 def set_cpu_threads(device: torch.device, workers_on_node: int) -> None:
     """On the CPU, unless the user set OMP_NUM_THREADS: this worker's share of the cores
-    (:func:`cpu_threads_per_worker`)."""
-    if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(cpu_threads_per_worker(workers_on_node))
-
-
-def cpu_threads_per_worker(world_size_on_node: int) -> int:
-    """Leave one core's worth per worker process; OMP_NUM_THREADS set by the user wins."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // max(1, world_size_on_node))
+    (:func:`detrain.distributed.devices.cpu_threads_per_worker`)."""
+    threads = cpu_threads_per_worker(workers_on_node)
+    if device.type == "cpu" and threads is not None:
+        torch.set_num_threads(threads)
