@@ -1,4 +1,5 @@
-"""Turning arguments into objects: the run folder, the model, and the CPU threads of a worker."""
+"""Turning arguments into objects: the run folder (rank 0's, on every rank), the model, and the CPU threads of a
+worker."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from detrain.config.keys import Output
+from detrain.distributed import dist
 from detrain.distributed.devices import cpu_threads_per_worker
 from detrain.errors import ConfigError
 
@@ -25,6 +28,14 @@ def increment_run_dir(project: str, name: str, task: str, exist_ok: bool) -> Pat
     while (root / f"{base}{n}").exists():
         n += 1
     return root / f"{base}{n}"
+
+
+def agree_run_dir(output: Output, task: str, given: str | Path | None, is_main: bool) -> Path:
+    """The run folder of every rank: ``given`` (the folder the launching process picked), else a new one
+    (:func:`increment_run_dir` of the ``output`` keys), decided by rank 0 and sent to every rank: other nodes may
+    not know the folder the launching node picked, and look at another disk. A collective: call it on every rank."""
+    picked = str(given or increment_run_dir(output.project, output.name, task, output.exist_ok)) if is_main else None
+    return Path(dist.broadcast_object(picked))
 
 
 def is_weights(model: str) -> bool:
