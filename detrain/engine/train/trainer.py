@@ -402,8 +402,8 @@ class Trainer:
             warnings.simplefilter("ignore", UserWarning)  # LambdaLR computes from the epoch, so nothing is lost
             self.scheduler.step()
         if self._gradients_wait(epoch) and self.world.distributed:
-            bare = unwrap(self.model)  # collective: the waiting gradients averaged over the ranks (one all-reduce)
-            accumulation.load_flat_gradients(bare, dist.reduce_mean(accumulation.flat_gradients(bare)))
+            # collective: the waiting gradients averaged over the ranks (one all-reduce)
+            accumulation.average_over_ranks(unwrap(self.model))
         epoch_time = time.perf_counter() - t0
         speed = self._speed(epoch, n_images, epoch_time, step_times)
         losses = {f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())}
