@@ -95,11 +95,12 @@ def images_per_second(loader: Any, warmup: int, batches: int, done: Callable[[An
 
 
 def detrain_loader(files: list[str], names: dict[int, str], imgsz: int, batch: int) -> Callable[[int], Any]:
+    from detrain.config.keys import Augment
     from detrain.data.dataset import DetectionDataset
     from detrain.data.loader import build_dataloader
 
     dataset = DetectionDataset(
-        records_for(files, len(names)), imgsz=imgsz, augment=True, hyp={"mosaic": 1.0}, batch_size=batch
+        records_for(files, len(names)), imgsz=imgsz, augment=True, hyp=Augment(mosaic=1.0), batch_size=batch
     )
     return lambda workers: build_dataloader(dataset, batch, shuffle=True, workers=workers)
 

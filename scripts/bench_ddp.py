@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
 from detrain.distributed import dist
-from detrain.distributed.launch import check_batch, launch, parse_device
+from detrain.distributed.launch import launch, parse_device
+from detrain.engine.train.batch_plan import check_split
 
 
 def bench_worker(args: dict[str, Any]) -> dict[str, float]:
@@ -39,7 +40,7 @@ def bench_worker(args: dict[str, Any]) -> dict[str, float]:
     torch.set_num_threads(args["threads"])
     dist.setup(timeout_s=120.0)
     world, rank = dist.world_size(), dist.rank()
-    local_batch = check_batch(args["batch"], world)
+    local_batch = check_split(args["batch"], world)
 
     torch.manual_seed(0)  # same initial weights on every rank (DDP would broadcast rank 0's anyway)
     model = DetectionModel(scale=args["scale"], nc=args["nc"]).train()

@@ -331,9 +331,9 @@ def detrain_threads(threads: int) -> int:
     """The torch threads detrain's trainer uses for one CPU worker."""
     if threads > 0:
         return threads
-    from detrain.engine.build import cpu_threads_per_worker
+    from detrain.distributed.devices import cpu_threads_per_worker
 
-    return cpu_threads_per_worker(1)
+    return cpu_threads_per_worker(1) or int(os.environ["OMP_NUM_THREADS"])
 
 
 def train_run(impl: str, data: Dataset, args: argparse.Namespace, seed: int, work: Path) -> Run:

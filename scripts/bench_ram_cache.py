@@ -140,13 +140,13 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from detrain.distributed import dist
-    from detrain.distributed.launch import check_batch
+    from detrain.engine.train.batch_plan import check_split
     from detrain.nn.loss import DetectionLoss
     from detrain.nn.model import DetectionModel
 
     dist.setup(timeout_s=1800.0)
     world, rank = dist.world_size(), dist.rank()
-    local_batch = check_batch(args["batch"], world)
+    local_batch = check_split(args["batch"], world)
     t0 = time.perf_counter()
     loader = (_ultralytics_loader if args["impl"] == "ultralytics" else _detrain_loader)(args, local_batch, rank, world)
     dist.barrier("loaders built")

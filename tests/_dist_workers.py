@@ -144,7 +144,7 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
 
     from detrain.config.cfg import make_cfg
     from detrain.data.prepare import build_train_loader, load_split
-    from detrain.distributed.launch import check_batch
+    from detrain.engine.train.batch_plan import check_split
 
     dist.setup(timeout_s=60.0)
     cfg = make_cfg(
@@ -160,7 +160,7 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
     )
     data = load_split(args["data"], "train", cfg, verbose=False)
     loader = build_train_loader(
-        data, cfg, check_batch(cfg.train.batch, dist.world_size()), dist.rank(), dist.world_size()
+        data, cfg, check_split(cfg.train.batch, dist.world_size()), dist.rank(), dist.world_size()
     )
     cache = loader.dataset._ram
     it = iter(loader)

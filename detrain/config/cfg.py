@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from detrain.config.keys import (
+    COMMAND_KEYS,
+    LAUNCH_KEYS,
     SECTION_OF,
     SECTIONS,
     SPECS,
@@ -41,6 +43,7 @@ __all__ = [
     "CHOICES",
     "COMMAND_KEYS",
     "INT_LIMIT",
+    "LAUNCH_KEYS",
     "Augment",
     "Cfg",
     "Distributed",
@@ -60,76 +63,6 @@ __all__ = [
 ]
 
 CHOICES: dict[str, tuple[Any, ...]] = {name: spec.choices for name, spec in SPECS.items() if spec.choices}
-
-# The keys each command reads; the others belong to another command, and naming one is an error.
-LAUNCH_KEYS = (  # where and how the workers run: a node's own, kept over a resumed checkpoint's
-    "device",
-    "workers",
-    "nnodes",
-    "node_rank",
-    "master_addr",
-    "master_port",
-    "rdzv_backend",
-    "max_restarts",
-    "dist_timeout",
-    "prepare_timeout",
-    "run_id",
-    "socket_ifname",
-)
-_OUTPUT_KEYS = ("project", "name", "exist_ok")
-_ONLY: dict[str, tuple[str, ...]] = {
-    "val": ("split", "predictions"),
-    "predict": ("source", "save_txt", "save_conf", "line_width", "half"),
-    "export": ("format", "opset", "dynamic"),
-}
-COMMAND_KEYS: dict[str, tuple[str, ...]] = {
-    "val": (
-        "model",
-        "weights_sha256",
-        "data",
-        "imgsz",
-        "batch",
-        *LAUNCH_KEYS,
-        "split",
-        "conf",
-        "iou",
-        "max_det",
-        "single_cls",
-        "classes",
-        "agnostic_nms",
-        "save_json",
-        "predictions",
-        "plots",
-        *_OUTPUT_KEYS,
-        "verbose",
-        "download_max_gb",
-        "download_max_unpacked_gb",
-        "download_max_files",
-    ),
-    "predict": (
-        "model",
-        "weights_sha256",
-        "source",
-        "imgsz",
-        "batch",
-        "device",
-        "half",
-        "conf",
-        "iou",
-        "max_det",
-        "classes",
-        "agnostic_nms",
-        "save",
-        "save_txt",
-        "save_conf",
-        "line_width",
-        *_OUTPUT_KEYS,
-        "verbose",
-    ),
-    "export": ("model", "weights_sha256", "format", "imgsz", "opset", "dynamic", *_OUTPUT_KEYS),
-    "info": ("model", "weights_sha256", "imgsz", "verbose"),
-}
-COMMAND_KEYS["train"] = tuple(name for name in SECTION_OF if not any(name in keys for keys in _ONLY.values()))
 
 
 def _shown(text: str) -> str:

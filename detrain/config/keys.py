@@ -1,13 +1,16 @@
 """Every argument of every command, in sections, each with its type, default, valid values and one-line help.
 
 This file is the one source: ``make_cfg`` (``detrain.config.cfg``) checks values against it, ``detrain <command>
---help`` prints its help lines, and ``cfg/default.yaml`` is generated from it (``python -m detrain.config``;
+--help`` prints the help lines of the keys the command takes (each key says which, :data:`COMMAND_KEYS`), and
+``cfg/default.yaml`` is generated from it (``python -m detrain.config``;
 a unit test fails when the shipped file differs). Keys stay flat where users give them (``epochs=10``,
 ``Model.train(epochs=10)``, args.yaml, a checkpoint's train_args); code reads them by section:
 ``cfg.train.epochs``. No key is named like a section.
 
 >>> SECTION_OF["epochs"], SPECS["lrf"].low, SPECS["lrf"].high, SPECS["optimizer"].choices
 ('train', 0.0, 1.0, ('auto', 'SGD', 'AdamW', 'Adam'))
+>>> SPECS["epochs"].commands, SPECS["imgsz"].commands, COMMAND_KEYS["info"]
+(('train',), ('val', 'predict', 'export', 'info', 'train'), ('model', 'weights_sha256', 'imgsz', 'verbose'))
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from detrain.config.values import (
 )
 
 Device = str | int | list
+# Every command that takes keys, in the order an error names those that take a key ("it is for val and train").
+COMMANDS = ("val", "predict", "export", "info", "train")
 WEEK_S = 7 * 24 * 3600  # the longest timeout: a typo beyond it would overflow the timers instead of waiting
 YEAR_H = 365 * 24  # the longest time= budget in hours: beyond it a value is a typo (time is hours, not seconds)
 
@@ -43,7 +48,9 @@ class Spec:
     ``low``/``high``: inclusive bounds of a number (None: unbounded on that side; integers stop at INT_LIMIT).
     ``pattern``: (regular expression, what it allows) for a non-empty string. ``non_empty``: what to give when
     '' would only fail later. ``parse`` reads the value instead of the field's type (id lists, nbs, cache);
-    ``check`` runs after the bounds and returns the value normalised."""
+    ``check`` runs after the bounds and returns the value normalised. ``commands``: the commands that take the key
+    (their ``--help`` lists it; naming it for another command is an error). ``launch``: the key says where and how
+    the workers run, each node's own value, kept over a resumed checkpoint's arguments."""
 
     help: str
     choices: tuple[Any, ...] = ()
@@ -53,6 +60,8 @@ class Spec:
     non_empty: str = ""
     parse: Callable[[str, Any], Any] | None = None
     check: Callable[[str, Any], Any] | None = None
+    commands: tuple[str, ...] = ("train",)
+    launch: bool = False
 
 
 def key(
@@ -66,9 +75,15 @@ def key(
     non_empty: str = "",
     parse: Callable[[str, Any], Any] | None = None,
     check: Callable[[str, Any], Any] | None = None,
+    commands: tuple[str, ...] | None = None,
+    launch: bool = False,
 ) -> Any:
-    """A field of a section: its default, and its :class:`Spec` (help, choices, bounds, checks) beside it."""
-    spec = Spec(help_text, choices, low, high, pattern, non_empty, parse, check)
+    """A field of a section: its default, and its :class:`Spec` (help, choices, bounds, checks, the commands that
+    take it) beside it. ``commands`` defaults to train's alone, or to the commands that launch workers (train and
+    val) for a ``launch`` key."""
+    if commands is None:
+        commands = ("train", "val") if launch else ("train",)
+    spec = Spec(help_text, choices, low, high, pattern, non_empty, parse, check, commands, launch)
     return field(default=default, metadata={"spec": spec})
 
 
@@ -80,11 +95,13 @@ class Inputs:
         "n.yaml",
         "architecture yaml (n/s/m/l/x.yaml, yolov8s.yaml, or a path to a yaml that says scale:), or weights (.pt)",
         non_empty="an architecture yaml (n.yaml ... x.yaml, a path) or weights (.pt)",
+        commands=COMMANDS,
     )
     weights_sha256: str = key(
         "",
         "sha256 the model= weights must have ('' = unchecked); lets a name with no recorded hash download",
         check=sha256_or_empty,
+        commands=COMMANDS,
     )
     pretrained: bool | str = key(
         True,
@@ -97,19 +114,31 @@ class Inputs:
         "shapes.yaml",
         "dataset yaml; shapes.yaml is the built-in synthetic set (generated locally, no network)",
         non_empty="a dataset yaml (a path, or a bundled name such as coco8.yaml)",
+        commands=("train", "val"),
     )
     download_max_gb: float = key(
-        50.0, "largest archive a dataset yaml's download: may fetch, in GB (bigger ones are refused)", low=0.0
+        50.0,
+        "largest archive a dataset yaml's download: may fetch, in GB (bigger ones are refused)",
+        low=0.0,
+        commands=("train", "val"),
     )
     download_max_unpacked_gb: float = key(
-        200.0, "largest total size one dataset archive may unpack to, in GB (refuses zip bombs)", low=0.0
+        200.0,
+        "largest total size one dataset archive may unpack to, in GB (refuses zip bombs)",
+        low=0.0,
+        commands=("train", "val"),
     )
-    download_max_files: int = key(2000000, "most files and folders one dataset archive may hold", low=1)
-    imgsz: int = key(640, "input size in pixels (multiple of 32)", low=32, high=8192, check=multiple_of_32)
+    download_max_files: int = key(
+        2000000, "most files and folders one dataset archive may hold", low=1, commands=("train", "val")
+    )
+    imgsz: int = key(
+        640, "input size in pixels (multiple of 32)", low=32, high=8192, check=multiple_of_32, commands=COMMANDS
+    )
     fraction: float = key(1.0, "fraction of the training images to use (for quick experiments)", low=0.0, high=1.0)
     single_cls: bool = key(
         False,
         "train and val: every object is one class, 'item' (the model gets 1 class; val collapses predictions to it)",
+        commands=("train", "val"),
     )
     classes: list | None = key(
         None,
@@ -117,6 +146,7 @@ class Inputs:
         "keep only their labels and score only them; predict keeps only their "
         "detections",
         parse=class_ids,
+        commands=("train", "val", "predict"),
     )
     cache: bool | str = key(
         False,
@@ -143,6 +173,7 @@ class Train:
         "global batch per step over all workers (must divide by them; with nnodes=MIN:MAX, by all "
         "MAX nodes' workers); predict: pictures per forward pass",
         low=1,
+        commands=("train", "val", "predict"),
     )
     patience: int = key(100, "stop after this many epochs without a better fitness (0 = never stop early)", low=0)
     resume: bool | str = key(False, "true (resume the last run of project/name) or a path to weights/last.pt")
@@ -225,20 +256,31 @@ class Augment:
 class Distributed:
     """Where the workers run: devices, nodes, the rendezvous and its timeouts."""
 
-    device: Device = key("", "'' (first GPU, else cpu), cpu, cpu,cpu (2 gloo workers), 0, 0,1 (one worker per GPU)")
-    workers: int = key(4, "dataloader worker processes per rank", low=0, high=64)
-    nnodes: str = key("1", "number of nodes, or MIN:MAX for elastic membership (as torchrun)", check=node_count)
-    node_rank: int = key(0, "rank of this node among nnodes", low=0)
+    device: Device = key(
+        "",
+        "'' (first GPU, else cpu), cpu, cpu,cpu (2 gloo workers), 0, 0,1 (one worker per GPU)",
+        commands=("train", "val", "predict"),
+        launch=True,
+    )
+    workers: int = key(4, "dataloader worker processes per rank", low=0, high=64, launch=True)
+    nnodes: str = key(
+        "1", "number of nodes, or MIN:MAX for elastic membership (as torchrun)", check=node_count, launch=True
+    )
+    node_rank: int = key(0, "rank of this node among nnodes", low=0, launch=True)
     master_addr: str = key(
         "127.0.0.1",
         "address of the node with node_rank 0",
         non_empty="the host name or address of the node with node_rank 0",
+        launch=True,
     )
     master_port: int = key(
-        0, "port of the rendezvous on the master (0 = pick a free one on a single node)", low=0, high=65535
+        0, "port of the rendezvous on the master (0 = pick a free one on a single node)", low=0, high=65535, launch=True
     )
     rdzv_backend: str = key(
-        "static", "static (fixed nodes) or c10d (elastic membership, nnodes=MIN:MAX)", choices=("static", "c10d")
+        "static",
+        "static (fixed nodes) or c10d (elastic membership, nnodes=MIN:MAX)",
+        choices=("static", "c10d"),
+        launch=True,
     )
     # a name safe in store keys and messages
     run_id: str = key(
@@ -246,6 +288,7 @@ class Distributed:
         "name of the job the nodes join ('' = derived from the arguments every node gives "
         "alike); a node with another id is turned away",
         pattern=(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", "'' or up to 64 letters, digits, '.', '_' or '-'"),
+        launch=True,
     )
     # interface names (Linux allows at most 15 characters)
     socket_ifname: str = key(
@@ -256,18 +299,21 @@ class Distributed:
             r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,14}(,[A-Za-z0-9][A-Za-z0-9._@:-]{0,14})*",
             "'' or interface names like eth0 (comma-separated)",
         ),
+        launch=True,
     )
     max_restarts: int = key(
         0,
         "restarts of the worker group after a worker dies or a node leaves (every node "
         "resumes from the furthest last.pt or mid.pt of any node)",
         low=0,
+        launch=True,
     )
     dist_timeout: float = key(
         120.0,
         "seconds a collective may wait for a slow or dead rank once training runs (at most 604800, a week)",
         low=1,
         high=WEEK_S,
+        launch=True,
     )
     prepare_timeout: float = key(
         3600.0,
@@ -275,6 +321,7 @@ class Distributed:
         "labels, fills cache=ram (at most a week)",
         low=1,
         high=WEEK_S,
+        launch=True,
     )
     sync_bn: bool = key(False, "convert BatchNorm to SyncBatchNorm when training on several workers")
 
@@ -288,13 +335,25 @@ class Distributed:
 class Output:
     """Where a run writes and what it keeps and prints."""
 
-    project: str = key("", "folder for runs ('' = runs/<task>)", check=folder)
-    name: str = key("", "run folder name, one folder inside project ('' = exp, exp2, ...)", check=folder)
-    exist_ok: bool = key(False, "reuse an existing run folder instead of incrementing the name")
+    project: str = key(
+        "", "folder for runs ('' = runs/<task>)", check=folder, commands=("train", "val", "predict", "export")
+    )
+    name: str = key(
+        "",
+        "run folder name, one folder inside project ('' = exp, exp2, ...)",
+        check=folder,
+        commands=("train", "val", "predict", "export"),
+    )
+    exist_ok: bool = key(
+        False,
+        "reuse an existing run folder instead of incrementing the name",
+        commands=("train", "val", "predict", "export"),
+    )
     save: bool = key(
         True,
         "save checkpoints (weights/last.pt and best.pt); predict: annotated images and videos "
         "(Model.predict: false unless given)",
+        commands=("train", "predict"),
     )
     save_period: int = key(-1, "also save weights/epochN.pt every N epochs (-1 = off)", low=-1)
     save_interval: float = key(
@@ -303,40 +362,69 @@ class Output:
         low=0.0,
         high=WEEK_S / 60,
     )
-    plots: bool = key(True, "save plots (results.png, curves, confusion matrix, batches)")
+    plots: bool = key(True, "save plots (results.png, curves, confusion matrix, batches)", commands=("train", "val"))
     tensorboard: bool = key(
         False, 'log each epoch\'s results.csv row to tensorboard (pip install "detrain[tensorboard]")'
     )
-    verbose: bool = key(True, "print per-class metrics and progress (info: the per-layer table)")
+    verbose: bool = key(
+        True,
+        "print per-class metrics and progress (info: the per-layer table)",
+        commands=("train", "val", "predict", "info"),
+    )
 
 
 @dataclass(frozen=True)
 class Predict:
     """How predictions are made and scored: val's split and thresholds, predict's sources and outputs."""
 
-    split: str = key("val", "dataset split for `detrain val`: val, test or train", choices=("val", "test", "train"))
-    conf: float | None = key(None, "confidence threshold (null = 0.001 for val, 0.25 for predict)", low=0.0, high=1.0)
-    iou: float = key(0.7, "NMS IoU threshold", low=0.0, high=1.0)
-    max_det: int = key(300, "maximum detections per image", low=1)
+    split: str = key(
+        "val",
+        "dataset split for `detrain val`: val, test or train",
+        choices=("val", "test", "train"),
+        commands=("val",),
+    )
+    conf: float | None = key(
+        None,
+        "confidence threshold (null = 0.001 for val, 0.25 for predict)",
+        low=0.0,
+        high=1.0,
+        commands=("train", "val", "predict"),
+    )
+    iou: float = key(0.7, "NMS IoU threshold", low=0.0, high=1.0, commands=("train", "val", "predict"))
+    max_det: int = key(300, "maximum detections per image", low=1, commands=("train", "val", "predict"))
     agnostic_nms: bool = key(
         False,
         "val (also after each training epoch) and predict: NMS across classes (a box "
         "suppresses overlapping boxes of any class)",
+        commands=("train", "val", "predict"),
     )
-    save_json: bool = key(False, "write predictions.json (COCO results format) next to metrics.json")
-    predictions: str = key("", "score an existing COCO-format predictions json instead of running a model")
+    save_json: bool = key(
+        False, "write predictions.json (COCO results format) next to metrics.json", commands=("train", "val")
+    )
+    predictions: str = key(
+        "", "score an existing COCO-format predictions json instead of running a model", commands=("val",)
+    )
     source: str = key(
         "",
         "predict: an image, a video, a folder (recursive), a glob, a .txt list of paths, a camera "
         "index (0) or a stream URL",
+        commands=("predict",),
     )
-    half: bool = key(False, "predict: half-precision inference on CUDA (ignored, with a note, on CPU)")
+    half: bool = key(
+        False, "predict: half-precision inference on CUDA (ignored, with a note, on CPU)", commands=("predict",)
+    )
     save_txt: bool = key(
-        False, "predict: write YOLO-format .txt results (labels/<name>.txt; none for a picture without detections)"
+        False,
+        "predict: write YOLO-format .txt results (labels/<name>.txt; none for a picture without detections)",
+        commands=("predict",),
     )
-    save_conf: bool = key(False, "predict: include the confidence in the .txt results")
+    save_conf: bool = key(False, "predict: include the confidence in the .txt results", commands=("predict",))
     line_width: int = key(
-        0, "predict: box line width in pixels (0 = from the image size; at most 32767)", low=0, high=32767
+        0,
+        "predict: box line width in pixels (0 = from the image size; at most 32767)",
+        low=0,
+        high=32767,
+        commands=("predict",),
     )
 
 
@@ -345,10 +433,17 @@ class Export:
     """The exported file's format and its options."""
 
     format: str = key(
-        "onnx", "export format: onnx (.onnx) or torchscript (.torchscript)", choices=("onnx", "torchscript")
+        "onnx",
+        "export format: onnx (.onnx) or torchscript (.torchscript)",
+        choices=("onnx", "torchscript"),
+        commands=("export",),
     )
-    opset: int = key(17, "ONNX opset (onnx only)", low=11, high=23)
-    dynamic: bool = key(True, "dynamic batch dimension in the exported ONNX model (a TorchScript one takes any batch)")
+    opset: int = key(17, "ONNX opset (onnx only)", low=11, high=23, commands=("export",))
+    dynamic: bool = key(
+        True,
+        "dynamic batch dimension in the exported ONNX model (a TorchScript one takes any batch)",
+        commands=("export",),
+    )
 
 
 @dataclass(frozen=True)
@@ -405,6 +500,12 @@ SECTION_OF: dict[str, str] = {f.name: section for section, cls in SECTIONS.items
 # key -> its Spec, and its type
 SPECS: dict[str, Spec] = {f.name: f.metadata["spec"] for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
 TYPES: dict[str, Any] = {name: typ for cls in SECTIONS.values() for name, typ in get_type_hints(cls).items()}
+# command -> the keys it takes, in section order; naming another key for it is an error
+COMMAND_KEYS: dict[str, tuple[str, ...]] = {
+    command: tuple(name for name, spec in SPECS.items() if command in spec.commands) for command in COMMANDS
+}
+# where and how the workers run: a node's own values, kept over a resumed checkpoint's
+LAUNCH_KEYS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.launch)
 
 
 def defaults() -> dict[str, Any]:

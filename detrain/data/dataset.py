@@ -29,11 +29,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
+from detrain.config.keys import Augment
 from detrain.data.image_io import check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side
 from detrain.data.memory.batch_memory import Batch, BatchBlock, whole_block
 from detrain.data.memory.decode_cache import LANES, DecodeCache
 from detrain.data.memory.ram_cache import DEFAULT_TIMEOUT_S, RamCache, cache_key, run_tag
-from detrain.data.samples.augment import apply_hsv, letterbox, merged_hyp
+from detrain.data.samples.augment import apply_hsv, letterbox
 from detrain.data.samples.instances import Labels
 from detrain.data.samples.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
 from detrain.errors import ConfigError, DatasetError
@@ -114,8 +115,8 @@ class DetectionDataset(Dataset):
     """Samples for training (augmented) or validation (YOLOv8-exact letterbox) from label records.
 
     ``records`` are ``LabelRecord``-like (``im_file``, ``shape_hw``, ``cls`` (n,), ``bboxes_xywhn`` (n, 4));
-    ``hyp`` holds the augmentation keys of :data:`detrain.data.samples.augment.DEFAULT_HYP` (missing ones take the
-    defaults). ``close_mosaic_epoch``: from this epoch on (``set_epoch``) mosaic, mixup and cutmix are off.
+    ``hyp`` is the config's augment section as it is (``cfg.augment``; None: its defaults, ``Augment()``).
+    ``close_mosaic_epoch``: from this epoch on (``set_epoch``) mosaic, mixup and cutmix are off.
     ``cache``: None (decode the files, at reduced JPEG scale where a sample shows an image small enough), 'disk'
     (decoded originals as ``.npy`` beside the images: the same samples) or 'ram' (load-size images, once per node
     in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly);
@@ -134,7 +135,7 @@ class DetectionDataset(Dataset):
         records: Sequence[Any],
         imgsz: int,
         augment: bool,
-        hyp: Mapping[str, float] | None = None,
+        hyp: Augment | None = None,
         rect: bool = False,
         batch_size: int = 16,
         stride: int = 32,
@@ -150,7 +151,7 @@ class DetectionDataset(Dataset):
         self.imgsz, self.augment, self.rect = int(imgsz), bool(augment), bool(rect)
         self.batch_size, self.stride, self.pad = int(batch_size), int(stride), float(pad)
         self.seed = int(seed) % 2**32
-        self.hyp = merged_hyp(hyp)
+        self.hyp = Augment() if hyp is None else hyp
         self.close_mosaic_epoch = close_mosaic_epoch
         records = list(records)
         self.batch_shapes: np.ndarray | None = None  # (nb, 2) h, w per rect batch

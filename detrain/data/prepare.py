@@ -23,21 +23,6 @@ from detrain.distributed import dist
 from detrain.errors import DatasetError
 
 PREPARE_TIMEOUT_S = 3600.0  # without a config: as cfg/default.yaml's prepare_timeout
-HYP_KEYS = (
-    "hsv_h",
-    "hsv_s",
-    "hsv_v",
-    "degrees",
-    "translate",
-    "scale",
-    "shear",
-    "perspective",
-    "flipud",
-    "fliplr",
-    "mosaic",
-    "mixup",
-    "cutmix",
-)
 
 
 @dataclass
@@ -109,11 +94,6 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
     return split_data
 
 
-def hyp_of(cfg: Cfg) -> dict[str, Any]:
-    """The augmentation settings the dataset takes."""
-    return {k: cfg.get(k) for k in HYP_KEYS}
-
-
 def build_train_loader(
     data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int, planned_world: int | None = None
 ) -> DataLoader:
@@ -123,7 +103,7 @@ def build_train_loader(
         data.records,
         imgsz=cfg.inputs.imgsz,
         augment=True,
-        hyp=hyp_of(cfg),
+        hyp=cfg.augment,
         rect=cfg.train.rect,
         batch_size=local_batch,
         stride=32,
@@ -153,7 +133,7 @@ def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, wor
         data.records,
         imgsz=cfg.inputs.imgsz,
         augment=False,
-        hyp=hyp_of(cfg),
+        hyp=cfg.augment,
         rect=True,
         batch_size=local_batch,
         stride=32,

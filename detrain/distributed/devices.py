@@ -13,6 +13,7 @@ Everything wrong with the value is a :class:`DistributedError` before any proces
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -121,6 +122,24 @@ def parse_device(device: str | int | Sequence[str | int] | None) -> DevicePlan:
             f"device={shown}: cuda:{missing[0]} does not exist; {count} CUDA GPU(s) are visible (valid: 0..{count - 1})"
         )
     return DevicePlan("cuda", tuple(ids), len(ids))
+
+
+def cpu_threads_per_worker(workers_on_node: int) -> int | None:
+    """The torch threads of each of ``workers_on_node`` workers on this node: an equal share of the cores this
+    process may run on (at least one), since more threads only fight each other and the gloo comms; None when the
+    user set OMP_NUM_THREADS, which wins. The one rule for spawned workers (the launcher) and for a worker that
+    runs in the calling process or under torchrun (``detrain.engine.build.set_cpu_threads``)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, _cores() // max(1, workers_on_node))
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity: a SLURM allocation, taskset), else every core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
 
 
 def _tokens(device: str | int | Sequence[str | int] | None) -> list[str]:

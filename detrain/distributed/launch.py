@@ -29,7 +29,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from detrain.distributed import dist, netif, run_identity
-from detrain.distributed.devices import DeviceKind, DevicePlan, parse_device
+from detrain.distributed.devices import DeviceKind, DevicePlan, cpu_threads_per_worker, parse_device
 from detrain.distributed.job_watch import ended_together
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
@@ -37,28 +37,13 @@ from detrain.distributed.master_store import host_store
 from detrain.distributed.world import DEVICE_ENV, LAUNCHER_ENV, World
 from detrain.errors import DistributedError
 
-__all__ = ["DeviceKind", "DevicePlan", "check_batch", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
+__all__ = ["DeviceKind", "DevicePlan", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
 
 T = TypeVar("T")
 
 _HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 _CONSEQUENCE_GRACE_S = 3.0
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
-
-
-def check_batch(batch: int, world: int) -> int:
-    """Check that the global ``batch`` splits evenly over ``world`` ranks; return the per-rank batch.
-
-    Example:
-        >>> check_batch(16, 2)
-        8
-    """
-    if world < 1 or batch < world or batch % world:
-        up = max(world, -(-batch // world) * world)
-        raise DistributedError(
-            f"batch={batch} does not split evenly over {world} workers; use a multiple of {world}, e.g. {up}"
-        )
-    return batch // world
 
 
 def in_launcher_env() -> bool:
@@ -182,7 +167,7 @@ def launch(
         monitor_interval=monitor_interval,
         start_method="spawn",  # fork would copy CUDA state and the caller's threads
     )
-    threads = None if os.environ.get("OMP_NUM_THREADS") else max(1, _cores() // plan.nprocs)
+    threads = cpu_threads_per_worker(plan.nprocs)
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
@@ -352,10 +337,3 @@ def _restore_signal_handlers() -> Iterator[None]:
         for sig, handler in saved.items():
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(sig, handler)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1

@@ -1,13 +1,16 @@
-"""Turning arguments into objects: the run folder, the model, and the CPU threads of a worker."""
+"""Turning arguments into objects: the run folder (rank 0's, on every rank), the model, and the CPU threads of a
+worker."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from detrain.config.keys import Output
+from detrain.distributed import dist
+from detrain.distributed.devices import cpu_threads_per_worker
 from detrain.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -25,6 +28,14 @@ def increment_run_dir(project: str, name: str, task: str, exist_ok: bool) -> Pat
     while (root / f"{base}{n}").exists():
         n += 1
     return root / f"{base}{n}"
+
+
+def agree_run_dir(output: Output, task: str, given: str | Path | None, is_main: bool) -> Path:
+    """The run folder of every rank: ``given`` (the folder the launching process picked), else a new one
+    (:func:`increment_run_dir` of the ``output`` keys), decided by rank 0 and sent to every rank: other nodes may
+    not know the folder the launching node picked, and look at another disk. A collective: call it on every rank."""
+    picked = str(given or increment_run_dir(output.project, output.name, task, output.exist_ok)) if is_main else None
+    return Path(dist.broadcast_object(picked))
 
 
 def is_weights(model: str) -> bool:
@@ -112,13 +123,7 @@ def architecture(model: str) -> tuple[str, str]:
 
 def set_cpu_threads(device: torch.device, workers_on_node: int) -> None:
     """On the CPU, unless the user set OMP_NUM_THREADS: this worker's share of the cores
-    (:func:`cpu_threads_per_worker`)."""
-    if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(cpu_threads_per_worker(workers_on_node))
-
-
-def cpu_threads_per_worker(world_size_on_node: int) -> int:
-    """Leave one core's worth per worker process; OMP_NUM_THREADS set by the user wins."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
-    return max(1, (os.cpu_count() or 1) // max(1, world_size_on_node))
+    (:func:`detrain.distributed.devices.cpu_threads_per_worker`)."""
+    threads = cpu_threads_per_worker(workers_on_node)
+    if device.type == "cpu" and threads is not None:
+        torch.set_num_threads(threads)

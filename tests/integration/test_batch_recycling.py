@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from detrain.config.keys import Augment
 from detrain.data.dataset import DetectionDataset
 from detrain.data.labels.verify import LabelRecord as Rec
 from detrain.data.loader import build_dataloader
@@ -60,7 +61,7 @@ def _epochs(ds: DetectionDataset, workers: int, release: bool, hold: int = 0) ->
 
 
 def test_what_the_consumer_holds_never_changes_and_released_segments_are_reused(records: list[Rec]) -> None:
-    ds = DetectionDataset(records * 2, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=2)  # 12 batches/epoch
+    ds = DetectionDataset(records * 2, imgsz=64, augment=True, hyp=Augment(mosaic=1.0), seed=2)  # 12 batches/epoch
     reference, _, _ = _epochs(ds, 0, release=False)
     copies, held, segments = _epochs(ds, 1, release=True, hold=3)
     assert len(copies) == len(reference) == 24
@@ -79,7 +80,7 @@ def test_pinning_copies_then_releases(records: list[Rec], monkeypatch: pytest.Mo
     monkeypatch.setattr(batch_memory, "get_worker_info", lambda: object())
     monkeypatch.setattr(batch_memory, "_pool", [])
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
-    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={}, seed=1)
+    ds = DetectionDataset(records, imgsz=64, augment=True, seed=1)
     batch = ds.collate(ds.__getitems__(list(range(4))))
     again = ds.collate(ds.__getitems__(list(range(4))))  # the first is not released yet: a second segment
     assert _segment(again["img"]) != _segment(batch["img"])

@@ -7,6 +7,7 @@ import math
 import multiprocessing as mp
 import os
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import cv2
@@ -15,6 +16,7 @@ import pytest
 import torch
 from _cutmix_check import check_cutmix, grid_scene
 
+from detrain.config.keys import Augment
 from detrain.data import image_io
 from detrain.data.dataset import DetectionDataset, Pick, rect_batch_shapes
 from detrain.data.labels.verify import LabelRecord as Rec
@@ -24,7 +26,7 @@ from detrain.data.samples.instances import Labels
 from detrain.errors import DatasetError
 from detrain.nn.boxes import scale_boxes_to_original, xywh2xyxy
 
-NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
+NO_HSV = Augment(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0)
 # BGR colours of the objects (one per class) and of the image backgrounds (one per image).
 OBJECT_BGR = [(0, 0, 255), (0, 255, 0), (255, 0, 0), (0, 255, 255), (255, 0, 255), (255, 255, 0)]
 BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 60, 60), (60, 20, 60)]
@@ -97,7 +99,7 @@ def test_train_sample_contract_and_boxes(records: list[Rec]) -> None:
 
 
 def test_train_with_rotation_mixup_and_flips(records: list[Rec]) -> None:
-    hyp = {**NO_HSV, "degrees": 15.0, "mixup": 1.0, "flipud": 0.5}
+    hyp = replace(NO_HSV, degrees=15.0, mixup=1.0, flipud=0.5)
     ds = DetectionDataset(records, imgsz=96, augment=True, hyp=hyp)
     for i in range(4):
         assert_sample_contract(ds[i], (96, 96))
@@ -109,7 +111,7 @@ def test_reduced_jpeg_decoding_keeps_boxes(tmp_path: Path, monkeypatch: pytest.M
     reductions = []
     real = image_io.read_image
     monkeypatch.setattr("detrain.data.dataset.read_image", lambda p, r=1: reductions.append(r) or real(p, r))
-    ds = DetectionDataset(recs, imgsz=128, augment=True, hyp={**NO_HSV, "scale": 0.0}, seed=1)
+    ds = DetectionDataset(recs, imgsz=128, augment=True, hyp=replace(NO_HSV, scale=0.0), seed=1)
     for i in range(len(ds)):
         s = ds[i]
         assert_sample_contract(s, (128, 128))
@@ -118,8 +120,8 @@ def test_reduced_jpeg_decoding_keeps_boxes(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_same_seed_epoch_index_same_sample(records: list[Rec]) -> None:
-    a = DetectionDataset(records, imgsz=96, augment=True, hyp={}, seed=7)
-    b = DetectionDataset(records, imgsz=96, augment=True, hyp={}, seed=7)
+    a = DetectionDataset(records, imgsz=96, augment=True, seed=7)
+    b = DetectionDataset(records, imgsz=96, augment=True, seed=7)
     pick = Pick(2, (2, 5, 1, 7))
     same = [a[2], b[2], a.__getitems__([0, 2])[1]]
     assert all(torch.equal(same[0]["img"], s["img"]) and torch.equal(same[0]["bboxes"], s["bboxes"]) for s in same)
@@ -127,13 +129,13 @@ def test_same_seed_epoch_index_same_sample(records: list[Rec]) -> None:
     assert not torch.equal(a[2]["img"], a[3]["img"])
     b.set_epoch(1)
     assert not torch.equal(a[2]["img"], b[2]["img"])
-    assert not torch.equal(a[2]["img"], DetectionDataset(records, 96, True, {}, seed=8)[2]["img"])
+    assert not torch.equal(a[2]["img"], DetectionDataset(records, 96, True, seed=8)[2]["img"])
 
 
 def test_val_is_yolov8_load_image_and_letterbox(tmp_path: Path) -> None:
     recs = make_images(tmp_path, [(96, 128), (131, 70), (200, 300), (64, 64)], ".jpg")
     imgsz = 160
-    ds = DetectionDataset(recs, imgsz=imgsz, augment=False, hyp={})
+    ds = DetectionDataset(recs, imgsz=imgsz, augment=False)
     for i, rec in enumerate(ds.records):
         s = ds[i]
         # Independent statement of the rule: long side to imgsz (ceil, capped), INTER_LINEAR, only if r != 1 ...
@@ -162,7 +164,7 @@ def test_rect_batch_shapes_follow_the_formula(tmp_path: Path) -> None:
     shapes = [(100, 200), (200, 100), (150, 150), (90, 160), (160, 90), (120, 100), (100, 130)]
     recs = make_images(tmp_path, shapes)
     imgsz, stride, bs = 128, 32, 2
-    ds = DetectionDataset(recs, imgsz=imgsz, augment=False, hyp={}, rect=True, batch_size=bs, stride=stride)
+    ds = DetectionDataset(recs, imgsz=imgsz, augment=False, rect=True, batch_size=bs, stride=stride)
     ar = np.array([h / w for h, w in shapes])
     order = np.argsort(ar)
     assert [r.im_file for r in ds.records] == [recs[i].im_file for i in order]
@@ -186,8 +188,8 @@ def test_rect_batch_shapes_helper_square_batch() -> None:
 
 
 def test_unreadable_image_is_replaced_not_fatal(records: list[Rec]) -> None:
-    train = DetectionDataset(records, imgsz=64, augment=True, hyp={})
-    val = DetectionDataset(records, imgsz=64, augment=False, hyp={})
+    train = DetectionDataset(records, imgsz=64, augment=True)
+    val = DetectionDataset(records, imgsz=64, augment=False)
     Path(records[3].im_file).unlink()
     with pytest.warns(UserWarning, match="im003"):
         batch = train.__getitems__(list(range(len(train))))
@@ -219,9 +221,9 @@ def test_close_mosaic_switches_mixup_and_cutmix_off_too(records: list[Rec]) -> N
     """Before the switch mixup and cutmix change samples; after it each sample is what it is without them (their
     draws do not shift the others)."""
     mixed = DetectionDataset(
-        records, imgsz=96, augment=True, hyp={"mosaic": 0.0, "mixup": 1.0, "cutmix": 1.0}, close_mosaic_epoch=1
+        records, imgsz=96, augment=True, hyp=Augment(mosaic=0.0, mixup=1.0, cutmix=1.0), close_mosaic_epoch=1
     )
-    plain = DetectionDataset(records, imgsz=96, augment=True, hyp={"mosaic": 0.0}, close_mosaic_epoch=1)
+    plain = DetectionDataset(records, imgsz=96, augment=True, hyp=Augment(mosaic=0.0), close_mosaic_epoch=1)
     assert all(not torch.equal(mixed[i]["img"], plain[i]["img"]) for i in range(len(mixed)))
     mixed.set_epoch(1)
     plain.set_epoch(1)
@@ -245,7 +247,7 @@ def test_cutmix_pastes_a_rectangle_of_a_pool_partner_with_its_boxes(tmp_path: Pa
     base_labels = Labels([0], [[70, 4, 92, 22]])
     partner, partner_labels = grid_scene(96, 96, 14, 10, 1, OBJECT_BGR[1])
     recs = [_write(tmp_path / "base.png", base, base_labels), _write(tmp_path / "partner.png", partner, partner_labels)]
-    hyp = {**NO_HSV, "mosaic": 0.0, "cutmix": 1.0, "scale": 0.0, "translate": 0.0, "fliplr": 0.0}
+    hyp = replace(NO_HSV, mosaic=0.0, cutmix=1.0, scale=0.0, translate=0.0, fliplr=0.0)
     ds = DetectionDataset(recs, imgsz=96, augment=True, hyp=hyp, seed=5)
     seen = {"pasted": 0, "clipped": 0, "dropped": 0}
     for epoch in range(24):
@@ -262,7 +264,7 @@ def test_cutmix_pastes_a_rectangle_of_a_pool_partner_with_its_boxes(tmp_path: Pa
 
 
 def test_collate(records: list[Rec]) -> None:
-    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={})
+    ds = DetectionDataset(records, imgsz=64, augment=True)
     samples = ds.__getitems__([0, 1, 2])
     batch = DetectionDataset.collate(samples)
     assert batch["img"].shape == (3, 3, 64, 64) and batch["img"].dtype == torch.uint8
@@ -280,16 +282,16 @@ def test_collate(records: list[Rec]) -> None:
         assert torch.equal(batch[key], stacked[key]), key
     part = DetectionDataset.collate(samples[1:])
     assert torch.equal(part["img"], batch["img"][1:]) and part["batch_idx"].max() <= 1
-    val = DetectionDataset(records, imgsz=64, augment=False, hyp={})
+    val = DetectionDataset(records, imgsz=64, augment=False)
     vbatch = DetectionDataset.collate(val.__getitems__([0, 1]))
     assert vbatch["img"].is_contiguous() and torch.equal(vbatch["img"][1], val[1]["img"])
 
 
 def test_disk_cache_gives_the_same_samples(records: list[Rec]) -> None:
-    plain_val = DetectionDataset(records, imgsz=96, augment=False, hyp={})
-    plain_train = DetectionDataset(records, imgsz=96, augment=True, hyp={})
-    disk_val = DetectionDataset(records, imgsz=96, augment=False, hyp={}, cache="disk")
-    disk_train = DetectionDataset(records, imgsz=96, augment=True, hyp={}, cache="disk")
+    plain_val = DetectionDataset(records, imgsz=96, augment=False)
+    plain_train = DetectionDataset(records, imgsz=96, augment=True)
+    disk_val = DetectionDataset(records, imgsz=96, augment=False, cache="disk")
+    disk_train = DetectionDataset(records, imgsz=96, augment=True, cache="disk")
     for i in range(3):
         assert torch.equal(plain_val[i]["img"], disk_val[i]["img"])
         assert torch.equal(plain_train[i]["img"], disk_train[i]["img"])
@@ -299,8 +301,8 @@ def test_disk_cache_gives_the_same_samples(records: list[Rec]) -> None:
 
 
 def test_ram_cache_dataset_same_samples_and_cleanup(records: list[Rec]) -> None:
-    plain = DetectionDataset(records, imgsz=96, augment=False, hyp={})
-    cached = DetectionDataset(records, imgsz=96, augment=False, hyp={}, cache="ram")
+    plain = DetectionDataset(records, imgsz=96, augment=False)
+    cached = DetectionDataset(records, imgsz=96, augment=False, cache="ram")
     path = Path(cached._ram.path)
     assert path.exists() and path.parent.name == f"detrain-{os.geteuid()}"  # this user's private folder
     for i in range(len(plain)):
@@ -396,7 +398,7 @@ def test_val_samples_equal_ultralytics(tmp_path: Path) -> None:
             rect=True,
             stride=32,
         )
-        ours = DetectionDataset(recs, imgsz=imgsz, augment=False, hyp={}, rect=True, batch_size=batch)
+        ours = DetectionDataset(recs, imgsz=imgsz, augment=False, rect=True, batch_size=batch)
         assert [str(f) for f in theirs.im_files] == ours.im_files
         assert np.array_equal(theirs.batch_shapes, ours.batch_shapes)
         for i in range(len(ours)):

@@ -21,15 +21,16 @@ import pytest
 import torch
 
 from detrain.data.synthetic import generate_shapes
+from detrain.distributed.devices import cpu_threads_per_worker
 from detrain.distributed.launch import (
     DevicePlan,
-    check_batch,
     in_launcher_env,
     launch,
     parse_device,
     parse_nnodes,
     rendezvous_address,
 )
+from detrain.engine.build import set_cpu_threads
 from detrain.errors import DistributedError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,12 +123,23 @@ def test_device_for_each_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
         DevicePlan("cuda", (0,), 1).device_for(1, 2)  # torchrun started 2 processes but device=0
 
 
-def test_check_batch_and_nnodes() -> None:
-    assert check_batch(16, 2) == 8
-    with pytest.raises(DistributedError, match=r"multiple of 4, e\.g\. 12"):
-        check_batch(10, 4)
-    with pytest.raises(DistributedError):
-        check_batch(1, 2)
+def test_one_cpu_thread_rule_for_spawned_and_in_process_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's spawned workers and a worker in this process (set_cpu_threads) share the cores alike."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)  # 8 cores allowed
+    assert [cpu_threads_per_worker(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
+    seen: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    set_cpu_threads(torch.device("cpu"), 2)
+    set_cpu_threads(torch.device("cuda", 0), 2)  # a GPU worker keeps torch's own count
+    assert seen == [4]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's count wins everywhere
+    assert cpu_threads_per_worker(2) is None
+    set_cpu_threads(torch.device("cpu"), 2)
+    assert seen == [4]
+
+
+def test_parse_nnodes() -> None:
     assert parse_nnodes("2") == (2, 2)
     assert parse_nnodes(3) == (3, 3)
     assert parse_nnodes("1:4") == (1, 4)

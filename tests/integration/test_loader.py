@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
+from detrain.config.keys import Augment
 from detrain.data.dataset import DetectionDataset
 from detrain.data.labels.verify import LabelRecord as Rec
 from detrain.data.loader import GlobalBatchSampler, ShardSampler, build_dataloader
 
 BACKGROUND_BGR = [(60, 20, 20), (20, 60, 20), (20, 20, 60), (60, 60, 20), (20, 60, 60), (60, 20, 60)]
-NO_HSV = {"hsv_h": 0.0, "hsv_s": 0.0, "hsv_v": 0.0}
+NO_HSV = Augment(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_decode_cache_holds_only_what_a_pool_can_still_draw(records: list[Rec]) 
     the first epoch, which a real dataset never fits.)"""
 
     def run(retire: bool) -> tuple[int, int]:
-        ds = DetectionDataset(records * 4, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=3)  # 80 images
+        ds = DetectionDataset(records * 4, imgsz=64, augment=True, hyp=Augment(mosaic=1.0), seed=3)  # 80 images
         sampler = GlobalBatchSampler(len(ds), 4, seed=3, pool_window=3, pool_lanes=2, pool_size=2)
         latest: dict[int, set[int]] = {}
         peak = 0
@@ -134,7 +135,7 @@ def test_decode_cache_holds_only_what_a_pool_can_still_draw(records: list[Rec]) 
 def test_partners_come_from_earlier_batches_without_decoding_them_again(records: list[Rec]) -> None:
     """A whole epoch on one process: mosaics mix images of several batches, yet each image is decoded about once
     (the decode cache keeps the lane's images), and a cold cache gives the very same pixels as a warm one."""
-    ds = DetectionDataset(records * 4, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=6)  # 80 images
+    ds = DetectionDataset(records * 4, imgsz=64, augment=True, hyp=Augment(mosaic=1.0), seed=6)  # 80 images
     sampler = GlobalBatchSampler(len(ds), 4, seed=6, pool_window=4, pool_lanes=2)
     for epoch in (0, 1):
         ds.set_epoch(epoch)
@@ -148,7 +149,7 @@ def test_partners_come_from_earlier_batches_without_decoding_them_again(records:
     ]
     assert sum(len(x) for x in partners) > len(plans)  # most partners come from other batches
     assert ds._decode_cache.misses <= 1.2 * 2 * len(ds)  # about one decode per image and epoch
-    cold = DetectionDataset(records * 4, imgsz=64, augment=True, hyp={"mosaic": 1.0}, seed=6)
+    cold = DetectionDataset(records * 4, imgsz=64, augment=True, hyp=Augment(mosaic=1.0), seed=6)
     cold.set_epoch(1)
     for b in (batches[5], batches[-1]):
         assert all(torch.equal(x["img"], y["img"]) for x, y in zip(cold.__getitems__(b), warm[batches.index(b)]))
@@ -164,7 +165,7 @@ def test_val_shards_are_disjoint_complete_and_keep_the_batches() -> None:
 
 
 def test_two_ranks_see_the_same_pixels_as_one(records: list[Rec]) -> None:
-    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={}, seed=2)
+    ds = DetectionDataset(records, imgsz=64, augment=True, seed=2)
     one = build_dataloader(ds, 8, shuffle=True, workers=0, seed=2)
     two = [build_dataloader(ds, 4, shuffle=True, workers=0, rank=r, world_size=2, seed=2) for r in (0, 1)]
     for a, b0, b1 in zip(one, *two):
@@ -174,7 +175,7 @@ def test_two_ranks_see_the_same_pixels_as_one(records: list[Rec]) -> None:
 
 def test_samples_do_not_depend_on_the_number_of_workers(records: list[Rec]) -> None:
     """With every augmentation that draws partners from the pools: mosaic, and cutmix pasting from another one."""
-    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={"cutmix": 1.0}, seed=4)
+    ds = DetectionDataset(records, imgsz=64, augment=True, hyp=Augment(cutmix=1.0), seed=4)
     runs = []
     for workers in (0, 2):
         loader = build_dataloader(ds, 4, shuffle=True, workers=workers, seed=4)
@@ -184,7 +185,7 @@ def test_samples_do_not_depend_on_the_number_of_workers(records: list[Rec]) -> N
         del loader
     assert len(runs[0]) == len(runs[1])
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(*runs))
-    plain = DetectionDataset(records, imgsz=64, augment=True, hyp={}, seed=4)  # the same draws before cutmix's
+    plain = DetectionDataset(records, imgsz=64, augment=True, seed=4)  # the same draws before cutmix's
     loader = build_dataloader(plain, 4, shuffle=True, workers=0, seed=4)
     loader.batch_sampler.set_epoch(1)
     plain.set_epoch(1)
@@ -210,7 +211,7 @@ def test_close_mosaic_reaches_persistent_workers(records: list[Rec]) -> None:
 
 
 def test_val_loader_shards_rect_batches(records: list[Rec]) -> None:
-    ds = DetectionDataset(records, imgsz=64, augment=False, hyp={}, rect=True, batch_size=4)
+    ds = DetectionDataset(records, imgsz=64, augment=False, rect=True, batch_size=4)
     single = list(build_dataloader(ds, 4, shuffle=False, workers=0))
     shards = [list(build_dataloader(ds, 4, shuffle=False, workers=0, rank=r, world_size=3)) for r in range(3)]
     merged = [b for s in shards for b in s]
@@ -222,7 +223,7 @@ def test_val_loader_shards_rect_batches(records: list[Rec]) -> None:
 def test_rect_training_batches_keep_one_shape_even_when_padded(records: list[Rec]) -> None:
     # 20 images, 3 ranks x 4: the last global batch (8 images) is padded by wrapping to the first image, whose
     # rectangular batch has another shape; rank 2's last batch (18, 19, 0) still takes one shape (its first's).
-    ds = DetectionDataset(records, imgsz=64, augment=True, hyp={}, rect=True, batch_size=4)
+    ds = DetectionDataset(records, imgsz=64, augment=True, rect=True, batch_size=4)
     assert ds.batch_shape(0) != ds.batch_shape(19)
     for rank in (0, 1, 2):
         loader = build_dataloader(ds, 4, shuffle=False, workers=0, rank=rank, world_size=3)

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from _cutmix_check import check_cutmix, grid_scene
 
+from detrain.config.keys import Augment
 from detrain.data.image_io import load_size
 from detrain.data.samples.affine import _warp_general, box_candidates, flip_matrix, scaling, translation, warp_into
-from detrain.data.samples.augment import apply_hsv, letterbox, merged_hyp
+from detrain.data.samples.augment import apply_hsv, letterbox
 from detrain.data.samples.instances import Labels
 from detrain.data.samples.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
 
@@ -56,11 +57,12 @@ def sample(
     pool: list[int] | None = None,
 ) -> tuple[np.ndarray, Labels, SamplePlan]:
     """The training sample of ``index`` (BGR, labels in its pixels, the plan), made as ``DetectionDataset`` makes it
-    from images at their load size: the same generator, planner, renderer and colour step."""
+    from images at their load size: the same generator, planner, renderer and colour step; ``hyp``: the augment
+    keys that differ from their defaults (the config's ``Augment``)."""
     load_hw = [load_size(im.shape[:2], imgsz) for im in images]
     source = SampleSource([(w, h) for h, w in load_hw], [max(im.shape[:2]) for im in images], can_reduce=False)
     rng = np.random.default_rng([seed, epoch, index])
-    plan = plan_sample(index, rng, source, merged_hyp(hyp), imgsz, True, out_hw, pool)
+    plan = plan_sample(index, rng, source, Augment(**hyp), imgsz, True, out_hw, pool)
 
     def at_load_size(i: int) -> Labels:
         (h, w), (lh, lw) = images[i].shape[:2], load_hw[i]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from detrain.data.loader import GlobalBatchSampler
-from detrain.engine.train.batch_plan import BatchPlan, batch_plan, planned_world_size
+from detrain.engine.train.batch_plan import BatchPlan, batch_plan, check_split, planned_world_size
 from detrain.errors import ConfigError
 
 
@@ -14,9 +14,10 @@ from detrain.errors import ConfigError
 def test_the_planned_world_splits_the_batch_and_accumulates_to_nbs(batch: int, world: int) -> None:
     if batch % world:
         with pytest.raises(ConfigError):
-            batch_plan(batch, 64, world, world)
+            check_split(batch, world)
         return
     plan = batch_plan(batch, 64, world, world)
+    assert plan.local_batch == check_split(batch, world)
     assert plan.local_batch * world == plan.step_images == batch
     assert plan.accumulate == max(round(64 / batch), 1)  # YOLOv8's rule
     assert plan.update_images == plan.step_images * plan.accumulate
@@ -41,7 +42,11 @@ def test_accumulation_below_nbs_scales_with_the_missing_ranks() -> None:
 
 def test_the_error_names_the_planned_world_and_a_valid_batch() -> None:
     with pytest.raises(ConfigError, match=r"batch=6 does not split evenly over the 4 workers .* e\.g\. 8"):
-        batch_plan(6, 64, 2, planned_world=4)
+        check_split(6, 4)
+    with pytest.raises(ConfigError, match=r"multiple of 4, e\.g\. 12"):
+        check_split(10, 4)
+    with pytest.raises(ConfigError, match=r"batch=1 .* e\.g\. 2"):
+        check_split(1, 2)  # fewer images than workers
 
 
 def test_planned_world_size() -> None:

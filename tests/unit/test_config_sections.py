@@ -18,7 +18,7 @@ import detrain.config.values as values
 from detrain import cli
 from detrain.config import default_yaml as config_yaml
 from detrain.config.cfg import COMMAND_KEYS, Cfg, make_cfg, parse_cli_args, parse_value
-from detrain.config.keys import SECTION_OF, SECTIONS, SPECS, TYPES, comments, defaults
+from detrain.config.keys import COMMANDS, LAUNCH_KEYS, SECTION_OF, SECTIONS, SPECS, TYPES, comments, defaults
 from detrain.errors import ConfigError
 from detrain.run.plan import RunPlan
 
@@ -42,6 +42,15 @@ def test_every_key_is_in_exactly_one_section_and_no_section_is_named_like_a_key(
     assert not set(SECTIONS) & set(SECTION_OF)  # cfg.train.val can never be read as a key again
     assert not {"to_dict", "get", "replace"} & set(SECTION_OF)
     assert [f.name for f in dataclasses.fields(Cfg)] == list(SECTIONS)
+
+
+def test_each_key_names_commands_that_exist_and_the_launch_keys_serve_every_launching_command() -> None:
+    """A misspelt command in a key's ``commands`` would hide it from that command's --help and refuse it there."""
+    commands = {c.name or c.callback.__name__ for c in cli.app.registered_commands if c.callback is not None}
+    assert set(COMMANDS) <= commands
+    for name, spec in SPECS.items():
+        assert spec.commands and set(spec.commands) <= set(COMMANDS), name
+    assert LAUNCH_KEYS and all({"train", "val"} <= set(SPECS[name].commands) for name in LAUNCH_KEYS)
 
 
 def test_each_field_carries_its_spec_and_help_beside_it() -> None:

@@ -1,5 +1,5 @@
-"""The augmentation settings (:data:`DEFAULT_HYP`, YOLO's keys and defaults), the HSV colour step and the
-letterbox that validation and prediction use.
+"""The HSV colour step of training and the letterbox that validation and prediction use. The augmentation
+settings, their defaults and bounds are the config's augment section (:class:`detrain.config.keys.Augment`).
 
 Training does not chain augmentations one by one: ``train_sample.py`` draws every random choice of a sample
 (mosaic placement, affine, flips, mixup, cutmix, HSV gains) from one generator, multiplies the geometry into one
@@ -9,30 +9,11 @@ applied by :func:`apply_hsv` as the colour step writes the batch.
 
 from __future__ import annotations
 
-from typing import Any
-
 import cv2
 import numpy as np
 
 from detrain.data.samples.affine import FILL
 
-# The augmentation settings and YOLOv8's defaults (close_mosaic: mosaic off for the last N epochs).
-DEFAULT_HYP: dict[str, float] = {
-    "hsv_h": 0.015,
-    "hsv_s": 0.7,
-    "hsv_v": 0.4,
-    "degrees": 0.0,
-    "translate": 0.1,
-    "scale": 0.5,
-    "shear": 0.0,
-    "perspective": 0.0,
-    "flipud": 0.0,
-    "fliplr": 0.5,
-    "mosaic": 1.0,
-    "mixup": 0.0,
-    "cutmix": 0.0,
-    "close_mosaic": 10,
-}
 MIXUP_BETA = 32.0  # mixing ratio ~ Beta(32, 32): close to an even blend
 
 
@@ -105,12 +86,3 @@ def letterbox(
         img = cv2.resize(img, new_unpad, interpolation=cv2.INTER_LINEAR)
     img = cv2.copyMakeBorder(img, top, bottom, left, right, cv2.BORDER_CONSTANT, value=(color, color, color))
     return img, (r, r), (left, top)
-
-
-def merged_hyp(hyp: Any) -> dict[str, float]:
-    """``DEFAULT_HYP`` updated with the known keys of ``hyp`` (a mapping; other keys are ignored)."""
-    out = dict(DEFAULT_HYP)
-    for k in DEFAULT_HYP:
-        if hyp is not None and k in hyp and hyp[k] is not None:
-            out[k] = float(hyp[k])
-    return out

@@ -12,12 +12,13 @@ drawn before; it is applied after mixup and before HSV, as in Ultralytics.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import cv2
 import numpy as np
 
+from detrain.config.keys import Augment
 from detrain.data.image_io import reduce_factor
 from detrain.data.samples.affine import flip_matrix, is_perspective, random_affine_matrix, translation
 from detrain.data.samples.augment import MIXUP_BETA, hsv_gains
@@ -97,13 +98,14 @@ def plan_sample(
     index: int,
     rng: np.random.Generator,
     source: SampleSource,
-    hyp: Mapping[str, float],
+    hyp: Augment,
     imgsz: int,
     mosaic_on: bool = True,
     out_hw: tuple[int, int] | None = None,
     pool: Sequence[int] | None = None,
 ) -> SamplePlan:
-    """All the random choices for the training sample of ``index`` (see the module docstring for the order).
+    """All the random choices for the training sample of ``index`` (see the module docstring for the order), with
+    the probabilities and ranges of ``hyp`` (the config's augment section, ``cfg.augment``).
 
     ``out_hw`` (rect training) disables mosaic, mixup and cutmix and sets the output size; default ``imgsz``
     square. ``mosaic_on=False`` (close_mosaic) disables all three too, as in Ultralytics.
@@ -111,9 +113,9 @@ def plan_sample(
     out_h, out_w = out_hw or (imgsz, imgsz)
     mosaic_on = mosaic_on and out_hw is None
     first = _plan_layer(index, rng, source, hyp, imgsz, mosaic_on, (out_w, out_h), pool)
-    lr, ud = rng.random() < hyp["fliplr"], rng.random() < hyp["flipud"]
+    lr, ud = rng.random() < hyp.fliplr, rng.random() < hyp.flipud
     layers, ratio = [first], 1.0
-    if rng.random() < hyp["mixup"] and mosaic_on:
+    if rng.random() < hyp.mixup and mosaic_on:
         other = draw_partners(rng, index, 1, len(source.load_sizes_wh), pool)[0]
         layers.append(_plan_layer(other, rng, source, hyp, imgsz, mosaic_on, (out_w, out_h), pool))
         ratio = float(rng.beta(MIXUP_BETA, MIXUP_BETA))
@@ -121,9 +123,9 @@ def plan_sample(
     for layer in layers:
         layer.m = flips @ layer.m
         _choose_reductions(layer, source)
-    gains = hsv_gains(rng, hyp["hsv_h"], hyp["hsv_s"], hyp["hsv_v"])
+    gains = hsv_gains(rng, hyp.hsv_h, hyp.hsv_s, hyp.hsv_v)
     cut = None
-    if rng.random() < hyp["cutmix"] and mosaic_on:
+    if rng.random() < hyp.cutmix and mosaic_on:
         other = draw_partners(rng, index, 1, len(source.load_sizes_wh), pool)[0]
         pasted = _plan_layer(other, rng, source, hyp, imgsz, mosaic_on, (out_w, out_h), pool)
         pasted.m = flips @ pasted.m  # flipped with the sample, as Ultralytics flips after CutMix
@@ -137,14 +139,14 @@ def _plan_layer(
     index: int,
     rng: np.random.Generator,
     source: SampleSource,
-    hyp: Mapping[str, float],
+    hyp: Augment,
     imgsz: int,
     mosaic_on: bool,
     out_wh: tuple[int, int],
     pool: Sequence[int] | None,
 ) -> LayerPlan:
-    use_mosaic = rng.random() < hyp["mosaic"] and mosaic_on
-    affine = (hyp["degrees"], hyp["translate"], hyp["scale"], hyp["shear"], hyp["perspective"])
+    use_mosaic = rng.random() < hyp.mosaic and mosaic_on
+    affine = (hyp.degrees, hyp.translate, hyp.scale, hyp.shear, hyp.perspective)
     if use_mosaic:
         indices = [index, *draw_partners(rng, index, 3, len(source.load_sizes_wh), pool)]
         sizes = [(w, h) for w, h in (source.load_sizes_wh[i] for i in indices)]

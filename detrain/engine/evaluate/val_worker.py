@@ -15,7 +15,7 @@ from detrain.config.cfg import Cfg
 from detrain.data.prepare import build_val_loader, load_split
 from detrain.distributed import dist
 from detrain.distributed.world import World
-from detrain.engine.build import build_model, increment_run_dir, is_weights, set_cpu_threads
+from detrain.engine.build import agree_run_dir, build_model, is_weights, set_cpu_threads
 from detrain.engine.evaluate.validator import validate
 from detrain.errors import ConfigError
 from detrain.log import console
@@ -27,14 +27,8 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     the run folder the launching process picked (None: rank 0 picks it)."""
     device = torch.device(world.device)
     set_cpu_threads(device, world.local_world_size)
-    # rank 0 decides (other nodes may not know the folder the launching node picked)
-    save_dir = Path(
-        dist.broadcast_object(
-            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "val", cfg.output.exist_ok))
-            if world.is_main
-            else None
-        )
-    )
+    # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
+    save_dir = agree_run_dir(cfg.output, "val", save_dir, world.is_main)
     data = load_split(cfg.inputs.data, cfg.predict.split, cfg)
     if cfg.predict.predictions:
         from detrain.engine.evaluate.score_file import score_predictions_file

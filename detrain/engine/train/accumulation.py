@@ -8,16 +8,19 @@ built from only 2 batches) if every epoch ended with an update of whatever had g
 
 So that ``resume`` still continues exactly, the waiting gradients go into ``last.pt``. Under DDP they are local
 to each rank until the update's all-reduce (the batches before it run under ``no_sync``), so at the end of an
-epoch the trainer first averages them over the ranks, with one all-reduce of :func:`flat_gradients` put back by
-:func:`load_flat_gradients`: every rank then holds the same partial sum, and the update's all-reduce later
-averages ``partial + local`` to the same result. A resumed run adds them to its first batch's gradients
-(:func:`add_saved`), wherever DDP keeps its gradient buckets.
+epoch (and before a mid-epoch checkpoint) the trainer first averages them over the ranks
+(:func:`average_over_ranks`: one all-reduce of :func:`flat_gradients` put back by :func:`load_flat_gradients`):
+every rank then holds the same partial sum, and the update's all-reduce later averages ``partial + local`` to the
+same result. A resumed run adds them to its first batch's gradients (:func:`add_saved`), wherever DDP keeps its
+gradient buckets.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from detrain.distributed import dist
 
 
 def pending_batches(last_batch: int, last_update: int) -> int:
@@ -61,6 +64,13 @@ def load_flat_gradients(model: nn.Module, flat: torch.Tensor) -> None:
             p.grad = part.clone()
         else:
             p.grad.copy_(part)
+
+
+def average_over_ranks(model: nn.Module) -> None:
+    """Make the waiting gradients of ``model`` (the bare model, not its DDP wrapper) their mean over the ranks, the
+    same on every rank: one all-reduce of :func:`flat_gradients`, put back by :func:`load_flat_gradients`. Done at an
+    epoch's end and before a mid-epoch checkpoint (see the module). A collective: call it on every rank."""
+    load_flat_gradients(model, dist.reduce_mean(flat_gradients(model)))
 
 
 def saved(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -45,10 +45,14 @@ def planned_world_size(nodes: tuple[int, int], world: int, local_world: int) -> 
     return world if lo == hi else max(world, hi * local_world)
 
 
-def check_split(batch: int, planned_world: int) -> None:
-    """``ConfigError`` if ``batch`` does not split evenly over the ``planned_world`` ranks.
+def check_split(batch: int, planned_world: int) -> int:
+    """The per-rank batch; ``ConfigError`` if ``batch`` does not split evenly over the ``planned_world`` ranks.
+
+    Called where the run is planned (before any process starts) and by each training worker once its world has
+    formed (under torchrun, or resuming a checkpoint's batch, only the worker knows the planned world).
 
     >>> check_split(16, 4)
+    4
     """
     if batch < 1 or batch % planned_world:
         up = max(planned_world, -(-batch // planned_world) * planned_world)
@@ -56,16 +60,16 @@ def check_split(batch: int, planned_world: int) -> None:
             f"batch={batch} does not split evenly over the {planned_world} workers this run is planned "
             f"for; use a multiple of {planned_world}, e.g. {up}"
         )
+    return batch // planned_world
 
 
 def batch_plan(batch: int, nbs: int, world: int, planned_world: int) -> BatchPlan:
-    """The plan for ``world`` ranks of a run planned for ``planned_world``; ``ConfigError`` if ``batch`` does not
-    split evenly over the planned world (:func:`check_split`).
+    """The plan for ``world`` ranks of a run planned for ``planned_world``, whose ranks split ``batch`` evenly
+    (:func:`check_split` said so before anything loaded).
 
     >>> batch_plan(batch=16, nbs=64, world=2, planned_world=2)
     BatchPlan(local_batch=8, step_images=16, accumulate=4, update_images=64, planned_world=2)
     """
-    check_split(batch, planned_world)
     local = batch // planned_world
     update_images = batch * max(round(nbs / batch), 1)
     step_images = local * world

@@ -83,8 +83,8 @@ class MidEpoch:
         """Write ``mid.pt`` for the state after batch ``i`` of ``epoch`` (a collective: call on every rank)."""
         pending = accumulation.pending_batches(epoch * trainer.nb + i, trainer.last_update) > 0
         if pending and dist.is_distributed():
-            bare = unwrap(trainer.model)  # collective: one all-reduce of the waiting gradients, as at an epoch's end
-            accumulation.load_flat_gradients(bare, dist.reduce_mean(accumulation.flat_gradients(bare)))
+            # collective: one all-reduce of the waiting gradients, as at an epoch's end
+            accumulation.average_over_ranks(unwrap(trainer.model))
         trainer.per_rank = gather_per_rank(trainer.model, trainer.ema.ema)  # collective: what differs by rank
         if dist.is_main():
             state = trainer.checkpoint_state(epoch - 1, {}, pending)

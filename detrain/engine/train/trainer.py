@@ -13,7 +13,6 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -26,7 +25,7 @@ from detrain.data.prepare import build_train_loader, build_val_loader, load_spli
 from detrain.distributed import dist
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
-from detrain.engine.build import build_model, increment_run_dir, set_cpu_threads
+from detrain.engine.build import agree_run_dir, build_model, set_cpu_threads
 from detrain.engine.evaluate.validator import validate
 from detrain.engine.telemetry import epoch_stats, run_trace
 from detrain.engine.telemetry.epoch_monitor import EpochMonitor
@@ -84,13 +83,8 @@ class Trainer:
         check_split(cfg.train.batch, self.planned_world)
         self.device = torch.device(world.device)  # the launcher's choice for this rank (World.device)
         set_cpu_threads(self.device, world.local_world_size)
-        # rank 0 decides (other nodes may not know the folder the launching node picked)
-        save_dir = dist.broadcast_object(
-            str(save_dir or increment_run_dir(cfg.output.project, cfg.output.name, "train", cfg.output.exist_ok))
-            if self.main
-            else None
-        )
-        self.save_dir = Path(save_dir)
+        # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
+        self.save_dir = agree_run_dir(cfg.output, "train", save_dir, self.main)
         self.wdir = self.save_dir / "weights"
         self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device)  # save_interval: mid.pt
 
@@ -408,8 +402,8 @@ class Trainer:
             warnings.simplefilter("ignore", UserWarning)  # LambdaLR computes from the epoch, so nothing is lost
             self.scheduler.step()
         if self._gradients_wait(epoch) and self.world.distributed:
-            bare = unwrap(self.model)  # collective: the waiting gradients averaged over the ranks (one all-reduce)
-            accumulation.load_flat_gradients(bare, dist.reduce_mean(accumulation.flat_gradients(bare)))
+            # collective: the waiting gradients averaged over the ranks (one all-reduce)
+            accumulation.average_over_ranks(unwrap(self.model))
         epoch_time = time.perf_counter() - t0
         speed = self._speed(epoch, n_images, epoch_time, step_times)
         losses = {f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())}
