@@ -22,8 +22,9 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -36,6 +37,9 @@ from detrain.distributed.launch_failures import describe_failure, explained, is_
 from detrain.distributed.master_store import host_store
 from detrain.distributed.world import DEVICE_ENV, LAUNCHER_ENV, World
 from detrain.errors import DistributedError
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 __all__ = ["DeviceKind", "DevicePlan", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
 
@@ -107,17 +111,61 @@ def launch(
     world = World.from_env() if world is None else world
     transport = netif.ifname_env(netif.check_ifname(socket_ifname)) if socket_ifname else {}
     if world.launched or (plan.nprocs == 1 and hi == 1):
-        try:
-            with _worker_env(plan, world), _environ(transport):
-                return entry(args)
-        finally:
-            dist.cleanup()  # launch owns the group's lifetime, as it does in spawned workers
-
+        return _call_here(entry, args, plan, world, transport)
     rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)  # the arguments, before listening
     check_entry(entry)
     if max_restarts < 0:
         raise DistributedError(f"max_restarts={max_restarts} must be >= 0")
+    rdzv = _meet_nodes(
+        (lo, hi), node_rank, master_addr, master_port, rdzv_backend, run_id, run_args, start_timeout, connect_timeout
+    )
+    return _launch_workers(entry, args, plan, rdzv, transport, run_id, max_restarts, monitor_interval, start_timeout)
+
+
+@dataclass(frozen=True)
+class _Rendezvous:
+    """Where and how this node's launcher meets the others: torch's rendezvous settings for its agent, and on
+    node 0 the store that serves them (held for the whole launch)."""
+
+    nodes: tuple[int, int]  # (MIN, MAX) nodes
+    node_rank: int
+    master_addr: str
+    master_port: int  # the store's port (picked here when 0 was asked for)
+    backend: str  # static or c10d
+    endpoint: str
+    configs: dict[str, Any]
+    local_addr: str | None  # the address this node's workers' store listens on (see rendezvous_address)
+    store: torch.distributed.TCPStore | None = None  # node 0: the server torch's rendezvous uses (master_store.py)
+
+
+def _call_here(
+    entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: DevicePlan, world: World, env: dict[str, str]
+) -> T:
+    """``entry(args)`` in this process: one rank of a world torchrun or srun started, or the one worker."""
+    try:
+        with _worker_env(plan, world), _environ(env):
+            return entry(args)
+    finally:
+        dist.cleanup()  # launch owns the group's lifetime, as it does in spawned workers
+
+
+def _meet_nodes(
+    nodes: tuple[int, int],
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    rdzv_backend: str | None,
+    run_id: str,
+    run_args: dict[str, Any] | None,
+    start_timeout: float,
+    connect_timeout: float,
+) -> _Rendezvous:
+    """Node 0 hosts the rendezvous store and the run's identity (and with a fixed node count waits for every node
+    to come); another node waits until the store is reachable and joins with its run id. Then the settings torch's
+    rendezvous gets, the same on every node."""
+    lo, hi = nodes
     where = netif.listen_address(master_addr, whole_world_here=hi == 1)
+    store = None
     if node_rank == 0:
         # Held for the whole launch: torch's rendezvous asks for a multi-tenant server on this port and gets this
         # one, listening only on the master's address (see detrain.distributed.master_store).
@@ -139,45 +187,41 @@ def launch(
             start_timeout_s=start_timeout,
         )
         local_addr = netif.route_source(where) if where else None
-    backend, endpoint, rdzv_configs = rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)
+    backend, endpoint, configs = rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)
     if backend == "c10d":
         local_addr = rendezvous_address(local_addr, node_rank, hi)
+    return _Rendezvous(nodes, node_rank, master_addr, master_port, backend, endpoint, configs, local_addr, store)
 
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+
+def _launch_workers(
+    entry: Callable[[dict[str, Any]], T],
+    args: dict[str, Any],
+    plan: DevicePlan,
+    rdzv: _Rendezvous,
+    transport: dict[str, str],
+    run_id: str,
+    max_restarts: int,
+    monitor_interval: float,
+    start_timeout: float,
+) -> T | None:
+    """torch's elastic agent starts ``plan``'s workers on this node; rank 0's result, or a DistributedError of one
+    line. The caller's signal handlers come back afterwards, and the agent's logs show only when they add to it."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     # Elastic keeps per-attempt error files in a log folder; ours goes away with the launch (torch's
     # default would leave a torchelastic_* folder in /tmp per run). The failures are parsed before that.
     log_dir = tempfile.TemporaryDirectory(prefix="detrain_elastic_")
-    config = LaunchConfig(
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir.name),
-        min_nodes=lo,
-        max_nodes=hi,
-        nproc_per_node=plan.nprocs,
-        run_id=run_id,
-        local_addr=local_addr,  # c10d: the workers' store listens there (MASTER_ADDR), not on the FQDN's address
-        role="detrain",
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        rdzv_configs=rdzv_configs,
-        rdzv_timeout=int(start_timeout),
-        max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
-        start_method="spawn",  # fork would copy CUDA state and the caller's threads
-    )
+    config = _launch_config(plan, rdzv, run_id, max_restarts, monitor_interval, start_timeout, log_dir.name)
     threads = cpu_threads_per_worker(plan.nprocs)
-    # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
-    # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
-    env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
-    env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
+    (lo, hi), node_rank, endpoint = rdzv.nodes, rdzv.node_rank, rdzv.endpoint
     with (
         log_dir,
         _restore_signal_handlers(),
-        _environ(env),
+        _environ(_workers_environ(transport, rdzv.backend)),
         _held_elastic_logs() as held,
-        ended_together(master_addr, master_port, node_rank, lo, hi),
+        ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi),
     ):  # several nodes end as one
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
@@ -195,6 +239,46 @@ def launch(
             raise DistributedError(f"could not form the group at {endpoint} (node_rank={node_rank}): {cause}") from None
     result: T | None = results.get(0)
     return result
+
+
+def _launch_config(
+    plan: DevicePlan,
+    rdzv: _Rendezvous,
+    run_id: str,
+    max_restarts: int,
+    monitor_interval: float,
+    start_timeout: float,
+    log_dir: str,
+) -> LaunchConfig:
+    """torch's description of this node's part: ``plan.nprocs`` spawned workers, the rendezvous, the restarts."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        min_nodes=rdzv.nodes[0],
+        max_nodes=rdzv.nodes[1],
+        nproc_per_node=plan.nprocs,
+        run_id=run_id,
+        local_addr=rdzv.local_addr,  # c10d: the workers' store listens there (MASTER_ADDR), not on the FQDN's address
+        role="detrain",
+        rdzv_backend=rdzv.backend,
+        rdzv_endpoint=rdzv.endpoint,
+        rdzv_configs=rdzv.configs,
+        rdzv_timeout=int(start_timeout),
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method="spawn",  # fork would copy CUDA state and the caller's threads
+    )
+
+
+def _workers_environ(transport: dict[str, str], backend: str) -> dict[str, str]:
+    """What the spawned workers inherit: the transport's interface, and that detrain's launcher started them."""
+    # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
+    # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
+    env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
+    env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
+    return env
 
 
 def rendezvous_address(local_addr: str | None, node_rank: int, max_nodes: int) -> str:

@@ -223,39 +223,13 @@ def load_coco_annotations(
     data = _read_json(path)
     if not isinstance(data, dict) or not {"images", "annotations", "categories"} <= data.keys():
         raise DatasetError(f"{path}: COCO annotations need 'images', 'annotations' and 'categories' keys")
-    images: list[dict[str, Any]] = []
-    for i, im in enumerate(data["images"]):
-        if not isinstance(im, dict) or "id" not in im:
-            raise DatasetError(f"{path}: images[{i}] needs an 'id', got {im!r}")
-        images.append(
-            {
-                "id": _int(im["id"], f"{path}: images[{i}].id"),
-                "file_name": im.get("file_name", ""),
-                "width": im.get("width"),
-                "height": im.get("height"),
-            }
-        )
-    categories: list[dict[str, Any]] = []
-    for i, c in enumerate(data["categories"]):
-        if not isinstance(c, dict) or "id" not in c:
-            raise DatasetError(f"{path}: categories[{i}] needs an 'id', got {c!r}")
-        categories.append({"id": _int(c["id"], f"{path}: categories[{i}].id"), "name": str(c.get("name", c["id"]))})
+    images, categories = _coco_images(data["images"], path), _coco_categories(data["categories"], path)
     image_ids = {im["id"] for im in images}
     category_ids = {c["id"] for c in categories}
     rows: dict[int, list[tuple[list[float], int, float, bool, int]]] = {i: [] for i in image_ids}
     for i, a in enumerate(data["annotations"]):
-        where = f"{path}: annotations[{i}]"
-        if not isinstance(a, dict) or not {"image_id", "category_id", "bbox"} <= a.keys():
-            raise DatasetError(f"{where}: needs image_id, category_id and bbox, got {a!r}")
-        img, cat = _int(a["image_id"], f"{where}.image_id"), _int(a["category_id"], f"{where}.category_id")
-        if img not in image_ids:
-            raise DatasetError(f"{where}: image_id {img} is not among the images")
-        if cat not in category_ids:
-            raise DatasetError(f"{where}: category_id {cat} is not among the categories {sorted(category_ids)}")
-        box = _box(a["bbox"], f"{where}.bbox")
-        area = _number(a["area"], f"{where}.area") if "area" in a else box[2] * box[3]
-        ann_id = _int(a["id"], f"{where}.id") if "id" in a else -1
-        rows[img].append((box, cat, area, bool(a.get("iscrowd", 0)), ann_id))
+        img, row = _coco_annotation(a, f"{path}: annotations[{i}]", image_ids, category_ids)
+        rows[img].append(row)
     gts = {}
     for img, anns in rows.items():
         gts[img] = CocoGroundTruth(
@@ -266,6 +240,51 @@ def load_coco_annotations(
             ids=np.array([r[4] for r in anns], np.int64),
         )
     return images, gts, categories
+
+
+def _coco_images(items: Any, path: str | Path) -> list[dict[str, Any]]:
+    """The ``images`` of a COCO annotation file: id (required), file_name, width and height."""
+    images: list[dict[str, Any]] = []
+    for i, im in enumerate(items):
+        if not isinstance(im, dict) or "id" not in im:
+            raise DatasetError(f"{path}: images[{i}] needs an 'id', got {im!r}")
+        images.append(
+            {
+                "id": _int(im["id"], f"{path}: images[{i}].id"),
+                "file_name": im.get("file_name", ""),
+                "width": im.get("width"),
+                "height": im.get("height"),
+            }
+        )
+    return images
+
+
+def _coco_categories(items: Any, path: str | Path) -> list[dict[str, Any]]:
+    """The ``categories`` of a COCO annotation file: id (required) and name (the id when missing)."""
+    categories: list[dict[str, Any]] = []
+    for i, c in enumerate(items):
+        if not isinstance(c, dict) or "id" not in c:
+            raise DatasetError(f"{path}: categories[{i}] needs an 'id', got {c!r}")
+        categories.append({"id": _int(c["id"], f"{path}: categories[{i}].id"), "name": str(c.get("name", c["id"]))})
+    return categories
+
+
+def _coco_annotation(
+    a: Any, where: str, image_ids: set[int], category_ids: set[int]
+) -> tuple[int, tuple[list[float], int, float, bool, int]]:
+    """(image id, (box ltwh, category id, area, iscrowd, annotation id)) of one annotation, checked against the
+    file's images and categories; a missing ``area`` is the box's ``w * h``, a missing ``id`` -1."""
+    if not isinstance(a, dict) or not {"image_id", "category_id", "bbox"} <= a.keys():
+        raise DatasetError(f"{where}: needs image_id, category_id and bbox, got {a!r}")
+    img, cat = _int(a["image_id"], f"{where}.image_id"), _int(a["category_id"], f"{where}.category_id")
+    if img not in image_ids:
+        raise DatasetError(f"{where}: image_id {img} is not among the images")
+    if cat not in category_ids:
+        raise DatasetError(f"{where}: category_id {cat} is not among the categories {sorted(category_ids)}")
+    box = _box(a["bbox"], f"{where}.bbox")
+    area = _number(a["area"], f"{where}.area") if "area" in a else box[2] * box[3]
+    ann_id = _int(a["id"], f"{where}.id") if "id" in a else -1
+    return img, (box, cat, area, bool(a.get("iscrowd", 0)), ann_id)
 
 
 def evaluate_coco_json(gt_path: str | Path, predictions_path: str | Path, max_dets: int = 100) -> DetMetrics:

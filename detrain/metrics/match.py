@@ -136,20 +136,8 @@ def match_image_coco(
         raise ValueError(f"detections disagree in length: {n} boxes, {len(scores)} scores, {len(dcls)} classes")
     if len(gcls) != m:
         raise ValueError(f"ground truth disagrees in length: {m} boxes, {len(gcls)} classes")
-    area = gt[:, 2] * gt[:, 3] if gt_area is None else _as_f64(gt_area).reshape(-1)
-    crowd = np.zeros(m, bool) if gt_crowd is None else _as_np(gt_crowd).reshape(-1).astype(bool)
-    counts = np.ones(m, bool) if gt_ids is None else _as_np(gt_ids).reshape(-1) != 0
-    if len(area) != m or len(crowd) != m or len(counts) != m:
-        raise ValueError(f"gt_area/gt_crowd/gt_ids must have one entry per ground truth box ({m})")
-
-    # Evaluation order: class by class, best score first; stable sorts keep the given order on ties.
-    order = np.argsort(-scores, kind="stable")
-    order = order[np.argsort(dcls[order], kind="stable")]
-    dcls_sorted = dcls[order]
-    first_of_class = np.searchsorted(dcls_sorted, dcls_sorted, side="left")
-    rank = np.arange(n) - first_of_class
-    keep = order[rank < max_dets]
-    rank = rank[rank < max_dets].astype(np.int32)
+    area, crowd, counts = _gt_columns(gt, gt_area, gt_crowd, gt_ids)
+    keep, rank = _evaluation_order(scores, dcls, max_dets)
     det, scores, dcls = det[keep], scores[keep], dcls[keep]
 
     gt_ignored = crowd[:, None] | (area[:, None] < AREA_RANGES[:, 0]) | (area[:, None] > AREA_RANGES[:, 1])
@@ -170,6 +158,32 @@ def match_image_coco(
         gt_cls=gcls,
         gt_ignored=gt_ignored,
     )
+
+
+def _gt_columns(
+    gt: np.ndarray, gt_area: Any | None, gt_crowd: Any | None, gt_ids: Any | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(area, crowd, counts) of the ``gt`` boxes (ltwh): as given, or ``w * h``, none crowd, every one counted
+    (``counts``: False for an annotation of id 0, see :func:`match_image_coco`)."""
+    m = len(gt)
+    area = gt[:, 2] * gt[:, 3] if gt_area is None else _as_f64(gt_area).reshape(-1)
+    crowd = np.zeros(m, bool) if gt_crowd is None else _as_np(gt_crowd).reshape(-1).astype(bool)
+    counts = np.ones(m, bool) if gt_ids is None else _as_np(gt_ids).reshape(-1) != 0
+    if len(area) != m or len(crowd) != m or len(counts) != m:
+        raise ValueError(f"gt_area/gt_crowd/gt_ids must have one entry per ground truth box ({m})")
+    return area, crowd, counts
+
+
+def _evaluation_order(scores: np.ndarray, dcls: np.ndarray, max_dets: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices kept, rank within their class) of the detections in evaluation order: class by class, best score
+    first (stable sorts keep the given order on ties), at most ``max_dets`` of each class."""
+    order = np.argsort(-scores, kind="stable")
+    order = order[np.argsort(dcls[order], kind="stable")]
+    dcls_sorted = dcls[order]
+    first_of_class = np.searchsorted(dcls_sorted, dcls_sorted, side="left")
+    rank = np.arange(len(scores)) - first_of_class
+    keep = order[rank < max_dets]
+    return keep, rank[rank < max_dets].astype(np.int32)
 
 
 def coco_box_iou(det_ltwh: np.ndarray, gt_ltwh: np.ndarray, gt_crowd: np.ndarray | None = None) -> np.ndarray:

@@ -58,6 +58,15 @@ class SparseAssignment(NamedTuple):
     gt_idx: Tensor
 
 
+class _RealBoxes(NamedTuple):
+    """The V real boxes of a padded batch (V of its B * M slots): image, slot in M, class (long), xyxy corners."""
+
+    img: Tensor
+    slot: Tensor
+    labels: Tensor
+    xyxy: Tensor
+
+
 BoxesAt = Callable[[Tensor, Tensor], Tensor]
 """``boxes(img, anchor) -> (K, 4)`` predicted xyxy boxes in pixels at K (image, anchor) index pairs."""
 
@@ -204,38 +213,40 @@ class TaskAlignedAssigner:
         p_row, p_slot = candidates.gather(-1, topk_idx).nonzero(as_tuple=True)
         p_anchor = topk_idx[p_row, p_slot]
 
-        # an anchor claimed by several boxes goes to the box its prediction overlaps most among *all* the boxes
-        # it is a candidate of (the lowest box index among equals), even one whose top-k did not pick it
-        flat = v_img[p_row] * n + p_anchor
-        claims = torch.bincount(flat, minlength=b * n)
-        single = claims[flat] == 1
-        a_row, a_anchor = p_row[single], p_anchor[single]
-        contested = (claims > 1).nonzero(as_tuple=True)[0]
-        if contested.numel():
-            flat_c = img * n + anchor  # every candidate pair
-            best = iou.new_full((b * n,), -1.0).scatter_reduce_(0, flat_c, iou, "amax")
-            top = (iou == best[flat_c]) & (claims[flat_c] > 1)
-            winner = row.new_full((b * n,), v).scatter_reduce_(0, flat_c[top], row[top], "amin")
-            a_row = torch.cat((a_row, winner[contested]))
-            a_anchor = torch.cat((a_anchor, contested % n))
-        a_img = v_img[a_row]
+        a_row, a_anchor = _one_box_per_anchor(p_row, p_anchor, v_img, row, img * n + anchor, iou, b, n)
         a_metric, a_iou = align_metric[a_row, a_anchor], overlaps[a_row, a_anchor]
 
         # normalise per box: its best-aligned anchor gets the box's best overlap
         max_metric = a_metric.new_zeros(v).scatter_reduce_(0, a_row, a_metric, "amax")
         max_iou = a_iou.new_zeros(v).scatter_reduce_(0, a_row, a_iou, "amax")
         norm_align = a_metric * max_iou[a_row] / (max_metric[a_row] + self.eps)
+        real = _RealBoxes(v_img, v_box, v_labels, v_boxes)
+        return self._targets((b, n), real, a_row, a_anchor, norm_align, gt_bboxes_xyxy, pd_scores.dtype)
 
+    def _targets(
+        self,
+        shape: tuple[int, int],
+        real: _RealBoxes,
+        a_row: Tensor,
+        a_anchor: Tensor,
+        a_score: Tensor,
+        gt_bboxes_xyxy: Tensor,
+        score_dtype: torch.dtype,
+    ) -> SparseAssignment:
+        """The (B, N) targets of the assigned pairs (``a_row`` of the real boxes, ``a_anchor``): their box's slot,
+        class, corners and ``a_score`` (the normalised alignment); background everywhere else."""
+        (b, n), device = shape, a_score.device  # pd_scores': the alignment was computed there
+        a_img = real.img[a_row]
         fg_mask = torch.zeros(b, n, dtype=torch.bool, device=device)
         fg_mask[a_img, a_anchor] = True
         gt_idx = torch.zeros(b, n, dtype=torch.long, device=device)
-        gt_idx[a_img, a_anchor] = v_box[a_row]
+        gt_idx[a_img, a_anchor] = real.slot[a_row]
         target_labels = torch.full((b, n), self.num_classes, dtype=torch.long, device=device)
-        target_labels[a_img, a_anchor] = v_labels[a_row]
+        target_labels[a_img, a_anchor] = real.labels[a_row]
         target_bboxes = gt_bboxes_xyxy.new_zeros(b, n, 4)
-        target_bboxes[a_img, a_anchor] = v_boxes[a_row]
-        target_score = torch.zeros(b, n, dtype=pd_scores.dtype, device=device)
-        target_score[a_img, a_anchor] = norm_align.to(pd_scores.dtype)
+        target_bboxes[a_img, a_anchor] = real.xyxy[a_row]
+        target_score = torch.zeros(b, n, dtype=score_dtype, device=device)
+        target_score[a_img, a_anchor] = a_score.to(score_dtype)
         return SparseAssignment(target_labels, target_bboxes, target_score, fg_mask, gt_idx)
 
     def _background(
@@ -249,3 +260,24 @@ class TaskAlignedAssigner:
             torch.zeros(b, n, dtype=torch.bool, device=device),
             torch.zeros(b, n, dtype=torch.long, device=device),
         )
+
+
+def _one_box_per_anchor(
+    p_row: Tensor, p_anchor: Tensor, v_img: Tensor, row: Tensor, flat_c: Tensor, iou: Tensor, b: int, n: int
+) -> tuple[Tensor, Tensor]:
+    """(box row, anchor) of every assigned pair, from the top-k picks (``p_row``, ``p_anchor``) of the V boxes
+    (``v_img``: each box's image). An anchor picked by several boxes goes to the box its prediction overlaps most
+    among *all* the boxes it is a candidate of (the lowest box index among equals), even one whose top-k did not
+    pick it; ``row``, ``flat_c`` (image * N + anchor) and ``iou`` are every candidate pair's."""
+    flat = v_img[p_row] * n + p_anchor
+    claims = torch.bincount(flat, minlength=b * n)
+    single = claims[flat] == 1
+    a_row, a_anchor = p_row[single], p_anchor[single]
+    contested = (claims > 1).nonzero(as_tuple=True)[0]
+    if contested.numel():
+        best = iou.new_full((b * n,), -1.0).scatter_reduce_(0, flat_c, iou, "amax")
+        top = (iou == best[flat_c]) & (claims[flat_c] > 1)
+        winner = row.new_full((b * n,), v_img.shape[0]).scatter_reduce_(0, flat_c[top], row[top], "amin")
+        a_row = torch.cat((a_row, winner[contested]))
+        a_anchor = torch.cat((a_anchor, contested % n))
+    return a_row, a_anchor

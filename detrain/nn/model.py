@@ -169,6 +169,7 @@ def _upsample(args: list) -> nn.Upsample:
 _MODULE_NAMES = {"Conv", "C2f", "SPPF", "Upsample", "nn.Upsample", "Concat", "Detect"}
 
 
+# long: the yaml's module table, one branch per layer kind; to split into per-kind builders as kinds join
 def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn.Sequential, set[int], list[float]]:
     """Turn the yaml's backbone + head into layers -> (Sequential, indices whose output is reused, strides).
 

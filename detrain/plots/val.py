@@ -197,17 +197,7 @@ def plot_images(
         if scale != 1.0:
             tile = cv2.resize(tile, (tw, th), interpolation=cv2.INTER_AREA)
         xyxy, cls, scores = boxes[i] if i < len(boxes) else (np.zeros((0, 4)), np.zeros(0, np.int64), None)
-        for j, (box, c) in enumerate(
-            zip(np.asarray(xyxy, np.float64).reshape(-1, 4) * scale, np.asarray(cls).reshape(-1).astype(int))
-        ):
-            color = class_color(c)
-            p1, p2 = (int(box[0]), int(box[1])), (int(box[2]), int(box[3]))
-            cv2.rectangle(tile, p1, p2, color, thickness, cv2.LINE_AA)
-            label = _name(names, c) + (f" {float(scores[j]):.2f}" if scores is not None else "")
-            (lw, lh), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, font, 1)
-            top = max(p1[1] - lh - base, 0)
-            cv2.rectangle(tile, (p1[0], top), (p1[0] + lw, top + lh + base), color, -1)
-            cv2.putText(tile, label, (p1[0], top + lh), cv2.FONT_HERSHEY_SIMPLEX, font, (255, 255, 255), 1, cv2.LINE_AA)
+        _draw_boxes(tile, np.asarray(xyxy, np.float64).reshape(-1, 4) * scale, cls, scores, names, thickness, font)
         cv2.rectangle(tile, (0, 0), (tw - 1, th - 1), (255, 255, 255), max(1, thickness // 2))
         if im_files is not None and i < len(im_files):
             cv2.putText(
@@ -226,6 +216,27 @@ def plot_images(
     if not cv2.imwrite(str(path), canvas, [cv2.IMWRITE_JPEG_QUALITY, 90]):
         raise OSError(f"cannot write {path}")
     return path
+
+
+def _draw_boxes(
+    tile: np.ndarray,
+    xyxy: np.ndarray,
+    cls: np.ndarray,
+    scores: np.ndarray | None,
+    names: Names,
+    thickness: int,
+    font: float,
+) -> None:
+    """Draw corner boxes (n, 4) in ``tile``'s pixels on it, each with its class name (and score) on a label."""
+    for j, (box, c) in enumerate(zip(xyxy, np.asarray(cls).reshape(-1).astype(int))):
+        color = class_color(c)
+        p1, p2 = (int(box[0]), int(box[1])), (int(box[2]), int(box[3]))
+        cv2.rectangle(tile, p1, p2, color, thickness, cv2.LINE_AA)
+        label = _name(names, c) + (f" {float(scores[j]):.2f}" if scores is not None else "")
+        (lw, lh), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, font, 1)
+        top = max(p1[1] - lh - base, 0)
+        cv2.rectangle(tile, (p1[0], top), (p1[0] + lw, top + lh + base), color, -1)
+        cv2.putText(tile, label, (p1[0], top + lh), cv2.FONT_HERSHEY_SIMPLEX, font, (255, 255, 255), 1, cv2.LINE_AA)
 
 
 def _figure() -> tuple[Figure, Axes]:

@@ -178,6 +178,12 @@ def parse_labels(text: str, nc: int) -> ParsedLabels:
         if problem is not None:
             return _unusable(f"line {lineno}: {problem}", notes)
         rows.append([c, *box])
+    return _tidy_rows(rows, notes)
+
+
+def _tidy_rows(rows: list[list[float]], notes: list[str]) -> ParsedLabels:
+    """The parsed rows (class, box) of a label file, boxes clipped to the image, zero-size boxes and duplicate rows
+    removed, each change said in ``notes``."""
     if not rows:
         return ParsedLabels(_none(), _none4(), None, notes)
     arr = np.array(rows, np.float64)

@@ -201,6 +201,8 @@ def _run(
     half: bool,
     save_dir: Path | None,
 ) -> Generator[Results, None, None]:
+    """The loop of :func:`stream_predict`: batches of pictures through ``net``, one :class:`Results` per picture,
+    written to ``save_dir`` (kept whole when the caller stops early) with a line each when verbose."""
     conf = PREDICT_CONF if cfg.predict.conf is None else cfg.predict.conf
     stride = max(int(getattr(net, "stride", torch.tensor([32.0])).max()), 32)
     show: Callable[[str], None] = say if cfg.output.verbose else (lambda text: None)
@@ -217,32 +219,11 @@ def _run(
     try:
         for batch in batches(read_frames(src, warn=say), cfg.train.batch, cfg.inputs.imgsz, stride):
             start = time.perf_counter()
-            dets = infer(
-                net,
-                [img for _, img, _, _ in batch],
-                device,
-                half,
-                conf,
-                cfg.predict.iou,
-                cfg.predict.max_det,
-                cfg.inputs.classes,
-                cfg.predict.agnostic_nms,
-            )
+            dets = _infer_batch(cfg, net, batch, device, half, conf)
             elapsed = time.perf_counter() - start
             seconds += elapsed
             for (frame, _, gain, pad), det in zip(batch, dets):
-                scale_boxes_to_original(det[:, :4], gain, pad, frame.image.shape[:2])
-                d = det.numpy()
-                result = Results(
-                    frame.item.name,
-                    frame.index,
-                    frame.image.shape[:2],
-                    d[:, :4].copy(),
-                    d[:, 4].copy(),
-                    d[:, 5].astype(np.int64),
-                    dict(names),
-                    frame.image,
-                )
+                result = _result(frame, det, gain, pad, names)
                 if writer is not None:
                     writer.add(frame, result)
                 count += 1
@@ -270,6 +251,39 @@ def _run(
             )
         if save_dir is not None and save_dir.exists():
             say(f"results in {save_dir}")
+
+
+def _infer_batch(
+    cfg: Cfg, net: nn.Module, batch: Batch, device: torch.device, half: bool, conf: float
+) -> list[torch.Tensor]:
+    """The detections of a batch of letterboxed pictures, (n, 6) each on the letterboxed size, after NMS."""
+    return infer(
+        net,
+        [img for _, img, _, _ in batch],
+        device,
+        half,
+        conf,
+        cfg.predict.iou,
+        cfg.predict.max_det,
+        cfg.inputs.classes,
+        cfg.predict.agnostic_nms,
+    )
+
+
+def _result(frame: Frame, det: torch.Tensor, gain: float, pad: tuple[int, int], names: dict[int, str]) -> Results:
+    """One picture's :class:`Results`, its boxes scaled back from the letterbox to the picture (in place)."""
+    scale_boxes_to_original(det[:, :4], gain, pad, frame.image.shape[:2])
+    d = det.numpy()
+    return Results(
+        frame.item.name,
+        frame.index,
+        frame.image.shape[:2],
+        d[:, :4].copy(),
+        d[:, 4].copy(),
+        d[:, 5].astype(np.int64),
+        dict(names),
+        frame.image,
+    )
 
 
 def _where(frame: Frame, index: int, total: int) -> str:

@@ -9,11 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP (or the model itself)."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model
+from detrain.distributed.parallel import unwrap
 
 
 class ModelEMA:

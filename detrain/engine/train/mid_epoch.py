@@ -8,10 +8,11 @@ augmentation draws from (seed, epoch, index)), and the epoch's running losses go
 epoch ends, ``last.pt`` supersedes it and it is removed. Written atomically, like every checkpoint.
 
 When to save is read on rank 0's clock and shared with one all-reduce of one number after each step (only when
-``save_interval`` > 0), because every rank must save at the same step: saving needs collectives. Gradients still
-waiting for an update are averaged over the ranks first, as at an epoch's end
-(:mod:`detrain.engine.train.accumulation`),
-and what differs between ranks (random generators, BatchNorm statistics) is gathered. Under elastic
+``save_interval`` > 0, :meth:`MidEpoch.due`), because every rank must save at the same step: saving needs
+collectives. The trainer then makes the checkpoint, as at an epoch's end: gradients still waiting for an update
+averaged over the ranks (:mod:`detrain.engine.train.accumulation`), what differs between ranks (random generators,
+BatchNorm statistics) gathered; :meth:`MidEpoch.save` adds where the epoch stands and writes it. This module never
+sees the trainer: it is told the batch, the plan's step and the running losses. Under elastic
 membership a mid-epoch checkpoint of another world size continues at the batch of this run's plan that its images
 reach (a few images may be seen twice).
 """
@@ -25,15 +26,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrain.distributed import dist
-from detrain.engine.train import accumulation
-from detrain.engine.train.ema import unwrap
-from detrain.engine.train.resume_state import MID, gather_per_rank
+from detrain.engine.train.resume_state import MID
 from detrain.weights.checkpoint import save_checkpoint
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
-
-    from detrain.engine.train.trainer import Trainer
 
 
 class MidEpoch:
@@ -69,32 +66,28 @@ class MidEpoch:
             loader.batch_sampler.start_at(first)  # type: ignore[union-attr]
         return first, items.to(self.device), images
 
-    def after_batch(self, trainer: Trainer, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
-        """After batch ``i`` of ``epoch`` (every rank): save ``mid.pt`` when rank 0's clock says it is time."""
-        if not self.enabled or i + 1 >= trainer.nb:  # the epoch's end saves last.pt right after this batch
-            return
+    def due(self, i: int, nb: int) -> bool:
+        """After batch ``i`` of ``nb`` (every rank, collective when enabled): whether ``mid.pt`` is to be saved now,
+        as rank 0's clock says. Never after an epoch's last batch: ``last.pt`` is saved right after it."""
+        if not self.enabled or i + 1 >= nb:
+            return False
         mine = dist.is_main() and time.monotonic() - self.last_save >= self.interval_s
-        if not dist.all_reduce_sum(torch.tensor([float(mine)], device=self.device)).item():
-            return
-        self.save(trainer, epoch, i, mean_items, n_images)
-        self.last_save = time.monotonic()
+        return bool(dist.all_reduce_sum(torch.tensor([float(mine)], device=self.device)).item())
 
-    def save(self, trainer: Trainer, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
-        """Write ``mid.pt`` for the state after batch ``i`` of ``epoch`` (a collective: call on every rank)."""
-        pending = accumulation.pending_batches(epoch * trainer.nb + i, trainer.last_update) > 0
-        if pending and dist.is_distributed():
-            # collective: one all-reduce of the waiting gradients, as at an epoch's end
-            accumulation.average_over_ranks(unwrap(trainer.model))
-        trainer.per_rank = gather_per_rank(trainer.model, trainer.ema.ema)  # collective: what differs by rank
-        if dist.is_main():
-            state = trainer.checkpoint_state(epoch - 1, {}, pending)
+    def save(
+        self, state: dict[str, Any] | None, i: int, step_images: int, mean_items: torch.Tensor, n_images: int
+    ) -> None:
+        """Write ``mid.pt``: ``state`` (the run's checkpoint after batch ``i``, which rank 0 alone gives; None on the
+        other ranks) with where the epoch stands; the clock starts again on every rank."""
+        if state is not None:
             state["mid_epoch"] = {
                 "next_batch": i + 1,
-                "step_images": int(trainer.plan.step_images),
+                "step_images": int(step_images),
                 "mean_items": mean_items.detach().float().cpu(),
                 "n_images": int(n_images),
             }
             save_checkpoint(state, self.path)
+        self.last_save = time.monotonic()
 
     def epoch_done(self) -> None:
         """Rank 0, once ``last.pt`` holds the finished epoch: the epoch's ``mid.pt`` is superseded."""

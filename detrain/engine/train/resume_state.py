@@ -45,9 +45,9 @@ from torch import nn
 from detrain.config.cfg import LAUNCH_KEYS, Cfg, make_cfg
 from detrain.data.memory.process_owner import start_ticks
 from detrain.distributed import dist
+from detrain.distributed.parallel import sync_buffers_next_forward, unwrap
 from detrain.distributed.world import World
 from detrain.engine.train import run_record
-from detrain.engine.train.ema import unwrap
 from detrain.engine.train.reproduce import find_resume_checkpoint, rng_state
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
@@ -247,8 +247,7 @@ def restore_rank_state(model: nn.Module, ema: nn.Module, ckpt: dict[str, Any], r
     mine = (ckpt.get("buffers_per_rank") or {}).get(str(rank)) or {}
     _copy_into(unwrap(model), mine.get("model") or {})
     _copy_into(ema, mine.get("ema") or {})
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model.require_forward_param_sync = _updated_last(ckpt)
+    sync_buffers_next_forward(model, _updated_last(ckpt))
 
 
 def may_host_rank0(world: World, node_rank: int) -> bool:

@@ -7,7 +7,6 @@ Usage (a training run, so not run as a test): ``metrics = Trainer(make_cfg({"dat
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import time
@@ -22,7 +21,8 @@ from torch import nn
 from detrain.config.cfg import Cfg
 from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
-from detrain.distributed import dist
+from detrain.distributed import dist, parallel
+from detrain.distributed.parallel import unwrap
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
 from detrain.engine.build import agree_run_dir, build_model, set_cpu_threads
@@ -32,7 +32,7 @@ from detrain.engine.telemetry.epoch_monitor import EpochMonitor
 from detrain.engine.train import accumulation, freeze, optim, pretrained, resume_state, time_budget
 from detrain.engine.train.batch_plan import batch_plan, check_split, planned_world_size
 from detrain.engine.train.callbacks import CallbackFn, Callbacks
-from detrain.engine.train.ema import ModelEMA, unwrap
+from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.mid_epoch import MidEpoch
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
@@ -156,15 +156,29 @@ class Trainer:
         )
 
     def _setup(self) -> None:
-        cfg = self.cfg
-        seed_everything(cfg.train.seed + self.rank, cfg.train.deterministic)
-        self.data = load_split(cfg.inputs.data, "train", cfg)
-        self.val_data = load_split(cfg.inputs.data, "val", cfg)
+        """The run's pieces, each step using those before it (and drawing on the generators seeded here)."""
+        seed_everything(self.cfg.train.seed + self.rank, self.cfg.train.deterministic)
+        self._load_data()  # the splits, their classes
+        total_iters = self._plan_batches()  # self.plan: images per update (optimizer=auto's), accumulation
+        self._build_model()  # start, frozen or resumed weights on the device; the EMA
+        self._make_parallel()  # collective: every rank trains rank 0's weights
+        self._build_loaders()  # collective: a barrier once every node's data is ready
+        opt_name, weight_decay = self._build_optimizer(total_iters)  # and the lr schedule
+        self._choose_precision()  # AMP's dtype and the gradient scaler
+        self._build_loss()
+        self._start_point()  # epoch 0, or where a resumed checkpoint stands
+        self._say_recipe(opt_name, weight_decay)
+
+    def _load_data(self) -> None:
+        """The train and val splits of the dataset yaml, and its classes."""
+        self.data = load_split(self.cfg.inputs.data, "train", self.cfg)
+        self.val_data = load_split(self.cfg.inputs.data, "val", self.cfg)
         self.nc, self.names = self.data.nc, self.data.names
-        model, _ = build_model(
-            cfg.inputs.model, nc=self.nc, names=self.names, verbose=self.main, weights_sha256=cfg.inputs.weights_sha256
-        )
-        # the recipe: optimizer=auto's choice, and from it how many images an update gathers (nbs=auto)
+
+    def _plan_batches(self) -> int:
+        """The batch plan (:func:`detrain.engine.train.batch_plan.batch_plan`): ``optimizer=auto``'s choice, and
+        from it how many images an update gathers (``nbs=auto``); returns the updates ``optimizer=auto`` counts."""
+        cfg = self.cfg
         total_iters = optim.planned_updates(cfg, len(self.data.records))
         opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
         self.plan = batch_plan(
@@ -173,38 +187,47 @@ class Trainer:
             self.world.world_size,
             self.planned_world,
         )
-        if self.resume_ckpt is None:  # pretrained=: a fresh init, or a file's matching layers (pretrained.py)
+        return total_iters
+
+    def _build_model(self) -> None:
+        """The model on this rank's device with its starting weights (pretrained=: a fresh init, or a file's
+        matching layers), or a resumed run's own; frozen layers (freeze=) before the optimizer and DDP see them;
+        its EMA."""
+        cfg = self.cfg
+        model, _ = build_model(
+            cfg.inputs.model, nc=self.nc, names=self.names, verbose=self.main, weights_sha256=cfg.inputs.weights_sha256
+        )
+        if self.resume_ckpt is None:
             model = pretrained.start_weights(model, cfg, verbose=self.main)
-        frozen = freeze.freeze_layers(
-            model, cfg.train.freeze, verbose=self.main
-        )  # before the optimizer and DDP see them
+        frozen = freeze.freeze_layers(model, cfg.train.freeze, verbose=self.main)
         if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
             model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
-        self.model: nn.Module = model.to(self.device)  # DDP's wrapper around it, in a group
+        self.model: nn.Module = model.to(self.device)  # in a group, parallel.wrap's wrapper around it (_make_parallel)
         if self.device.type in ("cpu", "cuda"):
             self.model = _to_channels_last(self.model)
         self.ema = ModelEMA(self.model, fixed=freeze.parameter_names(model, frozen))
         if self.resume_ckpt is not None and self.resume_ckpt.get("ema"):
             self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
             self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
-        if self.world.distributed:
-            if cfg.distributed.sync_bn and self.device.type == "cpu":
-                # torch's SyncBatchNorm (and DDP with it) runs on GPUs only; gloo CPU workers sync through ours
-                from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
 
-                self.model = convert_sync_batchnorm_cpu(self.model)  # collective: an all-reduce per BatchNorm
-            elif cfg.distributed.sync_bn:
-                self.model = nn.SyncBatchNorm.convert_sync_batchnorm(self.model)  # collective: torch's, per BatchNorm
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights; DDP
-            # all-reduces the gradients in the backward pass of every batch that ends with an update (_step)
-            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids, gradient_as_bucket_view=True)
-            if self.resume_ckpt is None or not self.resume_ckpt.get("ema"):
-                # DDP gave every rank rank 0's weights; the EMA was copied earlier from this rank's own
-                # (seed + rank) init, so ranks > 0 would validate a slightly different model
-                self.ema.ema.load_state_dict(unwrap(self.model).state_dict())
-            if self.resume_ckpt is not None:  # each rank's own BatchNorm statistics, as they were
-                resume_state.restore_rank_state(self.model, self.ema.ema, self.resume_ckpt, self.rank)
+    def _make_parallel(self) -> None:
+        """In a group: the model wrapped for data parallelism (:func:`detrain.distributed.parallel.wrap`), which
+        gives every rank rank 0's weights; the EMA then follows them, and a resumed run gives each rank its own
+        BatchNorm statistics back."""
+        self.model = parallel.wrap(self.model, self.world, self.device, sync_bn=self.cfg.distributed.sync_bn)
+        if not self.world.distributed:
+            return
+        if self.resume_ckpt is None or not self.resume_ckpt.get("ema"):
+            # the EMA was copied earlier from this rank's own (seed + rank) init, so ranks > 0 would validate a
+            # slightly different model
+            self.ema.ema.load_state_dict(unwrap(self.model).state_dict())
+        if self.resume_ckpt is not None:  # each rank's own BatchNorm statistics, as they were
+            resume_state.restore_rank_state(self.model, self.ema.ema, self.resume_ckpt, self.rank)
+
+    def _build_loaders(self) -> None:
+        """This rank's train and val loaders; the batches per epoch and per update (a run shorter than one planned
+        update still steps: weight decay keeps the planned scaling)."""
+        cfg = self.cfg
         self.local_batch = self.plan.local_batch
         self.train_loader = build_train_loader(
             self.data, cfg, self.local_batch, self.rank, self.world.world_size, self.plan.planned_world
@@ -216,8 +239,12 @@ class Trainer:
         # timeout on a node that is still filling
         dist.barrier("training data ready on every node", cfg.distributed.prepare_timeout)
         self.nb = len(self.train_loader)
-        # a run shorter than one planned update still steps (weight decay keeps the planned scaling)
         self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.train.epochs)
+
+    def _build_optimizer(self, total_iters: int) -> tuple[str, float]:
+        """The optimizer over the bare model's parameters and the lr schedule; returns (optimizer name, weight
+        decay) for the recipe's line."""
+        cfg = self.cfg
         # as planned, whatever the world now; per image as given for nbs images
         weight_decay = cfg.train.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
@@ -227,12 +254,19 @@ class Trainer:
         self.momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # SGD or Adam(W)
         self.lf = optim.lr_lambda(cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
+        return opt_name, weight_decay
+
+    def _choose_precision(self) -> None:
+        """amp=true on CUDA: bfloat16 where the GPU has it, else float16 with a gradient scaler."""
         self.amp_dtype = None
-        if cfg.train.amp and self.device.type == "cuda":
+        if self.cfg.train.amp and self.device.type == "cuda":
             self.amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
-        bare = self._bare()
-        # the normaliser's all-reduce is the training step's own (_step)
+
+    def _build_loss(self) -> None:
+        """The detection loss for the model's head; the normaliser's all-reduce is the training step's own
+        (_step)."""
+        cfg, bare = self.cfg, self._bare()
         self.criterion = DetectionLoss(
             nc=self.nc,
             strides=bare.stride,
@@ -242,6 +276,9 @@ class Trainer:
             dfl=cfg.loss.dfl,
             world_size=self.world.world_size,
         )
+
+    def _start_point(self) -> None:
+        """Where the run starts: epoch 0 with nothing waiting, or where a resumed checkpoint stands (_restore)."""
         self.start_epoch = 0
         self.best_fitness: float | None = None
         self.epochs_without_improvement = 0
@@ -249,19 +286,23 @@ class Trainer:
         self.carried_grads: dict[str, torch.Tensor] | None = None  # a resumed run's waiting gradients
         if self.resume_ckpt is not None:
             self._restore(self.resume_ckpt)
-        if self.main:
-            plan, world_size = self.plan, self.world.world_size
+
+    def _say_recipe(self, opt_name: str, weight_decay: float) -> None:
+        """Rank 0's line on the optimizer and the batch plan, and one on an elastic world smaller than planned."""
+        if not self.main:
+            return
+        plan, world_size = self.plan, self.world.world_size
+        console.print(
+            f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
+            f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
+            f"images; {world_size} worker(s) on {self.device.type}"
+        )
+        if plan.planned_world != world_size:
             console.print(
-                f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
-                f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
-                f"images; {world_size} worker(s) on {self.device.type}"
+                f"elastic: {world_size} of the {plan.planned_world} planned workers; each keeps its "
+                f"batch of {plan.local_batch} and {plan.accumulate} steps of {plan.step_images} images "
+                f"make an update (planned: {plan.update_images})"
             )
-            if plan.planned_world != world_size:
-                console.print(
-                    f"elastic: {world_size} of the {plan.planned_world} planned workers; each keeps its "
-                    f"batch of {plan.local_batch} and {plan.accumulate} steps of {plan.step_images} images "
-                    f"make an update (planned: {plan.update_images})"
-                )
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
         optim.load_optimizer_state(self.optimizer, ckpt["optimizer"])  # keeps this run's kernel choice
@@ -309,7 +350,8 @@ class Trainer:
                 progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
             release_batch(batch)  # nothing reads this batch any more: its worker may fill the memory again
             # collective (save_interval > 0): an all-reduce of rank 0's clock, then mid.pt when it is due
-            self.mid.after_batch(self, epoch, i, mean_items, n_images)
+            if self.mid.due(i, self.nb):
+                self._save_mid_epoch(epoch, i, mean_items, n_images)
         if progress is not None:
             progress.close()
         return self._end_epoch_training(epoch, mean_items, n_images, t0, step_times)
@@ -347,15 +389,13 @@ class Trainer:
         return dist.reduce_mean(items.detach()), imgsz  # collective: the batch's loss items over the ranks, to log
 
     def _step(self, batch: dict[str, Any], will_step: bool) -> tuple[torch.Tensor, int]:
-        """Forward, loss and backward of one batch; under DDP the gradients are all-reduced in the backward pass
-        only when ``will_step`` (the batches before an update keep theirs: ``no_sync``)."""
+        """Forward, loss and backward of one batch; in a group the gradients are all-reduced in the backward pass
+        only when ``will_step`` (the batches before an update keep theirs: :func:`parallel.gradient_sync`)."""
         imgs = batch["img"].to(self.device, non_blocking=True)
         imgs = imgs.contiguous(memory_format=torch.channels_last).float().div_(255)
         if self.cfg.train.multi_scale:
             imgs = self._multi_scale(imgs)
-        ddp = cast(nn.parallel.DistributedDataParallel, self.model)
-        sync_ctx = ddp.no_sync() if (self.world.distributed and not will_step) else contextlib.nullcontext()
-        with sync_ctx:
+        with parallel.gradient_sync(self.model, will_step):
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 head_maps = self.model(imgs)
             targets = self.criterion.assign(
@@ -410,6 +450,17 @@ class Trainer:
         lr_columns = {f"lr/pg{j}": lr for j, lr in enumerate(lrs)}
         self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {**losses, **lr_columns})
         return EpochResult(mean_items, losses, lr_columns, speed, epoch_time)
+
+    def _save_mid_epoch(self, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
+        """``mid.pt`` after batch ``i`` of ``epoch`` (a collective: call on every rank): the run's checkpoint as it
+        stands, with where the epoch stands (:mod:`detrain.engine.train.mid_epoch`)."""
+        pending = accumulation.pending_batches(epoch * self.nb + i, self.last_update) > 0
+        if pending and self.world.distributed:
+            # collective: one all-reduce of the waiting gradients, as at an epoch's end
+            accumulation.average_over_ranks(unwrap(self.model))
+        self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema)  # collective: what differs by rank
+        state = self.checkpoint_state(epoch - 1, {}, pending) if self.main else None
+        self.mid.save(state, i, self.plan.step_images, mean_items, n_images)
 
     def _speed(self, epoch: int, n_images: int, epoch_time: float, step_times: list[float]) -> dict[str, float]:
         """Images/s of the whole world, step times, the slowest rank and its data wait, each node's resources
@@ -524,7 +575,7 @@ class Trainer:
             console.print(text)
 
     def _bare(self) -> DetectionModel:
-        """The model itself, without DDP's wrapper."""
+        """The model itself, without the data-parallel wrapper."""
         return cast("DetectionModel", unwrap(self.model))
 
     def _gradients_wait(self, epoch: int) -> bool:
