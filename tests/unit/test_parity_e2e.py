@@ -1,0 +1,102 @@
+"""YOLO26 pieces against Ultralytics 8.4: the end-to-end loss (value and every input gradient, at several points
+of its branch schedule), the NMS-free top-k decode, MuSGD (parameters after a few steps; groups, lr and momentum
+per iteration) and the end-to-end head's forward.
+
+Runs only where Ultralytics is importable (it is never a dependency; e.g. ``PYTHONPATH=$PWD:/opt/ulib python -m
+pytest tests/unit/test_parity_e2e.py``); the same modules' properties are tested without it in
+``test_loss_e2e.py``, ``test_topk_decode.py``, ``test_musgd.py`` and ``test_head_e2e.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+from _ultralytics import offline_ultralytics
+from torch import nn
+
+from detrain.nn.loss_e2e import E2EHeadMaps, EndToEndLoss
+
+NC, IMGSZ, BATCH, EPOCHS = 6, 128, 3, 10
+STRIDES = (8.0, 16.0, 32.0)
+
+
+@pytest.fixture(scope="module")
+def ul(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
+    with offline_ultralytics(tmp_path_factory):
+        from ultralytics.cfg import get_cfg
+        from ultralytics.nn.modules.head import Detect
+        from ultralytics.utils.loss import E2ELoss
+
+        yield SimpleNamespace(get_cfg=get_cfg, Detect=Detect, E2ELoss=E2ELoss)
+
+
+def _labels(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Flat labels: sides from 3 px (below the 16 px middle stride) to 66 px, an empty image and a crowded one."""
+    idx, cls, boxes = [], [], []
+    for i, k in enumerate((7, 0, 16)):
+        side = torch.exp(torch.empty(k, 2).uniform_(1.1, 4.2, generator=gen)) / IMGSZ
+        centre = torch.rand(k, 2, generator=gen) * (1 - side) + side / 2
+        idx.append(torch.full((k,), float(i)))
+        cls.append(torch.randint(0, NC, (k, 1), generator=gen).float())
+        boxes.append(torch.cat((centre, side), 1))
+    return {"batch_idx": torch.cat(idx), "cls": torch.cat(cls), "bboxes": torch.cat(boxes)}
+
+
+def _branch_leaves(gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One branch's raw outputs per level as leaves: ltrb distances of 0.3..4.3 strides, class logits near -2."""
+    boxes, scores = [], []
+    for s in STRIDES:
+        side = int(IMGSZ // s)
+        boxes.append((torch.rand(BATCH, 4, side, side, generator=gen) * 4 + 0.3).requires_grad_())
+        scores.append((torch.randn(BATCH, NC, side, side, generator=gen) * 2 - 2).requires_grad_())
+    return boxes, scores
+
+
+@pytest.mark.parametrize("epoch", [0, 1, 4, EPOCHS - 1])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_e2e_loss_and_every_input_gradient_agree_with_ultralytics(ul: SimpleNamespace, epoch: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    leaves = {"one2many": _branch_leaves(gen), "one2one": _branch_leaves(gen)}
+    batch = _labels(gen)
+
+    # theirs: E2ELoss reads the Detect head (strides, nc, reg_max) and the hyperparameters off a model
+    head = ul.Detect(nc=NC, reg_max=1, end2end=True, ch=(8, 8, 8))
+    head.stride = torch.tensor(STRIDES)
+    holder = nn.Module()
+    holder.model = nn.ModuleList([head])
+    holder.args = ul.get_cfg(overrides={"epochs": EPOCHS})
+    theirs = ul.E2ELoss(holder)
+    for _ in range(epoch):  # the trainer calls update() at every epoch's end
+        theirs.update()
+    preds = {
+        name: {
+            "boxes": torch.cat([b.view(BATCH, 4, -1) for b in boxes], -1),
+            "scores": torch.cat([s.view(BATCH, NC, -1) for s in scores], -1),
+            "feats": [b.detach() for b in boxes],
+        }
+        for name, (boxes, scores) in leaves.items()
+    }
+    their_loss, their_items = theirs(preds, batch)
+    their_loss.sum().backward()
+    every_leaf = [t for boxes, scores in leaves.values() for t in boxes + scores]
+    their_grads = [t.grad.clone() for t in every_leaf]
+    for t in every_leaf:
+        t.grad = None
+
+    ours = EndToEndLoss(NC, STRIDES, epochs=EPOCHS)
+    ours.set_epoch(epoch)
+    maps = E2EHeadMaps(*([torch.cat(pair, 1) for pair in zip(*leaves[name])] for name in ("one2many", "one2one")))
+    our_loss, our_items = ours(maps, batch["batch_idx"], batch["cls"], batch["bboxes"])
+    our_loss.backward()
+
+    assert ours.weights == pytest.approx((theirs.o2m, theirs.o2o), abs=1e-12)
+    assert tuple(their_items) == ("box_loss", "cls_loss", "l1_loss") == ours.item_names
+    torch.testing.assert_close(our_items, torch.stack(list(their_items.values())), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(our_loss.detach(), their_loss.detach().sum(), rtol=1e-5, atol=1e-5)
+    for ours_grad, ref in zip((t.grad for t in every_leaf), their_grads):
+        assert ours_grad is not None
+        scale = float(ref.abs().max()) or 1.0
+        assert float((ours_grad - ref).abs().max()) <= 1e-5 * scale + 1e-9
