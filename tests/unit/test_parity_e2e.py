@@ -100,3 +100,38 @@ def test_e2e_loss_and_every_input_gradient_agree_with_ultralytics(ul: SimpleName
         assert ours_grad is not None
         scale = float(ref.abs().max()) or 1.0
         assert float((ours_grad - ref).abs().max()) <= 1e-5 * scale + 1e-9
+
+
+@pytest.mark.parametrize("agnostic", [False, True])
+@pytest.mark.parametrize("max_det", [300, 17])
+def test_topk_decode_agrees_with_ultralytics_end_to_end_postprocess(
+    ul: SimpleNamespace, max_det: int, agnostic: bool
+) -> None:
+    from ultralytics.utils.nms import non_max_suppression
+
+    torch.manual_seed(0)
+    head = ul.Detect(nc=NC, reg_max=1, end2end=True, ch=(8, 16, 32)).eval()
+    head.stride = torch.tensor(STRIDES)
+    head.end2end, head.max_det, head.agnostic_nms = True, max_det, agnostic
+    gen = torch.Generator().manual_seed(1)
+    feats = [torch.randn(2, c, IMGSZ // int(s), IMGSZ // int(s), generator=gen) for c, s in zip((8, 16, 32), STRIDES)]
+    with torch.no_grad():
+        their_dets, raw = head(feats)
+    # the one-to-one branch's raw outputs, back into per-level maps
+    sizes = [f.shape[2] * f.shape[3] for f in feats]
+    o2o = torch.cat((raw["one2one"]["boxes"], raw["one2one"]["scores"]), 1).split(sizes, 2)
+    maps = [m.reshape(2, 4 + NC, *f.shape[2:]) for m, f in zip(o2o, feats)]
+
+    from detrain.nn.topk_decode import decode_xyxy, filter_detections, topk_detections
+
+    ours = topk_detections(decode_xyxy(maps, STRIDES), max_det=max_det, agnostic=agnostic)
+    assert ours.shape == their_dets.shape == (2, min(max_det, sum(sizes)), 6)
+    torch.testing.assert_close(ours[..., 4:], their_dets[..., 4:], rtol=0, atol=0)  # scores and classes
+    torch.testing.assert_close(ours[..., :4], their_dets[..., :4], rtol=1e-6, atol=1e-4)
+    for q in (0.3, 0.8):  # thresholds that keep some of the top-k and drop the rest
+        conf = float(their_dets[0, :, 4].quantile(q))
+        theirs = non_max_suppression(their_dets, conf, 0.7, max_det=max_det, end2end=True)
+        mine = filter_detections(ours, conf, max_det)
+        assert [len(d) for d in mine] == [len(d) for d in theirs] and 0 < len(mine[0]) < min(max_det, sum(sizes))
+        for d, t in zip(mine, theirs):
+            torch.testing.assert_close(d, t, rtol=1e-6, atol=1e-4)
