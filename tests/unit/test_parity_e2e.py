@@ -135,3 +135,91 @@ def test_topk_decode_agrees_with_ultralytics_end_to_end_postprocess(
         assert [len(d) for d in mine] == [len(d) for d in theirs] and 0 < len(mine[0]) < min(max_det, sum(sizes))
         for d, t in zip(mine, theirs):
             torch.testing.assert_close(d, t, rtol=1e-6, atol=1e-4)
+
+
+class _TinyHead(nn.Module):
+    """The head's names that MuSGD's groups look for: box branches ``cv2``, class branches ``cv3`` and
+    ``one2one_cv3`` (3x lr)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cv2 = nn.ModuleList([nn.Conv2d(8, 4, 1)])
+        self.cv3 = nn.ModuleList([nn.Sequential(nn.Conv2d(8, 8, 3, groups=8), nn.BatchNorm2d(8), nn.Conv2d(8, 6, 1))])
+        self.one2one_cv3 = nn.ModuleList([nn.Sequential(nn.Conv2d(8, 6, 1))])
+
+
+class _Tiny(nn.Module):
+    """Shapes that share a batched orthogonalisation (8 columns: 40 and 4 rows, padded and transposed), one that
+    stands alone (3 rows beside 64: more than 16x), a matrix and a 1-D weight that is no norm's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, bias=False),
+            nn.BatchNorm2d(8),
+            nn.Conv2d(8, 40, 1),
+            nn.Conv2d(40, 8, 3),
+            nn.Conv2d(8, 4, 1, bias=False),
+            nn.Conv2d(8, 64, 1, bias=False),
+            nn.Conv2d(8, 3, 1, bias=False),
+            nn.Linear(8, 24),
+            _TinyHead(),
+        )
+        self.scale = nn.Parameter(torch.ones(8))
+
+
+def _their_optimizer(ul_trainer, model: nn.Module, name: str, iterations: int, decay: float):
+    """``BaseTrainer.build_optimizer`` unbound, with a stand-in ``self`` (it reads and may rewrite ``args``)."""
+    args = SimpleNamespace(optimizer=name, lr0=0.02, warmup_bias_lr=0.1)
+    stand_in = SimpleNamespace(args=args, data={"nc": 6})
+    opt = ul_trainer.build_optimizer(
+        stand_in, model=model, name=name, lr=0.02, momentum=0.937, decay=decay, iterations=iterations
+    )
+    return opt, args
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_musgd_groups_and_steps_agree_with_ultralytics(ul: SimpleNamespace, layout: torch.memory_format) -> None:
+    from ultralytics.engine.trainer import BaseTrainer
+
+    from detrain.config.cfg import make_cfg
+    from detrain.engine.train.musgd import apply_group_warmup, auto_choice_musgd, build_musgd
+
+    torch.manual_seed(0)
+    theirs_model = _Tiny().to(memory_format=layout)
+    ours_model = _Tiny().to(memory_format=layout)
+    ours_model.load_state_dict(theirs_model.state_dict())
+
+    # optimizer=auto over a long run: both pick MuSGD at lr 0.01, momentum 0.9; the same groups in the same order
+    their_opt, args = _their_optimizer(BaseTrainer, theirs_model, "auto", 20_000, 0.05)
+    name, lr, momentum = auto_choice_musgd(make_cfg({"optimizer": "auto"}), 6, 20_000)
+    assert (name, lr) == (args.optimizer, args.lr0) and type(their_opt).__name__ == "MuSGD"
+    our_opt = build_musgd(ours_model, lr, momentum, 0.05, head=ours_model.model[-1])
+    assert (our_opt.muon, our_opt.sgd) == (their_opt.muon, their_opt.sgd)
+    index = {id(p): i for i, p in enumerate(theirs_model.parameters())}
+    our_index = {id(p): i for i, p in enumerate(ours_model.parameters())}
+    assert len(our_opt.param_groups) == len(their_opt.param_groups) == 8
+    for ours_group, their_group in zip(our_opt.param_groups, their_opt.param_groups):
+        assert [our_index[id(p)] for p in ours_group["params"]] == [index[id(p)] for p in their_group["params"]]
+        for key in ("lr", "momentum", "weight_decay", "nesterov", "use_muon", "param_group"):
+            assert ours_group[key] == their_group[key], (key, their_group["param_group"])
+    assert sum(len(g["params"]) for g in our_opt.param_groups) == len(list(ours_model.parameters()))
+    assert any(len(g["params"]) for g in our_opt.param_groups if g["lr"] == 3 * lr and g["use_muon"])
+
+    # a few steps from the same gradients, lr and momentum moving as in warmup: the same parameters
+    for group in their_opt.param_groups:
+        group["initial_lr"] = group["lr"]  # what their LambdaLR sets
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        apply_group_warmup(our_opt, step + 1, 4, 0.9, bias_lr_start=0.1, momentum_start=0.8, momentum=0.937)
+        for ours_group, their_group in zip(our_opt.param_groups, their_opt.param_groups):
+            their_group["lr"], their_group["momentum"] = ours_group["lr"], ours_group["momentum"]
+        for p, q in zip(ours_model.parameters(), theirs_model.parameters()):
+            g = torch.randn(p.shape, generator=gen).to(
+                memory_format=layout if p.dim() == 4 else torch.contiguous_format
+            )
+            p.grad, q.grad = g.clone(), g.clone()
+        our_opt.step()
+        their_opt.step()
+        for (name_, p), q in zip(ours_model.named_parameters(), theirs_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=f"step {step}: {name_}")
