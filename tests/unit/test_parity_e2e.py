@@ -223,3 +223,58 @@ def test_musgd_groups_and_steps_agree_with_ultralytics(ul: SimpleNamespace, layo
         their_opt.step()
         for (name_, p), q in zip(ours_model.named_parameters(), theirs_model.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=f"step {step}: {name_}")
+
+
+def test_e2e_head_loads_ultralytics_yolo26_head_by_key_and_gives_its_outputs(ul: SimpleNamespace) -> None:
+    from ultralytics.nn.tasks import DetectionModel
+
+    from detrain.nn.head_e2e import DetectE2E
+
+    torch.manual_seed(0)
+    theirs = DetectionModel("yolo26n.yaml", nc=NC, verbose=False).model[-1]
+    ch = tuple(branch[0].conv.in_channels for branch in theirs.cv2)
+    ours = DetectE2E(NC, ch=ch, strides=theirs.stride.tolist())
+    with torch.no_grad():  # away from the init, running statistics included, so every weight matters
+        for key, t in theirs.state_dict().items():
+            if t.is_floating_point():
+                t.add_(torch.randn(t.shape) * 0.05)
+                if key.endswith("running_var"):
+                    t.abs_()
+    missing, unexpected = ours.load_state_dict(theirs.state_dict(), strict=True)
+    assert not missing and not unexpected
+
+    gen = torch.Generator().manual_seed(2)
+    feats = [torch.randn(2, c, IMGSZ // int(s), IMGSZ // int(s), generator=gen) for c, s in zip(ch, STRIDES)]
+    their_in = [f.clone().requires_grad_() for f in feats]
+    our_in = [f.clone().requires_grad_() for f in feats]
+    their_raw = theirs.train()(their_in)
+    our_maps = ours.train()(our_in)
+    sizes = [f.shape[2] * f.shape[3] for f in feats]
+    weights = {}
+    total_theirs, total_ours = 0.0, 0.0
+    for name in ("one2many", "one2one"):
+        raw = torch.cat((their_raw[name]["boxes"], their_raw[name]["scores"]), 1).split(sizes, 2)
+        for level, (t, o) in enumerate(zip(raw, getattr(our_maps, name))):
+            t = t.reshape(o.shape)
+            torch.testing.assert_close(o, t, rtol=1e-5, atol=1e-5)
+            w = weights.setdefault((name, level), torch.randn(o.shape, generator=gen))
+            total_theirs = total_theirs + (t * w).sum()
+            total_ours = total_ours + (o * w).sum()
+    total_theirs.backward()
+    total_ours.backward()
+    for a, b in zip(our_in, their_in):  # the one-to-one branch reads detached features in both
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
+    their_params = dict(theirs.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, their_params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
+
+    theirs.eval().end2end = True
+    theirs.max_det = ours.max_det = 50
+    with torch.no_grad():
+        their_dets, _ = theirs(feats)
+        our_dets = ours.eval()(feats)
+    torch.testing.assert_close(our_dets, their_dets, rtol=1e-5, atol=1e-4)
+    ours.end2end = theirs.end2end = False
+    with torch.no_grad():
+        their_decoded, _ = theirs(feats)
+        torch.testing.assert_close(ours(feats), their_decoded, rtol=1e-5, atol=1e-4)
