@@ -1,0 +1,177 @@
+"""The YOLO26 detection head: end-to-end (NMS-free), box distances without DFL (``reg_max`` 1), two branches.
+
+Per level, a box branch (``cv2``: two 3x3 Convs, then 4 distances) and a class branch (``cv3``: two depthwise 3x3 +
+pointwise Conv pairs, then nc logits, YOLO11's lighter class branch), each twice: the one-to-many pair
+(``cv2``/``cv3``), trained with YOLOv8's dense assignment, and the one-to-one pair (``one2one_cv2``/
+``one2one_cv3``), trained to give one anchor per object (:mod:`detrain.nn.loss_e2e`). In training the one-to-one
+branch reads the features detached: its sparse targets would otherwise pull the shared backbone away from what the
+dense branch teaches it. Inference runs only the one-to-one branch and takes its top-k (anchor, class) pairs
+(:mod:`detrain.nn.topk_decode`): a fixed (B, max_det, 6) output with no NMS.
+
+Attribute names and nesting are Ultralytics' (``Detect`` with ``end2end=True``), so a YOLO26 checkpoint's head
+loads by key (``tests/unit/test_parity_e2e.py``). ``DWConv`` is defined here until the YOLO11 blocks land in
+``nn/modules.py``; the two should then be one.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from detrain.nn.boxes import dist2bbox, make_anchors
+from detrain.nn.loss_e2e import E2EHeadMaps
+from detrain.nn.modules import Conv, conv2d
+from detrain.nn.topk_decode import decode_xyxy, filter_detections, topk_detections
+
+BOX_BIAS = 2.0  # initial distances of 2 strides to every side: a box of 4 strides about each anchor
+
+
+class DWConv(Conv):
+    """Depthwise Conv (groups = gcd(c1, c2)) -> BatchNorm2d -> SiLU.
+
+    >>> DWConv(8, 8, 3).conv.groups, DWConv(8, 8, 3)(torch.zeros(1, 8, 5, 5)).shape
+    (8, torch.Size([1, 8, 5, 5]))
+    """
+
+    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, act: bool = True) -> None:
+        super().__init__(c1, c2, k, s, g=math.gcd(c1, c2), act=act)
+
+
+def _run(branch: nn.Module, x: Tensor) -> Tensor:
+    """A branch's layers on ``x``, its final 1x1 convolution through :func:`conv2d` (a matmul on CPU
+    channels_last)."""
+    *layers, last = cast(nn.Sequential, branch)
+    for layer in layers:
+        x = layer(x)
+    return conv2d(cast(nn.Conv2d, last), x)
+
+
+def _final_conv(branch: nn.Module) -> nn.Conv2d:
+    return cast(nn.Conv2d, cast(nn.Sequential, branch)[-1])
+
+
+class DetectE2E(nn.Module):
+    """End-to-end detection head with a one-to-many and a one-to-one branch (YOLO26).
+
+    Training mode: :class:`E2EHeadMaps` of raw maps (B, 4 + nc, H_i, W_i) per branch and level, for
+    :class:`detrain.nn.loss_e2e.EndToEndLoss`. Otherwise: (B, min(max_det, N), 6) [x1, y1, x2, y2, score, class]
+    in input pixels, best first, from the one-to-one branch alone; :meth:`postprocess` applies the confidence
+    threshold. With ``end2end`` False inference uses the one-to-many branch and returns (B, 4 + nc, N) xywh boxes
+    and scores, for :func:`detrain.nn.postprocess.non_max_suppression`, as :class:`detrain.nn.modules.Detect` does.
+
+    >>> head = DetectE2E(nc=2, ch=(16, 32, 64), strides=(8, 16, 32))
+    >>> feats = [torch.zeros(1, c, 64 // s, 64 // s) for c, s in ((16, 8), (32, 16), (64, 32))]
+    >>> [m.shape[1] for m in head(feats).one2one], head.eval()(feats).shape
+    ([6, 6, 6], torch.Size([1, 84, 6]))
+    """
+
+    stride: Tensor  # per-level strides (a non-persistent buffer)
+    cv2: nn.ModuleList
+    cv3: nn.ModuleList
+    one2one_cv2: nn.ModuleList
+    one2one_cv3: nn.ModuleList
+
+    def __init__(
+        self,
+        nc: int = 80,
+        ch: tuple[int, ...] | list[int] = (),
+        strides: tuple[float, ...] | list[float] | None = None,
+        max_det: int = 300,
+        cls_channels: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.nc = nc
+        self.nl = len(ch)
+        self.reg_max = 1
+        self.no = nc + 4
+        self.max_det = max_det
+        self.end2end = True
+        self.agnostic = False
+        c2 = max(16, ch[0] // 4, 4)
+        c3 = cls_channels if cls_channels is not None else max(ch[0], min(nc, 100))
+        self.cls_channels = c3
+        self.cv2 = nn.ModuleList(nn.Sequential(Conv(c, c2, 3), Conv(c2, c2, 3), nn.Conv2d(c2, 4, 1)) for c in ch)
+        self.cv3 = nn.ModuleList(
+            nn.Sequential(
+                nn.Sequential(DWConv(c, c, 3), Conv(c, c3, 1)),
+                nn.Sequential(DWConv(c3, c3, 3), Conv(c3, c3, 1)),
+                nn.Conv2d(c3, nc, 1),
+            )
+            for c in ch
+        )
+        self.one2one_cv2 = copy.deepcopy(self.cv2)
+        self.one2one_cv3 = copy.deepcopy(self.cv3)
+        self.register_buffer("stride", torch.tensor(strides or [0.0] * self.nl, dtype=torch.float), persistent=False)
+        if strides is not None:
+            self.bias_init()
+
+    def bias_init(self) -> None:
+        """Both branches: distances of 2 strides, class logits at a prior of ~5 objects per 640 px image.
+
+        >>> head = DetectE2E(nc=2, ch=(16, 32, 64), strides=(8, 16, 32))
+        >>> head.one2one_cv2[0][2].bias.tolist()[0], bool(head.cv3[2][2].bias[0] < -5)
+        (2.0, True)
+        """
+        with torch.no_grad():
+            for boxes, classes in ((self.cv2, self.cv3), (self.one2one_cv2, self.one2one_cv3)):
+                for box, cls, s in zip(boxes, classes, self.stride.tolist()):
+                    cast(Tensor, _final_conv(box).bias).fill_(BOX_BIAS)
+                    cast(Tensor, _final_conv(cls).bias).fill_(math.log(5 / self.nc / (640 / s) ** 2))
+
+    def branch_maps(self, xs: list[Tensor], one2one: bool) -> list[Tensor]:
+        """Raw maps (B, 4 + nc, H_i, W_i) of one branch for features ``xs``."""
+        boxes, classes = (self.one2one_cv2, self.one2one_cv3) if one2one else (self.cv2, self.cv3)
+        return [torch.cat((_run(box, x), _run(cls, x)), 1) for x, box, cls in zip(xs, boxes, classes)]
+
+    def forward(self, xs: list[Tensor]) -> E2EHeadMaps | Tensor:
+        if self.training:
+            return E2EHeadMaps(self.branch_maps(xs, False), self.branch_maps([x.detach() for x in xs], True))
+        if not self.end2end:
+            return self.decode_one2many(self.branch_maps(xs, False))
+        return topk_detections(decode_xyxy(self.branch_maps(xs, True), self.stride), self.max_det, self.agnostic)
+
+    def decode_one2many(self, maps: list[Tensor]) -> Tensor:
+        """One-to-many maps -> (B, 4 + nc, N): xywh boxes in input pixels and sigmoid scores, for NMS.
+
+        >>> head = DetectE2E(nc=1, ch=(16,), strides=(8,))
+        >>> head.decode_one2many([torch.ones(1, 5, 2, 2)])[0, :, 0].tolist()[:4]  # (4, 4) px, 1 stride a side
+        [4.0, 4.0, 16.0, 16.0]
+        """
+        b = maps[0].shape[0]
+        anchors, strides = make_anchors(maps, self.stride, 0.5)
+        x = torch.cat([m.reshape(b, self.no, -1) for m in maps], 2)
+        box, cls = x.split((4, self.nc), 1)
+        return torch.cat((dist2bbox(box, anchors.T[None], xywh=True, dim=1) * strides.T[None], cls.sigmoid()), 1)
+
+    def postprocess(
+        self, dets: Tensor, conf_thres: float = 0.25, max_det: int = 300, classes: list[int] | None = None
+    ) -> list[Tensor]:
+        """Inference output (B, k, 6) -> per image (n, 6) detections above ``conf_thres``, best first (no NMS).
+
+        >>> head = DetectE2E(nc=2, ch=(16,), strides=(8,)).eval()
+        >>> [d.shape for d in head.postprocess(head([torch.zeros(2, 16, 4, 4)]), conf_thres=0.5)]
+        [torch.Size([0, 6]), torch.Size([0, 6])]
+        """
+        return filter_detections(dets, conf_thres, max_det, classes)
+
+    def reset_classes(self, nc: int) -> None:
+        """Swap the final class conv of every class branch, both branches, for one with ``nc`` outputs.
+
+        >>> head = DetectE2E(nc=80, ch=(16, 32), strides=(8, 16))
+        >>> head.reset_classes(3); head.one2one_cv3[1][2].out_channels, head.no
+        (3, 7)
+        """
+        for branches in (self.cv3, self.one2one_cv3):
+            for branch in branches:
+                old = _final_conv(branch)
+                new = nn.Conv2d(old.in_channels, nc, 1, device=old.weight.device, dtype=old.weight.dtype)
+                if old.weight.is_contiguous(memory_format=torch.channels_last) and not old.weight.is_contiguous():
+                    new.to(memory_format=torch.channels_last)
+                cast(nn.Sequential, branch)[-1] = new
+        self.nc = nc
+        self.no = nc + 4
+        self.bias_init()
