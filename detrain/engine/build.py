@@ -54,7 +54,7 @@ def build_model(
         from detrain.weights.hub import resolve_weights
 
         ckpt = load_checkpoint(resolve_weights(str(model), sha256=weights_sha256 or None))
-        net = model_from_checkpoint(ckpt)
+        net = model_from_checkpoint(ckpt, source=str(model))
         if nc is not None and (net.nc != nc or (names is not None and dict(net.names) != dict(names))):
             if net.nc != nc:
                 if verbose:
