@@ -64,14 +64,19 @@ def bundled_scale(name: str | Path) -> str | None:
 
 
 def family(d: dict) -> str:
-    """The family of an architecture dict: ``"yolo11"`` when it uses YOLO11's blocks (C3k2, C2PSA), else
-    ``"yolov8"``. Layers of two families do not correspond, even where a key and shape happen to agree.
+    """The family of an architecture dict: ``"yolo26"`` for an end-to-end (NMS-free) one, which detrain reads but
+    does not build; ``"yolo11"`` when it uses YOLO11's blocks (C3k2, C2PSA); else ``"yolov8"``. Layers of two
+    families do not correspond, even where a key and shape happen to agree.
 
     >>> family(load_model_yaml("yolo11n.yaml")[0]), family(load_model_yaml("n.yaml")[0])
     ('yolo11', 'yolov8')
     """
+    if d.get("end2end"):
+        return "yolo26"
     specs = list(d.get("backbone") or []) + list(d.get("head") or [])
-    names = {spec[2] for spec in specs if isinstance(spec, (list, tuple)) and len(spec) == 4}
+    names = {
+        spec[2] for spec in specs if isinstance(spec, (list, tuple)) and len(spec) == 4 and isinstance(spec[2], str)
+    }
     return "yolo11" if names & _YOLO11_BLOCKS else "yolov8"
 
 

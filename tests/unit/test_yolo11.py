@@ -137,6 +137,7 @@ def test_the_head_is_depthwise_exactly_when_the_yaml_has_c3k2(n_model: Detection
 def test_families_and_bundled_names() -> None:
     assert family(load_model_yaml("yolo11s.yaml")[0]) == "yolo11"
     assert family(load_model_yaml("yolov8s.yaml")[0]) == family({}) == "yolov8"
+    assert family({**load_model_yaml("yolo11s.yaml")[0], "end2end": True}) == "yolo26"
     assert bundled_scale("yolo11x.yaml") == "x" and bundled_scale("yolo12n.yaml") is None
     assert packaged_architecture("yolo11m.yaml").name == "yolo11.yaml"
     assert packaged_architecture("m.yaml").name == packaged_architecture().name == "yolov8.yaml"
