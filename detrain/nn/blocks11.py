@@ -41,8 +41,9 @@ class C3k2(C2f):
 
     >>> C3k2(16, 32, n=1, c3k=True)(torch.zeros(1, 16, 8, 8)).shape
     torch.Size([1, 32, 8, 8])
-    >>> type(C3k2(16, 32, n=1).m[0]).__name__, C3k2(16, 32, n=1).m[0].cv1.conv.out_channels
-    ('Bottleneck', 4)
+    >>> inner = C3k2(16, 32, n=1).m[0]  # works on 16 of the 32 channels, its 3x3 convs 8 wide
+    >>> type(inner).__name__, inner.cv1.conv.out_channels
+    ('Bottleneck', 8)
     """
 
     def __init__(self, c1: int, c2: int, n: int = 1, c3k: bool = False, e: float = 0.5, shortcut: bool = True) -> None:
