@@ -109,13 +109,14 @@ def info(ctx: typer.Context) -> None:
 
 @app.command()
 def convert(
-    src: str = typer.Argument(..., help="a YOLOv8 (Ultralytics) or detrain .pt"),
+    src: str = typer.Argument(..., help="an Ultralytics (YOLOv8, YOLO11) or detrain .pt"),
     dst: str = typer.Argument(..., help="the detrain checkpoint to write"),
 ) -> None:
-    """Convert a YOLOv8 checkpoint into a detrain one that loads with torch.load(weights_only=True)."""
-    from detrain.weights.checkpoint import load_checkpoint, save_checkpoint
+    """Convert an Ultralytics checkpoint into a detrain one that loads with torch.load(weights_only=True)."""
+    from detrain.weights.checkpoint import load_checkpoint, model_from_checkpoint, save_checkpoint
 
     ckpt = load_checkpoint(src)
+    model_from_checkpoint(ckpt, source=src)  # a file detrain cannot build is refused here, not when it is used
     save_checkpoint({k: v for k, v in ckpt.items() if k not in ("format", "version", "date")}, dst)
     typer.echo(f"wrote {dst} ({ckpt['model']['scale']}, {ckpt['model']['nc']} classes)")
 

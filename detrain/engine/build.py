@@ -53,7 +53,8 @@ def build_model(
     """A DetectionModel from an architecture yaml or weights, with its head fitted to ``nc`` classes.
 
     Returns (model, checkpoint dict or None). A yaml builds fresh weights: ``n.yaml`` (scale n of the
-    packaged YOLOv8 architecture), ``yolov8s.yaml``, or a path to a yaml of the same format. Weights are
+    packaged YOLOv8 architecture), ``yolov8s.yaml``, ``yolo11s.yaml`` (the packaged YOLO11 one), or a path to
+    a yaml of the same format. Weights are
     found or downloaded by :func:`detrain.weights.hub.resolve_weights`, checked against ``weights_sha256``
     when it is given.
     """
@@ -64,7 +65,7 @@ def build_model(
         from detrain.weights.hub import resolve_weights
 
         ckpt = load_checkpoint(resolve_weights(str(model), sha256=weights_sha256 or None))
-        net = model_from_checkpoint(ckpt)
+        net = model_from_checkpoint(ckpt, source=str(model))
         if nc is not None and (net.nc != nc or (names is not None and dict(net.names) != dict(names))):
             if net.nc != nc:
                 if verbose:
@@ -100,8 +101,9 @@ def check_model(model: str) -> None:
 
 
 def architecture(model: str) -> tuple[str, str]:
-    """(architecture yaml, scale) of a bundled scale name (n.yaml, yolov8s.yaml: the packaged yaml, unless a
-    file of that name is here) or of an architecture yaml on disk; anything else is a ConfigError.
+    """(architecture yaml, scale) of a bundled scale name (n.yaml, yolov8s.yaml, yolo11s.yaml: the packaged yaml
+    of its family, unless a file of that name is here) or of an architecture yaml on disk; anything else is a
+    ConfigError.
 
     The scale is the yaml's own ``scale:``, else the one a bundled name implies; a conflict between the two,
     or a yaml with several ``scales`` that names none, is a ConfigError (see :func:`detrain.nn.model.choose_scale`).
@@ -111,12 +113,13 @@ def architecture(model: str) -> tuple[str, str]:
     path = Path(model)
     named = bundled_scale(path)
     if named and not path.is_file():
-        return str(packaged_architecture()), named
+        return str(packaged_architecture(path)), named
     if path.suffix in (".yaml", ".yml") and path.is_file():
         d, named = load_model_yaml(path)
         return str(path), choose_scale(d, named, str(path))
     raise ConfigError(
-        f"model '{model}' not found; use a scale yaml (n.yaml, s.yaml, m.yaml, l.yaml, x.yaml, yolov8n.yaml), "
+        f"model '{model}' not found; use a scale yaml (n.yaml, s.yaml, m.yaml, l.yaml, x.yaml, yolov8n.yaml, "
+        "yolo11n.yaml), "
         "a path to an architecture yaml, or weights (.pt)"
     )
 

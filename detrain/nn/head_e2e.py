@@ -9,8 +9,7 @@ dense branch teaches it. Inference runs only the one-to-one branch and takes its
 (:mod:`detrain.nn.topk_decode`): a fixed (B, max_det, 6) output with no NMS.
 
 Attribute names and nesting are Ultralytics' (``Detect`` with ``end2end=True``), so a YOLO26 checkpoint's head
-loads by key (``tests/unit/test_parity_e2e.py``). ``DWConv`` is defined here until the YOLO11 blocks land in
-``nn/modules.py``; the two should then be one.
+loads by key (``tests/unit/test_parity_e2e.py``).
 """
 
 from __future__ import annotations
@@ -24,21 +23,10 @@ from torch import Tensor, nn
 
 from detrain.nn.boxes import dist2bbox, make_anchors
 from detrain.nn.loss_e2e import E2EHeadMaps
-from detrain.nn.modules import Conv, conv2d
+from detrain.nn.modules import Conv, DWConv, conv2d
 from detrain.nn.topk_decode import decode_xyxy, filter_detections, topk_detections
 
 BOX_BIAS = 2.0  # initial distances of 2 strides to every side: a box of 4 strides about each anchor
-
-
-class DWConv(Conv):
-    """Depthwise Conv (groups = gcd(c1, c2)) -> BatchNorm2d -> SiLU.
-
-    >>> DWConv(8, 8, 3).conv.groups, DWConv(8, 8, 3)(torch.zeros(1, 8, 5, 5)).shape
-    (8, torch.Size([1, 8, 5, 5]))
-    """
-
-    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, act: bool = True) -> None:
-        super().__init__(c1, c2, k, s, g=math.gcd(c1, c2), act=act)
 
 
 def _run(branch: nn.Module, x: Tensor) -> Tensor:

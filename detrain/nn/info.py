@@ -19,6 +19,7 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
 
 from detrain.errors import ConfigError
+from detrain.nn.blocks11 import C2PSA, C3k2
 from detrain.nn.modules import SPPF, C2f, Concat, Conv, Detect
 
 if TYPE_CHECKING:
@@ -33,9 +34,9 @@ class LayerInfo:
 
     index: int  #: position in ``model.model`` (the ``model.<index>.`` state-dict prefix)
     source: int | list[int]  #: the yaml's ``from``: -1 = the previous layer, else the layer(s) it reads
-    repeats: int  #: the yaml's repeats after the depth multiple (bottlenecks in a C2f, else 1)
+    repeats: int  #: the yaml's repeats after the depth multiple (inner blocks of a C2f, C3k2 or C2PSA, else 1)
     params: int  #: parameters of this layer
-    module: str  #: the yaml's module name (Conv, C2f, SPPF, nn.Upsample, Concat, Detect)
+    module: str  #: the yaml's module name (Conv, C2f, C3k2, C2PSA, SPPF, nn.Upsample, Concat, Detect)
     args: list[Any]  #: the built arguments: channels in/out, kernel, stride, … (see :func:`layer_args`)
     gflops: float  #: GFLOPs of this layer in one forward at the model's ``imgsz`` (batch 1)
 
@@ -79,14 +80,19 @@ def layer_args(layer: nn.Module) -> list[Any]:
     """The arguments a yaml layer was built with, read back from the built module (so they show the
     scaled channel counts and repeats, not the yaml's nominal ones).
 
-    Conv: [c_in, c_out, kernel, stride]; C2f: [c_in, c_out, repeats, shortcut]; SPPF: [c_in, c_out, kernel];
-    Upsample: [scale_factor, mode]; Concat: [dimension]; Detect: [nc, [c_in per level]].
+    Conv: [c_in, c_out, kernel, stride]; C2f: [c_in, c_out, repeats, shortcut]; C3k2: [c_in, c_out, repeats,
+    c3k]; C2PSA: [c_in, c_out, repeats]; SPPF: [c_in, c_out, kernel]; Upsample: [scale_factor, mode];
+    Concat: [dimension]; Detect: [nc, [c_in per level]].
 
-    >>> layer_args(Conv(3, 16, 3, 2)), layer_args(C2f(32, 32, 1, True))
-    ([3, 16, 3, 2], [32, 32, 1, True])
+    >>> layer_args(Conv(3, 16, 3, 2)), layer_args(C2f(32, 32, 1, True)), layer_args(C3k2(32, 64, 2, True))
+    ([3, 16, 3, 2], [32, 32, 1, True], [32, 64, 2, True])
     """
     if isinstance(layer, Conv):
         return [layer.conv.in_channels, layer.conv.out_channels, layer.conv.kernel_size[0], layer.conv.stride[0]]
+    if isinstance(layer, C3k2):
+        return [layer.cv1.conv.in_channels, layer.cv2.conv.out_channels, len(layer.m), layer.c3k]
+    if isinstance(layer, C2PSA):
+        return [layer.cv1.conv.in_channels, layer.cv2.conv.out_channels, len(layer.m)]
     if isinstance(layer, C2f):
         shortcut = bool(layer.m[0].add) if len(layer.m) else False
         return [layer.cv1.conv.in_channels, layer.cv2.conv.out_channels, len(layer.m), shortcut]
@@ -163,7 +169,7 @@ def model_info(model: DetectionModel, imgsz: int | tuple[int, int] = 640) -> Mod
         LayerInfo(
             index=i,
             source=cast("int | list[int]", layer.f),  # set on every layer by build_layers
-            repeats=len(layer.m) if isinstance(layer, C2f) else 1,
+            repeats=len(layer.m) if isinstance(layer, (C2f, C2PSA)) else 1,
             params=sum(p.numel() for p in layer.parameters()),
             module=str(getattr(layer, "type", type(layer).__name__)),
             args=layer_args(layer),

@@ -1,7 +1,8 @@
-"""DetectionModel: a YOLOv8-class detector built from a model yaml at a scale (n/s/m/l/x).
+"""DetectionModel: a YOLOv8- or YOLO11-class detector built from a model yaml at a scale (n/s/m/l/x).
 
 The layers live in ``self.model`` (an ``nn.Sequential`` indexed as in the yaml), so state-dict keys are
-``model.<i>.…`` exactly as in YOLOv8 checkpoints.
+``model.<i>.…`` exactly as in Ultralytics' checkpoints. The yaml format is Ultralytics' (the packaged
+``cfg/models/yolov8.yaml`` and ``yolo11.yaml``, or the dict a checkpoint records), read by our own builder.
 """
 
 from __future__ import annotations
@@ -18,35 +19,65 @@ from torch import Tensor, nn
 
 from detrain.assets import asset_dir
 from detrain.errors import ConfigError
+from detrain.nn.blocks11 import C2PSA, C3k2
 from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Detect, Upsample
 
 DEFAULT_SCALE = "n"
 DEFAULT_NC = 80
 SCALES = ("n", "s", "m", "l", "x")
-ARCHITECTURE = "yolov8.yaml"  # the packaged architecture; DetectionModel() builds it at DEFAULT_SCALE
-# The bundled scale names, and the only file names whose last letter means a scale: n.yaml ... x.yaml and
-# yolov8n.yaml ... yolov8x.yaml. A letter at the end of any other name means nothing (model.yaml is not L).
-_BUNDLED_SCALE_NAME = re.compile(r"^(?:yolov8)?(?P<scale>[nsmlx])\.ya?ml$")
+ARCHITECTURE = "yolov8.yaml"  # the packaged default architecture; DetectionModel() builds it at DEFAULT_SCALE
+FAMILIES = ("yolov8", "yolo11")  # the packaged architectures: cfg/models/<family>.yaml
+# The bundled scale names, and the only file names whose last letter means a scale: n.yaml ... x.yaml,
+# yolov8n.yaml ... yolov8x.yaml and yolo11n.yaml ... yolo11x.yaml. A letter at the end of any other name
+# means nothing (model.yaml is not L).
+_BUNDLED_SCALE_NAME = re.compile(r"^(?P<family>yolov8|yolo11)?(?P<scale>[nsmlx])\.ya?ml$")
+# The blocks that make a yaml YOLO11's rather than YOLOv8's (both share Conv, SPPF, Concat, Upsample, Detect).
+_YOLO11_BLOCKS = frozenset({"C3k2", "C2PSA"})
 
 
 def _packaged_models_dir() -> Path:
     return asset_dir("cfg/models")
 
 
-def packaged_architecture() -> Path:
-    """The packaged YOLOv8 architecture yaml, which every bundled scale name builds (a file of the same name
-    in the working directory does not stand in for it)."""
-    return _packaged_models_dir() / ARCHITECTURE
+def packaged_architecture(name: str | Path = "") -> Path:
+    """The packaged architecture yaml a bundled name builds (a file of the same name in the working directory
+    does not stand in for it): ``yolo11n.yaml`` -> ``yolo11.yaml``; ``n.yaml``, ``yolov8s.yaml`` or no name ->
+    ``yolov8.yaml``.
+
+    >>> packaged_architecture("yolo11s.yaml").name, packaged_architecture().name
+    ('yolo11.yaml', 'yolov8.yaml')
+    """
+    match = _BUNDLED_SCALE_NAME.match(Path(name).name)
+    family = match["family"] if match and match["family"] else FAMILIES[0]
+    return _packaged_models_dir() / f"{family}.yaml"
 
 
 def bundled_scale(name: str | Path) -> str | None:
     """The scale a bundled model name implies, else None: only the file name counts, wherever it lies.
 
-    >>> bundled_scale("yolov8s.yaml"), bundled_scale("configs/m.yaml"), bundled_scale("model.yaml")
-    ('s', 'm', None)
+    >>> bundled_scale("yolov8s.yaml"), bundled_scale("configs/m.yaml"), bundled_scale("yolo11x.yaml")
+    ('s', 'm', 'x')
+    >>> bundled_scale("model.yaml")
     """
     match = _BUNDLED_SCALE_NAME.match(Path(name).name)
     return match["scale"] if match else None
+
+
+def family(d: dict) -> str:
+    """The family of an architecture dict: ``"yolo26"`` for an end-to-end (NMS-free) one, which detrain reads but
+    does not build; ``"yolo11"`` when it uses YOLO11's blocks (C3k2, C2PSA); else ``"yolov8"``. Layers of two
+    families do not correspond, even where a key and shape happen to agree.
+
+    >>> family(load_model_yaml("yolo11n.yaml")[0]), family(load_model_yaml("n.yaml")[0])
+    ('yolo11', 'yolov8')
+    """
+    if d.get("end2end"):
+        return "yolo26"
+    specs = list(d.get("backbone") or []) + list(d.get("head") or [])
+    names = {
+        spec[2] for spec in specs if isinstance(spec, (list, tuple)) and len(spec) == 4 and isinstance(spec[2], str)
+    }
+    return "yolo11" if names & _YOLO11_BLOCKS else "yolov8"
 
 
 def _own_scale(d: dict, source: str) -> str | None:
@@ -69,9 +100,10 @@ def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
     """Read a model yaml (a packaged name, a path, or a dict) -> (a deep copy of the dict, the scale it names).
 
     The scale named is the yaml's own ``scale:``, else the one a bundled name implies (:func:`bundled_scale`),
-    else None. A bundled name that is not a file (``yolov8s.yaml``, ``s.yaml``) resolves to the packaged
-    architecture; the packaged ``yolov8.yaml`` itself names DEFAULT_SCALE. A yaml whose ``scale:`` differs
-    from the scale its name implies is a ConfigError: nothing says which of the two the user meant.
+    else None. A bundled name that is not a file (``yolov8s.yaml``, ``s.yaml``, ``yolo11m.yaml``) resolves to
+    its packaged architecture; the packaged ``yolov8.yaml`` and ``yolo11.yaml`` themselves name DEFAULT_SCALE.
+    A yaml whose ``scale:`` differs from the scale its name implies is a ConfigError: nothing says which of the
+    two the user meant.
 
     >>> d, scale = load_model_yaml("yolov8m.yaml"); scale, len(d["backbone"])
     ('m', 10)
@@ -85,10 +117,10 @@ def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
         found: Path | None = path
     elif (_packaged_models_dir() / path.name).is_file():
         found = _packaged_models_dir() / path.name
-        if path.name == ARCHITECTURE:
+        if path.name in {f"{f}.yaml" for f in FAMILIES}:
             named = DEFAULT_SCALE
     else:
-        found = packaged_architecture() if named is not None else None
+        found = packaged_architecture(path) if named is not None else None
     if found is None:
         known = sorted(p.name for p in _packaged_models_dir().glob("*.yaml"))
         raise ConfigError(f"model yaml {str(cfg)!r} not found; packaged models: {', '.join(known) or 'none'}")
@@ -166,7 +198,13 @@ def _upsample(args: list) -> nn.Upsample:
     return Upsample(scale_factor=factor, mode=mode)
 
 
-_MODULE_NAMES = {"Conv", "C2f", "SPPF", "Upsample", "nn.Upsample", "Concat", "Detect"}
+_MODULE_NAMES = {"Conv", "C2f", "C3k2", "C2PSA", "SPPF", "Upsample", "nn.Upsample", "Concat", "Detect"}
+# Top-level yaml keys that change what Ultralytics builds in ways this builder does not follow: refused, never
+# ignored (ignoring them would build another network under the same weight names).
+_UNSUPPORTED_KEYS = {
+    "end2end": "the NMS-free one-to-one head of YOLO26",
+    "activation": "a custom activation for every Conv",
+}
 
 
 # long: the yaml's module table, one branch per layer kind; to split into per-kind builders as kinds join
@@ -174,12 +212,17 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
     """Turn the yaml's backbone + head into layers -> (Sequential, indices whose output is reused, strides).
 
     Strides are traced through the layers rather than measured with a dummy forward, so building even the
-    x scale costs no compute.
+    x scale costs no compute. Two rules follow Ultralytics so its YOLO11 yamls and checkpoints build the
+    same: a C3k2 uses C3k inner blocks at scales m, l and x whatever its own flag says, and a yaml with any
+    C3k2 gets the head's depthwise class branch.
 
     >>> d, _ = load_model_yaml("yolov8.yaml")
     >>> layers, save, strides = build_layers(d, "n", 80); len(layers), strides
     (23, [8.0, 16.0, 32.0])
     """
+    for key, what in _UNSUPPORTED_KEYS.items():
+        if d.get(key):
+            raise ConfigError(f"model yaml sets {key}: {d[key]!r:.40} ({what}), which detrain does not build")
     depth, width, max_channels = _scale_multiples(d, scale)
     reg_max = int(d.get("reg_max", 16))
     layers: list[nn.Module] = []
@@ -190,6 +233,7 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
     specs = list(d.get("backbone", [])) + list(d.get("head", []))
     if not specs:
         raise ConfigError("model yaml has no 'backbone'/'head' layers")
+    depthwise_cls = any(isinstance(spec, (list, tuple)) and len(spec) == 4 and spec[2] == "C3k2" for spec in specs)
 
     def source(i: int, j: int) -> tuple[int, float]:
         k = i + j if j < 0 else j
@@ -201,44 +245,39 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
 
     for i, spec in enumerate(specs):
         if not isinstance(spec, (list, tuple)) or len(spec) != 4:
-            raise ConfigError(f"model layer {i} must be [from, repeats, module, args], got {spec!r}")
+            raise ConfigError(f"model layer {i} must be [from, repeats, module, args], got {spec!r:.80}")
         f, n, name, args = spec
-        if name not in _MODULE_NAMES:
-            raise ConfigError(f"model layer {i}: unknown module {name!r}; known: {', '.join(sorted(_MODULE_NAMES))}")
-        args = [nc if a == "nc" else a for a in (args or [])]
-        n = max(round(n * depth), 1) if n > 1 else int(n)
-        froms = f if isinstance(f, list) else [f]
-        save.update((i + j) if j < 0 else j for j in froms if j != -1)
-        c_in, s_in = source(i, froms[0])
-        if name in ("Conv", "C2f", "SPPF"):
-            c_out = _make_divisible(min(args[0], max_channels) * width)
-            if name == "Conv":
-                k = int(args[1]) if len(args) > 1 else 1
-                s = int(args[2]) if len(args) > 2 else 1
-                layer: nn.Module = Conv(c_in, c_out, k, s)
-                s_out = s_in * s
-            elif name == "C2f":
-                layer = C2f(c_in, c_out, n, bool(args[1]) if len(args) > 1 else False)
-                s_out = s_in
-            else:
-                layer = SPPF(c_in, c_out, int(args[1]) if len(args) > 1 else 5)
-                s_out = s_in
-        elif name in ("Upsample", "nn.Upsample"):
-            layer = _upsample(args)
-            c_out, s_out = c_in, s_in / float(layer.scale_factor)  # type: ignore[arg-type]
-        elif name == "Concat":
-            srcs = [source(i, j) for j in froms]
-            if len({s for _, s in srcs}) != 1:
-                raise ConfigError(f"model layer {i}: Concat inputs {froms} have different strides")
-            layer = Concat(int(args[0]) if args else 1)
-            c_out, s_out = sum(c for c, _ in srcs), s_in
-        else:  # Detect
-            srcs = [source(i, j) for j in froms]
-            head_strides = [s for _, s in srcs]
-            layer = Detect(
-                nc, [c for c, _ in srcs], head_strides, reg_max=reg_max, cls_channels=d.get("head_cls_channels")
+        if not isinstance(name, str) or name not in _MODULE_NAMES:
+            raise ConfigError(
+                f"model layer {i}: unknown module {name!r:.60}; known: {', '.join(sorted(_MODULE_NAMES))}"
             )
-            c_out, s_out = 0, 0.0
+        args = [nc if a == "nc" else a for a in (args or [])]
+        try:
+            n = max(round(n * depth), 1) if n > 1 else int(n)
+            froms = f if isinstance(f, list) else [f]
+            save.update((i + j) if j < 0 else j for j in froms if j != -1)
+            c_in, s_in = source(i, froms[0])
+            if name in ("Upsample", "nn.Upsample"):
+                layer: nn.Module = _upsample(args)
+                c_out, s_out = c_in, s_in / float(layer.scale_factor)  # type: ignore[arg-type]
+            elif name == "Concat":
+                srcs = [source(i, j) for j in froms]
+                if len({s for _, s in srcs}) != 1:
+                    raise ConfigError(f"model layer {i}: Concat inputs {froms} have different strides")
+                layer = Concat(int(args[0]) if args else 1)
+                c_out, s_out = sum(c for c, _ in srcs), s_in
+            elif name == "Detect":
+                srcs = [source(i, j) for j in froms]
+                head_strides = [s for _, s in srcs]
+                cls_channels = d.get("head_cls_channels")
+                layer = Detect(nc, [c for c, _ in srcs], head_strides, reg_max, cls_channels, depthwise_cls)
+                c_out, s_out = 0, 0.0
+            else:
+                c_out = _make_divisible(min(args[0], max_channels) * width)
+                layer, stride = _block(name, c_in, c_out, n, args, scale)
+                s_out = s_in * stride
+        except (TypeError, ValueError, IndexError, KeyError) as e:  # a value of the wrong kind in the yaml
+            raise ConfigError(f"model layer {i} ({name} {args!r:.60}) cannot be built: {e}") from None
         layer.f, layer.i, layer.type = f, i, name  # type: ignore[assignment]
         layers.append(layer)
         channels.append(c_out)
@@ -246,6 +285,29 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
     if not isinstance(layers[-1], Detect):
         raise ConfigError("the last model layer must be Detect")
     return nn.Sequential(*layers), save, head_strides
+
+
+def _block(name: str, c_in: int, c_out: int, n: int, args: list, scale: str) -> tuple[nn.Module, int]:
+    """A Conv, C2f, C3k2, C2PSA or SPPF layer from its yaml args (output channels already scaled) -> (layer,
+    its stride). Arguments this builder does not follow (YOLO26's SPPF and C3k2 extras) are a ValueError."""
+    most = {"Conv": 3, "C2f": 2, "C3k2": 3, "C2PSA": 1, "SPPF": 2}[name]
+    if len(args) > most:
+        raise ValueError(f"detrain builds {name} from at most {most} arguments")
+    if name == "Conv":
+        k = int(args[1]) if len(args) > 1 else 1
+        s = int(args[2]) if len(args) > 2 else 1
+        return Conv(c_in, c_out, k, s), s
+    if name == "C2f":
+        return C2f(c_in, c_out, n, bool(args[1]) if len(args) > 1 else False), 1
+    if name == "C3k2":
+        c3k = scale in ("m", "l", "x") or (bool(args[1]) if len(args) > 1 else False)
+        e = float(args[2]) if len(args) > 2 else 0.5
+        return C3k2(c_in, c_out, n, c3k, e), 1
+    if name == "C2PSA":
+        if c_in != c_out:
+            raise ValueError(f"C2PSA keeps its width, but it reads {c_in} channels and would write {c_out}")
+        return C2PSA(c_in, c_out, n), 1
+    return SPPF(c_in, c_out, int(args[1]) if len(args) > 1 else 5), 1
 
 
 def initialize_weights(model: nn.Module) -> None:
@@ -260,11 +322,12 @@ def initialize_weights(model: nn.Module) -> None:
 
 
 class DetectionModel(nn.Module):
-    """YOLOv8-class detector.
+    """YOLOv8- or YOLO11-class detector (:attr:`family`).
 
-    ``cfg`` is a packaged yaml name (``"yolov8.yaml"``, or ``"yolov8s.yaml"`` meaning scale s), a path, or
-    a dict (e.g. another model's ``.yaml``). ``scale`` defaults to the one the yaml names (its ``scale:``
-    key, else a bundled name's letter, ``"n"`` for the packaged ``yolov8.yaml``; see :func:`load_model_yaml`);
+    ``cfg`` is a packaged yaml name (``"yolov8.yaml"``, ``"yolo11.yaml"``, or ``"yolov8s.yaml"``,
+    ``"yolo11s.yaml"`` meaning scale s), a path, or a dict (e.g. another model's ``.yaml``). ``scale`` defaults
+    to the one the yaml names (its ``scale:`` key, else a bundled name's letter, ``"n"`` for the packaged
+    ``yolov8.yaml`` and ``yolo11.yaml``; see :func:`load_model_yaml`);
     a yaml with several ``scales`` that names none needs ``scale``. ``nc`` defaults to ``len(names)``, else the
     yaml's ``nc``, else 80.
 
@@ -309,6 +372,11 @@ class DetectionModel(nn.Module):
         self.reg_max = self.head.reg_max
         self.names = names or {i: str(i) for i in range(nc)}
         initialize_weights(self)
+
+    @property
+    def family(self) -> str:
+        """``"yolov8"`` or ``"yolo11"`` (see :func:`family`): ``DetectionModel("yolo11n.yaml").family``."""
+        return family(self.yaml)
 
     @property
     def head(self) -> Detect:
@@ -362,7 +430,8 @@ class DetectionModel(nn.Module):
             raise ConfigError(f"nc={nc} but {len(names)} class names were given")
         head = self.head
         head.reset_classes(nc)
-        fresh_width = max(cast(Conv, cast(nn.Sequential, head.cv3[0])[0]).conv.in_channels, min(nc, 100))
+        # the class branch reads the first level's channels, as the box branch does (its first layer is a Conv)
+        fresh_width = max(cast(Conv, cast(nn.Sequential, head.cv2[0])[0]).conv.in_channels, min(nc, 100))
         if head.cls_channels != fresh_width:
             self.yaml["head_cls_channels"] = head.cls_channels
         else:

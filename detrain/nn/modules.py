@@ -1,13 +1,14 @@
-"""Building blocks of the YOLOv8-class detector.
+"""Building blocks of the YOLOv8-class detector, and the head and depthwise convolution YOLO11 shares.
 
-Attribute names and nesting follow YOLOv8's exactly (``conv``/``bn``/``act``, ``cv1``/``cv2``/``m``,
-``cv2``/``cv3``/``dfl`` in the head) because state-dict keys are derived from them, and real YOLOv8
-checkpoints are loaded by key.
+Attribute names and nesting follow Ultralytics' exactly (``conv``/``bn``/``act``, ``cv1``/``cv2``/``m``,
+``cv2``/``cv3``/``dfl`` in the head) because state-dict keys are derived from them, and real YOLOv8 and
+YOLO11 checkpoints are loaded by key. YOLO11's own blocks (C3k2, C2PSA, ...) are in :mod:`detrain.nn.blocks11`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -41,6 +42,17 @@ class Conv(nn.Module):
             return
         self.conv = fuse_conv_bn(self.conv, self.bn)  # type: ignore[arg-type]
         self.bn = nn.Identity()
+
+
+class DWConv(Conv):
+    """A depthwise Conv: one filter group per channel when ``c1 == c2`` (groups = gcd of the two widths).
+
+    >>> DWConv(8, 8, 3).conv.weight.shape
+    torch.Size([8, 1, 3, 3])
+    """
+
+    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, act: bool = True) -> None:
+        super().__init__(c1, c2, k, s, g=math.gcd(c1, c2), act=act)
 
 
 def _pointwise_as_matmul(conv: nn.Conv2d, x: Tensor) -> bool:
@@ -148,16 +160,28 @@ class Bottleneck(nn.Module):
 class C2f(nn.Module):
     """CSP block with two halves: one half runs through ``n`` Bottlenecks, every output is concatenated.
 
+    ``block`` makes each inner block from the half's width (default: a full-width Bottleneck); YOLO11's C3k2
+    is this same CSP wiring around other blocks.
+
     >>> C2f(16, 32, n=2, shortcut=True)(torch.zeros(1, 16, 8, 8)).shape
     torch.Size([1, 32, 8, 8])
     """
 
-    def __init__(self, c1: int, c2: int, n: int = 1, shortcut: bool = False, e: float = 0.5) -> None:
+    def __init__(
+        self,
+        c1: int,
+        c2: int,
+        n: int = 1,
+        shortcut: bool = False,
+        e: float = 0.5,
+        block: Callable[[int], nn.Module] | None = None,
+    ) -> None:
         super().__init__()
         self.c = int(c2 * e)
         self.cv1 = Conv(c1, 2 * self.c, 1)
         self.cv2 = Conv((2 + n) * self.c, c2, 1)
-        self.m = nn.ModuleList(Bottleneck(self.c, self.c, shortcut) for _ in range(n))
+        make = block or (lambda c: Bottleneck(c, c, shortcut))
+        self.m = nn.ModuleList(make(self.c) for _ in range(n))
 
     def forward(self, x: Tensor) -> Tensor:
         # One cv1 then views of its halves: the only copy is the final concatenation into cv2's input.
@@ -298,9 +322,23 @@ def _branch(seq: nn.Module, x: Tensor) -> Tensor:
     return conv2d(cast(nn.Conv2d, last), x)
 
 
+def _class_convs(c_in: int, width: int, depthwise: bool) -> tuple[nn.Module, nn.Module]:
+    """The two feature stages of a class branch, before its final 1x1 convolution (see :class:`Detect`)."""
+    if depthwise:
+        return (
+            nn.Sequential(DWConv(c_in, c_in, 3), Conv(c_in, width, 1)),
+            nn.Sequential(DWConv(width, width, 3), Conv(width, width, 1)),
+        )
+    return Conv(c_in, width, 3), Conv(width, width, 3)
+
+
 class Detect(nn.Module):
     """Anchor-free decoupled head: per level a box branch (``cv2``, 4 * reg_max DFL logits) and a class
     branch (``cv3``, nc logits).
+
+    The class branch is two 3x3 Convs (YOLOv8) or, with ``depthwise_cls`` (YOLO11), two pairs of a 3x3
+    depthwise Conv and a 1x1 Conv, each pair an ``nn.Sequential`` as in Ultralytics' non-legacy head; the
+    box branch and everything after the branches are the same.
 
     In training mode ``forward`` returns the raw maps (B, 4 * reg_max + nc, H, W) per level; otherwise
     the decoded (B, 4 + nc, N): xywh boxes in input pixels and sigmoid scores. Anchors are cached per
@@ -325,6 +363,7 @@ class Detect(nn.Module):
         strides: tuple[float, ...] | list[float] | None = None,
         reg_max: int = 16,
         cls_channels: int | None = None,
+        depthwise_cls: bool = False,
     ) -> None:
         super().__init__()
         self.nc = nc
@@ -338,7 +377,8 @@ class Detect(nn.Module):
         self.cv2 = nn.ModuleList(
             nn.Sequential(Conv(c, c2, 3), Conv(c2, c2, 3), nn.Conv2d(c2, 4 * reg_max, 1)) for c in ch
         )
-        self.cv3 = nn.ModuleList(nn.Sequential(Conv(c, c3, 3), Conv(c3, c3, 3), nn.Conv2d(c3, nc, 1)) for c in ch)
+        self.depthwise_cls = depthwise_cls
+        self.cv3 = nn.ModuleList(nn.Sequential(*_class_convs(c, c3, depthwise_cls), nn.Conv2d(c3, nc, 1)) for c in ch)
         self.dfl = DFL(reg_max) if reg_max > 1 else nn.Identity()
         self.register_buffer("stride", torch.tensor(strides or [0.0] * self.nl, dtype=torch.float), persistent=False)
         self._anchor_key: tuple | None = None

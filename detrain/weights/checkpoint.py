@@ -1,8 +1,9 @@
 """Checkpoints: atomic save, safe load, and the model they hold.
 
 A detrain checkpoint is a plain dict of tensors, numbers, strings and containers, so it loads with
-``torch.load(weights_only=True)``: nothing in it can run code. Ultralytics YOLOv8 files are read by the
-restricted unpickler in :mod:`detrain.weights.ultralytics` and converted on the fly.
+``torch.load(weights_only=True)``: nothing in it can run code. Ultralytics files (YOLOv8, YOLO11) are read by
+the restricted unpickler in :mod:`detrain.weights.ultralytics` and converted on the fly; the model is built
+from the architecture a file records, and a file whose weights do not fit it is refused in one line.
 
 >>> from detrain.nn.model import DetectionModel
 >>> net = DetectionModel(nc=2, names={0: "cat", 1: "dog"})
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrain import __version__
-from detrain.errors import CheckpointError
+from detrain.errors import CheckpointError, ConfigError
 from detrain.system.tempfiles import temp_beside
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a detrain checkpoint, or convert an Ultralytics YOLOv8 one, without running anything in it.
+    """Load a detrain checkpoint, or convert an Ultralytics one, without running anything in it.
 
     Every file is first read by the restricted reader (:mod:`detrain.weights.safe_pickle`), which checks
     the zip, the pickle and every size it declares and refuses anything a checkpoint does not need, so no
@@ -83,7 +84,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     elif ul.is_ultralytics_record(vetted):  # pickled Ultralytics classes, as inert records
         return from_ultralytics(ul.ultralytics_info(vetted, path))
     raise CheckpointError(
-        f"{path} is not a detrain checkpoint (nor a YOLOv8 one); make one with 'detrain train' or 'detrain convert'"
+        f"{path} is not a detrain checkpoint (nor an Ultralytics one); make one with 'detrain train' or "
+        "'detrain convert'"
     )
 
 
@@ -121,13 +123,19 @@ def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
 
 
 def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
-    """Turn :func:`detrain.weights.ultralytics.load_ultralytics_checkpoint`'s dict into a detrain checkpoint."""
+    """Turn :func:`detrain.weights.ultralytics.ultralytics_info`'s dict into a detrain checkpoint.
+
+    The model is described by the architecture yaml the file recorded, so a YOLO11 file builds YOLO11 (and a
+    file of a kind detrain cannot build is refused when its model is built, naming what it does not know).
+    """
+    from detrain.nn.model import family
+
     names = {int(k): str(v) for k, v in info["names"].items()}
     return {
         "format": FORMAT,
         "version": __version__,
         "model": {
-            "yaml": None,  # the packaged YOLOv8 architecture: identical layer layout
+            "yaml": info["yaml"],
             "scale": info["scale"],
             "nc": int(info["nc"]),
             "names": names,
@@ -136,29 +144,65 @@ def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
         },
         "ema": None,
         "epoch": -1,
-        "source": "yolov8",
+        "source": family(info["yaml"]),
     }
 
 
-def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True) -> DetectionModel:
-    """Build the DetectionModel a checkpoint describes and load its weights (the EMA ones when present)."""
+def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True, source: str = "checkpoint") -> DetectionModel:
+    """Build the DetectionModel a checkpoint describes and load its weights (the EMA ones when present).
+
+    An architecture detrain cannot build (an unknown module, YOLO26's end-to-end head) or weights that do not
+    fit it are a one-line CheckpointError that starts with ``source`` (the file, for the user) and names what
+    does not fit: the module, or the first keys with their shapes.
+    """
     from detrain.nn.model import DetectionModel
 
     meta = ckpt["model"]
-    model = DetectionModel(
-        cfg=meta.get("yaml") or "yolov8.yaml", scale=meta["scale"], nc=meta["nc"], names=meta["names"]
-    )
+    try:
+        model = DetectionModel(
+            cfg=meta.get("yaml") or "yolov8.yaml", scale=meta["scale"], nc=meta["nc"], names=meta["names"]
+        )
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: detrain cannot build the model it records: {e}") from None
     ema = ckpt.get("ema")
     state = ema["state_dict"] if (use_ema and ema) else meta["state_dict"]
-    missing, unexpected = model.load_state_dict(
-        {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=False
-    )
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint does not fit the {meta['scale']} model: missing {missing[:3]}, unexpected {unexpected[:3]}"
-        )
+    check_fits(model, state, source)
+    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     model.imgsz = int(meta.get("imgsz") or 640)
     return model
+
+
+def check_fits(model: DetectionModel, state: dict[str, Any], source: str = "checkpoint") -> None:
+    """A one-line CheckpointError unless ``state`` has exactly ``model``'s keys with its shapes; it names the first
+    three differences (a missing key and the shape expected, a key of another shape, a key the model lacks).
+
+    >>> from detrain.nn.model import DetectionModel
+    >>> state = DetectionModel(nc=2).state_dict(); del state["model.0.conv.weight"]
+    >>> check_fits(DetectionModel(nc=2), state, "a.pt")
+    Traceback (most recent call last):
+    ...
+    detrain.errors.CheckpointError: a.pt does not fit the yolov8 n model with nc=2: missing model.0.conv.weight ...
+    """
+    ours = model.state_dict()
+    problems: list[str] = []
+    for key, ref in ours.items():
+        if key not in state:
+            problems.append(f"missing {key} (expected shape {tuple(ref.shape)})")
+        elif tuple(state[key].shape) != tuple(ref.shape):
+            problems.append(f"{key} has shape {tuple(state[key].shape)}, expected {tuple(ref.shape)}")
+    problems += [f"unexpected {_printable(key)}" for key in state if key not in ours]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(
+            f"{source} does not fit the {model.family} {model.scale} model with nc={model.nc}: "
+            f"{'; '.join(problems[:3])}{more}"
+        )
+
+
+def _printable(key: str) -> str:
+    """A key from a file, shown on one line and briefly whatever it holds."""
+    text = key if key.isprintable() else repr(key)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def model_meta(model: DetectionModel, imgsz: int) -> dict[str, Any]:

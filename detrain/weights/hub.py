@@ -1,7 +1,8 @@
-"""Bare weight names (``n.pt``, ``yolov8s.pt``) -> a local file: current folder, cache, else one checked download.
+"""Bare weight names (``n.pt``, ``yolov8s.pt``, ``yolo11n.pt``) -> a local file: current folder, cache, else one
+checked download.
 
 ``resolve_weights("yolov8n.pt")`` looks for ``./yolov8n.pt``, then ``$DETRAIN_WEIGHTS_DIR/yolov8n.pt``
-(default ``~/.cache/detrain/weights``), and only then downloads the COCO-pretrained YOLOv8 release file
+(default ``~/.cache/detrain/weights``), and only then downloads the COCO-pretrained Ultralytics release file
 once into that cache. A download is written to a temporary file beside its final place, checked against
 the sha256 and size recorded in :data:`RELEASE_FILES`, and moved into place atomically, so an interrupted,
 oversized or altered download never leaves a file that a later run would trust.
@@ -11,14 +12,17 @@ on the command line, ``Model(..., weights_sha256=...)`` in Python). A given hash
 recorded one, for a mirror (``DETRAIN_WEIGHTS_URL``) that serves another release, and is checked against
 any weights file it comes with, local or downloaded.
 
-The recorded hashes are those of the ``v0.0.0`` release of ultralytics/assets, the files Ultralytics itself
-mirrors on Hugging Face (``Ultralytics/YOLOv8``, whose Git LFS pointers carry the same sha256 and sizes).
-Later releases (v8.1.0 onwards) re-saved the files, so their bytes and hashes differ.
+The recorded YOLOv8 hashes are those of the ``v0.0.0`` release of ultralytics/assets, the files Ultralytics
+itself mirrors on Hugging Face (``Ultralytics/YOLOv8``, whose Git LFS pointers carry the same sha256 and
+sizes); later releases (v8.1.0 onwards) re-saved the files, so their bytes and hashes differ. YOLO11 files
+come from the ``v8.3.0`` release that introduced them, YOLO26 ones from ``v8.4.0``. A yolo26 file downloads
+and reads, but detrain does not build its end-to-end head yet: loading its model is refused in one line.
 
 Environment:
     DETRAIN_WEIGHTS_DIR   the cache folder (default ``~/.cache/detrain/weights``)
-    DETRAIN_WEIGHTS_URL   the URL template, with ``{name}`` for the canonical file name (a mirror, or a
-                          local server in tests); default: :data:`DEFAULT_URL`.
+    DETRAIN_WEIGHTS_URL   the URL template, with ``{name}`` for the canonical file name and optionally
+                          ``{release}`` for its release tag (a mirror, or a local server in tests);
+                          default: :data:`DEFAULT_URL`.
 """
 
 from __future__ import annotations
@@ -45,15 +49,17 @@ __all__ = [
     "weights_dir",
 ]
 
-DEFAULT_URL = "https://github.com/ultralytics/assets/releases/download/v0.0.0/{name}"
+DEFAULT_URL = "https://github.com/ultralytics/assets/releases/download/{release}/{name}"
 
 
 @dataclass(frozen=True)
 class ReleaseFile:
-    """What a release file must be: its sha256 and its size in bytes (0: not known)."""
+    """What a release file must be: its sha256, its size in bytes (0: not known), and the ultralytics/assets
+    release that holds it."""
 
     sha256: str
     size: int
+    release: str = "v0.0.0"
 
 
 # The files behind DEFAULT_URL, by canonical name. A name missing here is downloaded only with a given hash.
@@ -63,7 +69,12 @@ RELEASE_FILES: dict[str, ReleaseFile] = {
     "yolov8m.pt": ReleaseFile("6c25b0b63b1a433843f06d821a9ac1deb8d5805f74f0f38772c7308c5adc55a5", 52_117_635),
     "yolov8l.pt": ReleaseFile("18218ea4798da042d9862e6029ca9531adbd40ace19b6c9a75e2e28f1adf30cc", 87_769_683),
     "yolov8x.pt": ReleaseFile("c4d5a3f000d771762f03fc8b57ebd0aae324aeaefdd6e68492a9c4470f2d1e8b", 136_867_539),
+    "yolo11n.pt": ReleaseFile("0ebbc80d4a7680d14987a577cd21342b65ecfd94632bd9a8da63ae6417644ee1", 5_613_764, "v8.3.0"),
+    "yolo11s.pt": ReleaseFile("85a76fe86dd8afe384648546b56a7a78580c7cb7b404fc595f97969322d502d5", 19_313_732, "v8.3.0"),
+    "yolo26n.pt": ReleaseFile("9b09cc8bf347f0fc8a5f7657480587f25db09b34bf33b0652110fb03a8ad4fef", 5_544_453, "v8.4.0"),
 }
+# The release a canonical name without a record would come from (downloaded only with a given hash).
+_FAMILY_RELEASE = {"yolov8": "v0.0.0", "yolo11": "v8.3.0", "yolo26": "v8.4.0"}
 
 _SCALES = "nsmlx"
 _MAX_UNRECORDED_BYTES = 2 << 30  # a download with a given hash but no recorded size (YOLOv8x is 137 MB)
@@ -76,13 +87,18 @@ def canonical_name(name: str) -> str | None:
     Example:
         >>> canonical_name("n.pt"), canonical_name("YOLOv8x.pt"), canonical_name("runs/best.pt")
         ('yolov8n.pt', 'yolov8x.pt', None)
+        >>> canonical_name("YOLO11s.pt"), canonical_name("yolo26n.pt")
+        ('yolo11s.pt', 'yolo26n.pt')
     """
     if os.path.dirname(name):
         return None
     low = name.lower()
     for scale in _SCALES:
-        if low in (f"{scale}.pt", f"yolov8{scale}.pt"):
+        if low == f"{scale}.pt":
             return f"yolov8{scale}.pt"
+        for family in _FAMILY_RELEASE:
+            if low == f"{family}{scale}.pt":
+                return low
     return None
 
 
@@ -114,12 +130,14 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
 
 
 def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True, sha256: str | None = None) -> Path:
-    """A weights file on disk for a path or a bare YOLOv8 name, downloading the release file if needed.
+    """A weights file on disk for a path or a bare release name, downloading the release file if needed.
 
     An existing path is returned as it is. ``n.pt s.pt m.pt l.pt x.pt`` and ``yolov8n.pt`` ...
-    ``yolov8x.pt`` mean the COCO-pretrained YOLOv8 weights of that scale. Anything else that does not
-    exist raises ``CheckpointError("weights file not found: <path>")``. ``sha256`` (64 hex digits), when
-    given, is the hash the file must have, wherever it is found, and the one a download is checked against.
+    ``yolov8x.pt`` mean the COCO-pretrained YOLOv8 weights of that scale, ``yolo11n.pt`` ... ``yolo11x.pt``
+    the YOLO11 ones (``yolo26n.pt`` ... the YOLO26 ones, whose model detrain does not build yet). Anything
+    else that does not exist raises ``CheckpointError("weights file not found: <path>")``. ``sha256`` (64 hex
+    digits), when given, is the hash the file must have, wherever it is found, and the one a download is
+    checked against.
 
     ``resolve_weights("n.pt")`` is ``~/.cache/detrain/weights/yolov8n.pt``, downloaded the first time.
 
@@ -142,13 +160,14 @@ def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True,
             return _verified(found, expected)
     release = RELEASE_FILES.get(canonical)
     if expected is not None and (release is None or release.sha256 != expected):
-        release = ReleaseFile(expected, size=0)  # the caller's file: its size is not known
+        tag = _FAMILY_RELEASE.get(canonical[: -len("n.pt")], "v0.0.0")
+        release = ReleaseFile(expected, size=0, release=tag)  # the caller's file: its size is not known
     if release is None:
         raise CheckpointError(
             f"no sha256 recorded for {canonical}: not downloading it unchecked; pass weights_sha256=<its sha256> "
             f"or put the file at {cached}"
         )
-    url = os.environ.get("DETRAIN_WEIGHTS_URL", DEFAULT_URL).format(name=canonical)
+    url = os.environ.get("DETRAIN_WEIGHTS_URL", DEFAULT_URL).format(name=canonical, release=release.release)
     _download(url, cached, release, progress)
     return cached
 

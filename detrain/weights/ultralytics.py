@@ -1,21 +1,21 @@
-"""Read Ultralytics YOLOv8 checkpoints without Ultralytics and map them onto detrain's DetectionModel.
+"""Read Ultralytics detection checkpoints (YOLOv8, YOLO11) without Ultralytics, as plain data for our model.
 
 An Ultralytics ``.pt`` pickles its whole training state, including Ultralytics classes
-(``ultralytics.nn.tasks.DetectionModel``, ``ultralytics.nn.modules.Conv``) and ``torch.nn`` modules. It is
-read by :func:`detrain.weights.safe_pickle.read_torch_zip` with ``ultralytics`` as a data-only namespace:
-those classes become inert records (nothing is imported, nothing runs), and any other global in the file
-stops the load. This module turns the records into a state dict and metadata, then into our model.
+(``ultralytics.nn.tasks.DetectionModel``, ``ultralytics.nn.modules.Conv``, ``...block.C3k2``) and ``torch.nn``
+modules. It is read by :func:`detrain.weights.safe_pickle.read_torch_zip` with the whole ``ultralytics``
+namespace as data only: every class in it, whatever block a later release adds, becomes an inert record
+(nothing is imported, nothing runs), and any other global in the file stops the load. This module turns the
+records into a state dict and metadata, including the architecture yaml the model was built from, which
+:func:`detrain.weights.checkpoint.model_from_checkpoint` builds (never an assumed YOLOv8).
 
-Example, with YOLOv8n's release file: ``info = load_ultralytics_checkpoint("yolov8n.pt")`` gives
-``info["names"][0], info["scale"], info["stride"] == ('person', 'n', [8.0, 16.0, 32.0])``, and
-``to_detrain_model(info)`` the model.
+Example, with YOLOv8n's release file: ``info = ultralytics_info(read_torch_zip("yolov8n.pt"), Path("yolov8n.pt"))``
+gives ``info["names"][0], info["scale"], info["stride"] == ('person', 'n', [8.0, 16.0, 32.0])``.
 """
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -23,18 +23,12 @@ from detrain.errors import CheckpointError
 from detrain.weights import safe_pickle
 from detrain.weights.safe_pickle import InertObject
 
-if TYPE_CHECKING:  # the model module is only needed by to_detrain_model
-    from detrain.nn.model import DetectionModel
-
 __all__ = [
     "ULTRALYTICS_MODULES",
     "InertObject",
-    "is_ultralytics_checkpoint",
     "is_ultralytics_record",
-    "load_ultralytics_checkpoint",
     "read_torch_zip",
     "state_dict_of",
-    "to_detrain_model",
     "ultralytics_info",
 ]
 
@@ -52,33 +46,6 @@ def read_torch_zip(path: str | Path) -> Any:
         (3, <inert torch.nn.modules.linear.Linear>)
     """
     return safe_pickle.read_torch_zip(path, inert_modules=ULTRALYTICS_MODULES)
-
-
-_PEEK_BYTES = 4 << 20
-
-
-def is_ultralytics_checkpoint(path: str | Path) -> bool:
-    """Whether ``path`` is a torch zip whose pickle names Ultralytics classes; reads bytes, unpickles nothing.
-
-    A hint only (any damaged or foreign file answers False); :func:`is_ultralytics_record` decides on what the
-    restricted reader actually built.
-
-    Example:
-        >>> torch.save({"model": torch.nn.Linear(2, 1)}, "plain.pt")
-        >>> is_ultralytics_checkpoint("plain.pt")  # YOLOv8's release files answer True
-        False
-    """
-    try:
-        with zipfile.ZipFile(path) as zf:
-            pkl = [n for n in zf.namelist() if n == "data.pkl" or n.endswith("/data.pkl")]
-            if not pkl:
-                return False
-            with zf.open(pkl[0]) as f:  # the model's class names come early; no need to read it all
-                return b"ultralytics" in f.read(_PEEK_BYTES)
-    except (MemoryError, RecursionError):
-        raise
-    except Exception:  # noqa: BLE001 - BadZipFile, OSError, zlib.error, NotImplementedError...: not one to peek into
-        return False
 
 
 def is_ultralytics_record(ckpt: Any) -> bool:
@@ -162,7 +129,13 @@ def _walk(module: Any, prefix: str, out: dict[str, torch.Tensor], depth: int, vi
             _walk(child, f"{prefix}{name}.", out, depth + 1, visits)
 
 
+# YOLOv8's stem widths, for the older files whose yaml names no scale (single-scale depth/width multiples)
 _SCALE_BY_STEM_WIDTH = {16: "n", 32: "s", 48: "m", 64: "l", 80: "x"}
+_SCALES = tuple(_SCALE_BY_STEM_WIDTH.values())
+# The architecture yaml a file records: plain data, small (YOLO11's is about 300 values)
+_MAX_YAML_VALUES = 10_000
+_MAX_YAML_DEPTH = 8
+_PLAIN = (str, int, float, bool, type(None))
 
 
 def _plain(value: Any) -> Any:
@@ -219,27 +192,59 @@ def _image_size(train_args: Any) -> int | None:
     return _small_int(value, 1, _MAX_IMGSZ)
 
 
-def load_ultralytics_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read an Ultralytics YOLOv8 detection checkpoint safely into plain data.
+def _plain_yaml(value: Any, path: Path, count: list[int], depth: int = 0) -> Any:
+    """``value`` as plain yaml data (dicts with text keys, lists, text, numbers, None), capped; else refused.
 
-    Returns a dict with ``state_dict`` (name -> tensor, as ``DetectionModel.state_dict()`` names them;
-    from the EMA model when the file has one), ``nc``, ``names`` (dict[int, str]), ``stride`` (list),
-    ``imgsz`` (from the training arguments, or None), ``scale`` ('n'..'x'), ``yaml`` (the model yaml
-    dict), ``epoch``, and ``date`` / ``version`` when present.
-
-    Example: ``info = load_ultralytics_checkpoint("yolov8n.pt")`` gives ``info["nc"], len(info["names"]),
-    info["scale"] == (80, 80, 'n')``.
+    The yaml goes into the detrain checkpoint, which ``torch.load(weights_only=True)`` must read back, and into
+    the model builder, so nothing else (a record, a tensor, a set) may come through.
     """
-    path = Path(path)
-    return ultralytics_info(read_torch_zip(path), path)
+    count[0] += 1
+    if count[0] > _MAX_YAML_VALUES or depth > _MAX_YAML_DEPTH:
+        raise CheckpointError(f"{path}: its architecture (yaml) is larger or deeper than a model yaml is")
+    if isinstance(value, _PLAIN):
+        if isinstance(value, str) and len(value) > _MAX_NAME_CHARS:
+            raise CheckpointError(f"{path}: its architecture (yaml) holds a text of {len(value)} characters")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain_yaml(v, path, count, depth + 1) for v in value]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain_yaml(v, path, count, depth + 1) for k, v in value.items()}
+    raise CheckpointError(f"{path}: its architecture (yaml) holds a {type(value).__name__}, not plain yaml data")
+
+
+def _scale(yaml_cfg: dict[str, Any], state_dict: dict[str, torch.Tensor], path: Path) -> str:
+    """The scale the model was built at: the yaml's ``scale`` (one of its ``scales``); for a yaml with scales that
+    names none, the first one (what Ultralytics builds then); for the older single-scale yaml, the label
+    YOLOv8's stem width gives."""
+    scales = yaml_cfg.get("scales")
+    scale = yaml_cfg.get("scale")
+    if isinstance(scales, dict) and scales:
+        if isinstance(scale, str) and scale in scales:
+            return scale
+        first = next(iter(scales))
+        if isinstance(first, str) and first in _SCALES:
+            return first
+    elif isinstance(scale, str) and scale in _SCALES:
+        return scale
+    stem = state_dict.get("model.0.conv.weight")
+    guessed = _SCALE_BY_STEM_WIDTH.get(int(stem.shape[0])) if stem is not None and stem.ndim == 4 else None
+    if guessed is None:
+        raise CheckpointError(f"cannot tell the scale (n/s/m/l/x) of {path}: its yaml names none, unknown stem width")
+    return guessed
 
 
 def ultralytics_info(ckpt: Any, path: Path) -> dict[str, Any]:
-    """:func:`load_ultralytics_checkpoint` on what :func:`read_torch_zip` already returned for ``path``.
+    """What :func:`read_torch_zip` returned for an Ultralytics detection checkpoint ``path``, as plain data.
+
+    Returns a dict with ``state_dict`` (name -> tensor, as ``DetectionModel.state_dict()`` names them;
+    from the EMA model when the file has one), ``nc``, ``names`` (dict[int, str]), ``stride`` (list),
+    ``imgsz`` (from the training arguments, or None), ``scale`` ('n'..'x'), ``yaml`` (the architecture the
+    model was built from, as plain data), ``epoch``, and ``date`` / ``version`` when present.
 
     Every field is type-checked before use: the records came from a file, and a number that turns out to
     be an array or a name that turns out to be a nested list must end in a CheckpointError, not deep
-    inside a comparison or a repr.
+    inside a comparison or a repr. Whether detrain can build that architecture is decided when the model
+    is built (:func:`detrain.weights.checkpoint.model_from_checkpoint`).
     """
     if not isinstance(ckpt, dict):
         raise CheckpointError(f"{path} holds a {type(ckpt).__name__}, not an Ultralytics checkpoint dict")
@@ -255,7 +260,8 @@ def ultralytics_info(ckpt: Any, path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} holds a model without any weights")
 
     raw_yaml = attrs.get("yaml")
-    yaml_cfg = raw_yaml if isinstance(raw_yaml, dict) else {}
+    yaml_cfg: dict[str, Any] = _plain_yaml(raw_yaml, path, [0]) if isinstance(raw_yaml, dict) else {}
+    yaml_cfg.pop("yaml_file", None)  # a path on the machine that built it: nothing the architecture needs
     names = _class_names(attrs.get("names"), path)
     nc = _small_int(yaml_cfg.get("nc"), 1, _MAX_CLASSES) or _small_int(attrs.get("nc"), 1, _MAX_CLASSES) or len(names)
     if not names and nc:
@@ -267,20 +273,13 @@ def ultralytics_info(ckpt: Any, path: Path) -> dict[str, Any]:
     stride_list = _strides(attrs.get("stride"), path)
     imgsz = _image_size(_plain(ckpt.get("train_args")))
 
-    scale = yaml_cfg.get("scale")
-    if not isinstance(scale, str) or scale not in _SCALE_BY_STEM_WIDTH.values():
-        stem = state_dict.get("model.0.conv.weight")
-        scale = _SCALE_BY_STEM_WIDTH.get(int(stem.shape[0])) if stem is not None and stem.ndim == 4 else None
-    if scale is None:
-        raise CheckpointError(f"cannot tell the YOLOv8 scale (n/s/m/l/x) of {path}: unknown stem width")
-
     info: dict[str, Any] = {
         "state_dict": state_dict,
         "nc": nc,
         "names": names,
         "stride": stride_list,
         "imgsz": imgsz,
-        "scale": scale,
+        "scale": _scale(yaml_cfg, state_dict, path),
         "yaml": yaml_cfg,
         "epoch": ckpt.get("epoch"),
     }
@@ -288,43 +287,3 @@ def ultralytics_info(ckpt: Any, path: Path) -> dict[str, Any]:
         if key in ckpt:
             info[key] = ckpt[key]
     return info
-
-
-# --------------------------------------------------------------------------------------------------
-# Onto our own model
-# --------------------------------------------------------------------------------------------------
-
-
-def to_detrain_model(info: dict[str, Any]) -> DetectionModel:
-    """Build a detrain ``DetectionModel`` from :func:`load_ultralytics_checkpoint` output, in float32.
-
-    Every key of our model must be in the checkpoint with the same shape (and no extra ones), else a
-    CheckpointError lists the first differences.
-
-    Example: ``to_detrain_model(load_ultralytics_checkpoint("yolov8n.pt")).eval()(torch.zeros(1, 3, 640, 640))``
-    has the shape ``(1, 84, 8400)``.
-    """
-    from detrain.nn.model import DetectionModel
-
-    model = DetectionModel(scale=info["scale"], nc=info["nc"], names=info["names"])
-    ours = model.state_dict()
-    theirs: dict[str, torch.Tensor] = info["state_dict"]
-    problems: list[str] = []
-    for key, ref in ours.items():
-        if key not in theirs:
-            problems.append(f"missing {key} (expected shape {tuple(ref.shape)})")
-        elif tuple(theirs[key].shape) != tuple(ref.shape):
-            problems.append(f"{key} has shape {tuple(theirs[key].shape)}, expected {tuple(ref.shape)}")
-    problems += [f"unexpected {key}" for key in theirs if key not in ours]
-    if problems:
-        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointError(
-            f"checkpoint does not fit YOLOv8{info['scale']} with nc={info['nc']}: {'; '.join(problems[:3])}{more}"
-        )
-    converted = {
-        k: (v.to(torch.float32) if v.is_floating_point() else v.to(ours[k].dtype)).contiguous()
-        for k, v in theirs.items()
-    }
-    model.load_state_dict(converted, strict=True)
-    model.float()
-    return model

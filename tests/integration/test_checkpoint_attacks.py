@@ -39,12 +39,13 @@ from _pickle_forge import (
     ultralytics_model,
     write_torch_zip,
 )
+from _ultralytics import load_ultralytics_checkpoint
 
 from detrain.errors import CheckpointError
 from detrain.weights import limits, safe_torch
 from detrain.weights.checkpoint import load_checkpoint, save_checkpoint
 from detrain.weights.inert import inert_class
-from detrain.weights.ultralytics import load_ultralytics_checkpoint, ultralytics_info
+from detrain.weights.ultralytics import ultralytics_info
 
 REPO = Path(__file__).resolve().parents[2]
 YOLOV8N = REPO.parent / "shared" / "weights" / "yolov8n.pt"

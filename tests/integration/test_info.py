@@ -132,6 +132,16 @@ def test_cli_summary_table_and_hostile_class_names(tmp_path: Path) -> None:
     assert "3 classes" in proc.stdout and "GFLOPs at 320" in proc.stdout and "arguments" not in proc.stdout
 
 
+def test_cli_yolo11n_counts_as_ultralytics_does() -> None:
+    """2,624,080 parameters: Ultralytics 8.4.190's yolo11n; the table shows the YOLO11 blocks' built arguments."""
+    proc = detrain("info", "model=yolo11n.yaml", "imgsz=640")
+    assert proc.returncode == 0, proc.stderr
+    assert "yolo11n.yaml: scale n: 24 layers" in proc.stdout and "2,624,080 parameters" in proc.stdout
+    assert "6.5 GFLOPs at 640" in proc.stdout
+    assert "C3k2" in proc.stdout and "[32, 64, 1, False]" in proc.stdout  # layer 2: 1 half-width Bottleneck
+    assert "C2PSA" in proc.stdout and "[256, 256, 1]" in proc.stdout and "[80, [64, 128, 256]]" in proc.stdout
+
+
 def test_cli_prints_the_layer_table_by_default() -> None:
     table = detrain("info", "model=n.yaml", "imgsz=64")  # verbose=true by default: the per-layer table
     assert table.returncode == 0, table.stderr

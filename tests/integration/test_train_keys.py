@@ -304,7 +304,9 @@ def test_pretrained_copies_tensors_of_the_same_key_and_shape_and_says_how_many(t
     assert pretrained.start_weights(model, cfg) is model
     head = {f"model.22.cv3.{i}.2.{p}" for i in range(3) for p in ("weight", "bias")}
     total = len(init)
-    assert f"transferred {total - len(head)}/{total} items from pretrained weights {path}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"transferred {total - len(head)}/{total} items from pretrained weights {path}" in out
+    assert "; left out (kept their init): model.22.cv3.0.2, model.22.cv3.1.2, model.22.cv3.2.2\n" in out
     theirs = source.state_dict()
     for key, value in model.state_dict().items():
         if key in head:
@@ -318,7 +320,8 @@ def test_pretrained_copies_tensors_of_the_same_key_and_shape_and_says_how_many(t
 def test_pretrained_release_weights_start_a_yaml_model_but_its_class_head() -> None:
     model = DetectionModel(nc=3, names=NAMES)
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    copied, total = pretrained.load_pretrained(model, str(RELEASE_N))
+    done = pretrained.load_pretrained(model, str(RELEASE_N))
+    copied, total = len(done.copied), len(done.copied) + len(done.left_out)
     assert (copied, total) == (319, 355)  # what Ultralytics prints for yolov8n.pt into a 3-class yolov8n.yaml
     reference = load_checkpoint(RELEASE_N)["model"]["state_dict"]
     ours = model.state_dict()
@@ -340,6 +343,46 @@ def test_pretrained_false_keeps_a_weights_files_architecture_only(start: Path, c
     assert not pretrained.starts_from_weights(cfg)
     kept = make_cfg({"model": str(start)})  # pretrained=true: the file's weights, untouched
     assert pretrained.start_weights(loaded, kept) is loaded and pretrained.starts_from_weights(kept)
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "theirs", "ours"),
+    [
+        ("n.yaml", "yolo11n.yaml", "yolov8", "yolo11"),
+        ("yolo11n.yaml", "n.yaml", "yolo11", "yolov8"),
+        ("yolo26", "yolo11n.yaml", "yolo26", "yolo11"),  # YOLO26 uses C3k2 too: its end-to-end head tells it apart
+    ],
+)
+def test_pretrained_weights_of_another_family_are_an_error(
+    tmp_path: Path, source: str, target: str, theirs: str, ours: str
+) -> None:
+    """YOLOv8 and YOLO11 share names such as model.0.conv.weight (and some shapes): a silent partial copy would
+    start a model from weights that meant something else."""
+    other = DetectionModel("yolo11n.yaml" if source == "yolo26" else source, nc=3, names=NAMES)
+    if source == "yolo26":  # a file recording YOLO26's architecture (detrain reads it, cannot build it)
+        other.yaml = {**other.yaml, "end2end": True, "reg_max": 1}
+    path = _save_model(other, tmp_path / "other.pt")
+    model = DetectionModel(target, nc=3, names=NAMES)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as err:
+        pretrained.start_weights(model, make_cfg({"model": target, "pretrained": str(path)}))
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith(f"pretrained weights {path} hold a {theirs} model, but the model to train is {ours}: ")
+    assert all(torch.equal(v, init[k]) for k, v in model.state_dict().items())  # nothing was copied
+
+
+def test_pretrained_yolo11_weights_of_another_scale_name_what_they_leave_out(tmp_path: Path, capsys) -> None:
+    path = _save_model(DetectionModel("yolo11s.yaml", nc=3, names=NAMES), tmp_path / "s.pt")
+    model = DetectionModel("yolo11n.yaml", nc=3, names=NAMES)
+    done = pretrained.load_pretrained(model, str(path))
+    assert done.copied and done.left_out and "model.0.conv.weight" in done.left_out  # 16 channels here, 32 there
+    assert "model.0.bn.num_batches_tracked" in done.copied  # a scalar: the same shape at every scale
+    assert len(done.copied) + len(done.left_out) == len(model.state_dict())
+    line = done.line(str(path))
+    assert line.startswith(f"transferred {len(done.copied)}/{len(model.state_dict())} items from pretrained weights")
+    assert "; left out (kept their init): model.0.conv, model.0.bn, model.1.conv," in line
+    assert line.endswith(" more layers")
 
 
 def test_training_starts_from_the_pretrained_file(data: Path, start: Path, tmp_path: Path, capsys) -> None:

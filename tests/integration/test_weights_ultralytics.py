@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import builtins
+import copy
 import functools
 import hashlib
 import importlib
 import os
 import pickle
+import re
 import subprocess
 import sys
 import types
@@ -19,16 +21,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _ultralytics import load_ultralytics_checkpoint, to_detrain_model
 from torch import nn
 
 from detrain.errors import CheckpointError
-from detrain.weights.ultralytics import (
-    InertObject,
-    is_ultralytics_checkpoint,
-    load_ultralytics_checkpoint,
-    read_torch_zip,
-    to_detrain_model,
-)
+from detrain.weights.ultralytics import InertObject, is_ultralytics_record, read_torch_zip
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 YOLOV8N = SHARED / "weights" / "yolov8n.pt"
@@ -144,7 +141,6 @@ def test_malicious_pickle_is_refused_and_never_runs(tmp_path: Path, variant: str
         load_ultralytics_checkpoint(path)
     assert str(err.value) == f"refusing to load {path}: it asks to call {target}"
     assert not marker.exists()
-    assert not is_ultralytics_checkpoint(path)  # the cheap peek does not unpickle either
 
 
 def test_the_payload_is_live(tmp_path: Path) -> None:
@@ -166,7 +162,6 @@ def test_reduce_inside_the_model_state_is_refused(tmp_path: Path, fake_ultralyti
     )
     path = tmp_path / "evil_model.pt"
     torch.save({"model": model, "ema": None}, path, pickle_protocol=2)
-    assert is_ultralytics_checkpoint(path)
     with pytest.raises(CheckpointError, match=r"it asks to call (posix|nt)\.system$"):
         load_ultralytics_checkpoint(path)
     assert not marker.exists()
@@ -243,7 +238,7 @@ def test_reads_what_torch_save_writes(tmp_path: Path) -> None:
             assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
         assert got["meta"] == want["meta"]
         assert got["np"] == 2.5 and got["bytes"] == b"\x00\xff"
-        assert not is_ultralytics_checkpoint(path)
+        assert not is_ultralytics_record(got)
 
 
 def test_big_endian_records_are_swapped(tmp_path: Path) -> None:
@@ -271,8 +266,6 @@ def test_missing_and_non_zip_files(tmp_path: Path) -> None:
     text.write_text("hello")
     with pytest.raises(CheckpointError, match="not a torch zip checkpoint"):
         load_ultralytics_checkpoint(text)
-    assert not is_ultralytics_checkpoint(text)
-    assert not is_ultralytics_checkpoint(tmp_path / "absent.pt")
 
 
 def test_a_plain_state_dict_is_not_an_ultralytics_checkpoint(tmp_path: Path) -> None:
@@ -313,7 +306,7 @@ def _synthetic_checkpoint(tmp_path: Path, mods: dict, *, with_scale: bool, ema: 
 @pytest.mark.parametrize(("with_scale", "ema"), [(True, False), (False, True)])
 def test_synthetic_checkpoint_round_trip(tmp_path: Path, fake_ultralytics: dict, with_scale: bool, ema: bool) -> None:
     path, ours = _synthetic_checkpoint(tmp_path, fake_ultralytics, with_scale=with_scale, ema=ema)
-    assert is_ultralytics_checkpoint(path)
+    assert is_ultralytics_record(read_torch_zip(path))
     info = load_ultralytics_checkpoint(path)
     assert list(info["state_dict"]) == list(ours.state_dict())  # same names, same order, no 'stride'
     assert info["nc"] == 3 and info["names"] == {0: "a", 1: "b", 2: "c"}
@@ -360,7 +353,7 @@ def yolov8n_info() -> dict[str, Any]:
 def test_yolov8n_reads(yolov8n_info: dict[str, Any]) -> None:
     digest = _sha256(YOLOV8N)
     assert digest.startswith("31e20dde") and digest.endswith("f2ef95")
-    assert is_ultralytics_checkpoint(YOLOV8N)
+    assert is_ultralytics_record(read_torch_zip(YOLOV8N))
     info = yolov8n_info
     assert info["nc"] == 80 and len(info["names"]) == 80
     assert info["names"][0] == "person" and info["names"][79] == "toothbrush"
@@ -416,3 +409,186 @@ def test_build_is_only_allowed_on_records(tmp_path: Path, data: bytes) -> None:
     refused = r"^refusing to load .*: it sets the state of a (type|OrderedDict) object"
     with pytest.raises(CheckpointError, match=refused):
         read_torch_zip(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# YOLO11, and what detrain cannot build: the architecture a file records decides, never an assumed YOLOv8
+# --------------------------------------------------------------------------------------------------
+
+
+def _synthetic_file(tmp_path: Path, mods: dict, ours: nn.Module, yaml_cfg: dict, name: str) -> Path:
+    """``ours`` pickled under Ultralytics' class names (C3k2, C2PSA, Attention ... as Ultralytics' modules), as a
+    stripped release file holds it: the half-precision model, its yaml, names and stride."""
+    root = _stub_module_tree(ours, mods, root=True)
+    root.__dict__.update(yaml=yaml_cfg, names=dict(ours.names), stride=torch.tensor([8.0, 16.0, 32.0]))
+    path = tmp_path / name
+    torch.save({"epoch": -1, "model": root, "ema": None, "train_args": {"imgsz": 640}}, path, pickle_protocol=2)
+    return path
+
+
+def _half_rounded(model: nn.Module) -> nn.Module:
+    with torch.no_grad():  # what the half-precision file holds, back in float32
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    return model
+
+
+def test_a_yolo11_file_builds_yolo11_from_the_architecture_it_records(tmp_path: Path, fake_ultralytics: dict) -> None:
+    from detrain import Model
+    from detrain.nn.model import DetectionModel
+
+    torch.manual_seed(0)
+    ours = _half_rounded(DetectionModel("yolo11n.yaml", nc=3, names={0: "a", 1: "b", 2: "c"}).eval())
+    yaml_cfg = {**ours.yaml, "yaml_file": "/home/someone/yolo11n.yaml"}
+    path = _synthetic_file(tmp_path, fake_ultralytics, ours, yaml_cfg, "yolo11n_like.pt")
+    read = read_torch_zip(path)  # every block class of the file is an inert record
+    records = {type(r).__name__ for r in _records(read["model"])}
+    assert {"C3k2", "C3k", "C2PSA", "PSABlock", "Attention", "DWConv", "Detect"} <= records
+    assert all(isinstance(r, InertObject) for r in _records(read["model"]))
+    loaded = Model(str(path))
+    assert loaded.ckpt is not None and loaded.ckpt["source"] == "yolo11"
+    assert loaded.ckpt["model"]["yaml"]["backbone"] == ours.yaml["backbone"]  # the file's own, not a packaged one
+    assert "yaml_file" not in loaded.ckpt["model"]["yaml"]
+    net = loaded.net.eval()
+    assert net.family == "yolo11" and net.scale == "n" and net.head.depthwise_cls
+    x = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), ours(x))
+
+
+def _records(record: InertObject) -> list[InertObject]:
+    children = record.attrs().get("_modules") or {}
+    return [record] + [r for child in children.values() if child is not None for r in _records(child)]
+
+
+def _refusal(path: Path) -> str:
+    """The one-line error every way of using ``path`` as a model ends in."""
+    from detrain import Model
+
+    with pytest.raises(CheckpointError) as err:
+        Model(str(path))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{path}")
+    return message
+
+
+def test_a_file_with_a_module_detrain_does_not_know_is_refused_naming_it(
+    tmp_path: Path, fake_ultralytics: dict
+) -> None:
+    from detrain.nn.model import DetectionModel
+
+    ours = DetectionModel("yolo11n.yaml", nc=2)
+    yaml_cfg = copy.deepcopy(ours.yaml)
+    yaml_cfg["backbone"][5] = [-1, 1, "SCDown", [512, 3, 2]]  # YOLOv10's downsampling block
+    path = _synthetic_file(tmp_path, fake_ultralytics, ours, yaml_cfg, "v10like.pt")
+    message = _refusal(path)
+    assert "cannot build the model it records: model layer 5: unknown module 'SCDown'" in message
+
+
+def test_weights_that_do_not_fit_their_architecture_are_named_by_key_and_shape(
+    tmp_path: Path, fake_ultralytics: dict
+) -> None:
+    """The architecture says YOLOv8n, the weights are YOLO11n's: named, where a load used to print 45 lines."""
+    from detrain.nn.model import DetectionModel
+
+    eleven = DetectionModel("yolo11n.yaml", nc=2)
+    path = _synthetic_file(tmp_path, fake_ultralytics, eleven, DetectionModel("n.yaml", nc=2).yaml, "mixed.pt")
+    message = _refusal(path)
+    assert message.startswith(f"{path} does not fit the yolov8 n model with nc=2: ")
+    assert "model.2.cv2.conv.weight has shape (64, 48, 1, 1), expected (32, 48, 1, 1)" in message
+    assert re.search(r"\(and \d+ more\)$", message)
+
+
+def test_convert_refuses_what_it_could_not_build_and_writes_nothing(
+    tmp_path: Path, fake_ultralytics: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from detrain.cli import main as cli_main
+    from detrain.nn.model import DetectionModel
+
+    ours = DetectionModel("yolo11n.yaml", nc=2)
+    path = _synthetic_file(tmp_path, fake_ultralytics, ours, {**ours.yaml, "end2end": True}, "e2e.pt")
+    out = tmp_path / "out.pt"
+    with pytest.raises(SystemExit) as code:
+        cli_main(["convert", str(path), str(out)])
+    assert code.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sets end2end: True (the NMS-free one-to-one head of YOLO26)" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# Files Ultralytics itself writes (only where Ultralytics is importable)
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ultralytics_yolo(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from _ultralytics import offline_ultralytics
+
+    with offline_ultralytics(tmp_path_factory):
+        import ultralytics
+        from ultralytics import YOLO
+
+        yield YOLO, ultralytics.__version__
+
+
+def _saved_as_ultralytics_does(net: nn.Module, path: Path, version: str) -> Path:
+    """A checkpoint dict as Ultralytics' trainer saves it (``save_model``): the EMA model in half precision under
+    'ema', no 'model', the training arguments as a dict, metrics and metadata beside them."""
+    ema = copy.deepcopy(net).half()
+    ema.args = {"task": "detect", "imgsz": 320}
+    ckpt = {
+        "epoch": 0,
+        "best_fitness": None,
+        "stopper": {"best_fitness": None, "best_epoch": 0},
+        "model": None,
+        "ema": ema,
+        "updates": 12,
+        "modelopt": None,
+        "optimizer": None,
+        "scaler": {},
+        "train_args": {"task": "detect", "model": "yolo11n.yaml", "imgsz": 320, "epochs": 1},
+        "train_metrics": {"metrics/mAP50(B)": 0.0, "fitness": 0.0},
+        "train_results": {},
+        "date": "2025-01-01T00:00:00+00:00",
+        "version": version,
+        "license": "AGPL-3.0 License (https://ultralytics.com/license)",
+        "docs": "https://docs.ultralytics.com",
+    }
+    torch.save(ckpt, path)
+    return path
+
+
+def test_an_ultralytics_yolo11_checkpoint_gives_ultralytics_outputs(ultralytics_yolo: Any, tmp_path: Path) -> None:
+    from detrain import Model
+
+    YOLO, version = ultralytics_yolo
+    torch.manual_seed(0)
+    net = YOLO("yolo11n.yaml").model
+    with torch.no_grad():  # trained-looking BatchNorms, so the comparison is not of an identity
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    path = _saved_as_ultralytics_does(net, tmp_path / "yolo11n_ul.pt", version)
+    ours = Model(str(path))
+    assert ours.ckpt is not None and ours.ckpt["source"] == "yolo11" and ours.net.imgsz == 320
+    assert ours.net.family == "yolo11" and ours.net.scale == "n" and ours.net.nc == 80
+    reference = torch.load(path, weights_only=False)["ema"].float().eval()  # the same half weights, run by them
+    x = torch.rand(2, 3, 320, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference(x)[0]
+        got = ours.net.eval()(x)
+    assert got.shape == want.shape == (2, 84, 1680)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_ultralytics_yolo26_checkpoint_is_refused_in_one_line(ultralytics_yolo: Any, tmp_path: Path) -> None:
+    YOLO, version = ultralytics_yolo
+    path = _saved_as_ultralytics_does(YOLO("yolo26n.yaml").model, tmp_path / "yolo26n_ul.pt", version)
+    message = _refusal(path)
+    assert message == (
+        f"{path}: detrain cannot build the model it records: model yaml sets end2end: True "
+        "(the NMS-free one-to-one head of YOLO26), which detrain does not build"
+    )

@@ -62,6 +62,27 @@ def test_canonical_names() -> None:
     assert canonical_name("X.PT") == "yolov8x.pt"
     assert canonical_name("yolov8q.pt") is None
     assert canonical_name("weights/n.pt") is None
+    assert canonical_name("YOLO11s.pt") == "yolo11s.pt" and canonical_name("yolo11x.pt") == "yolo11x.pt"
+    assert canonical_name("yolo26n.pt") == "yolo26n.pt"
+    assert canonical_name("yolov11n.pt") is None and canonical_name("yolo12n.pt") is None
+
+
+def test_a_yolo11_name_downloads_from_its_own_release(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The URL template's {release} is the record's tag: YOLO11 files are not in the v0.0.0 release."""
+    payload = b"stands in for yolo11n.pt" * 100
+    root = tmp_path / "served" / "v8.3.0"
+    root.mkdir(parents=True)
+    (root / "yolo11n.pt").write_bytes(payload)
+    monkeypatch.setitem(hub.RELEASE_FILES, "yolo11n.pt", ReleaseFile(_sha(payload), len(payload), "v8.3.0"))
+    server = Server(tmp_path / "served")
+    monkeypatch.setenv("DETRAIN_WEIGHTS_URL", f"http://127.0.0.1:{server.port}/{{release}}/{{name}}")
+    monkeypatch.setenv("DETRAIN_WEIGHTS_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert resolve_weights("YOLO11n.pt", progress=False).read_bytes() == payload
+    finally:
+        server.close()
+    assert server.hits == ["/v8.3.0/yolo11n.pt"]
 
 
 def test_existing_path_is_returned(tmp_path: Path) -> None:
@@ -184,10 +205,20 @@ def test_a_redirect_within_http_is_followed(
 
 
 def test_recorded_hashes_are_the_default_release_files() -> None:
-    assert "/download/v0.0.0/" in hub.DEFAULT_URL and hub.DEFAULT_URL.startswith("https://")
-    assert sorted(hub.RELEASE_FILES) == [f"yolov8{s}.pt" for s in "lmnsx"]
+    assert hub.DEFAULT_URL.startswith("https://")
+    assert sorted(hub.RELEASE_FILES) == sorted(
+        [f"yolov8{s}.pt" for s in "lmnsx"] + ["yolo11n.pt", "yolo11s.pt", "yolo26n.pt"]
+    )
     for release in hub.RELEASE_FILES.values():
         assert len(release.sha256) == 64 and int(release.sha256, 16) >= 0 and release.size > 0
+    # each family from the ultralytics/assets release that published it
+    url = {name: hub.DEFAULT_URL.format(name=name, release=r.release) for name, r in hub.RELEASE_FILES.items()}
+    assert url["yolov8n.pt"] == "https://github.com/ultralytics/assets/releases/download/v0.0.0/yolov8n.pt"
+    assert url["yolo11s.pt"] == "https://github.com/ultralytics/assets/releases/download/v8.3.0/yolo11s.pt"
+    assert url["yolo26n.pt"] == "https://github.com/ultralytics/assets/releases/download/v8.4.0/yolo26n.pt"
+    assert hub.RELEASE_FILES["yolo11n.pt"] == hub.ReleaseFile(
+        "0ebbc80d4a7680d14987a577cd21342b65ecfd94632bd9a8da63ae6417644ee1", 5_613_764, "v8.3.0"
+    )
     if not SHARED_PT.is_file():
         pytest.skip("shared/weights/yolov8n.pt is absent")
     n = hub.RELEASE_FILES["yolov8n.pt"]
