@@ -37,7 +37,7 @@ from detrain.distributed.master_store import host_store
 from detrain.distributed.world import DEVICE_ENV, LAUNCHER_ENV, World
 from detrain.errors import DistributedError
 
-__all__ = ["DeviceKind", "DevicePlan", "check_batch", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
+__all__ = ["DeviceKind", "DevicePlan", "check_batch", "launch", "parse_device", "parse_nnodes"]
 
 T = TypeVar("T")
 
@@ -59,16 +59,6 @@ def check_batch(batch: int, world: int) -> int:
             f"batch={batch} does not split evenly over {world} workers; use a multiple of {world}, e.g. {up}"
         )
     return batch // world
-
-
-def in_launcher_env() -> bool:
-    """True when this process is already one rank of a world started by torchrun or srun (``World.launched``).
-
-    Example:
-        >>> in_launcher_env()   # a plain `python` process
-        False
-    """
-    return World.from_env().launched
 
 
 def launch(
