@@ -18,8 +18,8 @@ from typing import Any
 def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
     """``train_worker(args)``, with rank ``args["slow_rank"]``'s loader sleeping ``args["sleep_s"]`` per batch."""
     from detrain.config.cfg import make_cfg
+    from detrain.engine.run_plan import RunPlan
     from detrain.engine.train import trainer
-    from detrain.run.plan import RunPlan
 
     real = trainer.build_train_loader
 

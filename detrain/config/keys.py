@@ -450,8 +450,9 @@ class Export:
 class Cfg:
     """Every argument of every command, validated and frozen, by section: ``cfg.train.epochs``.
 
-    Made by ``detrain.config.cfg.make_cfg`` from flat keys; ``to_dict()`` gives them back flat (args.yaml,
-    checkpoints, run ids). ``Cfg()`` holds the defaults, in the form ``make_cfg()`` gives them."""
+    Made by ``detrain.config.cfg.make_cfg`` from flat keys, changed by ``replace_cfg(cfg, {"epochs": 5})`` (each
+    changed value checked); ``to_dict()`` gives them back flat (args.yaml, checkpoints, run ids). ``Cfg()`` holds
+    the defaults, in the form ``make_cfg()`` gives them."""
 
     inputs: Inputs = field(default_factory=Inputs)
     train: Train = field(default_factory=Train)
@@ -470,12 +471,6 @@ class Cfg:
         """The value of a key by its flat name (``cfg.get("epochs")`` is ``cfg.train.epochs``); KeyError for a
         name that is no key."""
         return getattr(getattr(self, SECTION_OF[name]), name)
-
-    def replace(self, **changes: Any) -> Cfg:
-        """A copy with some keys changed, by their flat names, each checked: ``cfg.replace(epochs=5)``."""
-        from detrain.config.cfg import replace_cfg
-
-        return replace_cfg(self, changes)
 
 
 def _copy(value: Any) -> Any:

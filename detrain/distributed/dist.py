@@ -28,14 +28,13 @@ the rank that stopped (:func:`silent_peers_error`).
 
 from __future__ import annotations
 
-import functools
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -49,9 +48,6 @@ from detrain.errors import DistributedError
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -224,24 +220,6 @@ def restart_count() -> int:
         0
     """
     return _info.restart_count if _info is not None else 0
-
-
-def rank_zero_only(fn: Callable[P, R]) -> Callable[P, R | None]:
-    """Run ``fn`` on rank 0 only; other ranks get None. Never wrap a function that calls a collective.
-
-    Example:
-        >>> @rank_zero_only
-        ... def hello() -> str:
-        ...     return "hi"
-        >>> hello()
-        'hi'
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R | None:
-        return fn(*args, **kwargs) if is_main() else None
-
-    return wrapper
 
 
 # ---------------------------------------------------------------------------------- collectives

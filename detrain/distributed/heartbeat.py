@@ -92,13 +92,6 @@ def stop() -> None:
         _beat.stop()
 
 
-def forget() -> None:
-    """Drop the heartbeat altogether (a new group starts afresh)."""
-    global _beat
-    stop()
-    _beat = None
-
-
 def silent_ranks(watch_s: float | None = None) -> list[int]:
     """The ranks that gave no sign of life for ``watch_s`` seconds, as this process's heartbeat sees them."""
     beat = _beat

@@ -41,23 +41,13 @@ from detrain.errors import DistributedError
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
-__all__ = ["DeviceKind", "DevicePlan", "in_launcher_env", "launch", "parse_device", "parse_nnodes"]
+__all__ = ["DeviceKind", "DevicePlan", "launch", "parse_device", "parse_nnodes"]
 
 T = TypeVar("T")
 
 _HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
 _CONSEQUENCE_GRACE_S = 3.0
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
-
-
-def in_launcher_env() -> bool:
-    """True when this process is already one rank of a world started by torchrun or srun (``World.launched``).
-
-    Example:
-        >>> in_launcher_env()   # a plain `python` process
-        False
-    """
-    return World.from_env().launched
 
 
 def launch(

@@ -1,9 +1,11 @@
 """SLURM: a task started by ``srun`` (several tasks, no torchrun variables) is one rank of a world SLURM has
 already launched; its variables are translated to the ones torch.distributed reads (``torch_variables``), which
-:class:`detrain.distributed.world.World` is read from.
+:class:`detrain.distributed.world.World` is read from; ``env_int`` reads such a variable as an integer, for both.
 
 >>> first_slurm_host("gpu[07-09,12],cpu01")
 'gpu07'
+>>> env_int("RANK", 0, {"RANK": "2"}), env_int("DETRAIN_SURELY_UNSET", 3)
+(2, 3)
 """
 
 from __future__ import annotations
@@ -12,7 +14,17 @@ import os
 import re
 from collections.abc import Mapping
 
-from detrain.distributed.env import env_int
+from detrain.errors import DistributedError
+
+
+def env_int(key: str, default: int, env: Mapping[str, str] | None = None) -> int:
+    """``int(env[key])`` (``env``: ``os.environ`` unless given), ``default`` when unset or empty; DistributedError
+    naming the variable if not an int (a launcher or scheduler variable: RANK, SLURM_NTASKS...)."""
+    value = (os.environ if env is None else env).get(key, "")
+    try:
+        return int(value) if value else default
+    except ValueError:
+        raise DistributedError(f"environment variable {key}={value!r} is not an integer") from None
 
 
 def torch_variables(env: Mapping[str, str]) -> dict[str, str]:

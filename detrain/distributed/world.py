@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 
 from detrain.distributed import slurm
-from detrain.distributed.env import env_int
+from detrain.distributed.slurm import env_int
 from detrain.errors import DistributedError
 
 Launcher = Literal["detrain", "torchrun", "slurm", "none"]

@@ -38,6 +38,21 @@ def agree_run_dir(output: Output, task: str, given: str | Path | None, is_main: 
     return Path(dist.broadcast_object(picked))
 
 
+def check_output_folder(project: str, task: str) -> None:
+    """The run folder goes into ``project`` (or ``runs/<task>``): the nearest part of it that exists must be a
+    folder, not a file.
+
+    Example:
+        >>> check_output_folder("", "train")
+    """
+    root = Path(project) if project else Path("runs") / task
+    for folder in (root, *root.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise ConfigError(f"invalid value for 'project': {project!r}; {str(folder)!r} is a file, not a folder")
+            return
+
+
 def is_weights(model: str) -> bool:
     """True when ``model`` names weights (``.pt``) rather than an architecture yaml."""
     return str(model).endswith((".pt", ".pth"))

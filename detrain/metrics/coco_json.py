@@ -1,4 +1,5 @@
-"""COCO-format json: detections out (``predictions.json``), detections and ground truth in, and scoring.
+"""COCO-format json: the rounding of detections written out (``predictions.json``), detections and ground truth
+read in; scoring is the validator's (:mod:`detrain.engine.evaluate.score_file`).
 
 Boxes in these files are COCO's ``[x_min, y_min, w, h]`` in pixels (called ``ltwh`` here). Files are
 checked strictly: the first bad entry is named by its index and value in a :class:`DatasetError`.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from detrain.errors import DatasetError
-from detrain.metrics import DetMetrics, coco_summary, match_image_coco
 
 # Category id of each of the 80 YOLO COCO classes in the 91-id COCO annotation files.
 COCO80_TO_91: tuple[int, ...] = (
@@ -133,26 +133,6 @@ def coco_rounded(boxes_xyxy: Any, scores: Any) -> tuple[np.ndarray, np.ndarray]:
     boxes = _np(boxes_xyxy).reshape(-1, 4).astype(np.float64)
     ltwh = np.round(np.concatenate((boxes[:, :2], boxes[:, 2:] - boxes[:, :2]), 1), 3)
     return ltwh, np.round(_np(scores).reshape(-1).astype(np.float64), 5)
-
-
-def predictions_to_coco(
-    image_id: int, boxes_xyxy: Any, scores: Any, classes: Any, category_ids: Sequence[int] | None = None
-) -> list[dict[str, Any]]:
-    """Rows of a COCO results file for one image; boxes rounded to 3 decimals, scores to 5.
-
-    ``category_ids[c]`` is the id written for class ``c``; by default ``c + 1`` (as YOLO tools write for
-    non-COCO data); pass :data:`COCO80_TO_91` for the 80 COCO classes.
-
-    >>> predictions_to_coco(42, np.array([[10., 20, 30, 60]]), np.array([0.912345678]), np.array([0]))
-    [{'image_id': 42, 'category_id': 1, 'bbox': [10.0, 20.0, 20.0, 40.0], 'score': 0.91235}]
-    """
-    ltwh, rounded_scores = coco_rounded(boxes_xyxy, scores)
-    cls = _np(classes).reshape(-1).astype(np.int64)
-    cat = [int(category_ids[c]) for c in cls.tolist()] if category_ids is not None else (cls + 1).tolist()
-    return [
-        {"image_id": int(image_id), "category_id": c, "bbox": b, "score": s}
-        for c, b, s in zip(cat, ltwh.tolist(), rounded_scores.tolist())
-    ]
 
 
 def load_predictions(
@@ -285,46 +265,6 @@ def _coco_annotation(
     area = _number(a["area"], f"{where}.area") if "area" in a else box[2] * box[3]
     ann_id = _int(a["id"], f"{where}.id") if "id" in a else -1
     return img, (box, cat, area, bool(a.get("iscrowd", 0)), ann_id)
-
-
-def evaluate_coco_json(gt_path: str | Path, predictions_path: str | Path, max_dets: int = 100) -> DetMetrics:
-    """Score a COCO results file against COCO ground truth; the 12 values equal pycocotools' ``stats``.
-
-    Class ``k`` of the returned per-class metrics is the k-th category id in ascending order.
-
-    >>> gt = {"images": [{"id": 1, "width": 64, "height": 48, "file_name": "a.png"}],
-    ...       "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": [10, 10, 20, 20], "area": 400,
-    ...                        "iscrowd": 0}],
-    ...       "categories": [{"id": 1, "name": "cat"}]}
-    >>> detections = [{"image_id": 1, "category_id": 1, "bbox": [10, 10, 20, 20], "score": 0.9}]
-    >>> for name, content in (("gt.json", gt), ("predictions.json", detections)):
-    ...     _ = Path(name).write_text(json.dumps(content))
-    >>> round(evaluate_coco_json("gt.json", "predictions.json").map, 6)  # the one box found exactly
-    1.0
-    """
-    _images, gts, categories = load_coco_annotations(gt_path)
-    cat_ids = np.array(sorted(c["id"] for c in categories), np.int64)
-    preds = load_predictions(predictions_path, gts.keys(), cat_ids.tolist())
-    empty = CocoDetections(np.zeros((0, 4)), np.zeros(0), np.zeros(0, np.int64))
-    stats = []
-    for img in sorted(gts):
-        g, d = gts[img], preds.get(img, empty)
-        det_cls, gt_cls = np.searchsorted(cat_ids, d.category_ids), np.searchsorted(cat_ids, g.category_ids)
-        stats.append(
-            match_image_coco(
-                d.boxes_ltwh,
-                d.scores,
-                det_cls,
-                g.boxes_ltwh,
-                gt_cls,
-                g.area,
-                g.iscrowd,
-                max_dets,
-                image_id=img,
-                gt_ids=g.ids,
-            )
-        )
-    return coco_summary(stats, nc=len(cat_ids))
 
 
 def _read_json(path: str | Path) -> Any:

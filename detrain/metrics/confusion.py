@@ -13,7 +13,7 @@ class ConfusionMatrix:
     Detections with ``score >= conf`` are paired one-to-one with ground truth of any class, highest IoU
     first, when the IoU exceeds ``iou_thres``. A pair counts at (its predicted class, its true class); a
     ground truth left alone is a miss (background row), a detection left alone a false alarm (background
-    column). Matrices from several ranks add up with :meth:`merge`.
+    column). Several ranks' ``matrix`` add up (the validator sums them).
 
     >>> cm = ConfusionMatrix(nc=2)
     >>> cm.update(np.array([[0, 0, 10, 10, 0.9, 1]]), np.array([[0, 0, 10, 10]]), np.array([0]))
@@ -47,30 +47,6 @@ class ConfusionMatrix:
                     self.matrix[dcls[d], gcls[g]] += 1
         np.add.at(self.matrix, (np.full((~gt_used).sum(), bg), gcls[~gt_used]), 1)
         np.add.at(self.matrix, (dcls[~det_used], np.full((~det_used).sum(), bg)), 1)
-
-    def merge(self, other: ConfusionMatrix | np.ndarray) -> ConfusionMatrix:
-        """Add another rank's counts (a :class:`ConfusionMatrix` or its ``matrix``) into this one; returns self.
-
-        >>> a, b = ConfusionMatrix(1), ConfusionMatrix(1)
-        >>> a.matrix[0, 0], b.matrix[0, 0] = 2, 3
-        >>> int(a.merge(b).matrix[0, 0])
-        5
-        """
-        counts = other.matrix if isinstance(other, ConfusionMatrix) else np.asarray(other)
-        if counts.shape != self.matrix.shape:
-            raise ValueError(f"cannot merge a {counts.shape} confusion matrix into a {self.matrix.shape} one")
-        self.matrix += counts.astype(np.int64)
-        return self
-
-    def normalized(self) -> np.ndarray:
-        """Each true class's column divided by its total (what fraction of that class went where)."""
-        totals = self.matrix.sum(0, keepdims=True)
-        return self.matrix / np.maximum(totals, 1)
-
-    def tp_fp(self) -> tuple[np.ndarray, np.ndarray]:
-        """(nc,) true positives (diagonal) and false positives (rest of each predicted row) per class."""
-        tp = np.diag(self.matrix)[:-1]
-        return tp, self.matrix.sum(1)[:-1] - tp
 
 
 def box_iou_xyxy(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -44,7 +44,7 @@ class ImageStats:
 
     >>> s = match_image(np.array([[0., 0, 10, 10]]), np.array([0.9]), np.array([0]),
     ...                 np.array([[0., 0, 10, 10]]), np.array([0]))
-    >>> bool(s.matched()[0, 0, 0]), s.n_dets
+    >>> bool(s.matched()[0, 0, 0]), len(s.det_cls)
     (True, 1)
     """
 
@@ -56,11 +56,6 @@ class ImageStats:
     det_ignored: np.ndarray  # (D, ceil(A*T/8)) uint8, packed bool (D, A, T)
     gt_cls: np.ndarray  # (G,) int32
     gt_ignored: np.ndarray  # (G, A) bool: crowd, or area outside the range
-
-    @property
-    def n_dets(self) -> int:
-        """Number of detections kept for evaluation."""
-        return int(self.det_cls.shape[0])
 
     def matched(self) -> np.ndarray:
         """(D, A, T) bool: the detection found a ground truth at that area range and IoU threshold."""

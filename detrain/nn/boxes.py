@@ -18,12 +18,6 @@ def xywh2xyxy(boxes_xywh: Tensor) -> Tensor:
     return torch.cat((xy - wh, xy + wh), -1)
 
 
-def xyxy2xywh(boxes_xyxy: Tensor) -> Tensor:
-    """Corners to centre/size. ``xyxy2xywh(torch.tensor([[4., 3, 6, 7]]))`` -> ``[[5, 5, 2, 4]]``."""
-    x1y1, x2y2 = boxes_xyxy[..., :2], boxes_xyxy[..., 2:4]
-    return torch.cat(((x1y1 + x2y2) / 2, x2y2 - x1y1), -1)
-
-
 def make_anchors(feats: list[Tensor], strides: Tensor, offset: float = 0.5) -> tuple[Tensor, Tensor]:
     """Anchor centres (N, 2) in feature units and their strides (N, 1) for feature maps (B, C, H, W)."""
     points, stride_list = [], []

@@ -16,7 +16,7 @@ from pathlib import Path
 from detrain.config.cfg import Cfg
 from detrain.data.dataset_yaml import find_dataset_yaml
 from detrain.distributed.world import World
-from detrain.engine.build import check_model
+from detrain.engine.build import check_model, check_output_folder
 from detrain.engine.train.freeze import check_freeze
 from detrain.engine.train.pretrained import check_pretrained
 from detrain.engine.train.reproduce import find_resume_checkpoint
@@ -44,18 +44,3 @@ def check_inputs(task: str, cfg: Cfg, world: World | None = None) -> None:
         check_freeze(cfg.inputs.model, cfg.train.freeze)  # a look at the model yaml's layer count
     if cfg.distributed.node_rank == 0:  # only the first node writes
         check_output_folder(cfg.output.project, task)
-
-
-def check_output_folder(project: str, task: str) -> None:
-    """The run folder goes into ``project`` (or ``runs/<task>``): the nearest part of it that exists must be a
-    folder, not a file.
-
-    Example:
-        >>> check_output_folder("", "train")
-    """
-    root = Path(project) if project else Path("runs") / task
-    for folder in (root, *root.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                raise ConfigError(f"invalid value for 'project': {project!r}; {str(folder)!r} is a file, not a folder")
-            return

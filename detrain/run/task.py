@@ -15,9 +15,9 @@ from detrain.config.cfg import Cfg
 from detrain.distributed import launch, netif, run_identity
 from detrain.distributed.world import World
 from detrain.engine.build import increment_run_dir
+from detrain.engine.run_plan import RunPlan
 from detrain.engine.train.batch_plan import check_split
 from detrain.engine.train.callbacks import CallbackFn, check_sendable
-from detrain.run.plan import RunPlan
 from detrain.run.preflight import check_inputs
 
 
@@ -25,7 +25,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     """Train or validate; returns rank 0's result in the calling process.
 
     The run is planned here, once, for every worker: this process's world (read from the environment), the
-    devices, the node count, the run folder and the launch's id (:class:`detrain.run.plan.RunPlan`), each checked
+    devices, the node count, the run folder and the launch's id (:class:`detrain.engine.run_plan.RunPlan`), each checked
     before a process starts or a folder is made. ``callbacks`` (train only; see
     :mod:`detrain.engine.train.callbacks`) run on
     rank 0: here, or pickled by reference into the spawned workers, which is checked before anything starts."""

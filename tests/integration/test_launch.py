@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import _dist_workers as workers
 import pytest
@@ -24,7 +23,6 @@ from detrain.data.synthetic import generate_shapes
 from detrain.distributed.devices import cpu_threads_per_worker
 from detrain.distributed.launch import (
     DevicePlan,
-    in_launcher_env,
     launch,
     parse_device,
     parse_nnodes,
@@ -146,15 +144,6 @@ def test_parse_nnodes() -> None:
     for bad in ("0", "3:2", "x", "1:2:3"):
         with pytest.raises(DistributedError, match="nnodes"):
             parse_nnodes(bad)
-
-
-def test_in_launcher_env() -> None:
-    with mock.patch.dict(os.environ, {}, clear=False):
-        for k in LAUNCHER_VARS:
-            os.environ.pop(k, None)
-        assert not in_launcher_env()
-        os.environ.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
-        assert in_launcher_env()
 
 
 # ------------------------------------------------------------------------- pre-flight errors

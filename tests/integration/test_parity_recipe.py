@@ -32,11 +32,11 @@ from _ultralytics import offline_ultralytics
 from detrain.config.cfg import make_cfg
 from detrain.distributed.world import World
 from detrain.engine.build import build_model
+from detrain.engine.run_plan import RunPlan
 from detrain.engine.train import optim
 from detrain.engine.train import trainer as trainer_module
 from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.trainer import Trainer
-from detrain.run.plan import RunPlan
 
 COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
 NC = 3

@@ -1,4 +1,4 @@
-"""COCO json helpers: writing results, strict reading, and scoring equal to pycocotools."""
+"""COCO json helpers: strict reading, and scoring what they read equal to pycocotools."""
 
 from __future__ import annotations
 
@@ -9,30 +9,44 @@ import numpy as np
 import pytest
 
 from detrain.errors import DatasetError
-from detrain.metrics.coco_json import (
-    COCO80_TO_91,
-    evaluate_coco_json,
-    load_coco_annotations,
-    load_predictions,
-    predictions_to_coco,
-)
+from detrain.metrics import DetMetrics, coco_summary, match_image_coco
+from detrain.metrics.coco_json import COCO80_TO_91, CocoDetections, load_coco_annotations, load_predictions
 
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "data" / "reference"
+
+
+def evaluate_coco_json(gt_path: str | Path, predictions_path: str | Path, max_dets: int = 100) -> DetMetrics:
+    """Score a COCO results file against COCO ground truth with detrain's matching (class ``k`` is the k-th
+    category id in ascending order): what pycocotools' ``stats`` are compared with."""
+    _images, gts, categories = load_coco_annotations(gt_path)
+    cat_ids = np.array(sorted(c["id"] for c in categories), np.int64)
+    preds = load_predictions(predictions_path, gts.keys(), cat_ids.tolist())
+    empty = CocoDetections(np.zeros((0, 4)), np.zeros(0), np.zeros(0, np.int64))
+    stats = []
+    for img in sorted(gts):
+        g, d = gts[img], preds.get(img, empty)
+        det_cls, gt_cls = np.searchsorted(cat_ids, d.category_ids), np.searchsorted(cat_ids, g.category_ids)
+        stats.append(
+            match_image_coco(
+                d.boxes_ltwh,
+                d.scores,
+                det_cls,
+                g.boxes_ltwh,
+                gt_cls,
+                g.area,
+                g.iscrowd,
+                max_dets,
+                image_id=img,
+                gt_ids=g.ids,
+            )
+        )
+    return coco_summary(stats, nc=len(cat_ids))
 
 
 def test_coco80_to_91() -> None:
     assert len(COCO80_TO_91) == 80 and len(set(COCO80_TO_91)) == 80
     assert list(COCO80_TO_91) == sorted(COCO80_TO_91)
     assert COCO80_TO_91[0] == 1 and COCO80_TO_91[11] == 13 and COCO80_TO_91[-1] == 90
-
-
-def test_predictions_to_coco_rounds_and_maps() -> None:
-    rows = predictions_to_coco(
-        7, np.array([[1.23456, 2.0, 11.0, 5.55555]]), np.array([0.1234567]), np.array([11]), category_ids=COCO80_TO_91
-    )
-    assert rows == [{"image_id": 7, "category_id": 13, "bbox": [1.235, 2.0, 9.765, 3.556], "score": 0.12346}]
-    assert predictions_to_coco(1, np.zeros((0, 4)), np.zeros(0), np.zeros(0)) == []
-    json.dumps(rows)  # plain Python types only
 
 
 def write(tmp_path: Path, name: str, payload: object) -> Path:

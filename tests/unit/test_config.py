@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from detrain.config.cfg import Cfg, comments, defaults, make_cfg, parse_cli_args
+from detrain.config.cfg import Cfg, comments, defaults, make_cfg, parse_cli_args, replace_cfg
 from detrain.errors import ConfigError
 
 
@@ -81,6 +81,6 @@ def test_parse_cli_args_rejects_positional_words():
 
 def test_replace_validates():
     cfg = make_cfg()
-    assert cfg.replace(epochs=5).train.epochs == 5
+    assert replace_cfg(cfg, {"epochs": 5}).train.epochs == 5
     with pytest.raises(ConfigError):
-        cfg.replace(batch=0)
+        replace_cfg(cfg, {"batch": 0})

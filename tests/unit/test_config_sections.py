@@ -19,8 +19,8 @@ from detrain import cli
 from detrain.config import default_yaml as config_yaml
 from detrain.config.cfg import COMMAND_KEYS, Cfg, make_cfg, parse_cli_args, parse_value
 from detrain.config.keys import COMMANDS, LAUNCH_KEYS, SECTION_OF, SECTIONS, SPECS, TYPES, comments, defaults
+from detrain.engine.run_plan import RunPlan
 from detrain.errors import ConfigError
-from detrain.run.plan import RunPlan
 
 
 def _squeezed(text: str) -> str:
@@ -220,9 +220,9 @@ def test_make_cfg_reads_only_the_keys_it_is_given_and_replace_only_the_changed_o
     cfg = make_cfg({"epochs": "3", "imgsz": "320"})
     assert read == ["epochs", "imgsz"]
     read.clear()
-    assert cfg.replace(batch=8).train.batch == 8 and read == ["batch"]
+    assert config.replace_cfg(cfg, {"batch": 8}).train.batch == 8 and read == ["batch"]
     with pytest.raises(ConfigError, match="'batch': 0"):
-        cfg.replace(batch=0)
+        config.replace_cfg(cfg, {"batch": 0})
 
 
 def test_nnodes_is_parsed_once_and_its_range_kept(monkeypatch) -> None:

@@ -29,7 +29,7 @@ from detrain.data.image_io import read_image, resize_long_side
 from detrain.data.samples.affine import random_affine_matrix
 from detrain.data.samples.compose import Tile, render
 from detrain.data.samples.instances import Labels
-from detrain.data.samples.mosaic import mosaic_origins
+from detrain.data.samples.train_sample import mosaic_origins
 
 COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
 CASES = 24  # samples per setting (fixed seeds)

@@ -53,6 +53,10 @@ def test_a_plain_process_is_rank_0_of_1_on_the_cpu() -> None:
     assert World.from_env({}).launcher == "none" and not World.from_env({}).launched
 
 
+def test_rank_world_size_and_local_rank_alone_mean_a_launcher_started_us() -> None:
+    assert World.from_env({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}).launched
+
+
 def test_torchrun_gives_every_field() -> None:
     w = World.from_env(TORCHRUN)
     assert (w.rank, w.world_size, w.local_rank, w.local_world_size) == (3, 4, 1, 2)

@@ -62,10 +62,6 @@ class Labels:
         b = self.boxes_xyxy * np.array((gain_x, gain_y, gain_x, gain_y), np.float32)
         return Labels(self.cls, b + np.array((pad_x, pad_y, pad_x, pad_y), np.float32))
 
-    def select(self, keep: np.ndarray) -> Labels:
-        """The objects where ``keep`` (a bool mask or indices) holds."""
-        return Labels(self.cls[keep], self.boxes_xyxy[keep])
-
     @staticmethod
     def concat(parts: Sequence[Labels]) -> Labels:
         """All objects of several label sets, in order."""

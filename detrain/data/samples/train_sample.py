@@ -25,7 +25,6 @@ from detrain.data.samples.augment import MIXUP_BETA, hsv_gains
 from detrain.data.samples.compose import Tile, render
 from detrain.data.samples.cutmix import choose_area, cutmix_areas, paste
 from detrain.data.samples.instances import Labels
-from detrain.data.samples.mosaic import mosaic_origins
 
 
 @dataclass
@@ -92,6 +91,25 @@ def draw_partners(rng: np.random.Generator, index: int, k: int, n: int, pool: Se
     if others:
         return [int(others[j]) for j in rng.integers(len(others), size=k)]
     return [int(j) for j in rng.integers(n, size=k)]
+
+
+def mosaic_origins(rng: np.random.Generator, sizes_wh: Sequence[tuple[int, int]], imgsz: int) -> list[tuple[int, int]]:
+    """Top-left corners on the 2s canvas of four images of ``sizes_wh``, around a random centre: YOLO's 4-image
+    mosaic layout, composed with the random affine into one warp per image.
+
+    As YOLOv8: a virtual canvas of 2s x 2s (s = imgsz) with a random centre (xc, yc), each uniform in [s/2, 3s/2).
+    The four images (at load size, long side s) touch the centre with a corner: the first to its top-left, then
+    top-right, bottom-left, bottom-right; whatever falls outside the canvas is cut. The random affine then maps the
+    canvas centre to the output centre (zoom, rotation, shear, translation) into an s x s output.
+
+    >>> o = mosaic_origins(np.random.default_rng(0), [(10, 10)] * 4, 20)
+    >>> o[3][0] - o[0][0], o[3][1] - o[0][1]  # the first ends where the last starts: at the centre
+    (10, 10)
+    """
+    xc = int(rng.uniform(imgsz / 2, 1.5 * imgsz))
+    yc = int(rng.uniform(imgsz / 2, 1.5 * imgsz))
+    (w0, h0), (_, h1), (w2, _), _ = sizes_wh
+    return [(xc - w0, yc - h0), (xc, yc - h1), (xc - w2, yc), (xc, yc)]
 
 
 def plan_sample(

@@ -17,9 +17,9 @@ from detrain.distributed import dist
 from detrain.distributed.world import World
 from detrain.engine.build import agree_run_dir, build_model, is_weights, set_cpu_threads
 from detrain.engine.evaluate.validator import validate
+from detrain.engine.run_plan import RunPlan
 from detrain.errors import ConfigError
 from detrain.log import console
-from detrain.run.plan import RunPlan
 
 
 def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
 
 def val_worker(args: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every rank for ``detrain val``: ``args`` holds the Cfg the command checked (``cfg``, not
-    checked again here) and the launching process's :class:`detrain.run.plan.RunPlan` (``plan``)."""
+    checked again here) and the launching process's :class:`detrain.engine.run_plan.RunPlan` (``plan``)."""
     cfg: Cfg = args["cfg"]
     plan: RunPlan = args["plan"]
     world = World.from_env()  # this worker's place, read once

@@ -38,14 +38,13 @@ from detrain.data.frames import Frame, read_frames
 from detrain.data.samples.augment import letterbox
 from detrain.data.sources import Source, parse_source, shown
 from detrain.distributed.devices import parse_device
-from detrain.engine.build import build_model, increment_run_dir
+from detrain.engine.build import build_model, check_model, check_output_folder, increment_run_dir
 from detrain.engine.predict.output import PredictionWriter
 from detrain.engine.predict.results import Results
 from detrain.errors import ConfigError, DatasetError
 from detrain.log import console
 from detrain.nn.boxes import scale_boxes_to_original
 from detrain.nn.postprocess import non_max_suppression
-from detrain.run.preflight import check_inputs
 
 PREDICT_CONF = 0.25
 Batch = list[tuple[Frame, np.ndarray, float, tuple[int, int]]]  # (frame, letterboxed BGR, gain, (pad x, pad y))
@@ -159,8 +158,10 @@ def stream_predict(
     project = project_dir(cfg)
     if device is None:
         device = inference_device(cfg, note=False)[0]  # the same device rules as train and val
-    if model is None:
-        check_inputs("predict", cfg)
+    if model is None:  # the files predict names, before any picture is read or folder made
+        check_model(cfg.inputs.model)
+        if cfg.distributed.node_rank == 0:
+            check_output_folder(cfg.output.project, "predict")
     src = parse_source(cfg.predict.source if source is None else source, exclude=project)
     half = use_half(cfg, device)
     if model is None:

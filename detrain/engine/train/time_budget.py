@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from detrain.config.cfg import INT_LIMIT, Cfg
+from detrain.config.cfg import INT_LIMIT, Cfg, replace_cfg
 from detrain.distributed import dist
 
 clock: Callable[[], float] = time.monotonic  # seconds; read once at the start and once per epoch (tests replace it)
@@ -73,7 +73,7 @@ class TimeBudget:
 
 def replanned(cfg: Cfg, epochs: int) -> Cfg:
     """``cfg`` for a run of ``epochs`` epochs (what a resumed run and the checkpoint's ``train_args`` read)."""
-    return cfg if epochs == cfg.train.epochs else cfg.replace(epochs=epochs)
+    return cfg if epochs == cfg.train.epochs else replace_cfg(cfg, {"epochs": epochs})
 
 
 def rescheduled(

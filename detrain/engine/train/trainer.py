@@ -27,6 +27,7 @@ from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
 from detrain.engine.build import agree_run_dir, build_model, set_cpu_threads
 from detrain.engine.evaluate.validator import validate
+from detrain.engine.run_plan import RunPlan
 from detrain.engine.telemetry import epoch_stats, run_trace
 from detrain.engine.telemetry.epoch_monitor import EpochMonitor
 from detrain.engine.train import accumulation, freeze, optim, pretrained, resume_state, time_budget
@@ -38,7 +39,6 @@ from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_s
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.nn.loss import DetectionLoss
 from detrain.plots.train import plot_results, plot_train_batch
-from detrain.run.plan import RunPlan
 from detrain.weights.checkpoint import model_meta, save_checkpoint
 
 if TYPE_CHECKING:
@@ -63,8 +63,8 @@ class Trainer:
     """Trains one rank of ``world``. Every decision that could differ between ranks (best epoch, early stop, image
     size) is taken once and shared, so no rank waits for another that has left the loop.
 
-    ``plan``: what the launching process decided for the run (:class:`detrain.run.plan.RunPlan`: the node count, the
-    run folder, the launch's id); the default is a plain process's."""
+    ``plan``: what the launching process decided for the run (:class:`detrain.engine.run_plan.RunPlan`: the node
+    count, the run folder, the launch's id); the default is a plain process's."""
 
     def __init__(
         self, cfg: Cfg, world: World, plan: RunPlan | None = None, callbacks: dict[str, list[CallbackFn]] | None = None
@@ -660,7 +660,7 @@ def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
 def train_worker(args: dict[str, Any]) -> dict[str, Any]:
     """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process): ``args``
     holds the Cfg the command checked (``cfg``, pickled to spawned workers, not checked again here), the launching
-    process's :class:`detrain.run.plan.RunPlan` (``plan``) and the callbacks (``callbacks``, rank 0's)."""
+    process's :class:`detrain.engine.run_plan.RunPlan` (``plan``) and the callbacks (``callbacks``, rank 0's)."""
     cfg: Cfg = args["cfg"]
     world = World.from_env()  # this worker's place, read once
     dist.setup(world, timeout_s=cfg.distributed.dist_timeout)
