@@ -331,6 +331,8 @@ def detrain_threads(threads: int) -> int:
     """The torch threads detrain's trainer uses for one CPU worker."""
     if threads > 0:
         return threads
+    if os.environ.get("OMP_NUM_THREADS"):  # the user's word wins, as in detrain.engine.build.set_cpu_threads
+        return int(os.environ["OMP_NUM_THREADS"])
     from detrain.engine.build import cpu_threads_per_worker
 
     return cpu_threads_per_worker(1)

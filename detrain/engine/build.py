@@ -11,6 +11,7 @@ import torch
 from detrain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from detrain.distributed.world import World
     from detrain.nn.model import DetectionModel
 
 
@@ -110,15 +111,17 @@ def architecture(model: str) -> tuple[str, str]:
     )
 
 
-def set_cpu_threads(device: torch.device, workers_on_node: int) -> None:
-    """On the CPU, unless the user set OMP_NUM_THREADS: this worker's share of the cores
-    (:func:`cpu_threads_per_worker`)."""
-    if device.type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(cpu_threads_per_worker(workers_on_node))
+def set_cpu_threads(device: torch.device, world: World) -> None:
+    """On the CPU, unless the user or the launcher set OMP_NUM_THREADS (``world.omp_threads``): this worker's share
+    of the cores (:func:`cpu_threads_per_worker` for the ranks on its node)."""
+    if device.type == "cpu" and not world.omp_threads:
+        torch.set_num_threads(cpu_threads_per_worker(world.local_world_size))
 
 
 def cpu_threads_per_worker(world_size_on_node: int) -> int:
-    """Leave one core's worth per worker process; OMP_NUM_THREADS set by the user wins."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        return int(os.environ["OMP_NUM_THREADS"])
+    """Leave one core's worth per worker process (OMP_NUM_THREADS, where set, wins: see :func:`set_cpu_threads`).
+
+    >>> cpu_threads_per_worker(10**6)
+    1
+    """
     return max(1, (os.cpu_count() or 1) // max(1, world_size_on_node))

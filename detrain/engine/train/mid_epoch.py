@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrain.distributed import dist
+from detrain.distributed.world import World
 from detrain.engine.train import accumulation
 from detrain.engine.train.ema import unwrap
 from detrain.engine.train.resume_state import MID, gather_per_rank
@@ -37,14 +38,16 @@ if TYPE_CHECKING:
 
 
 class MidEpoch:
-    """Saves ``mid.pt`` every ``minutes`` (0: never) and puts a resumed epoch back where ``mid.pt`` left it."""
+    """Saves ``mid.pt`` every ``minutes`` (0: never) and puts a resumed epoch back where ``mid.pt`` left it, on every
+    rank of ``world`` (rank 0's clock decides; rank 0 writes)."""
 
-    def __init__(self, minutes: float, save: bool, wdir: Path, device: torch.device) -> None:
+    def __init__(self, minutes: float, save: bool, wdir: Path, device: torch.device, world: World) -> None:
         self.interval_s = float(minutes) * 60.0
         self.enabled = minutes > 0 and save
         self.save_files = save
         self.path = wdir / MID
         self.device = device
+        self.world = world
         self.last_save = time.monotonic()
         self.resume_at: tuple[int, torch.Tensor, int] | None = None
 
@@ -73,7 +76,8 @@ class MidEpoch:
         """After batch ``i`` of ``epoch`` (every rank): save ``mid.pt`` when rank 0's clock says it is time."""
         if not self.enabled or i + 1 >= trainer.nb:  # the epoch's end saves last.pt right after this batch
             return
-        mine = dist.is_main() and time.monotonic() - self.last_save >= self.interval_s
+        mine = self.world.is_main and time.monotonic() - self.last_save >= self.interval_s
+        # collective: rank 0's clock on every rank, so that all of them save at this step or none
         if not dist.all_reduce_sum(torch.tensor([float(mine)], device=self.device)).item():
             return
         self.save(trainer, epoch, i, mean_items, n_images)
@@ -82,11 +86,11 @@ class MidEpoch:
     def save(self, trainer: Trainer, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
         """Write ``mid.pt`` for the state after batch ``i`` of ``epoch`` (a collective: call on every rank)."""
         pending = accumulation.pending_batches(epoch * trainer.nb + i, trainer.last_update) > 0
-        if pending and dist.is_distributed():
+        if pending and self.world.distributed:
             bare = unwrap(trainer.model)  # collective: one all-reduce of the waiting gradients, as at an epoch's end
             accumulation.load_flat_gradients(bare, dist.reduce_mean(accumulation.flat_gradients(bare)))
-        trainer.per_rank = gather_per_rank(trainer.model, trainer.ema.ema)  # collective: what differs by rank
-        if dist.is_main():
+        trainer.per_rank = gather_per_rank(trainer.model, trainer.ema.ema, self.world)  # collective: per rank
+        if self.world.is_main:
             state = trainer.checkpoint_state(epoch - 1, {}, pending)
             state["mid_epoch"] = {
                 "next_batch": i + 1,
@@ -98,5 +102,5 @@ class MidEpoch:
 
     def epoch_done(self) -> None:
         """Rank 0, once ``last.pt`` holds the finished epoch: the epoch's ``mid.pt`` is superseded."""
-        if self.save_files and dist.is_main():
+        if self.save_files and self.world.is_main:
             self.path.unlink(missing_ok=True)
