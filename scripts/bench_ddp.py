@@ -29,17 +29,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 from detrain.distributed import dist
 from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.world import World
 from detrain.engine.train.batch_plan import check_split
 
 
-def bench_worker(args: dict[str, Any]) -> dict[str, float]:
+def bench_worker(args: dict[str, Any], here: World) -> dict[str, float]:
     """Time ``iters`` training steps on this rank's share of the global batch; rank 0's numbers come back."""
     from detrain.nn.loss import DetectionLoss
     from detrain.nn.model import DetectionModel
 
     torch.set_num_threads(args["threads"])
-    dist.setup(timeout_s=120.0)
-    world, rank = dist.world_size(), dist.rank()
+    dist.setup(here, timeout_s=120.0)
+    world, rank = here.world_size, here.rank
     local_batch = check_split(args["batch"], world)
 
     torch.manual_seed(0)  # same initial weights on every rank (DDP would broadcast rank 0's anyway)

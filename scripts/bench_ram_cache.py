@@ -34,13 +34,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_data import mirror, train_images, ultralytics_importable, ultralytics_loader  # noqa: E402
+
+if TYPE_CHECKING:
+    from detrain.distributed.world import World
 
 # this user's private folders, the usual one and the fallbacks (detrain/data/memory/private_dir.py)
 CACHE_GLOBS = (f"/dev/shm/detrain-{os.geteuid()}/detrain-ram-*", f"/dev/shm/detrain-{os.geteuid()}-*/detrain-ram-*")
@@ -135,7 +138,7 @@ class TreeMemory:
 # ---------------------------------------------------------------- what every rank runs
 
 
-def rank_main(args: dict[str, Any]) -> dict[str, Any]:
+def rank_main(args: dict[str, Any], here: World) -> dict[str, Any]:
     """Build the cached loader (detrain's or Ultralytics'), run the training steps, return what rank 0 saw."""
     import torch
 
@@ -144,11 +147,14 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     from detrain.nn.loss import DetectionLoss
     from detrain.nn.model import DetectionModel
 
-    dist.setup(timeout_s=1800.0)
-    world, rank = dist.world_size(), dist.rank()
+    dist.setup(here, timeout_s=1800.0)
+    world, rank = here.world_size, here.rank
     local_batch = check_split(args["batch"], world)
     t0 = time.perf_counter()
-    loader = (_ultralytics_loader if args["impl"] == "ultralytics" else _detrain_loader)(args, local_batch, rank, world)
+    if args["impl"] == "ultralytics":
+        loader = _ultralytics_loader(args, local_batch, rank, world)
+    else:
+        loader = _detrain_loader(args, local_batch, here)
     dist.barrier("loaders built")
     build_s = time.perf_counter() - t0
 
@@ -188,7 +194,7 @@ def rank_main(args: dict[str, Any]) -> dict[str, Any]:
     return {"build_s": build_s, "batches": batches}
 
 
-def _detrain_loader(args: dict[str, Any], local_batch: int, rank: int, world: int) -> Any:
+def _detrain_loader(args: dict[str, Any], local_batch: int, world: World) -> Any:
     from detrain.config.cfg import make_cfg
     from detrain.data.prepare import build_train_loader, load_split
 
@@ -202,8 +208,8 @@ def _detrain_loader(args: dict[str, Any], local_batch: int, rank: int, world: in
             "epochs": 100,
         }
     )
-    data = load_split(args["yaml"], "train", cfg, verbose=rank == 0)
-    return build_train_loader(data, cfg, local_batch, rank, world)
+    data = load_split(args["yaml"], "train", cfg, verbose=world.is_main)
+    return build_train_loader(data, cfg, local_batch, world)
 
 
 def _ultralytics_loader(args: dict[str, Any], local_batch: int, rank: int, world: int) -> Any:

@@ -227,12 +227,13 @@ def detrain_plans(shapes_hw: Callable[[], Sequence[tuple[int, int]]]) -> Iterato
 def run_detrain(data_yaml: Path, imgsz: int, batch: int, epochs: int, seed: int, cache: str = "") -> Stats:
     from detrain.config.cfg import make_cfg
     from detrain.data.prepare import build_train_loader, load_split
+    from detrain.distributed.world import World
 
     cfg = make_cfg(
         {"data": str(data_yaml), "imgsz": imgsz, "batch": batch, "workers": 0, "seed": seed, "cache": cache or False}
     )
     split = load_split(cfg.inputs.data, "train", cfg, verbose=False)
-    loader = build_train_loader(split, cfg, local_batch=batch, rank=0, world=1)
+    loader = build_train_loader(split, cfg, local_batch=batch, world=World())
     dataset = loader.dataset
     stats = Stats(len(dataset))
     with detrain_plans(lambda: dataset.shapes_hw) as records:
@@ -250,9 +251,10 @@ def validation_detail(data_yaml: Path, imgsz: int, batch: int) -> tuple[float, f
     validation preprocessing is Ultralytics' exactly), a reference for what the model is scored on."""
     from detrain.config.cfg import make_cfg
     from detrain.data.prepare import build_val_loader, load_split
+    from detrain.distributed.world import World
 
     cfg = make_cfg({"data": str(data_yaml), "imgsz": imgsz, "batch": batch, "workers": 0})
-    loader = build_val_loader(load_split(cfg.inputs.data, "val", cfg, verbose=False), cfg, batch, 0, 1)
+    loader = build_val_loader(load_split(cfg.inputs.data, "val", cfg, verbose=False), cfg, batch, World())
     values = [detail(grey_level(img)) for b in loader for img in b["img"]]
     return float(np.median(values)), float(np.mean(values))
 

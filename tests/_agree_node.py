@@ -14,18 +14,20 @@ from pathlib import Path
 
 from detrain.config.cfg import make_cfg
 from detrain.distributed import dist
+from detrain.distributed.world import World
 from detrain.engine.train import resume_state
 from detrain.errors import DetrainError
 
 
 def main(cases: list[dict]) -> None:
-    dist.setup(timeout_s=30.0)
+    world = World.from_env().on("cpu")  # this process's place, read once; every rank on the CPU (gloo)
+    dist.setup(world, timeout_s=30.0)
     out = []
     try:
         for case in cases:
             launch = resume_state.Launch("L", None, 0, 1, False)
             try:
-                start = resume_state.agree(make_cfg(case["cfg"]), case["save_dir"], launch)
+                start = resume_state.agree(make_cfg(case["cfg"]), case["save_dir"], launch, world)
             except DetrainError as e:
                 out.append({"error": str(e)})
                 continue

@@ -1,7 +1,7 @@
 """Tiny worker functions for the distributed tests.
 
 Spawned workers import their entry by name, so these live at the top level of an importable module.
-Every worker takes one dict and returns something small and picklable.
+Every worker takes one dict and the World its launcher hands it, and returns something small and picklable.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from detrain.distributed import dist
+from detrain.distributed.world import World
 
 
-def collectives(args: dict[str, Any]) -> dict[str, Any]:
+def collectives(args: dict[str, Any], world: World) -> dict[str, Any]:
     """Exercise every collective; return what this rank saw."""
-    info = dist.setup(timeout_s=args.get("timeout_s", 30.0))
+    info = dist.setup(world, timeout_s=args.get("timeout_s", 30.0))
     r, w = dist.rank(), dist.world_size()
     total = dist.all_reduce_sum(torch.tensor([float(r + 1)]))
     mean = dist.reduce_mean(torch.tensor([float(r)]))
@@ -44,16 +45,16 @@ def collectives(args: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def report(args: dict[str, Any]) -> dict[str, Any]:
+def report(args: dict[str, Any], world: World) -> dict[str, Any]:
     """Join the world, check it with one all-reduce, report rank/world (used by torchrun and 2-node tests)."""
-    dist.setup(timeout_s=30.0)
+    dist.setup(world, timeout_s=30.0)
     total = dist.all_reduce_sum(torch.ones(1)).item()
     return {"rank": dist.rank(), "world": dist.world_size(), "sum": total, "pid": os.getpid()}
 
 
-def die_once(args: dict[str, Any]) -> dict[str, Any]:
+def die_once(args: dict[str, Any], world: World) -> dict[str, Any]:
     """Rank 1 SIGKILLs itself on the first attempt; after the restart everyone finishes."""
-    dist.setup(timeout_s=20.0)
+    dist.setup(world, timeout_s=20.0)
     marker = Path(args["marker"])
     if dist.rank() == 1 and dist.restart_count() == 0 and not marker.exists():
         marker.write_text("died")
@@ -62,17 +63,17 @@ def die_once(args: dict[str, Any]) -> dict[str, Any]:
     return {"rank": dist.rank(), "restarts": dist.restart_count()}
 
 
-def die_always(args: dict[str, Any]) -> None:
+def die_always(args: dict[str, Any], world: World) -> None:
     """Rank 1 is killed; rank 0 waits in a collective (its peer's death ends the run)."""
-    dist.setup(timeout_s=20.0)
+    dist.setup(world, timeout_s=20.0)
     if dist.rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier("never passed")
 
 
-def raise_error(args: dict[str, Any]) -> None:
+def raise_error(args: dict[str, Any], world: World) -> None:
     """Rank 1 raises a plain Python error with a recognisable message (one of detrain's with ``detrain``)."""
-    dist.setup(timeout_s=20.0)
+    dist.setup(world, timeout_s=20.0)
     if dist.rank() == 1:
         if args.get("detrain"):
             from detrain.errors import DatasetError
@@ -82,9 +83,9 @@ def raise_error(args: dict[str, Any]) -> None:
     dist.barrier("never passed")
 
 
-def hang(args: dict[str, Any]) -> None:
+def hang(args: dict[str, Any], world: World) -> None:
     """Rank 1 sleeps forever before the all-reduce; rank 0's all-reduce must time out."""
-    dist.setup(timeout_s=args["timeout_s"])
+    dist.setup(world, timeout_s=args["timeout_s"])
     Path(args["pidfile"] + f".{dist.rank()}").write_text(str(os.getpid()))
     if dist.rank() == 1:
         while True:
@@ -92,30 +93,30 @@ def hang(args: dict[str, Any]) -> None:
     dist.all_reduce_sum(torch.ones(1))
 
 
-def late_to_barrier(args: dict[str, Any]) -> None:
+def late_to_barrier(args: dict[str, Any], world: World) -> None:
     """Rank ``late`` reaches the 'end of epoch' barrier 5 s after the others, with a 1 s training timeout."""
-    dist.setup(timeout_s=1.0)
+    dist.setup(world, timeout_s=1.0)
     dist.barrier("start")
     if dist.rank() == args["late"]:
         time.sleep(5.0)
     dist.barrier("end of epoch")
 
 
-def sleep_forever(args: dict[str, Any]) -> None:
+def sleep_forever(args: dict[str, Any], world: World) -> None:
     """Every rank writes its pid and sleeps: used to test Ctrl-C."""
-    dist.setup(timeout_s=30.0)
+    dist.setup(world, timeout_s=30.0)
     Path(args["pidfile"] + f".{dist.rank()}").write_text(str(os.getpid()))
     while True:
         time.sleep(1)
 
 
-def listeners(args: dict[str, Any]) -> list[dict[str, Any]]:
+def listeners(args: dict[str, Any], world: World) -> list[dict[str, Any]]:
     """Join the world and pass one all-reduce (gloo's connections are up), then every rank lists the sockets its
     process listens on, rank 0 also its launcher's (the parent, which hosts the rendezvous store), and the
     interface variables it ran with; rank 0 gets everyone's."""
     from _sockets import listening
 
-    dist.setup(timeout_s=30.0)
+    dist.setup(world, timeout_s=30.0)
     dist.all_reduce_sum(torch.ones(1))
     mine: dict[str, Any] = {
         "rank": dist.rank(),
@@ -129,16 +130,19 @@ def listeners(args: dict[str, Any]) -> list[dict[str, Any]]:
     return everyone
 
 
-def device_env(args: dict[str, Any]) -> dict[str, str]:
-    """The device the launcher assigned to this worker, and who this worker's World says launched it."""
-    from detrain.distributed.world import World
+def device_env(args: dict[str, Any], world: World) -> dict[str, Any]:
+    """The device the launcher handed this worker in its World, who that World says launched it, and every
+    ``DETRAIN_DEVICE*`` variable in its environment (there should be none: no device travels that way)."""
+    return {
+        "device_vars": sorted(k for k in os.environ if k.startswith("DETRAIN_DEVICE")),
+        "omp": os.environ.get("OMP_NUM_THREADS", ""),
+        "world_device": world.device,
+        "world_omp": world.omp_threads,
+        "launcher": world.launcher,
+    }
 
-    seen = {k: os.environ.get(k, "") for k in ("DETRAIN_DEVICE", "DETRAIN_DEVICE_KIND", "OMP_NUM_THREADS")}
-    world = World.from_env()
-    return {**seen, "world_device": world.device, "launcher": world.launcher}
 
-
-def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
+def ram_cache_batches(args: dict[str, Any], world: World) -> list[dict[str, Any]]:
     """Build the training loader with cache=ram (one loader worker), take two batches; every rank's view."""
     import glob
 
@@ -146,7 +150,7 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
     from detrain.data.prepare import build_train_loader, load_split
     from detrain.engine.train.batch_plan import check_split
 
-    dist.setup(timeout_s=60.0)
+    dist.setup(world, timeout_s=60.0)
     cfg = make_cfg(
         {
             "data": args["data"],
@@ -159,9 +163,7 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
         }
     )
     data = load_split(args["data"], "train", cfg, verbose=False)
-    loader = build_train_loader(
-        data, cfg, check_split(cfg.train.batch, dist.world_size()), dist.rank(), dist.world_size()
-    )
+    loader = build_train_loader(data, cfg, check_split(cfg.train.batch, world.world_size), world)
     cache = loader.dataset._ram
     it = iter(loader)
     batches = [next(it)["img"] for _ in range(2)]
@@ -182,7 +184,7 @@ def ram_cache_batches(args: dict[str, Any]) -> list[dict[str, Any]]:
     return everyone
 
 
-def slow_prepare(args: dict[str, Any]) -> int:
+def slow_prepare(args: dict[str, Any], world: World) -> int:
     """``load_split`` under a 2 s training timeout while rank ``slow_rank`` (the first process of its node) takes
     4 s to prepare the dataset, as a download or a large label check would; returns the number of records."""
     from unittest import mock
@@ -190,7 +192,7 @@ def slow_prepare(args: dict[str, Any]) -> int:
     from detrain.config.cfg import make_cfg
     from detrain.data import prepare as engine_data
 
-    dist.setup(timeout_s=2.0)
+    dist.setup(world, timeout_s=2.0)
     cfg = make_cfg({"data": args["data"], "dist_timeout": 2, "prepare_timeout": args["prepare_timeout"]})
     real = engine_data.load_dataset_yaml
 
@@ -246,12 +248,12 @@ if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
 
 
-def pending_grads(args: dict[str, Any]) -> dict[str, Any]:
+def pending_grads(args: dict[str, Any], world: World) -> dict[str, Any]:
     """Each rank's own gradients (rank r: r + 1 everywhere, no gradient for one parameter on rank 1) are replaced
     by their mean over the ranks; rank 0 returns what it then holds."""
     from detrain.engine.train import accumulation
 
-    dist.setup(timeout_s=30.0)
+    dist.setup(world, timeout_s=30.0)
     net = torch.nn.Linear(3, 2)
     net.weight.grad = torch.full_like(net.weight, float(dist.rank() + 1))
     net.bias.grad = None if dist.rank() == 1 else torch.full_like(net.bias, 4.0)

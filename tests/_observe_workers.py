@@ -12,20 +12,23 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from detrain.distributed.world import World
 
 
-def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
-    """``train_worker(args)``, with rank ``args["slow_rank"]``'s loader sleeping ``args["sleep_s"]`` per batch."""
+def slow_loader_train(args: dict[str, Any], world: World) -> dict[str, Any]:
+    """``train_worker(args, world)``, with rank ``args["slow_rank"]``'s loader sleeping ``args["sleep_s"]`` a batch."""
     from detrain.config.cfg import make_cfg
     from detrain.engine.run_plan import RunPlan
     from detrain.engine.train import trainer
 
     real = trainer.build_train_loader
 
-    def build(data: Any, cfg: Any, local_batch: int, rank: int, world: int, planned_world: int | None = None) -> Any:
-        loader = real(data, cfg, local_batch, rank, world, planned_world)
-        if rank == args["slow_rank"]:
+    def build(data: Any, cfg: Any, local_batch: int, here: World, planned_world: int | None = None) -> Any:
+        loader = real(data, cfg, local_batch, here, planned_world)
+        if here.rank == args["slow_rank"]:
             collate = loader.collate_fn
 
             def slow_collate(samples: Any) -> Any:  # runs inside next(loader) (workers=0): the rank waits for data
@@ -39,7 +42,7 @@ def slow_loader_train(args: dict[str, Any]) -> dict[str, Any]:
     # the JSON's keys, checked as a command would; what detrain's runner would have planned: two nodes, the run folder
     # the test names
     return trainer.train_worker(
-        {**args, "cfg": make_cfg(args["cfg"]), "plan": RunPlan(nodes=(2, 2), save_dir=args["save_dir"])}
+        {**args, "cfg": make_cfg(args["cfg"]), "plan": RunPlan(nodes=(2, 2), save_dir=args["save_dir"])}, world
     )
 
 

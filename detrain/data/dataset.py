@@ -120,7 +120,9 @@ class DetectionDataset(Dataset):
     ``cache``: None (decode the files, at reduced JPEG scale where a sample shows an image small enough), 'disk'
     (decoded originals as ``.npy`` beside the images: the same samples) or 'ram' (load-size images, once per node
     in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly);
-    ``cache_timeout_s``: how long the other local ranks wait for local rank 0 to fill the RAM cache.
+    ``cache_timeout_s``: how long the other local ranks wait for local rank 0 to fill the RAM cache;
+    ``local_rank`` and ``launched``: this process's place on its node, from its ``World`` (local rank 0 fills the
+    RAM cache; the local ranks a launcher started share it).
 
     >>> from detrain.data.labels.verify import LabelRecord
     >>> _ = cv2.imwrite("a.png", np.zeros((48, 64, 3), np.uint8))
@@ -145,6 +147,8 @@ class DetectionDataset(Dataset):
         *,
         close_mosaic_epoch: int | None = None,
         cache_timeout_s: float | None = None,
+        local_rank: int = 0,
+        launched: bool = False,
     ):
         if not records:
             raise DatasetError("the dataset has no images")
@@ -176,9 +180,13 @@ class DetectionDataset(Dataset):
         self._decode_cache = DecodeCache()  # per process: each loader worker fills its own
         self._ram: RamCache | None = None
         if self.cache == "ram":
-            key = cache_key(self.im_files, self.shapes_hw, self.imgsz, run_tag())
+            key = cache_key(self.im_files, self.shapes_hw, self.imgsz, run_tag(launched))
             self._ram = RamCache.build(
-                key, self.load_sizes_hw, self._load_for_cache, timeout_s=cache_timeout_s or DEFAULT_TIMEOUT_S
+                key,
+                self.load_sizes_hw,
+                self._load_for_cache,
+                local_rank=local_rank,
+                timeout_s=cache_timeout_s or DEFAULT_TIMEOUT_S,
             )
         elif self.cache == "disk":
             check_disk_cache_fits(self.im_files, self.shapes_hw)

@@ -20,6 +20,7 @@ from detrain.data.labels.ground_truth import explicit_json, json_labels, json_sp
 from detrain.data.labels.verify import LabelRecord, load_labels
 from detrain.data.loader import build_dataloader
 from detrain.distributed import dist
+from detrain.distributed.world import World
 from detrain.errors import DatasetError
 
 PREPARE_TIMEOUT_S = 3600.0  # without a config: as cfg/default.yaml's prepare_timeout
@@ -95,10 +96,10 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
 
 
 def build_train_loader(
-    data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int, planned_world: int | None = None
+    data: SplitData, cfg: Cfg, local_batch: int, world: World, planned_world: int | None = None
 ) -> DataLoader:
-    """Augmented training batches; each rank gets its slice of every global batch (mosaic pools as planned for
-    ``planned_world`` ranks)."""
+    """Augmented training batches; each rank of ``world`` gets its slice of every global batch (mosaic pools as
+    planned for ``planned_world`` ranks); cache=ram is filled by the first process of each node."""
     dataset = DetectionDataset(
         data.records,
         imgsz=cfg.inputs.imgsz,
@@ -114,21 +115,23 @@ def build_train_loader(
         if cfg.train.close_mosaic and not cfg.train.time
         else None,
         cache_timeout_s=cfg.distributed.prepare_timeout,
+        local_rank=world.local_rank,
+        launched=world.launched,
     )
     return build_dataloader(
         dataset,
         batch_size=local_batch,
         shuffle=not cfg.train.rect,
         workers=cfg.distributed.workers,
-        rank=rank,
-        world_size=world,
+        rank=world.rank,
+        world_size=world.world_size,
         seed=cfg.train.seed,
         planned_world=planned_world,
     )
 
 
-def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, world: int) -> DataLoader:
-    """Rectangular, unaugmented batches over disjoint shards (no padded duplicates)."""
+def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World) -> DataLoader:
+    """Rectangular, unaugmented batches over disjoint shards of the ranks of ``world`` (no padded duplicates)."""
     dataset = DetectionDataset(
         data.records,
         imgsz=cfg.inputs.imgsz,
@@ -144,8 +147,8 @@ def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, rank: int, wor
         dataset,
         batch_size=local_batch,
         shuffle=False,
-        workers=min(cfg.distributed.workers, 2) if world > 1 else cfg.distributed.workers,
-        rank=rank,
-        world_size=world,
+        workers=min(cfg.distributed.workers, 2) if world.distributed else cfg.distributed.workers,
+        rank=world.rank,
+        world_size=world.world_size,
         seed=cfg.train.seed,
     )

@@ -1,7 +1,7 @@
 """The process group, every collective and every timeout, in one place.
 
-The trainer never calls ``torch.distributed`` itself; it asks this module. In a single process (no
-``WORLD_SIZE`` > 1 in the environment) every function here is a no-op or the identity, so the same
+The trainer never calls ``torch.distributed`` itself; it asks this module. In a single process (a
+``World`` of one rank) every function here is a no-op or the identity, so the same
 training code runs unchanged on one device and on many.
 
 Timeouts come in two phases:
@@ -76,18 +76,18 @@ _barriers: StoreBarrier | None = None  # barrier() on gloo: every rank's wait is
 
 
 def setup(
-    world: World | None = None,
+    world: World,
     backend: str | None = None,
     timeout_s: float | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
 ) -> DistInfo:
-    """Join the process group of ``world`` (read from the environment when not given), or stay single-process.
+    """Join the process group of ``world``, or stay single-process.
 
-    ``world`` (:class:`detrain.distributed.world.World`) gives the ranks, MASTER_ADDR / MASTER_PORT (set by torch's
-    elastic launcher or torchrun, or mapped from SLURM's variables under ``srun``) and the device (chosen by
-    ``detrain.distributed.launch``, else ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU). Backend: nccl
-    for CUDA, gloo otherwise. Under ``srun`` torch's variables are also put into the environment, for libraries that
-    read them there.
+    ``world`` (:class:`detrain.distributed.world.World`, as the launcher handed it to the worker's entry) gives the
+    ranks, MASTER_ADDR / MASTER_PORT (set by torch's elastic launcher or torchrun, or mapped from SLURM's variables
+    under ``srun``) and the device (the device plan's for this worker, chosen by ``detrain.distributed.launch``).
+    Backend: nccl for CUDA, gloo otherwise. Under ``srun`` torch's variables are also put into the environment, for
+    libraries that read them there.
 
     Example:
         >>> info = setup(World())     # a plain process: no group, rank 0 of 1
@@ -98,7 +98,6 @@ def setup(
     global _info, _barriers
     if _info is not None and (not _info.distributed or tdist.is_initialized()):
         return _info
-    world = World.from_env() if world is None else world
     map_slurm_env()
     device = world.device
     if device.startswith("cuda"):

@@ -8,8 +8,10 @@ spawning again; a single device is a plain function call with no process group.
 
 Devices are parsed in :mod:`detrain.distributed.devices`, the pre-flight checks are in
 :mod:`detrain.distributed.launch_checks` and failures are worded by :mod:`detrain.distributed.launch_failures`.
-Each worker is told its device (from its local rank) and that detrain's launcher started it through the
-environment, which it reads once, into :class:`detrain.distributed.world.World`.
+Every worker is handed its :class:`detrain.distributed.world.World` as ``entry(args, world)``: read from the
+environment once (in a spawned worker: the agent's variables, at the top of its entry here; in this process: by the
+caller), then completed with the worker's device, which the device plan gives for its local rank. The device never
+travels through the environment; only the mark that detrain's launcher started a worker (DETRAIN_LAUNCHER) does.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from detrain.distributed.job_watch import ended_together
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
 from detrain.distributed.master_store import host_store
-from detrain.distributed.world import DEVICE_ENV, LAUNCHER_ENV, World
+from detrain.distributed.world import LAUNCHER_ENV, World
 from detrain.errors import DistributedError
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
 def launch(
-    entry: Callable[[dict[str, Any]], T],
+    entry: Callable[[dict[str, Any], World], T],
     args: dict[str, Any],
     plan: DevicePlan,
     *,
@@ -69,16 +71,17 @@ def launch(
     connect_timeout: float = 60.0,
     world: World | None = None,
 ) -> T | None:
-    """Run ``entry(args)`` on every worker of ``plan`` (times ``nnodes``) and return rank 0's result.
+    """Run ``entry(args, world)`` on every worker of ``plan`` (times ``nnodes``) and return rank 0's result;
+    ``world`` is that worker's :class:`World`, its device the plan's for its local rank.
 
-    * already a rank of a torchrun/srun world, or one device on one node: ``entry(args)`` is called in
+    * already a rank of a torchrun/srun world, or one device on one node: ``entry(args, world)`` is called in
       this process (the caller keeps working objects);
     * otherwise torch's ``elastic_launch`` starts ``plan.nprocs`` workers here (spawned, so ``entry``
       must be an importable top-level function and ``args`` picklable); rank 0's return value comes
       back to this process. On a node that does not host rank 0 (``node_rank > 0``) it returns None.
 
     ``nnodes`` is torchrun's spelling (``2``, ``"1:4"``) or the (MIN, MAX) pair already parsed from it; ``world``
-    is this process's place as the caller read it (read here when not given).
+    is this process's place as the caller read it (read here when not given); a spawned worker reads its own.
 
     ``master_port=0`` on one node picks a free port. Several nodes need the same ``master_addr``/``master_port``
     /``run_id`` on each and ``node_rank`` 0..N-1; ``nnodes="MIN:MAX"`` uses torch's c10d rendezvous (node_rank 0
@@ -94,8 +97,8 @@ def launch(
 
     Example:
         >>> from detrain.distributed.launch import launch, parse_device
-        >>> launch(len, {"a": 1}, parse_device("cpu"))   # one CPU: a plain call
-        1
+        >>> launch(lambda args, world: (args["a"], world.device), {"a": 1}, parse_device("cpu"))  # a plain call
+        (1, 'cpu')
     """
     lo, hi = nnodes if isinstance(nnodes, tuple) else parse_nnodes(nnodes)
     world = World.from_env() if world is None else world
@@ -129,12 +132,17 @@ class _Rendezvous:
 
 
 def _call_here(
-    entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: DevicePlan, world: World, env: dict[str, str]
+    entry: Callable[[dict[str, Any], World], T],
+    args: dict[str, Any],
+    plan: DevicePlan,
+    world: World,
+    env: dict[str, str],
 ) -> T:
-    """``entry(args)`` in this process: one rank of a world torchrun or srun started, or the one worker."""
+    """``entry(args, world)`` in this process: one rank of a world torchrun or srun started, or the one worker;
+    ``world`` completed with its device."""
     try:
-        with _worker_env(plan, world), _environ(env):
-            return entry(args)
+        with _environ(env):
+            return entry(args, _worker_world(plan, world))
     finally:
         dist.cleanup()  # launch owns the group's lifetime, as it does in spawned workers
 
@@ -184,7 +192,7 @@ def _meet_nodes(
 
 
 def _launch_workers(
-    entry: Callable[[dict[str, Any]], T],
+    entry: Callable[[dict[str, Any], World], T],
     args: dict[str, Any],
     plan: DevicePlan,
     rdzv: _Rendezvous,
@@ -305,15 +313,18 @@ def lost_master(endpoint: str, node_rank: int, cause: str) -> str:
 
 
 @record
-def _worker(entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: DevicePlan, threads: int | None) -> T:
-    """What each spawned worker runs; ``@record`` writes the exception to elastic's error file."""
+def _worker(
+    entry: Callable[[dict[str, Any], World], T], args: dict[str, Any], plan: DevicePlan, threads: int | None
+) -> T:
+    """What each spawned worker runs: its world read once from the agent's variables (after its thread count is set)
+    and completed with its device, then ``entry(args, world)``; ``@record`` writes the exception to elastic's error
+    file."""
     if threads is not None:
         # One core per worker on CPU: more threads only fight each other and the gloo comms.
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
     try:
-        with _worker_env(plan, World.from_env()):  # the agent's variables: this worker's local rank picks its device
-            return entry(args)
+        return entry(args, _worker_world(plan, World.from_env()))  # this worker's local rank picks its device
     except KeyboardInterrupt:
         raise SystemExit(130) from None  # the agent reports the stop; no traceback per worker
     except Exception as e:
@@ -329,19 +340,13 @@ def _worker(entry: Callable[[dict[str, Any]], T], args: dict[str, Any], plan: De
         dist.cleanup()
 
 
-def _worker_env(plan: DevicePlan, world: World) -> contextlib.AbstractContextManager[None]:
-    """Tell the worker its device (``plan``'s for its local rank in ``world``) through the environment, which it
-    reads into its ``World``, and tidy up afterwards. The number of processes on the node is checked against the
-    listed GPUs where torch's agent gives it (SLURM's tasks per node may differ from node to node)."""
+def _worker_world(plan: DevicePlan, world: World) -> World:
+    """``world`` with the worker's device: ``plan``'s for its local rank. The number of processes on the node is
+    checked against the listed GPUs where torch's agent gives it (SLURM's tasks per node may differ from node to
+    node)."""
     local = world.local_rank if world.launched else 0
     local_world = world.local_world_size if world.launcher in ("detrain", "torchrun") else None
-    return _environ(
-        {
-            DEVICE_ENV: plan.device_for(local, local_world),
-            "DETRAIN_DEVICE_KIND": plan.kind,
-            "DETRAIN_DEVICE_IDS": ",".join(map(str, plan.ids)),
-        }
-    )
+    return world.on(plan.device_for(local, local_world))
 
 
 @contextlib.contextmanager

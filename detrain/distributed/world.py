@@ -2,30 +2,33 @@
 
 Launchers tell a worker where it sits through environment variables: torch's elastic agent (under detrain's
 launcher and under torchrun) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT and TORCHELASTIC_*; ``srun`` sets SLURM_*, translated to torch's names by
-:mod:`detrain.distributed.slurm`; detrain's launcher adds the worker's device (DETRAIN_DEVICE) and marks the
-workers it spawned (DETRAIN_LAUNCHER). :meth:`World.from_env` is the one place that reads them: the launching
-process reads its world once (:func:`detrain.run.task.run_task`) and every worker once, at its entry (the trainer's
-and the validator's), and hands the object to whatever needs it (``dist.setup``, the trainer, the checkpoint
-search, the run's trace). Nothing under ``detrain/engine`` reads these variables itself.
+MASTER_ADDR, MASTER_PORT and TORCHELASTIC_* (and torchrun OMP_NUM_THREADS); ``srun`` sets SLURM_*, translated to
+torch's names by :mod:`detrain.distributed.slurm`; detrain's launcher marks the workers it spawned
+(DETRAIN_LAUNCHER). :meth:`World.from_env` is the one place that reads them, once per process: the launching
+process in :func:`detrain.run.task.run_task`, a spawned worker in the launcher's worker entry
+(:mod:`detrain.distributed.launch`). The launcher then completes the world with the worker's device, taken from
+the device plan for its local rank (:meth:`World.on`; no device travels through the environment), and hands it
+to the entry (``train_worker(args, world)``), which passes it on to whatever needs it (``dist.setup``, the
+trainer, the checkpoint search, the run's trace, the loaders). Nothing under ``detrain/engine`` reads the
+environment itself.
 
 A world of one process is rank 0 of 1 whatever stray RANK or LOCAL_RANK says, as the process group sees it.
 
->>> World.from_env({"DETRAIN_DEVICE": "cpu"})
+>>> World.from_env({}).on("cpu")
 World(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=None, nnodes=None, restart_count=0, \
 launcher='none', run_id=None, slurm_job_id=None, slurm_requeues=0, master_addr='', master_port=None, \
-agent_store=False, device='cpu')
+agent_store=False, omp_threads='', device='cpu')
 >>> w = World.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
-...                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "DETRAIN_DEVICE": "cpu"})
->>> w.launcher, w.rank, w.distributed, w.is_main
-('torchrun', 1, True, False)
+...                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}).on("cpu")
+>>> w.launcher, w.rank, w.distributed, w.is_main, w.device
+('torchrun', 1, True, False, 'cpu')
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -36,7 +39,6 @@ from detrain.errors import DistributedError
 
 Launcher = Literal["detrain", "torchrun", "slurm", "none"]
 
-DEVICE_ENV = "DETRAIN_DEVICE"  # set by detrain.distributed.launch for each worker: "cpu", "cuda:1", "mps"
 LAUNCHER_ENV = "DETRAIN_LAUNCHER"  # "detrain" in the workers detrain's launcher spawned
 _TORCH_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -59,7 +61,12 @@ class World:
     master_addr: str = ""  # MASTER_ADDR
     master_port: int | None = None  # MASTER_PORT (read only for a world of several ranks)
     agent_store: bool = False  # the workers share the agent's store (TORCHELASTIC_USE_AGENT_STORE=True)
-    device: str = "cpu"  # this worker's torch device: DETRAIN_DEVICE, else cuda:LOCAL_RANK with CUDA, else cpu
+    # OMP_NUM_THREADS as the user or a launcher set it (torchrun: 1; detrain's launcher: the worker's share of the
+    # cores); "" when unset, and then a CPU worker takes its share itself (detrain.engine.build.set_cpu_threads)
+    omp_threads: str = ""
+    # this worker's torch device: the launcher's, from the device plan (World.on); from_env alone gives
+    # cuda:LOCAL_RANK with CUDA, else cpu
+    device: str = "cpu"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> World:
@@ -76,7 +83,7 @@ class World:
         world_size = env_int("WORLD_SIZE", 1, env)
         rank, local_rank = env_int("RANK", 0, env), env_int("LOCAL_RANK", 0, env)
         local_world_size = env_int("LOCAL_WORLD_SIZE", 1, env)
-        device = env.get(DEVICE_ENV) or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
         master_port = None
         if world_size > 1:
             if not 0 <= rank < world_size:
@@ -108,8 +115,18 @@ class World:
             master_addr=env.get("MASTER_ADDR", ""),
             master_port=master_port,
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            omp_threads=env.get("OMP_NUM_THREADS", ""),
             device=device,
         )
+
+    def on(self, device: str) -> World:
+        """This world with ``device`` as this worker's: the launcher's choice from the device plan for its local rank
+        (:func:`detrain.distributed.launch.launch`), which the environment does not carry.
+
+        >>> World().on("cuda:1").device
+        'cuda:1'
+        """
+        return replace(self, device=device)
 
     @property
     def launched(self) -> bool:

@@ -14,6 +14,7 @@ from detrain.distributed.devices import cpu_threads_per_worker
 from detrain.errors import ConfigError
 
 if TYPE_CHECKING:
+    from detrain.distributed.world import World
     from detrain.nn.model import DetectionModel
 
 
@@ -35,7 +36,7 @@ def agree_run_dir(output: Output, task: str, given: str | Path | None, is_main: 
     (:func:`increment_run_dir` of the ``output`` keys), decided by rank 0 and sent to every rank: other nodes may
     not know the folder the launching node picked, and look at another disk. A collective: call it on every rank."""
     picked = str(given or increment_run_dir(output.project, output.name, task, output.exist_ok)) if is_main else None
-    return Path(dist.broadcast_object(picked))
+    return Path(dist.broadcast_object(picked))  # collective: rank 0's folder on every rank
 
 
 def check_output_folder(project: str, task: str) -> None:
@@ -139,9 +140,9 @@ def architecture(model: str) -> tuple[str, str]:
     )
 
 
-def set_cpu_threads(device: torch.device, workers_on_node: int) -> None:
-    """On the CPU, unless the user set OMP_NUM_THREADS: this worker's share of the cores
-    (:func:`detrain.distributed.devices.cpu_threads_per_worker`)."""
-    threads = cpu_threads_per_worker(workers_on_node)
+def set_cpu_threads(device: torch.device, world: World) -> None:
+    """On the CPU, unless the user or the launcher set OMP_NUM_THREADS (``world.omp_threads``): this worker's share
+    of the cores (:func:`detrain.distributed.devices.cpu_threads_per_worker` for the ranks on its node)."""
+    threads = None if world.omp_threads else cpu_threads_per_worker(world.local_world_size)
     if device.type == "cpu" and threads is not None:
         torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ from torch import nn
 from detrain.config.cfg import make_cfg, parse_cli_args
 from detrain.data.labels.ground_truth import split_ground_truth
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
+from detrain.distributed.world import World
 from detrain.engine.build import build_model
 from detrain.engine.evaluate.score_file import score_predictions_file
 from detrain.engine.evaluate.validator import predict_batch, validate
@@ -42,8 +43,9 @@ def _cfg(yaml_file: Path, **kw: Any):
 def _validate(yaml_file: Path, save_dir: Path, model: nn.Module | None = None, **kw: Any) -> dict[str, Any]:
     cfg = _cfg(yaml_file, **kw)
     data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
-    loader = build_val_loader(data, cfg, cfg.train.batch, 0, 1)
-    return validate(model or ColourModel(), loader, data, cfg, torch.device("cpu"), save_dir=save_dir, verbose=False)
+    loader = build_val_loader(data, cfg, cfg.train.batch, World())
+    cpu = torch.device("cpu")
+    return validate(model or ColourModel(), loader, data, cfg, cpu, World(), save_dir=save_dir, verbose=False)
 
 
 def _rows(save_dir: Path) -> list[dict[str, Any]]:
@@ -73,9 +75,9 @@ def test_single_cls_batches_carry_class_0_and_the_model_has_one_class(dataset: P
     assert data.nc == 1 and data.names == {0: "item"}
     raw = _all_labels(dataset, "train")
     assert len(set(raw.tolist())) > 1  # the dataset has several classes ...
-    val = [b["cls"] for b in build_val_loader(data, cfg, 4, 0, 1)]
+    val = [b["cls"] for b in build_val_loader(data, cfg, 4, World())]
     assert torch.cat(val).view(-1).tolist() == [0.0] * len(raw)  # ... every object stays, as class 0
-    train = torch.cat([b["cls"] for b in build_train_loader(data, cfg, 4, 0, 1)])
+    train = torch.cat([b["cls"] for b in build_train_loader(data, cfg, 4, World())])
     assert len(train) and (train == 0).all()
     model, _ = build_model("n.yaml", nc=data.nc, names=data.names, verbose=False)
     assert model.nc == 1 and dict(model.names) == {0: "item"}
@@ -171,7 +173,7 @@ def test_classes_keep_every_image_and_only_those_labels(dataset: Path) -> None:
     only_1 = [r for r, e in zip(data.records, everything.records) if set(e.cls.tolist()) == {1}]
     assert only_1 and all(len(r.cls) == 0 for r in only_1)  # an image of class 1 alone stays, as a background
     assert data.nc == 3 and data.names == everything.names  # the model keeps the dataset's classes
-    train = torch.cat([b["cls"] for b in build_train_loader(data, cfg, 4, 0, 1)]).view(-1)
+    train = torch.cat([b["cls"] for b in build_train_loader(data, cfg, 4, World())]).view(-1)
     assert len(train) and set(train.tolist()) <= {0.0, 2.0}
 
 
@@ -185,7 +187,9 @@ def test_classes_validation_scores_only_those_classes(dataset: Path, tmp_path: P
     assert len(rows) == sum(r["category_id"] == 1 for r in _rows(plain_run["save_dir"]))
     # scoring the full predictions file with classes=0 counts the same detections
     cfg = _cfg(dataset, classes=[0], predictions=str(plain_run["save_dir"] / "predictions.json"))
-    again = score_predictions_file(cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), tmp_path / "scored")
+    again = score_predictions_file(
+        cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), tmp_path / "scored", World()
+    )
     assert again["map"] == pytest.approx(m["map"], abs=1e-12) and set(again["per_class"]) == {0}
 
 

@@ -314,6 +314,21 @@ def test_ram_cache_dataset_same_samples_and_cleanup(records: list[Rec]) -> None:
     assert not path.exists() and not list(path.parent.glob(f"{path.stem}.*"))
 
 
+def test_ram_cache_dataset_takes_its_place_on_the_node_from_its_world_not_the_environment(
+    records: list[Rec], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second local rank waits for the first one's cache (here none comes); LOCAL_RANK in the environment is not
+    read: the loaders pass the World's local rank. Under a launcher the local ranks name the cache by their parent."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    filled = DetectionDataset(records, imgsz=96, augment=False, hyp={}, cache="ram", cache_timeout_s=2)  # fills
+    assert filled._ram is not None and filled._ram.owner_pid == os.getpid()
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(DatasetError, match="waiting for local rank 0"):
+        DetectionDataset(records, imgsz=64, augment=False, hyp={}, cache="ram", cache_timeout_s=0.3, local_rank=1)
+    monkeypatch.delenv("DETRAIN_RUN_ID", raising=False)
+    assert (ram_cache.run_tag(), ram_cache.run_tag(launched=True)) == (str(os.getpid()), str(os.getppid()))
+
+
 def _read_cache_in_child(directory: str, key: str, shapes: list, queue: mp.Queue) -> None:
     cache = RamCache.build(key, shapes, lambda i: None, local_rank=1, timeout_s=30, directory=directory)
     queue.put([cache.get(i).tobytes() for i in range(len(shapes))])

@@ -18,6 +18,7 @@ import torch
 
 from detrain.distributed import dist, slurm
 from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.world import World
 from detrain.errors import DistributedError
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -38,8 +39,7 @@ def test_single_process_is_identity() -> None:
     with mock.patch.dict(os.environ, {}, clear=False):
         for k in LAUNCHER_VARS:
             os.environ.pop(k, None)
-        os.environ["DETRAIN_DEVICE"] = "cpu"
-        info = dist.setup()
+        info = dist.setup(World.from_env().on("cpu"))
         try:
             assert (info.rank, info.world_size, info.distributed, info.backend) == (0, 1, False, None)
             assert (dist.rank(), dist.local_rank(), dist.world_size()) == (0, 0, 1)
@@ -59,10 +59,8 @@ def test_single_process_is_identity() -> None:
 
 
 def test_missing_master_is_a_clear_error() -> None:
-    with mock.patch.dict(os.environ, {"WORLD_SIZE": "2", "RANK": "1", "DETRAIN_DEVICE": "cpu"}):
-        os.environ.pop("MASTER_ADDR", None)
-        with pytest.raises(DistributedError, match="MASTER_ADDR is not"):
-            dist.setup()
+    with pytest.raises(DistributedError, match="MASTER_ADDR is not"):
+        dist.setup(World.from_env({"WORLD_SIZE": "2", "RANK": "1"}).on("cpu"))
     dist.cleanup()
 
 

@@ -6,6 +6,7 @@ process of its own (torchrun, two nodes, Ctrl-C) it runs ``_dist_workers.py`` in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from detrain.distributed.launch import (
     parse_nnodes,
     rendezvous_address,
 )
+from detrain.distributed.world import World
 from detrain.engine.build import set_cpu_threads
 from detrain.errors import DistributedError
 
@@ -151,8 +153,24 @@ def test_parse_nnodes() -> None:
 
 def test_single_device_is_a_plain_call() -> None:
     marker = object()
-    assert launch(lambda args: (args["x"], marker), {"x": 1}, parse_device("cpu")) == (1, marker)
-    assert "DETRAIN_DEVICE" not in os.environ  # the worker's variables do not leak into the caller
+    got = launch(lambda args, world: (args["x"], world.device, marker), {"x": 1}, parse_device("cpu"))
+    assert got == (1, "cpu", marker)  # the caller's World, with the plan's device
+
+
+def test_a_rank_of_torchrun_gets_its_world_with_the_device_of_its_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process (torchrun's rank): the caller's World, completed with the plan's device for its local rank;
+    the device is handed over, never written into the environment."""
+    _fake_gpus(monkeypatch, 4)
+    world = World.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    seen = launch(
+        lambda args, w: (w, sorted(k for k in os.environ if k.startswith("DETRAIN_DEVICE"))),
+        {},
+        parse_device("2,3"),
+        world=world,
+    )
+    assert seen == (world.on("cuda:3"), [])
+    with pytest.raises(DistributedError, match="lists 2 GPU"):  # three processes on the node for two GPUs
+        launch(lambda args, w: w, {}, parse_device("2,3"), world=dataclasses.replace(world, local_world_size=3))
 
 
 def test_port_in_use_is_a_clear_error() -> None:
@@ -201,10 +219,10 @@ def test_workers_get_their_device_and_threads() -> None:
     before = signal.getsignal(signal.SIGINT)
     result = launch(workers.device_env, {}, parse_device("cpu,cpu"))
     assert result is not None
-    assert result["DETRAIN_DEVICE"] == "cpu" and result["DETRAIN_DEVICE_KIND"] == "cpu"
-    assert (result["world_device"], result["launcher"]) == ("cpu", "detrain")  # read once, into the worker's World
+    assert (result["world_device"], result["launcher"]) == ("cpu", "detrain")  # handed over in the worker's World
+    assert result["device_vars"] == []  # no device travels through the environment
     cores = len(os.sched_getaffinity(0))
-    assert result["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
+    assert result["omp"] == result["world_omp"] == os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
     assert signal.getsignal(signal.SIGINT) is before  # elastic's handler does not outlive the launch
 
 

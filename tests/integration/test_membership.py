@@ -253,7 +253,6 @@ def _agree_on_two_nodes(homes: list[Path], cases: list[dict]) -> list[list[dict]
             LOCAL_WORLD_SIZE="1",
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
-            DETRAIN_DEVICE="cpu",
         )
         procs.append(
             subprocess.Popen(

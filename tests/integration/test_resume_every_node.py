@@ -146,7 +146,7 @@ def _launch(launch_id: str | None = "L1", job: str | None = None, requeued: int 
 
 
 def _agree(tmp: Path, launch: Launch, save_dir: Path | None = None, **cfg: object) -> resume_state.Start:
-    return resume_state.agree(make_cfg({"project": str(tmp), "name": "run", **cfg}), save_dir, launch)
+    return resume_state.agree(make_cfg({"project": str(tmp), "name": "run", **cfg}), save_dir, launch, World())
 
 
 def test_a_restart_resumes_from_the_furthest_checkpoint_of_its_launch(tmp_path: Path, capsys) -> None:

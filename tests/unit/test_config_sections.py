@@ -19,6 +19,7 @@ from detrain import cli
 from detrain.config import default_yaml as config_yaml
 from detrain.config.cfg import COMMAND_KEYS, Cfg, make_cfg, parse_cli_args, parse_value
 from detrain.config.keys import COMMANDS, LAUNCH_KEYS, SECTION_OF, SECTIONS, SPECS, TYPES, comments, defaults
+from detrain.distributed.world import World
 from detrain.engine.run_plan import RunPlan
 from detrain.errors import ConfigError
 
@@ -253,8 +254,8 @@ def test_the_workers_take_the_checked_config_as_it_is(monkeypatch) -> None:
     monkeypatch.setattr(trainer, "Trainer", Recorder)
     monkeypatch.setattr(evaluate, "run_val", lambda cfg, world, save_dir: seen.append(cfg) or {})
     cfg = make_cfg({"epochs": 2, "dist_timeout": 30})
-    trainer.train_worker({"cfg": cfg, "plan": RunPlan()})
-    evaluate.val_worker({"cfg": cfg, "plan": RunPlan()})
+    trainer.train_worker({"cfg": cfg, "plan": RunPlan()}, World())
+    evaluate.val_worker({"cfg": cfg, "plan": RunPlan()}, World())
     assert seen[0] is cfg and seen[1] is cfg
 
 
@@ -312,6 +313,6 @@ def test_the_dist_timeout_is_the_key_not_an_environment_variable(monkeypatch) ->
         monkeypatch.delenv(var, raising=False)
     dist.cleanup()
     try:
-        assert dist.setup().timeout_s == dist.DEFAULT_TIMEOUT_S
+        assert dist.setup(World.from_env()).timeout_s == dist.DEFAULT_TIMEOUT_S
     finally:
         dist.cleanup()

@@ -12,6 +12,7 @@ from _val_data import make_dataset
 from detrain.config.cfg import make_cfg
 from detrain.data.labels.ground_truth import split_ground_truth
 from detrain.data.prepare import load_split
+from detrain.distributed.world import World
 from detrain.engine.evaluate.score_file import score_predictions_file
 from detrain.errors import DatasetError
 
@@ -30,7 +31,7 @@ def _score(split: dict[str, Any], tmp_path: Path, content: Any, raw: bool = Fals
     path = tmp_path / "predictions.json"
     path.write_text(content if raw else json.dumps(content))
     cfg = make_cfg({"data": str(split["yaml"]), "predictions": str(path), "verbose": False, "plots": False})
-    return score_predictions_file(cfg, split["data"], tmp_path / "run")
+    return score_predictions_file(cfg, split["data"], tmp_path / "run", World())
 
 
 def _ok(split: dict[str, Any], **kw: Any) -> dict[str, Any]:
@@ -95,7 +96,7 @@ def test_wrong_box_shape_and_types_are_refused(split: dict[str, Any], tmp_path: 
 def test_missing_file_is_refused(split: dict[str, Any], tmp_path: Path) -> None:
     cfg = make_cfg({"data": str(split["yaml"]), "predictions": str(tmp_path / "nope.json"), "verbose": False})
     with pytest.raises(DatasetError, match=r"nope.json: file not found"):
-        score_predictions_file(cfg, split["data"], tmp_path / "run")
+        score_predictions_file(cfg, split["data"], tmp_path / "run", World())
 
 
 def test_empty_predictions_score_zero(split: dict[str, Any], tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from _val_data import NAMES, ColourModel, make_coco_json_dataset, make_dataset
 from detrain.config.cfg import make_cfg
 from detrain.data.labels.ground_truth import COCO80_NAMES, image_ids, is_coco80, split_ground_truth, yolo_category_ids
 from detrain.data.prepare import build_val_loader, load_split
+from detrain.distributed.world import World
 from detrain.engine.evaluate.score_file import score_predictions_file
 from detrain.engine.evaluate.validator import validate
 from detrain.metrics import SUMMARY_KEYS
@@ -40,16 +41,16 @@ def _cfg(yaml_file: Path, **kw: Any):
 def _validate(yaml_file: Path, save_dir: Path, plots: bool = False, **kw: Any) -> tuple[dict[str, Any], Any]:
     cfg = _cfg(yaml_file, save_json=True, plots=plots, **kw)
     data = load_split(cfg.inputs.data, "val", cfg, verbose=False)
-    loader = build_val_loader(data, cfg, cfg.train.batch, 0, 1)
+    loader = build_val_loader(data, cfg, cfg.train.batch, World())
     metrics = validate(
-        ColourModel(), loader, data, cfg, torch.device("cpu"), save_dir=save_dir, plots=plots, verbose=False
+        ColourModel(), loader, data, cfg, torch.device("cpu"), World(), save_dir=save_dir, plots=plots, verbose=False
     )
     return metrics, data
 
 
 def _rescore(yaml_file: Path, predictions: Path, save_dir: Path) -> dict[str, Any]:
     cfg = _cfg(yaml_file, predictions=str(predictions), plots=False)
-    return score_predictions_file(cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), save_dir)
+    return score_predictions_file(cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), save_dir, World())
 
 
 @pytest.fixture(scope="module")

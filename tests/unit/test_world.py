@@ -1,8 +1,10 @@
 """World: the environment each launcher gives a process (none, detrain's, torchrun, srun) -> one frozen object,
-and each bad value -> one line naming the variable. Engine code reads none of these variables itself."""
+and each bad value -> one line naming the variable; the launcher adds the device, which the environment never
+carries. Engine code reads no environment variable at all."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import os
 import re
@@ -70,11 +72,18 @@ def test_torchrun_on_a_cuda_machine_takes_the_gpu_of_its_local_rank(monkeypatch:
     assert World.from_env(TORCHRUN).device == "cuda:1"
 
 
-def test_detrains_launcher_marks_its_workers_and_names_their_device() -> None:
+def test_detrains_launcher_marks_its_workers_and_hands_them_their_device() -> None:
     w = World.from_env({**TORCHRUN, "DETRAIN_LAUNCHER": "detrain", "DETRAIN_DEVICE": "cuda:3"})
-    assert (w.launcher, w.device) == ("detrain", "cuda:3")
+    assert (w.launcher, w.device) == ("detrain", "cpu")  # a device in the environment is not read
+    assert w.on("cuda:3") == dataclasses.replace(w, device="cuda:3")  # the launcher's, from its device plan
     # the mark alone (the launching process, where the agent runs) is no world
     assert World.from_env({"DETRAIN_LAUNCHER": "detrain"}).launcher == "none"
+
+
+def test_the_thread_count_a_launcher_or_the_user_set_is_kept_as_given() -> None:
+    assert World.from_env({}).omp_threads == ""  # unset: a CPU worker takes its share of the cores
+    assert World.from_env({**TORCHRUN, "OMP_NUM_THREADS": "1"}).omp_threads == "1"  # torchrun's default
+    assert World.from_env({"OMP_NUM_THREADS": "4,2"}).omp_threads == "4,2"  # OpenMP's nested form, left to OpenMP
 
 
 def test_srun_tasks_are_translated_without_touching_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -140,13 +149,40 @@ def test_values_that_only_inform_are_ignored_when_malformed() -> None:
     assert World.from_env({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "x"}).master_port is None
 
 
-def test_engine_code_reads_no_launcher_variable_itself() -> None:
-    names = re.compile(
-        r"\b(RANK|LOCAL_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_RANK|TORCHELASTIC_\w+|SLURM_\w+|"
-        r"DETRAIN_DEVICE|MASTER_ADDR|MASTER_PORT)\b"
+def environment_uses(source: str) -> list[tuple[int, str]]:
+    """(line, what) of every use of the process environment in ``source``: ``os.environ``, ``os.environb``,
+    ``os.getenv``, ``os.putenv``, ``os.unsetenv``, ``env_int`` (detrain's reader of launcher variables), however
+    imported or called (``from os import environ``, ``import os as o; o.getenv``)."""
+    env_names = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv", "env_int"}
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in env_names:
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Name) and node.id in env_names:
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, f"import {alias.name}") for alias in node.names if alias.name in env_names]
+            if node.module == "detrain.distributed.env":
+                found.append((node.lineno, "detrain.distributed.env"))
+    return sorted(set(found))
+
+
+def test_the_scan_finds_every_spelling_of_the_environment() -> None:
+    source = (
+        "import os\nfrom os import environ as e, getenv\nfrom detrain.distributed.env import env_int\n"
+        "a = os.environ['X']\nb = os.getenv('Y')\nc = env_int('Z', 0)\nos.environ.setdefault('W', '1')\n"
     )
-    for path in sorted(ENGINE.rglob("*.py")):
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            reads_env = "os.environ" in line or "getenv" in line or "env_int" in line
-            assert not (reads_env and names.search(line)), f"{path.name}:{n} reads the launcher's variables: {line}"
-            assert "import env_int" not in line, f"{path.name}:{n}"
+    assert [n for n, _ in environment_uses(source)] == [2, 2, 3, 3, 4, 5, 6, 7]
+    assert environment_uses("import os\nx = os.cpu_count()\n") == []
+
+
+def test_engine_code_reads_no_environment_variable_itself() -> None:
+    """The world (World.from_env, once per process) and the config (make_cfg) are the engine's only inputs: no
+    module under detrain/engine reads or writes the environment (settings made for other programs, such as
+    cuBLAS's workspace or git's variables, live in detrain.system.process_env)."""
+    uses = [
+        f"{path.relative_to(ENGINE.parent)}:{line} uses the environment ({what})"
+        for path in sorted(ENGINE.rglob("*.py"))
+        for line, what in environment_uses(path.read_text())
+    ]
+    assert not uses, "\n".join(uses)

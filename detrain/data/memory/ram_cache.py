@@ -66,12 +66,13 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_tag() -> str:
-    """What makes a cache belong to this run: ``DETRAIN_RUN_ID`` if set; under a launcher (``LOCAL_RANK`` set) the
-    launcher's pid, which all local ranks share as their parent; else this process's pid."""
+def run_tag(launched: bool = False) -> str:
+    """What makes a cache belong to this run: ``DETRAIN_RUN_ID`` if set; for a process that a launcher started
+    (``launched``: its ``World`` says so) the launcher's pid, which all local ranks share as their parent; else this
+    process's pid."""
     if os.environ.get("DETRAIN_RUN_ID"):
         return os.environ["DETRAIN_RUN_ID"]
-    return str(os.getppid()) if "LOCAL_RANK" in os.environ else str(os.getpid())
+    return str(os.getppid()) if launched else str(os.getpid())
 
 
 def cache_key(im_files: Sequence[str], shapes_hw: Sequence[tuple[int, int]], imgsz: int, tag: str) -> str:
@@ -196,15 +197,14 @@ class RamCache:
         key: str,
         shapes_hw: Sequence[tuple[int, int]],
         load: Callable[[int], np.ndarray | None],
-        local_rank: int | None = None,
+        local_rank: int = 0,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         directory: str = SHM_DIR,
         threads: int | None = None,
     ) -> RamCache:
-        """Fill (local rank 0) or wait for (other local ranks) the cache ``key`` of images with load sizes
-        ``shapes_hw`` in this user's private folder under ``directory``; ``load(i)`` returns image ``i`` at exactly
-        that size (or None if unreadable)."""
-        local_rank = int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank
+        """Fill (``local_rank`` 0, this process's on its node as its ``World`` says) or wait for (other local ranks)
+        the cache ``key`` of images with load sizes ``shapes_hw`` in this user's private folder under ``directory``;
+        ``load(i)`` returns image ``i`` at exactly that size (or None if unreadable)."""
         name = file_name(key)
         layout = Layout.of(shapes_hw)
         if local_rank != 0:

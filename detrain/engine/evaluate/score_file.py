@@ -21,7 +21,8 @@ Example (a dataset of one labelled image, and a results file without a detection
 >>> with open("predictions.json", "w") as f:
 ...     _ = f.write("[]")
 >>> cfg = make_cfg({"data": "toy.yaml", "predictions": "predictions.json", "plots": False, "verbose": False})
->>> score_predictions_file(cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), None)["map"]
+>>> from detrain.distributed.world import World
+>>> score_predictions_file(cfg, load_split(cfg.inputs.data, "val", cfg, verbose=False), None, World())["map"]
 scoring predictions.json: 0 detections on 0 of 1 images (val split, ground truth: YOLO labels); results in None
 0.0
 """
@@ -36,18 +37,20 @@ import numpy as np
 from detrain.config.cfg import Cfg
 from detrain.data.labels.ground_truth import split_ground_truth
 from detrain.distributed import dist
+from detrain.distributed.world import World
 from detrain.engine.evaluate.validator import Scorer, finish
 from detrain.log import console
 from detrain.metrics.coco_json import CocoDetections, load_predictions
 
 
-def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> dict[str, Any]:
-    """Metrics of ``cfg.predict.predictions`` on ``data`` (a ``SplitData``); every rank returns the same dict."""
+def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None, world: World) -> dict[str, Any]:
+    """Metrics of ``cfg.predict.predictions`` on ``data`` (a ``SplitData``); every rank of ``world`` scores its share
+    of the images and returns the same dict."""
     gt = split_ground_truth(data)
     path = str(cfg.predict.predictions)
     # every rank reads and checks the file, so a bad one stops every rank with the same message
     predictions = load_predictions(path, gt.all_image_ids(), gt.category_ids.tolist())
-    if dist.is_main():
+    if world.is_main:
         n = sum(len(d.scores) for d in predictions.values())
         console.print(
             f"scoring {path}: {n} detections on {len(predictions)} of {len(gt.images)} images "
@@ -55,8 +58,7 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
         )
     class_of = gt.class_of()
     images = sorted(gt.images.values(), key=lambda g: g.image_id)
-    world, rank = dist.world_size(), dist.rank()
-    lo, hi = rank * len(images) // world, (rank + 1) * len(images) // world
+    lo, hi = world.rank * len(images) // world.world_size, (world.rank + 1) * len(images) // world.world_size
     scorer = Scorer(
         data.nc, classes=None if cfg.inputs.single_cls or not cfg.inputs.classes else tuple(cfg.inputs.classes)
     )
@@ -65,9 +67,9 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
         d = predictions.get(g.image_id, empty)
         cls = np.array([class_of[int(c)] for c in d.category_ids], np.int64)
         scorer.add(g, d.boxes_ltwh.reshape(-1, 4), d.scores.reshape(-1), cls)
-    gathered = dist.all_gather_object(scorer.part())
+    gathered = dist.all_gather_object(scorer.part())  # collective: every rank's scores, on every rank
     metrics = None
-    if dist.is_main():
+    if world.is_main:
         metrics = finish(
             gathered,
             data,
@@ -78,7 +80,7 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None) -> 
             cfg.output.verbose,
             predictions_file=path,
         )
-    metrics = dist.broadcast_object(metrics)
+    metrics = dist.broadcast_object(metrics)  # collective: rank 0's metrics on every rank
     if save_dir is not None:
         metrics["save_dir"] = str(save_dir)
     return metrics

@@ -1,7 +1,7 @@
 """``detrain val``: evaluate weights (or an existing predictions file) on a dataset split, on any number of ranks.
 
 Each process ``detrain val`` starts runs ``val_worker({"cfg": make_cfg({"model": "best.pt", "data":
-"coco8.yaml"}), "plan": RunPlan()})``; :func:`run_val` is the same in this process, given its ``World``.
+"coco8.yaml"}), "plan": RunPlan()}, world)``; :func:`run_val` is the same in a process whose group is formed.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     """Validate on this rank's shard of ``world`` (on its device); every rank returns the same metrics. ``save_dir``:
     the run folder the launching process picked (None: rank 0 picks it)."""
     device = torch.device(world.device)
-    set_cpu_threads(device, world.local_world_size)
+    set_cpu_threads(device, world)
     # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
     save_dir = agree_run_dir(cfg.output, "val", save_dir, world.is_main)
     data = load_split(cfg.inputs.data, cfg.predict.split, cfg)
     if cfg.predict.predictions:
         from detrain.engine.evaluate.score_file import score_predictions_file
 
-        return score_predictions_file(cfg, data, save_dir)
+        return score_predictions_file(cfg, data, save_dir, world)
     weights = is_weights(cfg.inputs.model)
     if not weights and world.is_main:
         console.print(f"note: {cfg.inputs.model} is an architecture, not weights: validating random weights")
@@ -58,26 +58,26 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     model = model.to(memory_format=torch.channels_last)
     # Every rank runs whole single-process batches (the same rectangular shapes, so the same numbers for any
     # number of ranks); the ranks share the batches, contiguous and disjoint.
-    loader = build_val_loader(data, cfg, cfg.train.batch, world.rank, world.world_size)
+    loader = build_val_loader(data, cfg, cfg.train.batch, world)
     if world.is_main:
         console.print(
             f"validating {cfg.inputs.model} on {cfg.inputs.data} ({cfg.predict.split}: {len(data.records)} images) "
             f"with {world.world_size} worker(s); results in {save_dir}"
         )
     metrics = validate(
-        model, loader, data, cfg, device, save_dir=save_dir, plots=cfg.output.plots, verbose=cfg.output.verbose
+        model, loader, data, cfg, device, world, save_dir=save_dir, plots=cfg.output.plots, verbose=cfg.output.verbose
     )
     metrics["save_dir"] = str(save_dir)
     return metrics
 
 
-def val_worker(args: dict[str, Any]) -> dict[str, Any]:
+def val_worker(args: dict[str, Any], world: World) -> dict[str, Any]:
     """Entry point of every rank for ``detrain val``: ``args`` holds the Cfg the command checked (``cfg``, not
-    checked again here) and the launching process's :class:`detrain.engine.run_plan.RunPlan` (``plan``)."""
+    checked again here) and the launching process's :class:`detrain.engine.run_plan.RunPlan` (``plan``); ``world``
+    is this worker's place and device, as the launcher handed it."""
     cfg: Cfg = args["cfg"]
     plan: RunPlan = args["plan"]
-    world = World.from_env()  # this worker's place, read once
-    dist.setup(world, timeout_s=cfg.distributed.dist_timeout)
+    dist.setup(world, timeout_s=cfg.distributed.dist_timeout)  # collective: every rank joins the group (a barrier)
     try:
         return run_val(cfg, world, plan.save_dir)
     finally:

@@ -6,7 +6,7 @@ decimals in the original image's pixels, scores to 5), against the split's groun
 :mod:`detrain.data.labels.ground_truth`; so scoring that file with ``detrain val predictions=...`` (or pycocotools,
 for a COCO json dataset) gives the same numbers, and so does any number of ranks.
 
-Usage: ``metrics = validate(model, loader, data, cfg, torch.device("cpu"))``, then ``metrics["map"]``,
+Usage: ``metrics = validate(model, loader, data, cfg, torch.device("cpu"), World())``, then ``metrics["map"]``,
 ``metrics["map50"]`` (:func:`detrain.engine.evaluate.val_worker.run_val` builds the arguments from a ``Cfg``).
 """
 
@@ -24,6 +24,7 @@ from torch import nn
 from detrain.config.cfg import Cfg
 from detrain.data.labels.ground_truth import ImageGT, SplitGT, image_ids, ltwh2xyxy, split_ground_truth
 from detrain.distributed import dist
+from detrain.distributed.world import World
 from detrain.errors import DatasetError
 from detrain.log import atomic_write_text, console
 from detrain.metrics import ConfusionMatrix, ImageStats, coco_summary, match_image_coco
@@ -130,11 +131,12 @@ def validate(
     data: Any,
     cfg: Cfg,
     device: torch.device,
+    world: World,
     save_dir: Path | None = None,
     plots: bool = False,
     verbose: bool = True,
 ) -> dict[str, Any]:
-    """COCO-exact metrics of ``model`` on ``loader``'s split (the same dict on every rank).
+    """COCO-exact metrics of ``model`` on ``loader``'s split (the same dict on every rank of ``world``).
 
     ``data`` is the split's ``SplitData``; with ``save_dir`` rank 0 writes metrics.json (and predictions.json
     when ``cfg.predict.save_json``), and with ``plots`` the curves, confusion matrices and the first batches drawn.
@@ -153,7 +155,7 @@ def validate(
         classes=None if classes is None else tuple(classes),
     )
     drawn: list[dict[str, Any]] = []
-    draw = plots and save_dir is not None and dist.is_main()
+    draw = plots and save_dir is not None and world.is_main
     try:
         for bi, batch in enumerate(loader):
             dets = predict_batch(
@@ -172,19 +174,22 @@ def validate(
                     det[:, 5] = 0
             if draw and bi < PLOT_BATCHES:
                 drawn.append(_for_plot(batch, dets))
-            for si, det in enumerate(dets):
-                det = det.float().cpu()
-                (gain_y, gain_x), pad = batch["ratio_pad"][si]
-                scale_boxes_to_original(
-                    det[:, :4], (float(gain_x), float(gain_y)), tuple(pad), tuple(batch["ori_shape"][si])
-                )
-                scorer.add(_image_gt(gt, batch["im_file"][si]), *coco_detections(det))
+            _score_batch(scorer, gt, batch, dets)
     finally:
         if was_training:
             model.train()
-    gathered = dist.all_gather_object(scorer.part())
-    metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn) if dist.is_main() else None
-    return dist.broadcast_object(metrics)
+    gathered = dist.all_gather_object(scorer.part())  # collective: every rank's scores, on every rank
+    metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn) if world.is_main else None
+    return dist.broadcast_object(metrics)  # collective: rank 0's metrics on every rank
+
+
+def _score_batch(scorer: Scorer, gt: Any, batch: dict[str, Any], dets: list[torch.Tensor]) -> None:
+    """Each image's detections, scaled back to its original pixels, scored against its ground truth."""
+    for si, det in enumerate(dets):
+        det = det.float().cpu()
+        (gain_y, gain_x), pad = batch["ratio_pad"][si]
+        scale_boxes_to_original(det[:, :4], (float(gain_x), float(gain_y)), tuple(pad), tuple(batch["ori_shape"][si]))
+        scorer.add(_image_gt(gt, batch["im_file"][si]), *coco_detections(det))
 
 
 def finish(

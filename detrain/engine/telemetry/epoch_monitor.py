@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from detrain.distributed import dist
+from detrain.distributed.world import World
 from detrain.engine.telemetry.gpu_usage import GpuUsage
 from detrain.engine.telemetry.proc_usage import ProcessUsage
 from detrain.engine.telemetry.step_clock import StepClock
@@ -31,8 +31,10 @@ class EpochMonitor:
     """This rank's data wait and forward time per step (:class:`StepClock`), its process's CPU and memory
     (:class:`ProcessUsage`) and its GPU's memory peak and utilisation (:class:`GpuUsage`), per epoch."""
 
-    def __init__(self, model: nn.Module, device: torch.device, node_key: int | None = None) -> None:
-        self.node_key = node_key  # this rank's node as its launcher numbers it (World.node_rank)
+    def __init__(self, model: nn.Module, device: torch.device, world: World | None = None) -> None:
+        world = World() if world is None else world  # None: a plain process, rank 0 of 1
+        self.rank = world.rank
+        self.node_key = world.node_rank  # this rank's node as its launcher numbers it
         self.usage = ProcessUsage()
         self.gpu = GpuUsage(device)
         self.clock = StepClock(model, device, on_step=self.gpu.poll)
@@ -53,7 +55,7 @@ class EpochMonitor:
         usage = self.usage.sample()
         gpu_mem, gpu_util = self.gpu.sample()
         return {
-            "rank": dist.rank(),
+            "rank": self.rank,
             "node_key": self.node_key,
             "host": self.host,
             "pid": os.getpid(),

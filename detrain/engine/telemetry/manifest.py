@@ -29,6 +29,7 @@ import detrain
 from detrain.data.labels.verify import img2label_path
 from detrain.log import atomic_write_text
 from detrain.system.file_tail import read_regular
+from detrain.system.process_env import without_git_variables
 
 MAX_MANIFEST_BYTES = 1 << 20  # an earlier manifest.json larger than this is not read back (a fresh one is written)
 GIT_TIMEOUT_S = 5.0
@@ -103,7 +104,7 @@ def git_commit(package_dir: str | Path | None = None) -> dict[str, Any] | None:
     """The commit (and whether the tree has changes) of the git checkout detrain itself lives in: the checkout
     whose top folder holds the ``detrain`` package. None when it is not in one, git is absent or says no."""
     here = Path(package_dir or Path(detrain.__file__).parent).resolve()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # GIT_DIR would name another repo
+    env = without_git_variables()  # GIT_DIR would name another repository
     try:
         top = _git(here, env, "rev-parse", "--show-toplevel")
         if top is None or Path(top).resolve() != here.parent:

@@ -156,7 +156,8 @@ def start(
     layout = gather_layout(world, device)  # collective: every rank's place
     trace = RunTrace(save_dir, world.is_main, cfg.train.epochs, first_epoch, layout, world.restart_count)
     trace.record_start(cfg, step, resumed_from, datasets)
-    # listing a large dataset's files for the fingerprint can outlast a training collective's timeout
+    # collective: the ranks wait for rank 0's manifest, under prepare_timeout: listing a large dataset's files for the
+    # fingerprint can outlast a training collective's timeout
     dist.barrier("run manifest written", cfg.distributed.prepare_timeout)
     return trace
 

@@ -70,7 +70,7 @@ def average_over_ranks(model: nn.Module) -> None:
     """Make the waiting gradients of ``model`` (the bare model, not its DDP wrapper) their mean over the ranks, the
     same on every rank: one all-reduce of :func:`flat_gradients`, put back by :func:`load_flat_gradients`. Done at an
     epoch's end and before a mid-epoch checkpoint (see the module). A collective: call it on every rank."""
-    load_flat_gradients(model, dist.reduce_mean(flat_gradients(model)))
+    load_flat_gradients(model, dist.reduce_mean(flat_gradients(model)))  # collective: one all-reduce
 
 
 def saved(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -32,16 +32,20 @@ from detrain.weights.checkpoint import save_checkpoint
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
 
+    from detrain.distributed.world import World
+
 
 class MidEpoch:
-    """Saves ``mid.pt`` every ``minutes`` (0: never) and puts a resumed epoch back where ``mid.pt`` left it."""
+    """Saves ``mid.pt`` every ``minutes`` (0: never) and puts a resumed epoch back where ``mid.pt`` left it, on every
+    rank of ``world`` (rank 0's clock decides; rank 0 writes)."""
 
-    def __init__(self, minutes: float, save: bool, wdir: Path, device: torch.device) -> None:
+    def __init__(self, minutes: float, save: bool, wdir: Path, device: torch.device, world: World) -> None:
         self.interval_s = float(minutes) * 60.0
         self.enabled = minutes > 0 and save
         self.save_files = save
         self.path = wdir / MID
         self.device = device
+        self.world = world
         self.last_save = time.monotonic()
         self.resume_at: tuple[int, torch.Tensor, int] | None = None
 
@@ -71,7 +75,8 @@ class MidEpoch:
         as rank 0's clock says. Never after an epoch's last batch: ``last.pt`` is saved right after it."""
         if not self.enabled or i + 1 >= nb:
             return False
-        mine = dist.is_main() and time.monotonic() - self.last_save >= self.interval_s
+        mine = self.world.is_main and time.monotonic() - self.last_save >= self.interval_s
+        # collective: rank 0's clock on every rank, so that all of them save at this step or none
         return bool(dist.all_reduce_sum(torch.tensor([float(mine)], device=self.device)).item())
 
     def save(
@@ -91,5 +96,5 @@ class MidEpoch:
 
     def epoch_done(self) -> None:
         """Rank 0, once ``last.pt`` holds the finished epoch: the epoch's ``mid.pt`` is superseded."""
-        if self.save_files and dist.is_main():
+        if self.save_files and self.world.is_main:
             self.path.unlink(missing_ok=True)

@@ -3,7 +3,6 @@ in a form ``torch.load(weights_only=True)`` accepts), and finding the checkpoint
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 
 from detrain.config.cfg import Cfg
 from detrain.errors import ConfigError
+from detrain.system.process_env import ask_deterministic_cublas
 
 
 def rng_state() -> dict[str, Any]:
@@ -49,7 +49,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic = True
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        ask_deterministic_cublas()
 
 
 def find_resume_checkpoint(cfg: Cfg) -> Path:

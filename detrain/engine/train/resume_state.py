@@ -112,17 +112,17 @@ class Start:
     launch: Launch
 
 
-def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
+def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch, world: World) -> Start:
     """Every node's first process finds the furthest checkpoint of this run on its own disk; every rank gets the
     furthest of all from the rank that holds it (see the module).
 
-    A collective in a group (call on every rank). A bad checkpoint or resume argument on any node raises the same
-    one-line error on every rank."""
+    A collective in the group of ``world`` (call on every rank). A bad checkpoint or resume argument on any node
+    raises the same one-line error on every rank."""
     found: tuple[Path, dict[str, Any], bool] | None = None
     report: tuple[Any, ...] = ("none",)
-    if dist.local_rank() == 0:  # one process per node reads that node's disk
+    if world.local_rank == 0:  # one process per node reads that node's disk
         try:
-            found = _choose(cfg, save_dir, launch, explicit=dist.is_main())
+            found = _choose(cfg, save_dir, launch, explicit=world.is_main)
             if found is not None:
                 path, ckpt, auto = found
                 report = ("found", _furthest_key(ckpt), str(path), auto, socket.gethostname(), describe(ckpt))
@@ -134,24 +134,24 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch) -> Start:
                 CheckpointError(f"cannot read {e.filename or 'the run folder'}: {e.strerror}"),
                 socket.gethostname(),
             )
-    reports = _gather(report, cfg.distributed.prepare_timeout)
+    reports = _gather(report, cfg.distributed.prepare_timeout, world)
     holder = _holder(reports)  # the same on every rank
     if holder is None:
         return Start(cfg, save_dir, None, launch)
     _, _, where_from, auto, host, at = reports[holder]
-    if dist.is_main():
+    if world.is_main:
         by = "" if holder == 0 else f" (held by rank {holder} on {host}; its run record comes with it)"
         console.print(
             f"{launch.reason()}: resuming from {where_from} at {at}{by}"
             if auto
             else f"resuming from {where_from} at {at}{by}"
         )
-    mine, found = (found if dist.rank() == holder else None), None  # another node's find is not needed any more
-    ckpt, record = _send(mine, holder, cfg.distributed.prepare_timeout)
+    mine, found = (found if world.rank == holder else None), None  # another node's find is not needed any more
+    ckpt, record = _send(mine, holder, cfg.distributed.prepare_timeout, world)
     path = Path(where_from)
     # rank 0 goes on in its own run folder (the holder's, where it is rank 0 or was handed none)
     folder = Path(save_dir) if save_dir and holder != 0 else path.parent.parent
-    if dist.is_main() and holder != 0:
+    if world.is_main and holder != 0:
         run_record.restore(folder, record)
     # a resumed run keeps its own arguments; only the devices and the process layout (this rank's) may change
     keep = {k: cfg.get(k) for k in LAUNCH_KEYS}
@@ -223,18 +223,18 @@ def series_folders(project: str, name: str, task: str = "train") -> list[Path]:
     return out
 
 
-def gather_per_rank(model: nn.Module, ema: nn.Module) -> dict[str, Any]:
-    """What differs between ranks, for a checkpoint to give back to each (a collective in a group): its random
+def gather_per_rank(model: nn.Module, ema: nn.Module, world: World) -> dict[str, Any]:
+    """What differs between ranks, for a checkpoint to give back to each (a collective in ``world``'s group): its random
     generators (``rng_per_rank``) and, in a group, the floating buffers of its model and EMA (``buffers_per_rank``,
     ranks > 0; rank 0's are the checkpoint's own). Those are BatchNorm statistics: each rank's forward passes update
     them from its own images (unless sync_bn), and DDP sends rank 0's to the others only before a forward that
     follows an update, so between updates, and in each rank's EMA, they differ."""
     mine: dict[str, Any] = {"rng": rng_state()}
-    if dist.is_distributed():
+    if world.distributed:
         mine["buffers"] = {"model": _float_buffers(unwrap(model)), "ema": _float_buffers(ema)}
-    everyone = dist.all_gather_object(mine)
+    everyone = dist.all_gather_object(mine)  # collective: every rank's generators and buffers, on every rank
     out: dict[str, Any] = {"rng_per_rank": {str(r): s["rng"] for r, s in enumerate(everyone)}}
-    if dist.is_distributed():
+    if world.distributed:
         out["buffers_per_rank"] = {str(r): s["buffers"] for r, s in enumerate(everyone) if r}
     return out
 
@@ -391,22 +391,22 @@ def _check_resumable(ckpt: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"{path}: 'buffers_per_rank' does not match its model's and EMA's buffers")
 
 
-def _gather(report: tuple[Any, ...], wait_s: float) -> list[tuple[Any, ...]]:
+def _gather(report: tuple[Any, ...], wait_s: float, world: World) -> list[tuple[Any, ...]]:
     """Every rank's report (small: no checkpoint in it). The ranks wait for the nodes to read their checkpoints
     for up to ``wait_s`` (prepare_timeout: large files on a slow disk), not the training timeout."""
-    if not dist.is_distributed():
+    if not world.distributed:
         return [report]
-    dist.barrier("every node looked for this run's checkpoints", wait_s)
-    return dist.all_gather_object(report)
+    dist.barrier("every node looked for this run's checkpoints", wait_s)  # collective: under prepare_timeout
+    return dist.all_gather_object(report)  # collective: every rank's report, on every rank
 
 
 def _send(
-    found: tuple[Path, dict[str, Any], bool] | None, holder: int, wait_s: float
+    found: tuple[Path, dict[str, Any], bool] | None, holder: int, wait_s: float, world: World
 ) -> tuple[dict[str, Any], dict[str, bytes] | None]:
     """The holder's checkpoint (and, where the holder is not rank 0, its run record) on every rank. The
     checkpoint travels as the bytes ``torch.save`` makes of it and is read back with ``weights_only=True``
     (nothing in it can run code)."""
-    if not dist.is_distributed():
+    if not world.distributed:
         assert found is not None
         return found[1], None
     sent = None
@@ -415,8 +415,8 @@ def _send(
         buf = io.BytesIO()
         torch.save(ckpt, buf)
         sent = (buf.getvalue(), run_record.collect(path.parent.parent) if holder != 0 else None)
-    dist.barrier(f"rank {holder} packed the checkpoint to resume from", wait_s)
-    shared = dist.broadcast_object(sent, src=holder)
+    dist.barrier(f"rank {holder} packed the checkpoint to resume from", wait_s)  # collective: under prepare_timeout
+    shared = dist.broadcast_object(sent, src=holder)  # collective: the holder's checkpoint on every rank
     if found is not None:
         return found[1], shared[1]
     return torch.load(io.BytesIO(shared[0]), map_location="cpu", weights_only=True), shared[1]

@@ -68,7 +68,7 @@ class TimeBudget:
 
     def epochs_that_fit(self, epochs_done: int) -> int:
         """Rank 0's :meth:`estimate`, on every rank (a collective: every rank calls it after every epoch)."""
-        return int(dist.agree(self.estimate(epochs_done)))
+        return int(dist.agree(self.estimate(epochs_done)))  # collective: rank 0's estimate on every rank
 
 
 def replanned(cfg: Cfg, epochs: int) -> Cfg:

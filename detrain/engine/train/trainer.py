@@ -73,7 +73,7 @@ class Trainer:
         self.callbacks = Callbacks(callbacks)  # fired on rank 0 only (detrain.engine.train.callbacks)
         # collective: every node looks on its own disk for this run's furthest checkpoint (rank 0 also for resume=);
         # every rank gets the furthest of all from the rank that holds it (resume_state.py)
-        start = resume_state.agree(cfg, plan.save_dir, resume_state.Launch.here(world, plan.launch_id))
+        start = resume_state.agree(cfg, plan.save_dir, resume_state.Launch.here(world, plan.launch_id), world)
         cfg, save_dir, self.resume_ckpt, self.launch = start.cfg, start.save_dir, start.ckpt, start.launch
         self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
         self.cfg, self.world = cfg, world
@@ -82,11 +82,11 @@ class Trainer:
         self.planned_world = planned_world_size(plan.nodes, world.world_size, world.local_world_size)
         check_split(cfg.train.batch, self.planned_world)
         self.device = torch.device(world.device)  # the launcher's choice for this rank (World.device)
-        set_cpu_threads(self.device, world.local_world_size)
+        set_cpu_threads(self.device, world)
         # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
         self.save_dir = agree_run_dir(cfg.output, "train", save_dir, self.main)
         self.wdir = self.save_dir / "weights"
-        self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device)  # save_interval: mid.pt
+        self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device, world)  # mid.pt
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -102,7 +102,7 @@ class Trainer:
                 improved, stop = self._agree(trained)  # best fitness so far, early stop: rank 0's word on every rank
                 self._fit_to_time(epoch)  # time=: as many epochs as fit, the lr schedule refitted to them
                 self._save_and_log(epoch, trained, improved)  # results.csv, last.pt / best.pt, the epoch's line
-                dist.barrier("end of epoch")
+                dist.barrier("end of epoch")  # collective: every rank has finished the epoch
                 if stop:
                     self._say(f"early stop: no improvement in the last {self.cfg.train.patience} epochs")
                     break
@@ -136,7 +136,7 @@ class Trainer:
             datasets=(self.data, self.val_data),
             resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None,
         )
-        self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world.node_rank)
+        self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world)
         self.csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
         self.tb = TensorBoard(self.save_dir, cfg.output.tensorboard and self.main)
         self.metrics: dict[str, Any] = {}  # the last validation's (kept by epochs that do not validate)
@@ -229,12 +229,10 @@ class Trainer:
         update still steps: weight decay keeps the planned scaling)."""
         cfg = self.cfg
         self.local_batch = self.plan.local_batch
-        self.train_loader = build_train_loader(
-            self.data, cfg, self.local_batch, self.rank, self.world.world_size, self.plan.planned_world
-        )
+        self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.world, self.plan.planned_world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
-        self.val_loader = build_val_loader(self.val_data, cfg, cfg.train.batch, self.rank, self.world.world_size)
+        self.val_loader = build_val_loader(self.val_data, cfg, cfg.train.batch, self.world)
         # collective: cache=ram is filled per node: the first step's collectives must not start the short training
         # timeout on a node that is still filling
         dist.barrier("training data ready on every node", cfg.distributed.prepare_timeout)
@@ -458,7 +456,7 @@ class Trainer:
         if pending and self.world.distributed:
             # collective: one all-reduce of the waiting gradients, as at an epoch's end
             accumulation.average_over_ranks(unwrap(self.model))
-        self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema)  # collective: what differs by rank
+        self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)  # collective: per rank
         state = self.checkpoint_state(epoch - 1, {}, pending) if self.main else None
         self.mid.save(state, i, self.plan.step_images, mean_items, n_images)
 
@@ -484,7 +482,15 @@ class Trainer:
                     buf.copy_(dist.reduce_mean(buf))  # collective: every rank's statistics, averaged
         # collective: each rank scores its share of the images; rank 0 gathers them and shares the metrics
         return validate(
-            ema, self.val_loader, self.val_data, self.cfg, self.device, save_dir=None, plots=False, verbose=False
+            ema,
+            self.val_loader,
+            self.val_data,
+            self.cfg,
+            self.device,
+            self.world,
+            save_dir=None,
+            plots=False,
+            verbose=False,
         )
 
     def _agree(self, trained: EpochResult) -> tuple[bool, bool]:
@@ -525,7 +531,7 @@ class Trainer:
         cfg = self.cfg
         row = {"epoch": epoch + 1, **trained.losses, **_metric_columns(self.metrics), **trained.lrs, **trained.speed}
         if cfg.output.save:  # collective: what differs between ranks goes in last.pt too (an all_gather_object)
-            self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema)
+            self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)
         if not self.main:
             return
         self.csv.add(row)
@@ -657,13 +663,13 @@ def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
             set_epoch(epoch)
 
 
-def train_worker(args: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of every rank (spawned by the elastic launcher, torchrun, srun, or called in-process): ``args``
-    holds the Cfg the command checked (``cfg``, pickled to spawned workers, not checked again here), the launching
-    process's :class:`detrain.engine.run_plan.RunPlan` (``plan``) and the callbacks (``callbacks``, rank 0's)."""
+def train_worker(args: dict[str, Any], world: World) -> dict[str, Any]:
+    """Entry point of every rank (spawned by the elastic launcher, or called in-process under torchrun, srun or on
+    one device): ``args`` holds the Cfg the command checked (``cfg``, pickled to spawned workers, not checked again
+    here), the launching process's :class:`detrain.engine.run_plan.RunPlan` (``plan``) and the callbacks (``callbacks``,
+    rank 0's); ``world`` is this worker's place and device, as the launcher handed it."""
     cfg: Cfg = args["cfg"]
-    world = World.from_env()  # this worker's place, read once
-    dist.setup(world, timeout_s=cfg.distributed.dist_timeout)
+    dist.setup(world, timeout_s=cfg.distributed.dist_timeout)  # collective: every rank joins the group (a barrier)
     try:
         # after any restart, every node finds this launch's checkpoints in its run folder (resume_state.py)
         return Trainer(cfg, world, args["plan"], args.get("callbacks")).train()
