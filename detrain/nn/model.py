@@ -187,7 +187,10 @@ def _scale_multiples(d: dict, scale: str) -> tuple[float, float, float]:
         depth, width, max_channels = multiples
         return float(depth), float(width), float(max_channels)
     # the older single-scale form that YOLOv8 checkpoints carry
-    return float(d.get("depth_multiple", 1.0)), float(d.get("width_multiple", 1.0)), math.inf
+    multiples = d.get("depth_multiple", 1.0), d.get("width_multiple", 1.0)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in multiples):
+        raise ConfigError(f"model yaml: depth_multiple and width_multiple must be positive numbers: {multiples!r:.60}")
+    return float(multiples[0]), float(multiples[1]), math.inf
 
 
 def _upsample(args: list) -> nn.Upsample:
@@ -224,13 +227,18 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
         if d.get(key):
             raise ConfigError(f"model yaml sets {key}: {d[key]!r:.40} ({what}), which detrain does not build")
     depth, width, max_channels = _scale_multiples(d, scale)
-    reg_max = int(d.get("reg_max", 16))
+    reg_max = d.get("reg_max", 16)
+    if not isinstance(reg_max, int) or isinstance(reg_max, bool) or not 1 <= reg_max <= 64:
+        raise ConfigError(f"model yaml: reg_max must be a whole number of DFL bins (1 to 64), got {reg_max!r:.40}")
     layers: list[nn.Module] = []
     channels: list[int] = []  # output channels of each built layer
     strides: list[float] = []  # output stride of each built layer
     save: set[int] = set()
     head_strides: list[float] = []
-    specs = list(d.get("backbone", [])) + list(d.get("head", []))
+    parts = d.get("backbone", []), d.get("head", [])
+    if not all(isinstance(part, list) for part in parts):
+        raise ConfigError("model yaml: 'backbone' and 'head' must be lists of layers")
+    specs = list(parts[0]) + list(parts[1])
     if not specs:
         raise ConfigError("model yaml has no 'backbone'/'head' layers")
     depthwise_cls = any(isinstance(spec, (list, tuple)) and len(spec) == 4 and spec[2] == "C3k2" for spec in specs)

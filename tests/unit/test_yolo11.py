@@ -181,6 +181,9 @@ def _layer(d: dict, i: int, spec: list) -> dict:
         ),
         (_layer(_yolo11_with(), 3, [-1, "two", "Conv", [256, 3, 2]]), r"^model layer 3 \(Conv .*cannot be built"),
         (_layer(_yolo11_with(), 3, [-1, 1, "Conv", []]), r"^model layer 3 \(Conv \[\]\) cannot be built"),
+        (_yolo11_with(reg_max="16"), r"^model yaml: reg_max must be a whole number of DFL bins"),
+        (_yolo11_with(scales=None, depth_multiple="x"), r"^model yaml: depth_multiple and width_multiple must be"),
+        (_yolo11_with(head="layers"), r"^model yaml: 'backbone' and 'head' must be lists of layers$"),
     ],
     ids=[
         "end2end",
@@ -192,6 +195,9 @@ def _layer(d: dict, i: int, spec: list) -> dict:
         "text-width",
         "text-n",
         "no-args",
+        "reg-max-text",
+        "multiple-text",
+        "head-text",
     ],
 )
 def test_what_the_builder_does_not_follow_is_one_clear_error(d: dict, message: str) -> None:
