@@ -130,12 +130,13 @@ def test_one_cpu_thread_rule_for_spawned_and_in_process_workers(monkeypatch: pyt
     assert [cpu_threads_per_worker(n) for n in (1, 2, 3, 16)] == [8, 4, 2, 1]
     seen: list[int] = []
     monkeypatch.setattr(torch, "set_num_threads", seen.append)
-    set_cpu_threads(torch.device("cpu"), 2)
-    set_cpu_threads(torch.device("cuda", 0), 2)  # a GPU worker keeps torch's own count
+    two_on_node = World(local_world_size=2)
+    set_cpu_threads(torch.device("cpu"), two_on_node)
+    set_cpu_threads(torch.device("cuda", 0), two_on_node)  # a GPU worker keeps torch's own count
     assert seen == [4]
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's count wins everywhere
     assert cpu_threads_per_worker(2) is None
-    set_cpu_threads(torch.device("cpu"), 2)
+    set_cpu_threads(torch.device("cpu"), World(local_world_size=2, omp_threads="3"))
     assert seen == [4]
 
 
