@@ -202,6 +202,10 @@ def _upsample(args: list) -> nn.Upsample:
 
 
 _MODULE_NAMES = {"Conv", "C2f", "C3k2", "C2PSA", "SPPF", "Upsample", "nn.Upsample", "Concat", "Detect"}
+# Sanity bounds for any yaml (the largest Ultralytics detectors have about 40 layers and 9 repeats): a yaml, or the
+# one a checkpoint records, cannot make the builder create millions of modules.
+MAX_LAYERS = 256
+MAX_REPEATS = 32
 # Top-level yaml keys that change what Ultralytics builds in ways this builder does not follow: refused, never
 # ignored (ignoring them would build another network under the same weight names).
 _UNSUPPORTED_KEYS = {
@@ -241,6 +245,8 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
     specs = list(parts[0]) + list(parts[1])
     if not specs:
         raise ConfigError("model yaml has no 'backbone'/'head' layers")
+    if len(specs) > MAX_LAYERS:
+        raise ConfigError(f"model yaml has {len(specs)} layers; detrain builds at most {MAX_LAYERS}")
     depthwise_cls = any(isinstance(spec, (list, tuple)) and len(spec) == 4 and spec[2] == "C3k2" for spec in specs)
 
     def source(i: int, j: int) -> tuple[int, float]:
@@ -262,6 +268,8 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
         args = [nc if a == "nc" else a for a in (args or [])]
         try:
             n = max(round(n * depth), 1) if n > 1 else int(n)
+            if not 0 <= n <= MAX_REPEATS:
+                raise ValueError(f"{n} repeats; detrain builds 0 to {MAX_REPEATS}")
             froms = f if isinstance(f, list) else [f]
             save.update((i + j) if j < 0 else j for j in froms if j != -1)
             c_in, s_in = source(i, froms[0])
@@ -284,7 +292,8 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
                 c_out = _make_divisible(min(args[0], max_channels) * width)
                 layer, stride = _block(name, c_in, c_out, n, args, scale)
                 s_out = s_in * stride
-        except (TypeError, ValueError, IndexError, KeyError) as e:  # a value of the wrong kind in the yaml
+        # a value of the wrong kind or size in the yaml (torch says RuntimeError for a size it cannot allocate)
+        except (TypeError, ValueError, IndexError, KeyError, OverflowError, RuntimeError) as e:
             raise ConfigError(f"model layer {i} ({name} {args!r:.60}) cannot be built: {e}") from None
         layer.f, layer.i, layer.type = f, i, name  # type: ignore[assignment]
         layers.append(layer)

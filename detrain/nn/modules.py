@@ -393,6 +393,8 @@ class Detect(nn.Module):
         >>> Detect(nc=2, ch=(16, 32, 64), strides=(8, 16, 32)).cv3[0][2].bias[0] < -5
         tensor(True)
         """
+        if self.stride.is_meta:  # a head built for its shapes only (see model_from_checkpoint): no values to set
+            return
         with torch.no_grad():
             for box, cls, s in zip(self.cv2, self.cv3, self.stride.tolist()):
                 cast(Tensor, _final_conv(box).bias).fill_(1.0)

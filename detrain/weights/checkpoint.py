@@ -155,21 +155,28 @@ def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True, source: st
     fit it are a one-line CheckpointError that starts with ``source`` (the file, for the user) and names what
     does not fit: the module, or the first keys with their shapes.
     """
-    from detrain.nn.model import DetectionModel
-
     meta = ckpt["model"]
-    try:
-        model = DetectionModel(
-            cfg=meta.get("yaml") or "yolov8.yaml", scale=meta["scale"], nc=meta["nc"], names=meta["names"]
-        )
-    except ConfigError as e:
-        raise CheckpointError(f"{source}: detrain cannot build the model it records: {e}") from None
     ema = ckpt.get("ema")
     state = ema["state_dict"] if (use_ema and ema) else meta["state_dict"]
-    check_fits(model, state, source)
+    try:
+        # Shapes first, on the meta device (nothing allocated): the architecture came from the file, and only a
+        # model whose every tensor the file holds is built for real, so a small file cannot ask for a huge one.
+        with torch.device("meta"):
+            shell = _described_model(meta)
+        check_fits(shell, state, source)
+        model = _described_model(meta)
+    except ConfigError as e:
+        raise CheckpointError(f"{source}: detrain cannot build the model it records: {e}") from None
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     model.imgsz = int(meta.get("imgsz") or 640)
     return model
+
+
+def _described_model(meta: dict[str, Any]) -> DetectionModel:
+    from detrain.nn.model import DetectionModel
+
+    cfg = meta.get("yaml") or "yolov8.yaml"
+    return DetectionModel(cfg=cfg, scale=meta["scale"], nc=meta["nc"], names=meta["names"])
 
 
 def check_fits(model: DetectionModel, state: dict[str, Any], source: str = "checkpoint") -> None:

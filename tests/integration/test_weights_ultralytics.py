@@ -592,3 +592,28 @@ def test_an_ultralytics_yolo26_checkpoint_is_refused_in_one_line(ultralytics_yol
         f"{path}: detrain cannot build the model it records: model yaml sets end2end: True "
         "(the NMS-free one-to-one head of YOLO26), which detrain does not build"
     )
+
+
+def test_a_small_file_cannot_make_detrain_build_a_huge_model(tmp_path: Path, fake_ultralytics: dict) -> None:
+    """The recorded architecture is sized on the meta device against the file's own tensors before anything is
+    allocated: a yaml asking for a 2**24-channel layer (tens of GB) is refused, not built."""
+    import resource
+
+    from detrain.nn.model import MAX_REPEATS, DetectionModel
+
+    ours = DetectionModel("yolo11n.yaml", nc=2)
+    wide = copy.deepcopy(ours.yaml)
+    wide["backbone"][1] = [-1, 1, "Conv", [2**26, 3, 2]]
+    wide["scales"]["n"] = [0.5, 0.25, 2**30]  # no channel cap: 2**24 channels at width 0.25
+    deep = copy.deepcopy(ours.yaml)
+    deep["backbone"][2] = [-1, 10**9, "C3k2", [256, False, 0.25]]
+    wide_path = _synthetic_file(tmp_path, fake_ultralytics, ours, wide, "wide.pt")
+    deep_path = _synthetic_file(tmp_path, fake_ultralytics, ours, deep, "deep.pt")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    message = _refusal(wide_path)
+    assert f"model.1.conv.weight has shape (32, 16, 3, 3), expected ({2**24}, 16, 3, 3)" in message
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: well under 1 GB more
+    assert f"model layer 2 (C3k2 [256, False, 0.25]) cannot be built: {5 * 10**8} repeats; detrain builds 0 to " in (
+        _refusal(deep_path)
+    )
+    assert MAX_REPEATS == 32
