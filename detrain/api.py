@@ -179,6 +179,7 @@ class Model:
             imgsz=cfg.inputs.imgsz,
             opset=cfg.export.opset,
             dynamic_batch=cfg.export.dynamic,
+            nms=cfg.predict.nms,
         )
 
     def __repr__(self) -> str:

@@ -398,6 +398,12 @@ class Predict:
         "suppresses overlapping boxes of any class)",
         commands=("train", "val", "predict"),
     )
+    nms: bool = key(
+        False,
+        "end-to-end (YOLO26) models: detect with the one-to-many branch and NMS instead of the NMS-free "
+        "one-to-one top-k (other models always use NMS); export: the graph then ends in that branch's boxes",
+        commands=("train", "val", "predict", "export"),
+    )
     save_json: bool = key(
         False, "write predictions.json (COCO results format) next to metrics.json", commands=("train", "val")
     )

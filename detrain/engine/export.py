@@ -47,15 +47,17 @@ def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[
 
 
 def _graph_model(
-    model: DetectionModel, imgsz: int | tuple[int, int] | list[int]
+    model: DetectionModel, imgsz: int | tuple[int, int] | list[int], nms: bool = False
 ) -> tuple[DetectionModel, torch.Tensor, tuple[int, int], int]:
-    """(fused float32 eval copy on the CPU, an example input, (h, w), largest stride) for tracing.
+    """(fused float32 eval copy on the CPU, an example input, (h, w), largest stride) for tracing; ``nms``: an
+    end-to-end head's graph ends in its one-to-many boxes and scores (for NMS) instead of its top-k detections.
 
-    A copy, so the caller's model keeps its BatchNorms, device, dtype and training mode.
+    A copy, so the caller's model keeps its BatchNorms, device, dtype, training mode and inference options.
     """
     stride = int(max(model.stride.tolist())) if len(model.stride) else 32
     h, w = _image_size(imgsz, stride)
     graph_model = copy.deepcopy(model).to("cpu", torch.float32).eval()
+    graph_model.set_inference(nms=nms)
     graph_model.fuse()
     for p in graph_model.parameters():
         p.requires_grad_(False)
@@ -85,13 +87,22 @@ def _atomic_file(out: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def _metadata(model: DetectionModel, imgsz: tuple[int, int], stride: int) -> dict[str, object]:
-    """What an exported file records about the model besides its graph."""
+def _output_kind(graph_model: DetectionModel) -> str:
+    """What the exported graph outputs, as its metadata says it."""
+    if graph_model.head.end2end:
+        return "detections (B, max_det, 6): x1 y1 x2 y2 score class, best first, no NMS needed"
+    return "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS"
+
+
+def _metadata(model: DetectionModel, imgsz: tuple[int, int], stride: int, output: str) -> dict[str, object]:
+    """What an exported file records about the model besides its graph; ``output`` says what the graph gives
+    (:func:`_output_kind`)."""
     return {
         "producer": "detrain",
         "task": "detect",
         "stride": stride,
         "imgsz": list(imgsz),
+        "output": output,
         "names": {int(k): str(v) for k, v in dict(getattr(model, "names", {}) or {}).items()},
     }
 
@@ -103,10 +114,12 @@ def export_model(
     imgsz: int | tuple[int, int] = 640,
     opset: int = 17,
     dynamic_batch: bool = True,
+    nms: bool = False,
 ) -> Path:
     """Write ``model`` in ``format`` (``onnx`` or ``torchscript``) and return the file's path.
 
-    ``opset`` and ``dynamic_batch`` apply to ONNX; a TorchScript file takes any batch size.
+    ``opset`` and ``dynamic_batch`` apply to ONNX; a TorchScript file takes any batch size. An end-to-end (YOLO26)
+    model's graph gives its (B, 300, 6) detections, or with ``nms`` its one-to-many boxes and scores for NMS.
 
     >>> from detrain.nn.model import DetectionModel
     >>> export_model(DetectionModel(nc=1), "m.tflite", format="tflite")
@@ -117,8 +130,8 @@ def export_model(
     if format not in SUFFIXES:
         raise ConfigError(f"invalid value for 'format': {format!r}; expected one of {', '.join(SUFFIXES)}")
     if format == "torchscript":
-        return export_torchscript(model, out_path, imgsz=imgsz)
-    return export_onnx(model, out_path, imgsz=imgsz, opset=opset, dynamic_batch=dynamic_batch)
+        return export_torchscript(model, out_path, imgsz=imgsz, nms=nms)
+    return export_onnx(model, out_path, imgsz=imgsz, opset=opset, dynamic_batch=dynamic_batch, nms=nms)
 
 
 def export_onnx(
@@ -127,11 +140,13 @@ def export_onnx(
     imgsz: int | tuple[int, int] = 640,
     opset: int = 17,
     dynamic_batch: bool = True,
+    nms: bool = False,
 ) -> Path:
     """Write ``model`` as an ONNX file and return its path; the model passed in is left untouched.
 
     The graph is a fused (BatchNorm folded into convolutions) float32 copy in eval mode, input ``images``
-    (B, 3, H, W) float in [0, 1], output ``output0`` (B, 4 + nc, N). With ``dynamic_batch`` the batch size
+    (B, 3, H, W) float in [0, 1], output ``output0`` (B, 4 + nc, N), or an end-to-end model's (B, 300, 6)
+    detections (see :func:`export_model`; the metadata's ``output`` says which). With ``dynamic_batch`` the batch size
     is free; the image size is fixed at ``imgsz``. The file appears atomically: a failed export leaves no
     file behind.
 
@@ -139,7 +154,7 @@ def export_onnx(
     "model.onnx", imgsz=320)`` returns ``PosixPath('model.onnx')``.
     """
     out = Path(out_path)
-    graph_model, example, (h, w), stride = _graph_model(model, imgsz)
+    graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms)
     with _atomic_file(out) as tmp:
         with _quiet_tracing():
             torch.onnx.export(
@@ -153,7 +168,7 @@ def export_onnx(
                 do_constant_folding=True,
                 dynamo=False,
             )
-        _add_metadata(tmp, model, (h, w), stride)
+        _add_metadata(tmp, _metadata(model, (h, w), stride, _output_kind(graph_model)))
     return out
 
 
@@ -161,11 +176,13 @@ def export_torchscript(
     model: DetectionModel,
     out_path: str | os.PathLike[str],
     imgsz: int | tuple[int, int] = 640,
+    nms: bool = False,
 ) -> Path:
     """Write ``model`` as a TorchScript archive and return its path; the model passed in is left untouched.
 
     The archive is a trace of the fused float32 eval model on the CPU: ``torch.jit.load(path)`` gives a
-    module mapping (B, 3, H, W) float in [0, 1] at the exported ``imgsz`` to (B, 4 + nc, N), for any B,
+    module mapping (B, 3, H, W) float in [0, 1] at the exported ``imgsz`` to (B, 4 + nc, N) (an end-to-end model:
+    (B, 300, 6) detections, see :func:`export_model`), for any B,
     without detrain installed. Names, stride and imgsz are in the extra file ``detrain.json``. The file
     appears atomically: a failed export leaves no file behind.
 
@@ -173,8 +190,8 @@ def export_torchscript(
     "model.torchscript", imgsz=320)`` returns ``PosixPath('model.torchscript')``.
     """
     out = Path(out_path)
-    graph_model, example, (h, w), stride = _graph_model(model, imgsz)
-    meta = json.dumps(_metadata(model, (h, w), stride))
+    graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms)
+    meta = json.dumps(_metadata(model, (h, w), stride, _output_kind(graph_model)))
     with _atomic_file(out) as tmp, _quiet_tracing():
         traced = torch.jit.trace(graph_model, (example,), check_trace=False)
         torch.jit.save(traced, str(tmp), _extra_files={"detrain.json": meta})
@@ -192,14 +209,14 @@ def _quiet_tracing() -> Iterator[None]:
         yield
 
 
-def _add_metadata(path: Path, model: DetectionModel, imgsz: tuple[int, int], stride: int) -> None:
-    """Record names, stride and imgsz in the file (readers such as onnxruntime expose them); needs ``onnx``."""
+def _add_metadata(path: Path, meta: dict[str, object]) -> None:
+    """Record ``meta`` (names, stride, imgsz, output) in the file (readers such as onnxruntime expose them); needs
+    ``onnx``."""
     try:
         import onnx
     except ImportError:  # the export itself does not need it
         return
     proto = onnx.load(str(path))
-    meta = _metadata(model, imgsz, stride)
     for key, value in meta.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, str(value)

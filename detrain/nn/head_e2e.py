@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from detrain.nn.boxes import dist2bbox, make_anchors
-from detrain.nn.loss_e2e import E2EHeadMaps
+from detrain.nn.head import Criterion, InferenceOptions, LossGains, nms
+from detrain.nn.loss_e2e import ITEM_NAMES, E2EHeadMaps, EndToEndLoss
 from detrain.nn.modules import Conv, DWConv, conv2d
 from detrain.nn.topk_decode import decode_xyxy, filter_detections, topk_detections
 
@@ -115,12 +116,59 @@ class DetectE2E(nn.Module):
         boxes, classes = (self.one2one_cv2, self.one2one_cv3) if one2one else (self.cv2, self.cv3)
         return [torch.cat((_run(box, x), _run(cls, x)), 1) for x, box, cls in zip(xs, boxes, classes)]
 
-    def forward(self, xs: list[Tensor]) -> E2EHeadMaps | Tensor:
-        if self.training:
+    def forward(self, xs: list[Tensor], decode: bool | None = None) -> E2EHeadMaps | Tensor:
+        """Both branches' raw maps in training (``decode`` False), else the inference output (see the class
+        docstring)."""
+        if decode is None:
+            decode = not self.training
+        if not decode:
             return E2EHeadMaps(self.branch_maps(xs, False), self.branch_maps([x.detach() for x in xs], True))
         if not self.end2end:
             return self.decode_one2many(self.branch_maps(xs, False))
         return topk_detections(decode_xyxy(self.branch_maps(xs, True), self.stride), self.max_det, self.agnostic)
+
+    def decode(self, maps: E2EHeadMaps) -> Tensor:
+        """Raw maps of both branches (training-mode output) -> the inference output, as in eval mode.
+
+        >>> head = DetectE2E(nc=2, ch=(16,), strides=(8,))
+        >>> head.decode(head([torch.zeros(1, 16, 4, 4)])).shape
+        torch.Size([1, 16, 6])
+        """
+        if not self.end2end:
+            return self.decode_one2many(maps.one2many)
+        return topk_detections(decode_xyxy(maps.one2one, self.stride), self.max_det, self.agnostic)
+
+    loss_names = ITEM_NAMES
+
+    def criterion(self, gains: LossGains, epochs: int, world_size: int = 1) -> Criterion:
+        """The end-to-end loss (:class:`detrain.nn.loss_e2e.EndToEndLoss`): both branches, the one-to-many one's
+        weight moving to the one-to-one one over ``epochs``; the ``dfl`` gain weighs the L1 distance term.
+
+        >>> head = DetectE2E(nc=2, ch=(16,), strides=(8,))
+        >>> head.criterion(LossGains(), epochs=3).item_names
+        ('box_loss', 'cls_loss', 'l1_loss')
+        """
+        return EndToEndLoss(
+            nc=self.nc,
+            strides=self.stride,
+            epochs=epochs,
+            box=gains.box,
+            cls=gains.cls,
+            l1=gains.dfl,
+            world_size=world_size,
+        )
+
+    def set_inference(self, max_det: int = 300, agnostic: bool = False, nms: bool = False) -> None:
+        """The one-to-one branch's top-k size and class-agnostic selection; ``nms`` switches inference to the
+        one-to-many branch, whose every anchor then goes through NMS (:meth:`postprocess`).
+
+        >>> head = DetectE2E(nc=2, ch=(16,), strides=(8,)).eval()
+        >>> head.set_inference(max_det=5); head([torch.zeros(1, 16, 4, 4)]).shape
+        torch.Size([1, 5, 6])
+        >>> head.set_inference(nms=True); head([torch.zeros(1, 16, 4, 4)]).shape  # xywh + scores per anchor
+        torch.Size([1, 6, 16])
+        """
+        self.max_det, self.agnostic, self.end2end = max_det, agnostic, not nms
 
     def decode_one2many(self, maps: list[Tensor]) -> Tensor:
         """One-to-many maps -> (B, 4 + nc, N): xywh boxes in input pixels and sigmoid scores, for NMS.
@@ -135,16 +183,18 @@ class DetectE2E(nn.Module):
         box, cls = x.split((4, self.nc), 1)
         return torch.cat((dist2bbox(box, anchors.T[None], xywh=True, dim=1) * strides.T[None], cls.sigmoid()), 1)
 
-    def postprocess(
-        self, dets: Tensor, conf_thres: float = 0.25, max_det: int = 300, classes: list[int] | None = None
-    ) -> list[Tensor]:
-        """Inference output (B, k, 6) -> per image (n, 6) detections above ``conf_thres``, best first (no NMS).
+    def postprocess(self, preds: Tensor, options: InferenceOptions) -> list[Tensor]:
+        """Inference output -> per image (n, 6) detections, best first: the top-k (B, k, 6) filtered by
+        ``options.conf`` and ``options.classes`` (no NMS), or, after ``set_inference(nms=True)``, the one-to-many
+        branch's (B, 4 + nc, N) through NMS.
 
         >>> head = DetectE2E(nc=2, ch=(16,), strides=(8,)).eval()
-        >>> [d.shape for d in head.postprocess(head([torch.zeros(2, 16, 4, 4)]), conf_thres=0.5)]
+        >>> [d.shape for d in head.postprocess(head([torch.zeros(2, 16, 4, 4)]), InferenceOptions(conf=0.5))]
         [torch.Size([0, 6]), torch.Size([0, 6])]
         """
-        return filter_detections(dets, conf_thres, max_det, classes)
+        if not self.end2end:
+            return nms(preds, options)
+        return filter_detections(preds, options.conf, options.max_det, options.classes)
 
     def reset_classes(self, nc: int) -> None:
         """Swap the final class conv of every class branch, both branches, for one with ``nc`` outputs.

@@ -207,6 +207,11 @@ class DetectionLoss:
         self.assigner = TaskAlignedAssigner(topk=10, num_classes=nc, alpha=0.5, beta=6.0, min_side=min_side)
         self._anchor_cache: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
 
+    item_names = ("box_loss", "cls_loss", "dfl_loss")
+
+    def set_epoch(self, epoch: float) -> None:
+        """Nothing follows the epoch here (the loss has no schedule); the trainer calls it for every head's loss."""
+
     def __call__(
         self,
         head_maps: list[Tensor],

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from detrain.assets import asset_dir
 from detrain.errors import ConfigError
 from detrain.nn.blocks11 import C2PSA, C3k2
+from detrain.nn.head import Criterion, Head, InferenceOptions, LossGains
 from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Detect, Upsample
 
 DEFAULT_SCALE = "n"
@@ -396,23 +397,50 @@ class DetectionModel(nn.Module):
         return family(self.yaml)
 
     @property
-    def head(self) -> Detect:
-        """The Detect layer (the last one): ``DetectionModel().head.reg_max`` -> 16."""
-        return self.model[-1]  # type: ignore[return-value]
+    def head(self) -> Head:
+        """The detection head (the last layer), through which the engine reaches loss and postprocess
+        (:mod:`detrain.nn.head`): ``DetectionModel().head.reg_max`` -> 16."""
+        return cast(Head, self.model[-1])
 
-    def forward(self, x: Tensor, decode: bool | None = None) -> list[Tensor] | Tensor:
+    @property
+    def loss_names(self) -> tuple[str, ...]:
+        """The head's loss item names, e.g. ``("box_loss", "cls_loss", "dfl_loss")`` for YOLOv8 and YOLO11."""
+        return self.head.loss_names
+
+    def criterion(self, gains: LossGains, epochs: int, world_size: int = 1) -> Criterion:
+        """The loss this model trains with (its head's; see :class:`detrain.nn.head.Head`)."""
+        return self.head.criterion(gains, epochs, world_size)
+
+    def set_inference(self, max_det: int = 300, agnostic: bool = False, nms: bool = False) -> DetectionModel:
+        """Shape the inference output (an end-to-end head's top-k count and class-agnostic selection; ``nms``: its
+        one-to-many branch with NMS instead); returns ``self``."""
+        self.head.set_inference(max_det, agnostic, nms)
+        return self
+
+    def postprocess(self, preds: Tensor, options: InferenceOptions) -> list[Tensor]:
+        """Inference output -> per image (n, 6) ``[x1, y1, x2, y2, score, class]`` detections, best first: NMS for
+        a one-to-many head, a confidence filter of the top-k for a one-to-one head.
+
+        >>> m = DetectionModel(nc=2).eval()
+        >>> [d.shape for d in m.postprocess(m(torch.zeros(1, 3, 64, 64)), InferenceOptions(conf=0.99))]
+        [torch.Size([0, 6])]
+        """
+        return self.head.postprocess(preds, options)
+
+    def forward(self, x: Tensor, decode: bool | None = None) -> Any:
         outputs: list[Tensor | None] = []
         y: Any = x
+        head = self.model[-1]
         for layer in self.model:
             f = cast("int | list[int]", layer.f)  # set on every layer by build_layers
             if f != -1:
                 y = outputs[f] if isinstance(f, int) else [y if j == -1 else outputs[j] for j in f]
-            y = layer(y, decode) if isinstance(layer, Detect) else layer(y)
+            y = layer(y, decode) if layer is head else layer(y)
             outputs.append(y if layer.i in self.save else None)
         return y
 
-    def decode(self, maps: list[Tensor]) -> Tensor:
-        """Raw head maps (training-mode output) -> (B, 4 + nc, N) as in eval mode.
+    def decode(self, maps: Any) -> Tensor:
+        """Raw head maps (training-mode output) -> the inference output, as in eval mode.
 
         >>> m = DetectionModel(nc=2).eval()
         >>> with torch.no_grad():
@@ -420,7 +448,7 @@ class DetectionModel(nn.Module):
         ...     m.decode(maps).shape
         torch.Size([1, 6, 84])
         """
-        return self.head.decode(maps)
+        return cast(Any, self.head).decode(maps)
 
     def fuse(self) -> DetectionModel:
         """Fold every BatchNorm into its convolution, in place, for inference; returns ``self``.
@@ -445,7 +473,7 @@ class DetectionModel(nn.Module):
         """
         if names is not None and len(names) != nc:
             raise ConfigError(f"nc={nc} but {len(names)} class names were given")
-        head = self.head
+        head: Any = self.model[-1]  # either head: both keep cv2 and cls_channels under these names
         head.reset_classes(nc)
         # the class branch reads the first level's channels, as the box branch does (its first layer is a Conv)
         fresh_width = max(cast(Conv, cast(nn.Sequential, head.cv2[0])[0]).conv.in_channels, min(nc, 100))

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from detrain.nn.boxes import dist2bbox, make_anchors
+from detrain.nn.head import Criterion, InferenceOptions, LossGains, nms
 
 BN_EPS = 1e-3
 BN_MOMENTUM = 0.03
@@ -435,6 +436,43 @@ class Detect(nn.Module):
             self._anchors, self._anchor_strides = points.T.contiguous(), strides.T.contiguous()
             self._anchor_key = key
         return self._anchors, self._anchor_strides
+
+    loss_names = ("box_loss", "cls_loss", "dfl_loss")
+    end2end = False  # inference gives every anchor's boxes and scores, for NMS
+
+    def criterion(self, gains: LossGains, epochs: int, world_size: int = 1) -> Criterion:
+        """YOLOv8's loss (:class:`detrain.nn.loss.DetectionLoss`) for this head; it has no schedule, so ``epochs``
+        does not change it.
+
+        >>> head = Detect(nc=2, ch=(16,), strides=(8,), reg_max=4)
+        >>> head.criterion(LossGains(), epochs=3).item_names == head.loss_names
+        True
+        """
+        from detrain.nn.loss import DetectionLoss  # the loss reads this module's memory-format helper
+
+        return DetectionLoss(
+            nc=self.nc,
+            strides=self.stride,
+            reg_max=self.reg_max,
+            box=gains.box,
+            cls=gains.cls,
+            dfl=gains.dfl,
+            world_size=world_size,
+        )
+
+    def set_inference(self, max_det: int = 300, agnostic: bool = False, nms: bool = False) -> None:
+        """Nothing to set: this head's inference output is every anchor's box and scores; NMS (in
+        :meth:`postprocess`) applies ``max_det`` and ``agnostic``, and it always uses NMS."""
+
+    def postprocess(self, preds: Tensor, options: InferenceOptions) -> list[Tensor]:
+        """Decoded output (B, 4 + nc, N) -> per image (n, 6) detections after per-class NMS
+        (:func:`detrain.nn.postprocess.non_max_suppression`).
+
+        >>> head = Detect(nc=1, ch=(16,), strides=(8,)).eval()
+        >>> [d.shape for d in head.postprocess(head([torch.zeros(2, 16, 4, 4)]), InferenceOptions(conf=0.5))]
+        [torch.Size([0, 6]), torch.Size([0, 6])]
+        """
+        return nms(preds, options)
 
     def reset_classes(self, nc: int) -> None:
         """Swap only the final class conv of every ``cv3`` branch for one with ``nc`` outputs.

@@ -30,7 +30,7 @@ from detrain.log import atomic_write_text, console
 from detrain.metrics import ConfusionMatrix, ImageStats, coco_summary, match_image_coco
 from detrain.metrics.coco_json import coco_rounded
 from detrain.nn.boxes import scale_boxes_to_original, xywh2xyxy
-from detrain.nn.postprocess import non_max_suppression
+from detrain.nn.head import InferenceOptions, detections, set_inference
 
 __all__ = ["VAL_CONF", "Scorer", "finish", "image_ids", "predict_batch", "print_table", "validate"]
 
@@ -51,7 +51,8 @@ def predict_batch(
     classes: list[int] | None = None,
     agnostic: bool = False,
 ) -> list[torch.Tensor]:
-    """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, NMS on the device.
+    """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, by the model's own postprocess
+    (NMS, or an end-to-end head's top-k) on the device.
 
     ``multi_label`` keeps every (box, class) pair above ``conf``, as validation does (YOLOv8's val too);
     ``classes`` keeps only those classes (before NMS), ``agnostic`` runs NMS across classes."""
@@ -61,15 +62,10 @@ def predict_batch(
     preds = model(imgs)
     if isinstance(preds, (tuple, list)):
         preds = preds[0]
-    return non_max_suppression(
-        preds,
-        conf_thres=conf,
-        iou_thres=iou,
-        max_det=max_det,
-        classes=classes,
-        agnostic=agnostic,
-        multi_label=multi_label,
+    options = InferenceOptions(
+        conf=conf, iou=iou, max_det=max_det, classes=classes, agnostic=agnostic, multi_label=multi_label
     )
+    return detections(model, preds, options)
 
 
 def coco_detections(det: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -149,6 +145,7 @@ def validate(
     single = cfg.inputs.single_cls
     classes = None if single or not cfg.inputs.classes else list(cfg.inputs.classes)
     agnostic = single or cfg.predict.agnostic_nms
+    set_inference(model, cfg.predict.max_det, agnostic, cfg.predict.nms)
     scorer = Scorer(
         data.nc,
         keep_detections=bool(cfg.predict.save_json) and save_dir is not None,

@@ -44,7 +44,7 @@ from detrain.engine.predict.results import Results
 from detrain.errors import ConfigError, DatasetError
 from detrain.log import console
 from detrain.nn.boxes import scale_boxes_to_original
-from detrain.nn.postprocess import non_max_suppression
+from detrain.nn.head import InferenceOptions, detections, set_inference
 
 PREDICT_CONF = 0.25
 Batch = list[tuple[Frame, np.ndarray, float, tuple[int, int]]]  # (frame, letterboxed BGR, gain, (pad x, pad y))
@@ -133,12 +133,9 @@ def infer(
     preds = net(x)
     if isinstance(preds, (tuple, list)):
         preds = preds[0]
-    preds = preds.float()  # NMS offsets boxes by class * max_wh: past float16's range from class 9 on
     max_wh = max(7680, 2 * max(x.shape[2:]))  # class offsets in NMS must exceed any coordinate
-    dets = non_max_suppression(
-        preds, conf_thres=conf, iou_thres=iou, max_det=max_det, classes=classes, agnostic=agnostic, max_wh=max_wh
-    )
-    return [d.float().cpu() for d in dets]
+    options = InferenceOptions(conf=conf, iou=iou, max_det=max_det, classes=classes, agnostic=agnostic, max_wh=max_wh)
+    return [d.float().cpu() for d in detections(net, preds, options)]
 
 
 def stream_predict(
@@ -173,6 +170,7 @@ def stream_predict(
         )
     else:
         net = model if prepared else prepare_model(model, device, half)
+    set_inference(net, cfg.predict.max_det, cfg.predict.agnostic_nms, cfg.predict.nms)
     names = {int(k): str(v) for k, v in dict(getattr(net, "names", {})).items()}
     check_classes(cfg.inputs.classes, names)
     if collecting and any(item.is_video for item in src.items):

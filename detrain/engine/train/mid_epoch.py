@@ -61,10 +61,11 @@ class MidEpoch:
         self.resume_at = (first, mid["mean_items"].float(), int(mid["n_images"]))
         return first
 
-    def begin_epoch(self, loader: DataLoader) -> tuple[int, torch.Tensor, int]:
-        """(first batch, running mean losses, images so far) of the epoch about to run: (0, zeros, 0), except for
-        the epoch a mid-epoch checkpoint resumes, whose sampler then starts at its batch."""
-        first, items, images = self.resume_at or (0, torch.zeros(3), 0)
+    def begin_epoch(self, loader: DataLoader, n_items: int) -> tuple[int, torch.Tensor, int]:
+        """(first batch, running mean of the ``n_items`` loss items, images so far) of the epoch about to run:
+        (0, zeros, 0), except for the epoch a mid-epoch checkpoint resumes, whose sampler then starts at its
+        batch."""
+        first, items, images = self.resume_at or (0, torch.zeros(n_items), 0)
         self.resume_at = None
         if first:
             loader.batch_sampler.start_at(first)  # type: ignore[union-attr]

@@ -37,14 +37,12 @@ from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.mid_epoch import MidEpoch
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
-from detrain.nn.loss import DetectionLoss
+from detrain.nn.head import LossGains
 from detrain.plots.train import plot_results, plot_train_batch
 from detrain.weights.checkpoint import model_meta, save_checkpoint
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
-
-LOSS_NAMES = ("box_loss", "cls_loss", "dfl_loss")
 
 
 @dataclass(frozen=True)
@@ -262,18 +260,12 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
 
     def _build_loss(self) -> None:
-        """The detection loss for the model's head; the normaliser's all-reduce is the training step's own
-        (_step)."""
+        """The model's own loss (its head's: :mod:`detrain.nn.head`); the normaliser's all-reduce is the training
+        step's own (_step)."""
         cfg, bare = self.cfg, self._bare()
-        self.criterion = DetectionLoss(
-            nc=self.nc,
-            strides=bare.stride,
-            reg_max=bare.reg_max,
-            box=cfg.loss.box,
-            cls=cfg.loss.cls,
-            dfl=cfg.loss.dfl,
-            world_size=self.world.world_size,
-        )
+        gains = LossGains(box=cfg.loss.box, cls=cfg.loss.cls, dfl=cfg.loss.dfl)
+        self.criterion = bare.criterion(gains, epochs=cfg.train.epochs, world_size=self.world.world_size)
+        self.loss_names = bare.loss_names
 
     def _start_point(self) -> None:
         """Where the run starts: epoch 0 with nothing waiting, or where a resumed checkpoint stands (_restore)."""
@@ -332,8 +324,9 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         self._begin_epoch(epoch)
-        progress = EpochProgress(epoch, cfg.train.epochs, self.nb, LOSS_NAMES) if self.main else None
-        first, mean_items, n_images = self.mid.begin_epoch(self.train_loader)  # (0, zeros, 0) but after mid.pt
+        progress = EpochProgress(epoch, cfg.train.epochs, self.nb, self.loss_names) if self.main else None
+        # (0, zeros, 0) but after mid.pt
+        first, mean_items, n_images = self.mid.begin_epoch(self.train_loader, len(self.loss_names))
         n_warmup = optim.warmup_iterations(cfg, self.nb)
         step_times: list[float] = []
         for i, batch in enumerate(self.monitor.timed(self.train_loader), first):
@@ -364,6 +357,7 @@ class Trainer:
             time_budget.close_mosaic_when_due(self.train_loader.dataset, cfg, epoch, self.main)
         elif cfg.train.close_mosaic and epoch == cfg.train.epochs - cfg.train.close_mosaic:
             self._say(f"closing mosaic for the last {cfg.train.close_mosaic} epochs")
+        self.criterion.set_epoch(epoch)  # a loss with a schedule (YOLO26's branch weights) follows the run
         self.model.train()
 
     def _train_batch(self, epoch: int, i: int, batch: dict[str, Any], n_warmup: int) -> tuple[torch.Tensor, int]:
@@ -444,7 +438,7 @@ class Trainer:
             accumulation.average_over_ranks(unwrap(self.model))
         epoch_time = time.perf_counter() - t0
         speed = self._speed(epoch, n_images, epoch_time, step_times)
-        losses = {f"train/{n}": float(v) for n, v in zip(LOSS_NAMES, mean_items.tolist())}
+        losses = {f"train/{n}": float(v) for n, v in zip(self.loss_names, mean_items.tolist())}
         lr_columns = {f"lr/pg{j}": lr for j, lr in enumerate(lrs)}
         self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {**losses, **lr_columns})
         return EpochResult(mean_items, losses, lr_columns, speed, epoch_time)
