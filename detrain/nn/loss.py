@@ -18,7 +18,7 @@ from torch import Tensor
 
 from detrain.nn.assigner import SparseAssignment, TaskAlignedAssigner
 from detrain.nn.boxes import bbox2dist, bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
-from detrain.nn.modules import memory_format_of
+from detrain.nn.memory_format import memory_format_of
 
 
 def distribution_focal_loss(pred_logits: Tensor, target: Tensor) -> Tensor:

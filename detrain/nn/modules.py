@@ -16,6 +16,8 @@ from torch import Tensor, nn
 
 from detrain.nn.boxes import dist2bbox, make_anchors
 from detrain.nn.head import Criterion, InferenceOptions, LossGains, nms
+from detrain.nn.loss import DetectionLoss
+from detrain.nn.memory_format import memory_format_of
 
 BN_EPS = 1e-3
 BN_MOMENTUM = 0.03
@@ -126,17 +128,6 @@ def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
         fused.to(memory_format=torch.channels_last)
     fused.requires_grad_(False)
     return fused
-
-
-def memory_format_of(x: Tensor) -> torch.memory_format:
-    """channels_last for a 4-D tensor stored that way (and not also plain contiguous), else contiguous.
-
-    >>> memory_format_of(torch.zeros(1, 3, 2, 2).contiguous(memory_format=torch.channels_last))
-    torch.channels_last
-    """
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous():
-        return torch.channels_last
-    return torch.contiguous_format
 
 
 class Bottleneck(nn.Module):
@@ -448,8 +439,6 @@ class Detect(nn.Module):
         >>> head.criterion(LossGains(), epochs=3).item_names == head.loss_names
         True
         """
-        from detrain.nn.loss import DetectionLoss  # the loss reads this module's memory-format helper
-
         return DetectionLoss(
             nc=self.nc,
             strides=self.stride,
