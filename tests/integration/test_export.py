@@ -110,6 +110,7 @@ def test_torchscript_matches_torch_for_batch_1_and_3(model: DetectionModel, tmp_
         "task": "detect",
         "stride": 32,
         "imgsz": [IMGSZ, IMGSZ],
+        "output": "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS",
         "names": {"0": "a", "1": "b", "2": "c"},
     }
     for batch in (1, 3):  # traced at batch 1; the batch stays free
@@ -217,3 +218,64 @@ def test_cli_exports_torchscript_beside_the_weights(model: DetectionModel, tmp_p
     bad = detrain("export", f"model={weights}", "format=tflite")
     assert bad.returncode == 2
     assert bad.stderr.strip() == "error: invalid value for 'format': 'tflite'; expected one of onnx, torchscript"
+
+
+# ------------------------------------------------------------------ YOLO26: the end-to-end head's (B, 300, 6)
+E2E_IMGSZ = 160  # 400 + 100 + 25 anchors: more than max_det, so the top-k really selects
+
+
+@pytest.fixture(scope="module")
+def e2e_model() -> DetectionModel:
+    torch.manual_seed(0)
+    m = DetectionModel("yolo26n.yaml", nc=3, names={0: "a", 1: "b", 2: "c"})
+    g = torch.Generator().manual_seed(1)
+    for bn in (x for x in m.modules() if isinstance(x, nn.BatchNorm2d)):
+        bn.running_mean.copy_(torch.randn(bn.num_features, generator=g) * 0.1)
+        bn.running_var.copy_(torch.rand(bn.num_features, generator=g) + 0.5)
+    for p in m.parameters():  # class logits far from their prior, so scores spread and the top-k order is clear
+        p.data.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return m
+
+
+def _same_detections(got: torch.Tensor, want: torch.Tensor) -> None:
+    """(B, k, 6) top-k outputs: equal up to the order of equal scores."""
+    assert got.shape == want.shape
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g[:, 4], w[:, 4], rtol=1e-4, atol=1e-4)  # scores, best first
+        gi, wi = g[:, 4].argsort(stable=True), w[:, 4].argsort(stable=True)
+        torch.testing.assert_close(g[gi], w[wi], rtol=1e-4, atol=2e-3)  # boxes in pixels, classes
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_end_to_end_export_gives_the_top_k_detections(e2e_model: DetectionModel, tmp_path: Path, fmt: str) -> None:
+    out = export_model(e2e_model, tmp_path / f"m{SUFFIXES[fmt]}", format=fmt, imgsz=E2E_IMGSZ)
+    x = torch.rand(2, 3, E2E_IMGSZ, E2E_IMGSZ, generator=torch.Generator().manual_seed(3))
+    want = _reference(e2e_model, x)
+    assert want.shape == (2, 300, 6)
+    if fmt == "onnx":
+        ort = pytest.importorskip("onnxruntime")
+        session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+        (got,) = session.run(None, {"images": x.numpy()})
+        meta = session.get_modelmeta().custom_metadata_map
+        assert meta["output"].startswith("detections (B, max_det, 6)")
+        got = torch.from_numpy(got)
+    else:
+        extra = {"detrain.json": ""}
+        with torch.no_grad():
+            got = torch.jit.load(str(out), map_location="cpu", _extra_files=extra)(x)
+        assert json.loads(extra["detrain.json"])["output"].startswith("detections (B, max_det, 6)")
+    _same_detections(got, want)
+
+
+def test_end_to_end_export_with_nms_gives_the_one_to_many_boxes(e2e_model: DetectionModel, tmp_path: Path) -> None:
+    out = export_torchscript(e2e_model, tmp_path / "m.torchscript", imgsz=E2E_IMGSZ, nms=True)
+    x = torch.rand(1, 3, E2E_IMGSZ, E2E_IMGSZ, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        got = torch.jit.load(str(out), map_location="cpu")(x)
+    assert got.shape == (1, 4 + 3, 525)
+    e2e_model.set_inference(nms=True)
+    try:
+        torch.testing.assert_close(got, _reference(e2e_model, x), rtol=1e-4, atol=1e-3)
+    finally:
+        e2e_model.set_inference()
+    assert e2e_model.head.end2end  # the model passed in keeps its own inference options
