@@ -1,6 +1,7 @@
 """Learning benchmark: does detrain learn as well as Ultralytics in the same number of epochs?
 
-Both tools train YOLOv8n from scratch (or from ``--weights``) on the very same files with the same settings (epochs,
+Both tools train a model from scratch (``--model``: yolov8n, the default, yolo11n or yolo26n, each tool's own
+packaged yaml of that name; or from ``--weights``) on the very same files with the same settings (epochs,
 imgsz, batch, workers, seed; everything else at each tool's default; CPU), each run in its own ``python`` process,
 one after the other, for every seed of ``--seeds``. The table gives, per selected epoch, the mean over seeds of the
 mAP50-95 each tool's own validator wrote to its ``results.csv``, then every run's ``best.pt`` scored by detrain's
@@ -241,7 +242,7 @@ def finished(run_dir: Path, epochs: int) -> bool:
 
 def run_name(impl: str, args: argparse.Namespace, seed: int) -> str:
     """The run folder's name: the settings a reused run must share."""
-    start = f"_from-{args.weights.stem}" if args.weights else ""
+    start = f"_from-{args.weights.stem}" if args.weights else f"_{args.model}" if args.model != "yolov8n" else ""
     extra = "".join(f"_{kv.replace('=', '-')}" for kv in args.detrain_args) if impl == "detrain" else ""
     return f"{impl}{start}_e{args.epochs}_i{args.imgsz}_b{args.batch}_w{args.workers}_t{args.threads}{extra}_s{seed}"
 
@@ -262,7 +263,7 @@ def train_command(impl: str, data: Path, args: argparse.Namespace, seed: int, pr
     """The command line that trains one run."""
     name = run_name(impl, args, seed)
     if impl == "detrain":
-        model = str(args.weights.absolute()) if args.weights else "n.yaml"
+        model = str(args.weights.absolute()) if args.weights else f"{args.model}.yaml"
         return [
             sys.executable,
             "-m",
@@ -283,7 +284,7 @@ def train_command(impl: str, data: Path, args: argparse.Namespace, seed: int, pr
             *args.detrain_args,
         ]
     kw = {
-        "model": str(args.weights.absolute()) if args.weights else "yolov8n.yaml",
+        "model": str(args.weights.absolute()) if args.weights else f"{args.model}.yaml",
         "data": str(data),
         "epochs": args.epochs,
         "imgsz": args.imgsz,
@@ -503,6 +504,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset", choices=("shapes", "coco128"), default="shapes")
     p.add_argument("--impls", default="detrain,ultralytics", help="comma-separated: detrain, ultralytics")
+    p.add_argument(
+        "--model",
+        choices=("yolov8n", "yolo11n", "yolo26n"),
+        default="yolov8n",
+        help="the architecture both tools build from scratch (ignored with --weights)",
+    )
     p.add_argument("--epochs", type=int, help=f"default {DEFAULTS['epochs']} ({QUICK['epochs']} with --quick)")
     p.add_argument("--imgsz", type=int, help=f"default {DEFAULTS['imgsz']} ({QUICK['imgsz']} with --quick)")
     p.add_argument("--batch", type=int, help=f"default {DEFAULTS['batch']} ({QUICK['batch']} with --quick)")
@@ -609,8 +616,8 @@ def header_lines(
         if rs and rs[0].threads is not None
     ]
     return [
-        f"## Learning: detrain vs Ultralytics, YOLOv8n "
-        f"{f'fine-tuned from {args.weights.name}' if args.weights else 'from scratch'} ({args.dataset})",
+        "## Learning: detrain vs Ultralytics, "
+        f"{f'fine-tuned from {args.weights.name}' if args.weights else args.model + ' from scratch'} ({args.dataset})",
         "",
         f"`{command}`",
         "",
