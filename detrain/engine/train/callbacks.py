@@ -52,7 +52,8 @@ class TrainEvent:
       at ``on_train_end`` the last finished epoch (below ``epochs`` after an early stop);
     * ``epochs``: the planned number of epochs;
     * ``metrics``: read-only; empty before the first epoch's end. ``on_train_epoch_end``: ``train/box_loss``,
-      ``train/cls_loss``, ``train/dfl_loss`` (means over the epoch and over every worker) and ``lr/pg0..2``.
+      ``train/cls_loss``, ``train/dfl_loss`` (means over the epoch and over every worker) and ``lr/pg0..2``
+      (one per parameter group: ``lr/pg0..7`` with MuSGD).
       ``on_model_save`` and ``on_fit_epoch_end``: the epoch's results.csv row (the above, ``metrics/mAP50``,
       ``metrics/mAP50-95``... when validated, and the speed columns). ``on_train_end``: the dict
       ``Model.train()`` returns, without ``save_dir`` (``map50``, ``map``, ``fitness``...);
