@@ -45,8 +45,6 @@ def test_musgd_by_name_in_any_case_with_lr0_and_momentum_as_given():
         muon = [g for g in opt.param_groups if g["use_muon"] and g["params"]]
         assert len(muon) == 1 and len(muon[0]["params"]) == 2 and muon[0]["weight_decay"] == 5e-4
         assert {g["momentum"] for g in opt.param_groups} == {0.937} and all(g["nesterov"] for g in opt.param_groups)
-    # images per update: MuSGD gathers 64 with nbs=auto, as SGD does
-    assert optim.images_per_update(make_cfg(), "MuSGD", from_weights=False) == 64
 
 
 def test_warmup_hands_musgd_to_its_per_group_rule():
@@ -69,7 +67,7 @@ def test_short_runs_from_scratch_update_every_batch_and_the_rest_gather_64_image
     auto = make_cfg({"batch": 16})
     assert optim.images_per_update(auto, "AdamW", from_weights=False) == 16  # optimizer=auto, short, from scratch
     assert optim.images_per_update(auto, "AdamW", from_weights=True) == 64  # fine-tuning keeps the nominal 64
-    assert optim.images_per_update(auto, "SGD", from_weights=False) == 64  # a long run (auto picked SGD)
+    assert optim.images_per_update(auto, "MuSGD", from_weights=False) == 64  # a long run (auto picked MuSGD)
     assert optim.images_per_update(make_cfg({"optimizer": "AdamW"}), "AdamW", False) == 64  # chosen by the user
     assert optim.images_per_update(make_cfg({"nbs": 32}), "AdamW", False) == 32  # a number is kept
     # weight decay is given per 64 images with nbs=auto, per nbs images otherwise
