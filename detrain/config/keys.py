@@ -8,7 +8,7 @@ a unit test fails when the shipped file differs). Keys stay flat where users giv
 ``cfg.train.epochs``. No key is named like a section.
 
 >>> SECTION_OF["epochs"], SPECS["lrf"].low, SPECS["lrf"].high, SPECS["optimizer"].choices
-('train', 0.0, 1.0, ('auto', 'SGD', 'AdamW', 'Adam'))
+('train', 0.0, 1.0, ('auto', 'SGD', 'AdamW', 'Adam', 'MuSGD'))
 >>> SPECS["epochs"].commands, SPECS["imgsz"].commands, COMMAND_KEYS["info"]
 (('train',), ('val', 'predict', 'export', 'info', 'train'), ('model', 'weights_sha256', 'imgsz', 'verbose'))
 """
@@ -178,11 +178,14 @@ class Train:
     patience: int = key(100, "stop after this many epochs without a better fitness (0 = never stop early)", low=0)
     resume: bool | str = key(False, "true (resume the last run of project/name) or a path to weights/last.pt")
     optimizer: str = key(
-        "auto", "SGD, AdamW or auto (AdamW for short runs, SGD for long ones)", choices=("auto", "SGD", "AdamW", "Adam")
+        "auto",
+        "SGD, AdamW, Adam, MuSGD (SGD plus Muon: each weight matrix's update orthogonalised) or auto (AdamW "
+        "up to 10,000 planned updates, MuSGD at lr0 0.01, momentum 0.9 above; as Ultralytics 8.4)",
+        choices=("auto", "SGD", "AdamW", "Adam", "MuSGD"),
     )
     lr0: float = key(0.01, "initial learning rate", low=0.0)
     lrf: float = key(0.01, "final learning rate as a fraction of lr0", low=0.0, high=1.0)
-    momentum: float = key(0.937, "SGD momentum (nesterov) or AdamW beta1", low=0.0, high=1.0)
+    momentum: float = key(0.937, "SGD/MuSGD momentum (nesterov; warmup ends at it) or AdamW beta1", low=0.0, high=1.0)
     weight_decay: float = key(0.0005, "weight decay at the nominal batch size (nbs; 64 with nbs=auto)", low=0.0)
     warmup_epochs: float = key(3.0, "warmup length in epochs (at most epochs - 1; 0 = off)", low=0.0)
     warmup_momentum: float = key(0.8, "momentum at the start of warmup", low=0.0, high=1.0)

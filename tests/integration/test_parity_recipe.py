@@ -130,16 +130,30 @@ def test_parameter_groups_match(ul, name, iterations):
     assert dopt.param_groups[0]["lr"] == uargs.warmup_bias_lr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Ultralytics 8.4 picks MuSGD (Muon + SGD) for long auto runs; detrain keeps "
-    "SGD at lr0 (no Muon implementation)",
-)
-def test_auto_long_run_picks_the_same_optimizer(ul):
-    cfg = make_cfg({"optimizer": "auto"})
-    uopt, _ = _ultralytics_optimizer(ul, cfg, ul.DetectionModel("yolov8n.yaml", nc=NC, verbose=False), 20_000, 5e-4)
-    dopt, _, _ = optim.build_optimizer(build_model("n.yaml", nc=NC, verbose=False)[0], cfg, NC, 20_000, 5e-4)
-    assert type(dopt).__name__ == type(uopt).__name__
+@pytest.mark.parametrize(("ours", "theirs"), [("n.yaml", "yolov8n.yaml"), ("yolo11n.yaml", "yolo11n.yaml")])
+def test_auto_long_run_picks_the_same_optimizer(ul, ours, theirs):
+    # above 10,000 planned updates both pick MuSGD at lr 0.01 and momentum 0.9, whatever lr0 and momentum say and
+    # whatever the family, with the same eight groups (members, lr, weight decay, momentum, Muon or not)
+    cfg = make_cfg({"optimizer": "auto", "lr0": 0.02, "momentum": 0.95})
+    umodel = ul.DetectionModel(theirs, nc=NC, verbose=False)
+    dmodel = build_model(ours, nc=NC, verbose=False)[0]
+    uopt, uargs = _ultralytics_optimizer(ul, cfg, umodel, 20_000, 5e-4)
+    dopt, dname, dlr = optim.build_optimizer(dmodel, cfg, NC, 20_000, 5e-4)
+    assert type(dopt).__name__ == type(uopt).__name__ == dname == uargs.optimizer == "MuSGD"
+    assert dlr == uargs.lr0 == 0.01 and (dopt.muon, dopt.sgd) == (uopt.muon, uopt.sgd)
+    frozen = {n for n, p in umodel.named_parameters() if not p.requires_grad}  # the DFL projection: detrain omits it
+    unames = {id(p): n for n, p in umodel.named_parameters()}
+    dnames = {id(p): n for n, p in dmodel.named_parameters()}
+    assert len(dopt.param_groups) == len(uopt.param_groups) == 8
+    for dg, ug in zip(dopt.param_groups, uopt.param_groups):
+        theirs = [unames[id(p)] for p in ug["params"] if unames[id(p)] not in frozen]
+        assert [dnames[id(p)] for p in dg["params"]] == theirs
+        for key in ("param_group", "lr", "momentum", "weight_decay", "nesterov", "use_muon"):
+            assert dg.get(key) == ug.get(key), (ug["param_group"], key)
+    assert {g["lr"] for g in dopt.param_groups} == {0.01, 0.03}
+    # auto starts the bias warmup at 0 in both (Ultralytics by rewriting warmup_bias_lr; detrain in apply_warmup)
+    optim.apply_warmup(dopt, cfg, 0, 10, 1.0, dlr, cfg.train.momentum, 1)
+    assert {g["lr"] for g in dopt.param_groups if g["param_group"] == "bias"} == {uargs.warmup_bias_lr} == {0.0}
 
 
 @pytest.mark.parametrize(

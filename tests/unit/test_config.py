@@ -60,7 +60,7 @@ def test_cli_strings_are_coerced():
         ({"epoch": 3}, "unknown argument 'epoch'; did you mean 'epochs'?"),
         ({"imgsz": "abc"}, "invalid value for 'imgsz': 'abc'; expected an integer"),
         ({"imgsz": 100}, "multiple of 32"),
-        ({"optimizer": "sgdd"}, "expected one of auto, SGD, AdamW, Adam"),
+        ({"optimizer": "sgdd"}, "expected one of auto, SGD, AdamW, Adam, MuSGD"),
         ({"lrf": 2}, "from 0.0 to 1.0"),
         ({"amp": "maybe"}, "expected true or false"),
         ({"cache": "gpu"}, "expected one of false, ram, disk"),

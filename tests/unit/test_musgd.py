@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from detrain.config.cfg import make_cfg
+from detrain.engine.train import optim
 from detrain.engine.train.musgd import (
     MuSGD,
     apply_group_warmup,
-    auto_choice_musgd,
     build_musgd,
     muon_directions,
     musgd_param_groups,
@@ -153,9 +153,9 @@ def test_groups_by_role_with_the_head_class_branches_at_three_times_the_lr() -> 
 
 def test_auto_picks_musgd_only_above_10000_updates() -> None:
     auto = make_cfg({"optimizer": "auto"})
-    assert auto_choice_musgd(auto, 80, 10_001) == ("MuSGD", 0.01, 0.9)
-    assert auto_choice_musgd(auto, 80, 10_000) == ("AdamW", round(0.002 * 5 / 84, 6), 0.9)
-    assert auto_choice_musgd(make_cfg({"optimizer": "SGD", "lr0": 0.02}), 80, 50_000) == ("SGD", 0.02, 0.937)
+    assert optim.auto_choice(auto, 80, 10_001) == ("MuSGD", 0.01, 0.9)
+    assert optim.auto_choice(auto, 80, 10_000) == ("AdamW", round(0.002 * 5 / 84, 6), 0.9)
+    assert optim.auto_choice(make_cfg({"optimizer": "SGD", "lr0": 0.02}), 80, 50_000) == ("SGD", 0.02, 0.937)
 
 
 def test_group_warmup_end_points() -> None:

@@ -8,6 +8,7 @@ from torch import nn
 from detrain.config.cfg import make_cfg
 from detrain.engine.train import optim
 from detrain.engine.train.ema import ModelEMA
+from detrain.engine.train.musgd import MuSGD
 
 
 def _net() -> nn.Module:
@@ -26,18 +27,47 @@ def test_three_groups_decay_only_on_weights():
     assert opt.defaults["nesterov"]
 
 
-def test_auto_picks_adamw_for_short_runs_and_sgd_for_long_ones():
-    cfg = make_cfg()
+def test_auto_picks_adamw_for_short_runs_and_musgd_for_long_ones():
+    cfg = make_cfg({"lr0": 0.02, "momentum": 0.95})  # auto ignores both
     _, short, lr = optim.build_optimizer(_net(), cfg, nc=80, total_iterations=100, weight_decay=0.0)
-    _, long, _ = optim.build_optimizer(_net(), cfg, nc=80, total_iterations=20_000, weight_decay=0.0)
-    assert (short, long) == ("AdamW", "SGD") and lr == round(0.01 / 84, 6)
+    opt, long, long_lr = optim.build_optimizer(_net(), cfg, nc=80, total_iterations=20_000, weight_decay=0.0)
+    assert (short, long) == ("AdamW", "MuSGD") and lr == round(0.01 / 84, 6)
+    assert isinstance(opt, MuSGD) and long_lr == 0.01 and {g["momentum"] for g in opt.param_groups} == {0.9}
+    assert [g["param_group"] for g in opt.param_groups] == [r for r in ("weight", "bn", "bias", "muon") for _ in "12"]
+
+
+def test_musgd_by_name_in_any_case_with_lr0_and_momentum_as_given():
+    for spelling in ("MuSGD", "musgd", "MUSGD"):
+        cfg = make_cfg({"optimizer": spelling, "lr0": 0.02})
+        assert cfg.train.optimizer == "MuSGD"
+        opt, name, lr = optim.build_optimizer(_net(), cfg, nc=2, total_iterations=10, weight_decay=5e-4)
+        assert (name, lr, type(opt)) == ("MuSGD", 0.02, MuSGD)
+        muon = [g for g in opt.param_groups if g["use_muon"] and g["params"]]
+        assert len(muon) == 1 and len(muon[0]["params"]) == 2 and muon[0]["weight_decay"] == 5e-4
+        assert {g["momentum"] for g in opt.param_groups} == {0.937} and all(g["nesterov"] for g in opt.param_groups)
+
+
+def test_warmup_hands_musgd_to_its_per_group_rule():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    net.head = nn.Module()
+    net.head.cv3 = nn.Conv2d(4, 2, 1)  # a class branch: 3x lr
+    for name, bias_start in (("MuSGD", 0.1), ("auto", 0.0)):  # auto: no bias-lr kick, as for AdamW
+        cfg = make_cfg({"optimizer": name, "lr0": 0.01})
+        opt, _, _ = optim.build_optimizer(net, cfg, nc=2, total_iterations=20_000, weight_decay=0.0)
+        assert optim.apply_warmup(opt, cfg, 0, 10, 1.0, 123.0, 0.95, 4) == 1  # lr0 is not read for MuSGD
+        lrs = {(g["param_group"], g["lr"]) for g in opt.param_groups if g["params"]}
+        assert lrs == {("bias", bias_start), ("bn", 0.0), ("muon", 0.0)}
+        assert optim.apply_warmup(opt, cfg, 10, 10, 0.5, 123.0, 0.95, 4) == 4
+        ends = sorted((g["param_group"], round(g["lr"], 12)) for g in opt.param_groups if g["params"])
+        assert ends == [("bias", 0.005), ("bias", 0.015), ("bn", 0.005), ("muon", 0.005), ("muon", 0.015)]
+        assert {g["momentum"] for g in opt.param_groups} == {0.95}
 
 
 def test_short_runs_from_scratch_update_every_batch_and_the_rest_gather_64_images():
     auto = make_cfg({"batch": 16})
     assert optim.images_per_update(auto, "AdamW", from_weights=False) == 16  # optimizer=auto, short, from scratch
     assert optim.images_per_update(auto, "AdamW", from_weights=True) == 64  # fine-tuning keeps the nominal 64
-    assert optim.images_per_update(auto, "SGD", from_weights=False) == 64  # a long run (auto picked SGD)
+    assert optim.images_per_update(auto, "MuSGD", from_weights=False) == 64  # a long run (auto picked MuSGD)
     assert optim.images_per_update(make_cfg({"optimizer": "AdamW"}), "AdamW", False) == 64  # chosen by the user
     assert optim.images_per_update(make_cfg({"nbs": 32}), "AdamW", False) == 32  # a number is kept
     # weight decay is given per 64 images with nbs=auto, per nbs images otherwise
@@ -49,7 +79,7 @@ def test_updates_counted_for_the_auto_choice_as_ultralytics_counts_them():
     assert optim.planned_updates(make_cfg({"epochs": 30}), 400) == 7 * 30
     assert optim.planned_updates(make_cfg({"epochs": 2, "batch": 128}), 400) == 4 * 2
     assert optim.auto_choice(make_cfg(), nc=80, updates=10_000)[0] == "AdamW"
-    assert optim.auto_choice(make_cfg(), nc=80, updates=10_001) == ("SGD", 0.01, 0.937)
+    assert optim.auto_choice(make_cfg({"lr0": 0.02}), nc=80, updates=10_001) == ("MuSGD", 0.01, 0.9)
     assert optim.auto_choice(make_cfg({"optimizer": "SGD", "lr0": 0.02}), nc=80, updates=5) == ("SGD", 0.02, 0.937)
 
 

@@ -183,7 +183,8 @@ def test_musgd_groups_and_steps_agree_with_ultralytics(ul: SimpleNamespace, layo
     from ultralytics.engine.trainer import BaseTrainer
 
     from detrain.config.cfg import make_cfg
-    from detrain.engine.train.musgd import apply_group_warmup, auto_choice_musgd, build_musgd
+    from detrain.engine.train.musgd import apply_group_warmup, build_musgd
+    from detrain.engine.train.optim import auto_choice
 
     torch.manual_seed(0)
     theirs_model = _Tiny().to(memory_format=layout)
@@ -192,7 +193,7 @@ def test_musgd_groups_and_steps_agree_with_ultralytics(ul: SimpleNamespace, layo
 
     # optimizer=auto over a long run: both pick MuSGD at lr 0.01, momentum 0.9; the same groups in the same order
     their_opt, args = _their_optimizer(BaseTrainer, theirs_model, "auto", 20_000, 0.05)
-    name, lr, momentum = auto_choice_musgd(make_cfg({"optimizer": "auto"}), 6, 20_000)
+    name, lr, momentum = auto_choice(make_cfg({"optimizer": "auto"}), 6, 20_000)
     assert (name, lr) == (args.optimizer, args.lr0) and type(their_opt).__name__ == "MuSGD"
     our_opt = build_musgd(ours_model, lr, momentum, 0.05, head=ours_model.model[-1])
     assert (our_opt.muon, our_opt.sgd) == (their_opt.muon, their_opt.sgd)

@@ -53,7 +53,8 @@ class TrainEvent:
     * ``epochs``: the planned number of epochs;
     * ``metrics``: read-only; empty before the first epoch's end. ``on_train_epoch_end``: ``train/<name>`` for each of
       the model's loss items (``model.loss_names``: box, cls and dfl for YOLOv8/YOLO11, box, cls and l1 for YOLO26;
-      means over the epoch and over every worker) and ``lr/pg0..2``.
+      means over the epoch and over every worker) and ``lr/pg0..2`` (one per parameter group: ``lr/pg0..7`` with
+      MuSGD).
       ``on_model_save`` and ``on_fit_epoch_end``: the epoch's results.csv row (the above, ``metrics/mAP50``,
       ``metrics/mAP50-95``... when validated, and the speed columns). ``on_train_end``: the dict
       ``Model.train()`` returns, without ``save_dir`` (``map50``, ``map``, ``fitness``...);

@@ -1,5 +1,6 @@
 """MuSGD: SGD with, for every matrix and convolution filter, a Muon step added (the update orthogonalised), as
-Ultralytics 8.4 trains long runs with (``optimizer=auto`` above 10,000 planned updates).
+Ultralytics 8.4 trains long runs with (``optimizer=auto`` above 10,000 planned updates: the choice is
+:func:`detrain.engine.train.optim.auto_choice`'s, which builds it with :func:`build_musgd`).
 
 Muon replaces a weight matrix's momentum by the nearest semi-orthogonal matrix (all singular values about 1,
 found by five quintic Newton-Schulz iterations in bfloat16): every direction the gradient spans moves at the
@@ -28,14 +29,10 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from detrain.config.cfg import Cfg
-from detrain.engine.train.optim import AUTO_LONG_RUN, auto_choice
-
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # quintic coefficients: the steepest rise of small singular values to ~1
 NEWTON_SCHULZ_STEPS = 5
 MUON_GAIN, SGD_GAIN = 0.2, 1.0  # the two steps' shares of lr, as Ultralytics' trainer builds MuSGD
 HEAD_CLS_LR_GAIN = 3.0  # the head's class branches learn 3x faster (a new task's classes adapt quickly)
-AUTO_MUSGD = ("MuSGD", 0.01, 0.9)  # optimizer=auto for long runs: name, lr0, momentum
 MAX_ROW_SPAN = 16  # rows in one batched orthogonalisation span at most this factor
 
 
@@ -247,20 +244,6 @@ def build_musgd(
     return optimizer
 
 
-def auto_choice_musgd(cfg: Cfg, nc: int, updates: int) -> tuple[str, float, float]:
-    """(optimizer, lr0, momentum) as Ultralytics 8.4 chooses: for ``optimizer=auto`` MuSGD at lr 0.01 and
-    momentum 0.9 above 10,000 planned updates; otherwise :func:`detrain.engine.train.optim.auto_choice` (AdamW at
-    a class-count-fit rate for short auto runs, or the optimizer given).
-
-    >>> from detrain.config.cfg import make_cfg
-    >>> auto_choice_musgd(make_cfg(), nc=8, updates=20_000), auto_choice_musgd(make_cfg(), nc=8, updates=210)
-    (('MuSGD', 0.01, 0.9), ('AdamW', 0.000833, 0.9))
-    """
-    if cfg.train.optimizer == "auto" and updates > AUTO_LONG_RUN:
-        return AUTO_MUSGD
-    return auto_choice(cfg, nc, updates)
-
-
 def apply_group_warmup(
     optimizer: torch.optim.Optimizer,
     ni: int,
@@ -272,9 +255,9 @@ def apply_group_warmup(
 ) -> None:
     """Warmup for groups tagged with ``param_group`` (MuSGD's): at iteration ``ni`` of ``n_warmup`` each group's lr
     rises from 0 (``bias`` groups: falls from ``bias_lr_start``) to its own ``initial_lr * epoch_factor``, and
-    momentum from ``momentum_start`` to ``momentum``. Ultralytics' rule; :func:`detrain.engine.train.optim.
-    apply_warmup` finds the bias group by position and warms every group to one lr0, which fits its own three
-    groups but not MuSGD's eight.
+    momentum from ``momentum_start`` to ``momentum``. Ultralytics' rule. :func:`detrain.engine.train.optim.
+    apply_warmup` hands MuSGD here: its own way (the bias group by position, every group to one lr0) fits its
+    three groups but not MuSGD's eight.
 
     >>> opt = build_musgd(nn.Sequential(nn.Linear(4, 4)), lr=0.01, momentum=0.9, weight_decay=0.0)
     >>> apply_group_warmup(opt, 5, 10, 1.0, bias_lr_start=0.1, momentum_start=0.8, momentum=0.9)

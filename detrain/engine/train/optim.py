@@ -1,4 +1,8 @@
-"""Optimizer, learning-rate schedule and warmup: the recipe YOLO users know, as plain functions."""
+"""Optimizer, learning-rate schedule and warmup: the recipe YOLO users know, as plain functions.
+
+SGD, Adam and AdamW train over three parameter groups built here; MuSGD over its own eight
+(:mod:`detrain.engine.train.musgd`), which warm up per group.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,11 @@ import torch
 from torch import nn
 
 from detrain.config.cfg import Cfg
+from detrain.engine.train.musgd import MuSGD, apply_group_warmup, build_musgd
 
 NOMINAL_BATCH = 64  # images per update that lr0 and weight_decay are given for (nbs=auto)
-AUTO_LONG_RUN = 10_000  # optimizer=auto: above this many updates SGD, else AdamW
+AUTO_LONG_RUN = 10_000  # optimizer=auto: above this many updates MuSGD, else AdamW
+AUTO_LONG = ("MuSGD", 0.01, 0.9)  # optimizer=auto for long runs: name, lr0, momentum (Ultralytics 8.4's choice)
 
 
 def planned_updates(cfg: Cfg, n_images: int) -> int:
@@ -28,17 +34,18 @@ def planned_updates(cfg: Cfg, n_images: int) -> int:
 
 def auto_choice(cfg: Cfg, nc: int, updates: int) -> tuple[str, float, float]:
     """(optimizer, lr0, momentum) the run trains with: as given, or for ``optimizer=auto`` AdamW at a
-    class-count-fit rate for short runs (``updates`` up to 10,000), where SGD has no time to settle, and SGD at
-    ``lr0`` for long ones.
+    class-count-fit rate for short runs (``updates`` up to 10,000), where SGD has no time to settle, and MuSGD at
+    lr0 0.01 and momentum 0.9 for long ones, whatever ``lr0`` and ``momentum`` say and whatever the model family:
+    Ultralytics 8.4's choice, so an auto run trains as it would there.
 
     >>> from detrain.config.cfg import make_cfg
-    >>> auto_choice(make_cfg(), nc=8, updates=210)
-    ('AdamW', 0.000833, 0.9)
+    >>> auto_choice(make_cfg(), nc=8, updates=210), auto_choice(make_cfg(), nc=8, updates=20_000)
+    (('AdamW', 0.000833, 0.9), ('MuSGD', 0.01, 0.9))
     """
     if cfg.train.optimizer != "auto":
         return cfg.train.optimizer, cfg.train.lr0, cfg.train.momentum
     if updates > AUTO_LONG_RUN:
-        return "SGD", cfg.train.lr0, cfg.train.momentum
+        return AUTO_LONG
     return "AdamW", round(0.002 * 5 / (4 + nc), 6), 0.9
 
 
@@ -71,9 +78,13 @@ def build_optimizer(
     model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, weight_decay: float
 ) -> tuple[torch.optim.Optimizer, str, float]:
     """Three parameter groups: weights with decay, BatchNorm weights and biases without; the optimizer, lr0
-    and momentum of :func:`auto_choice` for ``total_iterations`` planned updates.
-    Returns (optimizer, name, lr0 actually used).
+    and momentum of :func:`auto_choice` for ``total_iterations`` planned updates. MuSGD builds its own eight
+    groups (:func:`detrain.engine.train.musgd.build_musgd`: Muon for matrices and filters, the head's class
+    branches at 3x lr0). Returns (optimizer, name, lr0 actually used).
     """
+    name, lr, momentum = auto_choice(cfg, nc, total_iterations)
+    if name == "MuSGD":
+        return build_musgd(model, lr, momentum, weight_decay), name, lr
     decay, no_decay_bn, biases = [], [], []
     norm_types = tuple(v for k, v in nn.__dict__.items() if "Norm" in k and isinstance(v, type))
     for module in model.modules():
@@ -86,7 +97,6 @@ def build_optimizer(
                 no_decay_bn.append(p)
             else:
                 decay.append(p)
-    name, lr, momentum = auto_choice(cfg, nc, total_iterations)
     groups = [
         {"params": biases, "weight_decay": 0.0},
         {"params": decay, "weight_decay": weight_decay},
@@ -179,12 +189,18 @@ def apply_warmup(
     short runs (fine-tuning), where a bias step of 0.1 would wreck pretrained weights in the first iteration.
     SGD's momentum rises from ``warmup_momentum`` to ``momentum``; Adam's and AdamW's betas are left as built,
     as in Ultralytics' recipe (their bias correction already tempers the first steps).
+    MuSGD's groups each rise to their own lr (the head's class branches to 3x), its bias groups found by name
+    (:func:`detrain.engine.train.musgd.apply_group_warmup`); ``lr0`` is not read there.
     With warmup off (``n_warmup`` 0) nothing is touched and the accumulation is ``accumulate_target``.
     """
     if n_warmup <= 0:
         return max(1, round(accumulate_target))
     xi = [0, n_warmup]
     accumulate = max(1, int(np.interp(ni, xi, [1, accumulate_target]).round()))
+    if isinstance(optimizer, MuSGD):
+        bias_start = 0.0 if cfg.train.optimizer == "auto" else cfg.train.warmup_bias_lr
+        apply_group_warmup(optimizer, ni, n_warmup, epoch_factor, bias_start, cfg.train.warmup_momentum, momentum)
+        return accumulate
     for j, group in enumerate(optimizer.param_groups):
         start = cfg.train.warmup_bias_lr if (j == 0 and cfg.train.optimizer != "auto") else 0.0
         group["lr"] = float(np.interp(ni, xi, [start, lr0 * epoch_factor]))

@@ -247,7 +247,7 @@ class Trainer:
             unwrap(self.model), cfg, self.nc, total_iters, weight_decay
         )
         first = self.optimizer.param_groups[0]
-        self.momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # SGD or Adam(W)
+        self.momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # (Mu)SGD or Adam(W)
         self.lf = optim.lr_lambda(cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
         return opt_name, weight_decay
@@ -282,8 +282,13 @@ class Trainer:
         if not self.main:
             return
         plan, world_size = self.plan, self.world.world_size
+        momentum = f"{self.momentum:g}"
+        warmed = self.cfg.train.momentum  # where warmup takes (Mu)SGD's momentum (auto builds MuSGD at 0.9)
+        lifted = "momentum" in self.optimizer.param_groups[0] and warmed != self.momentum
+        if lifted and optim.warmup_iterations(self.cfg, self.nb) > 0:
+            momentum += f" (warmup lifts it to {warmed:g})"
         console.print(
-            f"optimizer: {opt_name} lr0={self.lr0:g} momentum={self.momentum:g} "
+            f"optimizer: {opt_name} lr0={self.lr0:g} momentum={momentum} "
             f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
             f"images; {world_size} worker(s) on {self.device.type}"
         )
@@ -365,9 +370,16 @@ class Trainer:
         ``accumulate`` batches have gathered since the last one; its loss items averaged over the ranks, its size."""
         ni = i + self.nb * epoch
         accumulate = self.accumulate_target
-        if ni <= n_warmup:
+        if ni <= n_warmup:  # momentum rises to the key's value, as Ultralytics (auto's MuSGD is built at 0.9)
             accumulate = optim.apply_warmup(
-                self.optimizer, self.cfg, ni, n_warmup, self.lf(epoch), self.lr0, self.momentum, self.accumulate_target
+                self.optimizer,
+                self.cfg,
+                ni,
+                n_warmup,
+                self.lf(epoch),
+                self.lr0,
+                self.cfg.train.momentum,
+                self.accumulate_target,
             )
         # updates are counted over the run, so gradients may wait across an epoch's end (accumulation.py)
         will_step = ni - self.last_update >= accumulate
