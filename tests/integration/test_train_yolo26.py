@@ -77,7 +77,9 @@ def test_the_branch_weights_follow_the_planned_epochs() -> None:
     assert first == pytest.approx((0.8, 0.2)) and criterion.weights == pytest.approx((0.1, 0.9))
 
 
-def test_val_and_predict_are_nms_free_and_nms_true_uses_the_other_branch(run: tuple[Path, Path], tmp_path: Path) -> None:
+def test_val_and_predict_are_nms_free_and_nms_true_uses_the_other_branch(
+    run: tuple[Path, Path], tmp_path: Path
+) -> None:
     data, save_dir = run
     best = str(save_dir / "weights" / "best.pt")
     kw = dict(data=str(data), imgsz=64, batch=4, device="cpu", plots=False, verbose=False)
