@@ -118,7 +118,8 @@ def test_every_scale_equals_ultralytics_key_by_key(ul, scale: str) -> None:
 
 
 def test_training_maps_of_both_branches_equal_ultralytics(ul) -> None:
-    """The whole network in training mode (SPPF's and C3k2's YOLO26 forms inside it) against Ultralytics' own."""
+    """The whole network against Ultralytics' own: every layer's output (the head's raw maps of both branches, in
+    training mode), so a difference deep in the body shows where it is, not attenuated by the layers after it."""
     YOLO, _, _ = ul
     torch.manual_seed(0)
     theirs = _trained_looking(YOLO("yolo26n.yaml").model)
@@ -128,8 +129,22 @@ def test_training_maps_of_both_branches_equal_ultralytics(ul) -> None:
     # BatchNorm in eval (same statistics on both sides), the heads in training mode: the raw maps of both branches
     theirs.eval().model[-1].training = True
     ours.eval().head.training = True
-    with torch.no_grad():
-        want, got = theirs(x), ours(x)
+    outputs: dict[str, list] = {"ours": [], "theirs": []}
+    hooks = [
+        layer.register_forward_hook(lambda _m, _i, out, side=side: outputs[side].append(out))
+        for side, net in (("ours", ours), ("theirs", theirs))
+        for layer in list(net.model)[:-1]
+    ]
+    try:
+        with torch.no_grad():
+            want, got = theirs(x), ours(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(outputs["ours"]) == len(outputs["theirs"]) == 23
+    for i, (a, b) in enumerate(zip(outputs["ours"], outputs["theirs"])):
+        scale = float(b.abs().max()) or 1.0
+        assert float((a - b).abs().max()) <= 1e-5 * scale + 1e-6, f"layer {i}"
     assert isinstance(got, E2EHeadMaps)
     for branch in ("one2many", "one2one"):
         maps = getattr(got, branch)
