@@ -1,8 +1,9 @@
 """YOLO11's own blocks: C3k and C3k2 (CSP blocks around 3x3 bottlenecks), and C2PSA, a CSP block around
-position-sensitive self-attention (Attention, PSABlock) that YOLO11 runs once on the stride-32 map.
+position-sensitive self-attention (Attention, PSABlock) that YOLO11 runs once on the stride-32 map. YOLO26 uses
+the same blocks, and one more form of C3k2 whose inner blocks carry a PSABlock each.
 
 As in :mod:`detrain.nn.modules`, attribute names and nesting are Ultralytics' (``cv1``/``cv2``/``cv3``/``m``,
-``attn``/``ffn``, ``qkv``/``proj``/``pe``), so the state-dict keys of a YOLO11 checkpoint load by name.
+``attn``/``ffn``, ``qkv``/``proj``/``pe``), so the state-dict keys of YOLO11 and YOLO26 checkpoints load by name.
 """
 
 from __future__ import annotations
@@ -37,21 +38,31 @@ class C3k(nn.Module):
 
 class C3k2(C2f):
     """C2f's wiring around other inner blocks: half-width Bottlenecks (3x3 convs over half the channels,
-    residual), or with ``c3k`` a C3k each.
+    residual), or with ``c3k`` a C3k each, or with ``attn`` (YOLO26) a half-width Bottleneck followed by a
+    PSABlock (one attention head per 64 channels); ``attn`` wins over ``c3k``, as in Ultralytics' builder.
 
     >>> C3k2(16, 32, n=1, c3k=True)(torch.zeros(1, 16, 8, 8)).shape
     torch.Size([1, 32, 8, 8])
     >>> inner = C3k2(16, 32, n=1).m[0]  # works on 16 of the 32 channels, its 3x3 convs 8 wide
     >>> type(inner).__name__, inner.cv1.conv.out_channels
     ('Bottleneck', 8)
+    >>> [type(m).__name__ for m in C3k2(128, 128, n=1, attn=True).m[0]]
+    ['Bottleneck', 'PSABlock']
     """
 
-    def __init__(self, c1: int, c2: int, n: int = 1, c3k: bool = False, e: float = 0.5, shortcut: bool = True) -> None:
+    def __init__(
+        self, c1: int, c2: int, n: int = 1, c3k: bool = False, e: float = 0.5, attn: bool = False, shortcut: bool = True
+    ) -> None:
         def block(c: int) -> nn.Module:
+            if attn:
+                return nn.Sequential(
+                    Bottleneck(c, c, shortcut, e=0.5), PSABlock(c, attn_ratio=0.5, num_heads=max(c // 64, 1))
+                )
             return C3k(c, c, 2, shortcut) if c3k else Bottleneck(c, c, shortcut, e=0.5)
 
         super().__init__(c1, c2, n, shortcut, e, block=block)
-        self.c3k = c3k
+        self.c3k = c3k and not attn  # what the inner blocks are: C3k only without attention
+        self.attn = attn
 
 
 class Attention(nn.Module):

@@ -105,6 +105,8 @@ class DetectE2E(nn.Module):
         >>> head.one2one_cv2[0][2].bias.tolist()[0], bool(head.cv3[2][2].bias[0] < -5)
         (2.0, True)
         """
+        if self.stride.is_meta:  # a head built for its shapes only (see model_from_checkpoint): no values to set
+            return
         with torch.no_grad():
             for boxes, classes in ((self.cv2, self.cv3), (self.one2one_cv2, self.one2one_cv3)):
                 for box, cls, s in zip(boxes, classes, self.stride.tolist()):

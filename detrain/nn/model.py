@@ -1,8 +1,9 @@
-"""DetectionModel: a YOLOv8- or YOLO11-class detector built from a model yaml at a scale (n/s/m/l/x).
+"""DetectionModel: a YOLOv8-, YOLO11- or YOLO26-class detector built from a model yaml at a scale (n/s/m/l/x).
 
 The layers live in ``self.model`` (an ``nn.Sequential`` indexed as in the yaml), so state-dict keys are
 ``model.<i>.…`` exactly as in Ultralytics' checkpoints. The yaml format is Ultralytics' (the packaged
-``cfg/models/yolov8.yaml`` and ``yolo11.yaml``, or the dict a checkpoint records), read by our own builder.
+``cfg/models/yolov8.yaml``, ``yolo11.yaml`` and ``yolo26.yaml``, or the dict a checkpoint records), read by our
+own builder. A yaml that sets ``end2end`` (YOLO26) gets the end-to-end head (:class:`detrain.nn.head_e2e.DetectE2E`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ from detrain.assets import asset_dir
 from detrain.errors import ConfigError
 from detrain.nn.blocks11 import C2PSA, C3k2
 from detrain.nn.head import Criterion, Head, InferenceOptions, LossGains
+from detrain.nn.head_e2e import DetectE2E
 from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Detect, Upsample
 
 DEFAULT_SCALE = "n"
 DEFAULT_NC = 80
 SCALES = ("n", "s", "m", "l", "x")
 ARCHITECTURE = "yolov8.yaml"  # the packaged default architecture; DetectionModel() builds it at DEFAULT_SCALE
-FAMILIES = ("yolov8", "yolo11")  # the packaged architectures: cfg/models/<family>.yaml
+FAMILIES = ("yolov8", "yolo11", "yolo26")  # the packaged architectures: cfg/models/<family>.yaml
 # The bundled scale names, and the only file names whose last letter means a scale: n.yaml ... x.yaml,
-# yolov8n.yaml ... yolov8x.yaml and yolo11n.yaml ... yolo11x.yaml. A letter at the end of any other name
-# means nothing (model.yaml is not L).
-_BUNDLED_SCALE_NAME = re.compile(r"^(?P<family>yolov8|yolo11)?(?P<scale>[nsmlx])\.ya?ml$")
+# yolov8n.yaml ... yolov8x.yaml, yolo11n.yaml ... yolo11x.yaml and yolo26n.yaml ... yolo26x.yaml. A letter at
+# the end of any other name means nothing (model.yaml is not L).
+_BUNDLED_SCALE_NAME = re.compile(r"^(?P<family>yolov8|yolo11|yolo26)?(?P<scale>[nsmlx])\.ya?ml$")
 # The blocks that make a yaml YOLO11's rather than YOLOv8's (both share Conv, SPPF, Concat, Upsample, Detect).
 _YOLO11_BLOCKS = frozenset({"C3k2", "C2PSA"})
 
@@ -42,11 +44,13 @@ def _packaged_models_dir() -> Path:
 
 def packaged_architecture(name: str | Path = "") -> Path:
     """The packaged architecture yaml a bundled name builds (a file of the same name in the working directory
-    does not stand in for it): ``yolo11n.yaml`` -> ``yolo11.yaml``; ``n.yaml``, ``yolov8s.yaml`` or no name ->
-    ``yolov8.yaml``.
+    does not stand in for it): ``yolo11n.yaml`` -> ``yolo11.yaml``, ``yolo26n.yaml`` -> ``yolo26.yaml``;
+    ``n.yaml``, ``yolov8s.yaml`` or no name -> ``yolov8.yaml``.
 
-    >>> packaged_architecture("yolo11s.yaml").name, packaged_architecture().name
-    ('yolo11.yaml', 'yolov8.yaml')
+    >>> packaged_architecture("yolo11s.yaml").name, packaged_architecture("yolo26x.yaml").name
+    ('yolo11.yaml', 'yolo26.yaml')
+    >>> packaged_architecture().name
+    'yolov8.yaml'
     """
     match = _BUNDLED_SCALE_NAME.match(Path(name).name)
     family = match["family"] if match and match["family"] else FAMILIES[0]
@@ -65,12 +69,14 @@ def bundled_scale(name: str | Path) -> str | None:
 
 
 def family(d: dict) -> str:
-    """The family of an architecture dict: ``"yolo26"`` for an end-to-end (NMS-free) one, which detrain reads but
-    does not build; ``"yolo11"`` when it uses YOLO11's blocks (C3k2, C2PSA); else ``"yolov8"``. Layers of two
-    families do not correspond, even where a key and shape happen to agree.
+    """The family of an architecture dict: ``"yolo26"`` for an end-to-end (NMS-free) one; ``"yolo11"`` when it
+    uses YOLO11's blocks (C3k2, C2PSA), which YOLO26 shares; else ``"yolov8"``. Layers of two families do not
+    correspond, even where a key and shape happen to agree.
 
     >>> family(load_model_yaml("yolo11n.yaml")[0]), family(load_model_yaml("n.yaml")[0])
     ('yolo11', 'yolov8')
+    >>> family(load_model_yaml("yolo26s.yaml")[0])
+    'yolo26'
     """
     if d.get("end2end"):
         return "yolo26"
@@ -102,7 +108,8 @@ def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
 
     The scale named is the yaml's own ``scale:``, else the one a bundled name implies (:func:`bundled_scale`),
     else None. A bundled name that is not a file (``yolov8s.yaml``, ``s.yaml``, ``yolo11m.yaml``) resolves to
-    its packaged architecture; the packaged ``yolov8.yaml`` and ``yolo11.yaml`` themselves name DEFAULT_SCALE.
+    its packaged architecture; the packaged ``yolov8.yaml``, ``yolo11.yaml`` and ``yolo26.yaml`` themselves name
+    DEFAULT_SCALE.
     A yaml whose ``scale:`` differs from the scale its name implies is a ConfigError: nothing says which of the
     two the user meant.
 
@@ -210,7 +217,6 @@ MAX_REPEATS = 32
 # Top-level yaml keys that change what Ultralytics builds in ways this builder does not follow: refused, never
 # ignored (ignoring them would build another network under the same weight names).
 _UNSUPPORTED_KEYS = {
-    "end2end": "the NMS-free one-to-one head of YOLO26",
     "activation": "a custom activation for every Conv",
 }
 
@@ -220,9 +226,11 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
     """Turn the yaml's backbone + head into layers -> (Sequential, indices whose output is reused, strides).
 
     Strides are traced through the layers rather than measured with a dummy forward, so building even the
-    x scale costs no compute. Two rules follow Ultralytics so its YOLO11 yamls and checkpoints build the
-    same: a C3k2 uses C3k inner blocks at scales m, l and x whatever its own flag says, and a yaml with any
-    C3k2 gets the head's depthwise class branch.
+    x scale costs no compute. Rules that follow Ultralytics so its YOLO11 and YOLO26 yamls and checkpoints build
+    the same: a C3k2 uses C3k inner blocks at scales m, l and x whatever its own flag says (its attention flag
+    still wins), a yaml with any C3k2 gets the head's depthwise class branch, and a yaml that sets ``end2end``
+    gets the end-to-end head (:class:`DetectE2E`; reg_max 1 and the depthwise class branch are the only form
+    detrain builds).
 
     >>> d, _ = load_model_yaml("yolov8.yaml")
     >>> layers, save, strides = build_layers(d, "n", 80); len(layers), strides
@@ -231,6 +239,7 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
     for key, what in _UNSUPPORTED_KEYS.items():
         if d.get(key):
             raise ConfigError(f"model yaml sets {key}: {d[key]!r:.40} ({what}), which detrain does not build")
+    end2end = _end2end(d)
     depth, width, max_channels = _scale_multiples(d, scale)
     reg_max = d.get("reg_max", 16)
     if not isinstance(reg_max, int) or isinstance(reg_max, bool) or not 1 <= reg_max <= 64:
@@ -286,8 +295,8 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
             elif name == "Detect":
                 srcs = [source(i, j) for j in froms]
                 head_strides = [s for _, s in srcs]
-                cls_channels = d.get("head_cls_channels")
-                layer = Detect(nc, [c for c, _ in srcs], head_strides, reg_max, cls_channels, depthwise_cls)
+                head = (reg_max, d.get("head_cls_channels"), depthwise_cls, end2end)
+                layer = _detect_head(nc, [c for c, _ in srcs], head_strides, *head)
                 c_out, s_out = 0, 0.0
             else:
                 c_out = _make_divisible(min(args[0], max_channels) * width)
@@ -300,15 +309,47 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
         layers.append(layer)
         channels.append(c_out)
         strides.append(s_out)
-    if not isinstance(layers[-1], Detect):
+    if not isinstance(layers[-1], (Detect, DetectE2E)):
         raise ConfigError("the last model layer must be Detect")
     return nn.Sequential(*layers), save, head_strides
 
 
+def _end2end(d: dict) -> bool:
+    """The yaml's ``end2end`` switch (absent: False); anything but True, False or nothing is a ConfigError."""
+    value = d.get("end2end")
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"model yaml: end2end must be True or False, got {value!r:.40}")
+    return bool(value)
+
+
+def _detect_head(
+    nc: int,
+    ch: list[int],
+    strides: list[float],
+    reg_max: int,
+    cls_channels: int | None,
+    depthwise_cls: bool,
+    end2end: bool,
+) -> Detect | DetectE2E:
+    """The Detect layer: YOLOv8's / YOLO11's head, or with ``end2end`` YOLO26's (one-to-many and one-to-one
+    branches). Ultralytics can also make an end-to-end head with DFL bins or YOLOv8's class branch; detrain does
+    not build those (a ValueError naming which), rather than build another head under the same weight names."""
+    if not end2end:
+        return Detect(nc, ch, strides, reg_max, cls_channels, depthwise_cls)
+    if reg_max != 1:
+        raise ValueError(f"an end-to-end head with reg_max {reg_max} (DFL bins); detrain builds it with reg_max 1")
+    if not depthwise_cls:
+        raise ValueError(
+            "an end-to-end head with YOLOv8's class branch (the yaml has no C3k2); detrain builds it with the "
+            "depthwise one"
+        )
+    return DetectE2E(nc, ch, strides, cls_channels=cls_channels)
+
+
 def _block(name: str, c_in: int, c_out: int, n: int, args: list, scale: str) -> tuple[nn.Module, int]:
     """A Conv, C2f, C3k2, C2PSA or SPPF layer from its yaml args (output channels already scaled) -> (layer,
-    its stride). Arguments this builder does not follow (YOLO26's SPPF and C3k2 extras) are a ValueError."""
-    most = {"Conv": 3, "C2f": 2, "C3k2": 3, "C2PSA": 1, "SPPF": 2}[name]
+    its stride). More arguments than the module takes are a ValueError."""
+    most = {"Conv": 3, "C2f": 2, "C3k2": 4, "C2PSA": 1, "SPPF": 4}[name]
     if len(args) > most:
         raise ValueError(f"detrain builds {name} from at most {most} arguments")
     if name == "Conv":
@@ -320,12 +361,23 @@ def _block(name: str, c_in: int, c_out: int, n: int, args: list, scale: str) -> 
     if name == "C3k2":
         c3k = scale in ("m", "l", "x") or (bool(args[1]) if len(args) > 1 else False)
         e = float(args[2]) if len(args) > 2 else 0.5
-        return C3k2(c_in, c_out, n, c3k, e), 1
+        return C3k2(c_in, c_out, n, c3k, e, attn=bool(args[3]) if len(args) > 3 else False), 1
     if name == "C2PSA":
         if c_in != c_out:
             raise ValueError(f"C2PSA keeps its width, but it reads {c_in} channels and would write {c_out}")
         return C2PSA(c_in, c_out, n), 1
-    return SPPF(c_in, c_out, int(args[1]) if len(args) > 1 else 5), 1
+    return _sppf(c_in, c_out, args), 1
+
+
+def _sppf(c_in: int, c_out: int, args: list) -> SPPF:
+    """SPPF from ``[channels, k]`` (YOLOv8, YOLO11) or ``[channels, k, n, shortcut]`` (YOLO26). As in Ultralytics
+    8.4, a row with any argument after ``k`` builds the YOLO26 form, whose ``cv1`` has no activation."""
+    k = int(args[1]) if len(args) > 1 else 5
+    pools = int(args[2]) if len(args) > 2 else 3
+    if not 1 <= pools <= MAX_REPEATS:
+        raise ValueError(f"{pools} pooling steps; detrain builds 1 to {MAX_REPEATS}")
+    shortcut = bool(args[3]) if len(args) > 3 else False
+    return SPPF(c_in, c_out, k, pools, shortcut, cv1_act=len(args) <= 2)
 
 
 def initialize_weights(model: nn.Module) -> None:

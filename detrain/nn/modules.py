@@ -189,24 +189,34 @@ class C2f(nn.Module):
 
 
 class SPPF(nn.Module):
-    """Spatial pyramid pooling, fast: three chained max-pools of kernel ``k`` give 5/9/13 receptive fields.
+    """Spatial pyramid pooling, fast: ``n`` chained max-pools of kernel ``k`` (three of 5: 5/9/13 receptive fields),
+    the input and every pooled map concatenated and mixed by ``cv2``.
+
+    YOLOv8 and YOLO11 use the defaults. YOLO26's form (its yaml row names ``n`` and ``shortcut``) leaves ``cv1``
+    linear (``cv1_act=False``, as Ultralytics 8.4 builds any row with those arguments) and, with ``shortcut``
+    and equal widths, adds the input to the output.
 
     >>> SPPF(32, 32)(torch.zeros(1, 32, 4, 4)).shape
     torch.Size([1, 32, 4, 4])
+    >>> SPPF(32, 32, n=2, shortcut=True, cv1_act=False).cv2.conv.in_channels  # 16 channels, pooled twice
+    48
     """
 
-    def __init__(self, c1: int, c2: int, k: int = 5) -> None:
+    def __init__(self, c1: int, c2: int, k: int = 5, n: int = 3, shortcut: bool = False, cv1_act: bool = True) -> None:
         super().__init__()
         hidden = c1 // 2
-        self.cv1 = Conv(c1, hidden, 1)
-        self.cv2 = Conv(hidden * 4, c2, 1)
+        self.cv1 = Conv(c1, hidden, 1, act=cv1_act)
+        self.cv2 = Conv(hidden * (n + 1), c2, 1)
         self.m = nn.MaxPool2d(kernel_size=k, stride=1, padding=k // 2)
+        self.n = n
+        self.add = shortcut and c1 == c2
 
     def forward(self, x: Tensor) -> Tensor:
-        y0 = self.cv1(x)
-        y1 = self.m(y0)
-        y2 = self.m(y1)
-        return self.cv2(torch.cat((y0, y1, y2, self.m(y2)), 1))
+        pooled = [self.cv1(x)]
+        for _ in range(self.n):
+            pooled.append(self.m(pooled[-1]))
+        y = self.cv2(torch.cat(pooled, 1))
+        return x + y if self.add else y
 
 
 class _NearestUpsample(torch.autograd.Function):

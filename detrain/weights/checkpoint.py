@@ -1,7 +1,7 @@
 """Checkpoints: atomic save, safe load, and the model they hold.
 
 A detrain checkpoint is a plain dict of tensors, numbers, strings and containers, so it loads with
-``torch.load(weights_only=True)``: nothing in it can run code. Ultralytics files (YOLOv8, YOLO11) are read by
+``torch.load(weights_only=True)``: nothing in it can run code. Ultralytics files (YOLOv8, YOLO11, YOLO26) are read by
 the restricted unpickler in :mod:`detrain.weights.ultralytics` and converted on the fly; the model is built
 from the architecture a file records, and a file whose weights do not fit it is refused in one line.
 
@@ -125,8 +125,9 @@ def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
 def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
     """Turn :func:`detrain.weights.ultralytics.ultralytics_info`'s dict into a detrain checkpoint.
 
-    The model is described by the architecture yaml the file recorded, so a YOLO11 file builds YOLO11 (and a
-    file of a kind detrain cannot build is refused when its model is built, naming what it does not know).
+    The model is described by the architecture yaml the file recorded, so a YOLO11 file builds YOLO11 and a
+    YOLO26 file YOLO26 (and a file of a kind detrain cannot build is refused when its model is built, naming what
+    it does not know).
     """
     from detrain.nn.model import family
 
@@ -151,9 +152,9 @@ def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
 def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True, source: str = "checkpoint") -> DetectionModel:
     """Build the DetectionModel a checkpoint describes and load its weights (the EMA ones when present).
 
-    An architecture detrain cannot build (an unknown module, YOLO26's end-to-end head) or weights that do not
-    fit it are a one-line CheckpointError that starts with ``source`` (the file, for the user) and names what
-    does not fit: the module, or the first keys with their shapes.
+    An architecture detrain cannot build (an unknown module, an argument or key it does not follow) or weights
+    that do not fit it are a one-line CheckpointError that starts with ``source`` (the file, for the user) and
+    names what does not fit: the module, or the first keys with their shapes.
     """
     meta = ckpt["model"]
     ema = ckpt.get("ema")

@@ -1,5 +1,5 @@
-"""Bare weight names (``n.pt``, ``yolov8s.pt``, ``yolo11n.pt``) -> a local file: current folder, cache, else one
-checked download.
+"""Bare weight names (``n.pt``, ``yolov8s.pt``, ``yolo11n.pt``, ``yolo26n.pt``) -> a local file: current folder,
+cache, else one checked download.
 
 ``resolve_weights("yolov8n.pt")`` looks for ``./yolov8n.pt``, then ``$DETRAIN_WEIGHTS_DIR/yolov8n.pt``
 (default ``~/.cache/detrain/weights``), and only then downloads the COCO-pretrained Ultralytics release file
@@ -15,8 +15,7 @@ any weights file it comes with, local or downloaded.
 The recorded YOLOv8 hashes are those of the ``v0.0.0`` release of ultralytics/assets, the files Ultralytics
 itself mirrors on Hugging Face (``Ultralytics/YOLOv8``, whose Git LFS pointers carry the same sha256 and
 sizes); later releases (v8.1.0 onwards) re-saved the files, so their bytes and hashes differ. YOLO11 files
-come from the ``v8.3.0`` release that introduced them, YOLO26 ones from ``v8.4.0``. A yolo26 file downloads
-and reads, but detrain does not build its end-to-end head yet: loading its model is refused in one line.
+come from the ``v8.3.0`` release that introduced them, YOLO26 ones from ``v8.4.0``.
 
 Environment:
     DETRAIN_WEIGHTS_DIR   the cache folder (default ``~/.cache/detrain/weights``)
@@ -134,7 +133,7 @@ def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True,
 
     An existing path is returned as it is. ``n.pt s.pt m.pt l.pt x.pt`` and ``yolov8n.pt`` ...
     ``yolov8x.pt`` mean the COCO-pretrained YOLOv8 weights of that scale, ``yolo11n.pt`` ... ``yolo11x.pt``
-    the YOLO11 ones (``yolo26n.pt`` ... the YOLO26 ones, whose model detrain does not build yet). Anything
+    the YOLO11 ones, ``yolo26n.pt`` ... ``yolo26x.pt`` the YOLO26 ones. Anything
     else that does not exist raises ``CheckpointError("weights file not found: <path>")``. ``sha256`` (64 hex
     digits), when given, is the hash the file must have, wherever it is found, and the one a download is
     checked against.

@@ -1,4 +1,4 @@
-"""Read Ultralytics detection checkpoints (YOLOv8, YOLO11) without Ultralytics, as plain data for our model.
+"""Read Ultralytics detection checkpoints (YOLOv8, YOLO11, YOLO26) without Ultralytics, as plain data for our model.
 
 An Ultralytics ``.pt`` pickles its whole training state, including Ultralytics classes
 (``ultralytics.nn.tasks.DetectionModel``, ``ultralytics.nn.modules.Conv``, ``...block.C3k2``) and ``torch.nn``

@@ -142,6 +142,32 @@ def test_cli_yolo11n_counts_as_ultralytics_does() -> None:
     assert "C2PSA" in proc.stdout and "[256, 256, 1]" in proc.stdout and "[80, [64, 128, 256]]" in proc.stdout
 
 
+def test_cli_yolo26n_counts_as_ultralytics_does() -> None:
+    """2,572,280 parameters: Ultralytics 8.4.190's yolo26n; the table shows YOLO26's SPPF, attention C3k2 and head."""
+    proc = detrain("info", "model=yolo26n.yaml", "imgsz=640")
+    assert proc.returncode == 0, proc.stderr
+    assert "yolo26n.yaml: scale n: 24 layers" in proc.stdout and "2,572,280 parameters" in proc.stdout
+    assert "6.1 GFLOPs at 640" in proc.stdout  # Ultralytics publishes 6.1 too
+    assert "[256, 256, 5, 3, True]" in proc.stdout  # SPPF: 3 pools, residual
+    assert "[384, 256, 1, False, 'attn']" in proc.stdout  # layer 22: C3k2 with attention
+    assert "[80, [64, 128, 256], 'end2end']" in proc.stdout
+
+
+def test_the_end_to_end_head_is_counted_by_hand_with_both_branches() -> None:
+    """YOLO26n's head at 320 x 640: per level (c_in, map) and per branch (one-to-many, one-to-one) a box branch
+    3x3 c->16, 3x3 16->16, 1x1 16->4 and a class branch depthwise 3x3 c, 1x1 c->80, depthwise 3x3 80, 1x1 80->80,
+    1x1 80->80: both branches run in training, and Ultralytics' published GFLOPs count both."""
+    info = model_info(DetectionModel("yolo26n.yaml"), (320, 640))
+    branch = 0
+    for c, s in ((64, 8), (128, 16), (256, 32)):
+        h, w = 320 // s, 640 // s
+        branch += conv_flops(c, 16, 3, h, w) + conv_flops(16, 16, 3, h, w) + conv_flops(16, 4, 1, h, w)
+        branch += conv_flops(1, c, 3, h, w) + conv_flops(c, 80, 1, h, w)  # depthwise: one input channel per filter
+        branch += conv_flops(1, 80, 3, h, w) + conv_flops(80, 80, 1, h, w) + conv_flops(80, 80, 1, h, w)
+    assert info.table[23].gflops * 1e9 == 2 * branch
+    assert info.gflops == pytest.approx(sum(row.gflops for row in info.table), rel=1e-12)
+
+
 def test_cli_prints_the_layer_table_by_default() -> None:
     table = detrain("info", "model=n.yaml", "imgsz=64")  # verbose=true by default: the per-layer table
     assert table.returncode == 0, table.stderr

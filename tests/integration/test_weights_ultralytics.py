@@ -456,6 +456,25 @@ def test_a_yolo11_file_builds_yolo11_from_the_architecture_it_records(tmp_path: 
         torch.testing.assert_close(net(x), ours(x))
 
 
+def test_a_yolo26_file_builds_yolo26_from_the_architecture_it_records(tmp_path: Path, fake_ultralytics: dict) -> None:
+    from detrain import Model
+    from detrain.nn.head_e2e import DetectE2E
+    from detrain.nn.model import DetectionModel
+
+    torch.manual_seed(0)
+    ours = _half_rounded(DetectionModel("yolo26n.yaml", nc=3, names={0: "a", 1: "b", 2: "c"}).eval())
+    path = _synthetic_file(tmp_path, fake_ultralytics, ours, dict(ours.yaml), "yolo26n_like.pt")
+    records = {type(r).__name__ for r in _records(read_torch_zip(path)["model"])}
+    assert {"C3k2", "PSABlock", "SPPF", "DetectE2E"} <= records  # the file's own class names, read as records
+    loaded = Model(str(path))
+    assert loaded.ckpt is not None and loaded.ckpt["source"] == "yolo26"
+    net = loaded.net.eval()
+    assert net.family == "yolo26" and isinstance(net.head, DetectE2E) and net.head.reg_max == 1
+    x = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), ours(x))
+
+
 def _records(record: InertObject) -> list[InertObject]:
     children = record.attrs().get("_modules") or {}
     return [record] + [r for child in children.values() if child is not None for r in _records(child)]
@@ -505,14 +524,15 @@ def test_convert_refuses_what_it_could_not_build_and_writes_nothing(
     from detrain.cli import main as cli_main
     from detrain.nn.model import DetectionModel
 
-    ours = DetectionModel("yolo11n.yaml", nc=2)
+    ours = DetectionModel("yolo11n.yaml", nc=2)  # an end-to-end head with DFL bins: Ultralytics builds it, detrain not
     path = _synthetic_file(tmp_path, fake_ultralytics, ours, {**ours.yaml, "end2end": True}, "e2e.pt")
     out = tmp_path / "out.pt"
     with pytest.raises(SystemExit) as code:
         cli_main(["convert", str(path), str(out)])
     assert code.value.code == 2 and not out.exists()
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "sets end2end: True (the NMS-free one-to-one head of YOLO26)" in err
+    assert err.count("\n") == 1
+    assert "model layer 23 (Detect [2]) cannot be built: an end-to-end head with reg_max 16 (DFL bins)" in err
 
 
 # --------------------------------------------------------------------------------------------------
@@ -584,13 +604,65 @@ def test_an_ultralytics_yolo11_checkpoint_gives_ultralytics_outputs(ultralytics_
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_an_ultralytics_yolo26_checkpoint_is_refused_in_one_line(ultralytics_yolo: Any, tmp_path: Path) -> None:
+def _by_score(dets: torch.Tensor) -> torch.Tensor:
+    """End-to-end detections (B, k, 6) with each image's rows sorted by score, best first (then by box and class):
+    top-k lists rows of equal score in an order of its own."""
+    rows = []
+    for d in dets:
+        keys = [d[:, j].numpy() for j in (5, 3, 2, 1, 0)] + [-d[:, 4].numpy()]  # np.lexsort: the last key first
+        rows.append(d[torch.from_numpy(np.lexsort(keys))])
+    return torch.stack(rows)
+
+
+def test_an_ultralytics_yolo26_checkpoint_gives_ultralytics_outputs(ultralytics_yolo: Any, tmp_path: Path) -> None:
+    from detrain import Model
+    from detrain.nn.head_e2e import DetectE2E
+
     YOLO, version = ultralytics_yolo
-    path = _saved_as_ultralytics_does(YOLO("yolo26n.yaml").model, tmp_path / "yolo26n_ul.pt", version)
-    message = _refusal(path)
-    assert message == (
-        f"{path}: detrain cannot build the model it records: model yaml sets end2end: True "
-        "(the NMS-free one-to-one head of YOLO26), which detrain does not build"
+    torch.manual_seed(0)
+    net = YOLO("yolo26n.yaml").model
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():  # trained-looking: BatchNorms away from identity, every weight nudged (no ties in score)
+        for m in net.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    path = _saved_as_ultralytics_does(net, tmp_path / "yolo26n_ul.pt", version)
+    ours = Model(str(path))
+    assert ours.ckpt is not None and ours.ckpt["source"] == "yolo26" and ours.net.imgsz == 320
+    assert ours.net.family == "yolo26" and ours.net.scale == "n" and isinstance(ours.net.head, DetectE2E)
+    reference = torch.load(path, weights_only=False)["ema"].float().eval()  # the same half weights, run by them
+    x = torch.rand(2, 3, 320, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference.end2end = True  # Ultralytics' NMS-free inference (its nms=False): top-300 of the one-to-one branch
+        want = reference(x)[0]
+        got = ours.net.eval()(x)
+    assert got.shape == want.shape == (2, 300, 6)
+    torch.testing.assert_close(_by_score(got), _by_score(want), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # the one-to-many branch, decoded for NMS, on both sides
+        reference.end2end = False
+        ours.net.head.end2end = False
+        want, got = reference(x)[0], ours.net(x)
+    assert got.shape == want.shape == (2, 84, 1680)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_ultralytics_yolo26_file_detrain_cannot_build_is_refused_in_one_line(
+    ultralytics_yolo: Any, tmp_path: Path
+) -> None:
+    """Ultralytics also builds YOLO26 with DFL bins (reg_max 16); detrain names the layer and what it lacks."""
+    from ultralytics.nn.tasks import DetectionModel as UltralyticsModel
+    from ultralytics.nn.tasks import yaml_model_load
+
+    _, version = ultralytics_yolo
+    net = UltralyticsModel({**yaml_model_load("yolo26n.yaml"), "reg_max": 16}, verbose=False)
+    assert net.model[-1].reg_max == 16 and net.model[-1].one2one_cv2 is not None
+    path = _saved_as_ultralytics_does(net, tmp_path / "dfl26.pt", version)
+    assert _refusal(path) == (
+        f"{path}: detrain cannot build the model it records: model layer 23 (Detect [80]) cannot be built: "
+        "an end-to-end head with reg_max 16 (DFL bins); detrain builds it with reg_max 1"
     )
 
 

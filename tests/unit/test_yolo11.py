@@ -137,7 +137,7 @@ def test_the_head_is_depthwise_exactly_when_the_yaml_has_c3k2(n_model: Detection
 def test_families_and_bundled_names() -> None:
     assert family(load_model_yaml("yolo11s.yaml")[0]) == "yolo11"
     assert family(load_model_yaml("yolov8s.yaml")[0]) == family({}) == "yolov8"
-    assert family({**load_model_yaml("yolo11s.yaml")[0], "end2end": True}) == "yolo26"
+    assert family({**load_model_yaml("yolo11s.yaml")[0], "end2end": True}) == "yolo26"  # see test_yolo26.py
     assert bundled_scale("yolo11x.yaml") == "x" and bundled_scale("yolo12n.yaml") is None
     assert packaged_architecture("yolo11m.yaml").name == "yolo11.yaml"
     assert packaged_architecture("m.yaml").name == packaged_architecture().name == "yolov8.yaml"
@@ -169,10 +169,13 @@ def _layer(d: dict, i: int, spec: list) -> dict:
 @pytest.mark.parametrize(
     ("d", "message"),
     [
-        (_yolo11_with(end2end=True), r"^model yaml sets end2end: True \(the NMS-free one-to-one head of YOLO26\)"),
+        (
+            _yolo11_with(end2end=True),
+            r"^model layer 23 \(Detect \[80\]\) cannot be built: an end-to-end head with reg_max 16",
+        ),
         (_yolo11_with(activation="nn.ReLU()"), r"^model yaml sets activation: 'nn.ReLU\(\)' \(a custom activation"),
-        (_layer(_yolo11_with(), 9, [-1, 1, "SPPF", [1024, 5, 3, True]]), r"^model layer 9 \(SPPF .*at most 2 arg"),
-        (_layer(_yolo11_with(), 2, [-1, 2, "C3k2", [256, False, 0.25, True]]), r"^model layer 2 \(C3k2 .*at most 3"),
+        (_layer(_yolo11_with(), 9, [-1, 1, "SPPF", [1024, 5, 3, True, 1]]), r"^model layer 9 \(SPPF .*at most 4 arg"),
+        (_layer(_yolo11_with(), 2, [-1, 2, "C3k2", [256, False, 0.25, True, 1]]), r"^model layer 2 \(C3k2 .*at most 4"),
         (_layer(_yolo11_with(), 10, [-1, 2, "C2PSA", [512]]), r"^model layer 10 \(C2PSA .*keeps its width"),
         (_layer(_yolo11_with(), 3, [-1, 1, "SCDown", [256, 3, 2]]), r"^model layer 3: unknown module 'SCDown'"),
         (
@@ -188,8 +191,8 @@ def _layer(d: dict, i: int, spec: list) -> dict:
     ids=[
         "end2end",
         "activation",
-        "sppf-yolo26",
-        "c3k2-attn",
+        "sppf-args",
+        "c3k2-args",
         "c2psa-width",
         "unknown",
         "text-width",

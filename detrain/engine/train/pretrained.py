@@ -136,7 +136,11 @@ def load_pretrained(model: DetectionModel, weights: str) -> Transferred:
     return Transferred(copied, [key for key in model.state_dict() if key not in kept])
 
 
-_EXAMPLE_WEIGHTS = {"yolov8": "yolov8n.pt", "yolo11": "yolo11n.pt"}  # the families detrain builds
+_EXAMPLE_WEIGHTS = {
+    "yolov8": "yolov8n.pt",
+    "yolo11": "yolo11n.pt",
+    "yolo26": "yolo26n.pt",
+}  # the families detrain builds
 
 
 def _family_of(ckpt: dict[str, Any]) -> str | None:
