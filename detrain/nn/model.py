@@ -392,18 +392,21 @@ def initialize_weights(model: nn.Module) -> None:
 
 
 class DetectionModel(nn.Module):
-    """YOLOv8- or YOLO11-class detector (:attr:`family`).
+    """YOLOv8-, YOLO11- or YOLO26-class detector (:attr:`family`).
 
-    ``cfg`` is a packaged yaml name (``"yolov8.yaml"``, ``"yolo11.yaml"``, or ``"yolov8s.yaml"``,
-    ``"yolo11s.yaml"`` meaning scale s), a path, or a dict (e.g. another model's ``.yaml``). ``scale`` defaults
+    ``cfg`` is a packaged yaml name (``"yolov8.yaml"``, ``"yolo11.yaml"``, ``"yolo26.yaml"``, or ``"yolov8s.yaml"``,
+    ``"yolo26s.yaml"`` meaning scale s), a path, or a dict (e.g. another model's ``.yaml``). ``scale`` defaults
     to the one the yaml names (its ``scale:`` key, else a bundled name's letter, ``"n"`` for the packaged
     ``yolov8.yaml`` and ``yolo11.yaml``; see :func:`load_model_yaml`);
     a yaml with several ``scales`` that names none needs ``scale``. ``nc`` defaults to ``len(names)``, else the
     yaml's ``nc``, else 80.
 
-    Training mode returns the raw head maps [(B, 4 * reg_max + nc, H/s, W/s)] for s in 8, 16, 32; eval mode
-    returns (B, 4 + nc, N): xywh boxes in input pixels and sigmoid class scores. ``decode=`` overrides the
-    choice (e.g. raw maps for a validation loss while BN uses running statistics).
+    Training mode returns the raw head maps [(B, 4 * reg_max + nc, H/s, W/s)] for s in 8, 16, 32 (YOLO26: both
+    branches' maps, :class:`detrain.nn.loss_e2e.E2EHeadMaps`); eval mode returns the head's inference output:
+    (B, 4 + nc, N) xywh boxes in input pixels and sigmoid class scores for NMS, or YOLO26's (B, 300, 6) top-k
+    detections. ``decode=`` overrides the choice (e.g. raw maps for a validation loss while BN uses running
+    statistics). What the engine needs of the head (loss, loss names, postprocess) it asks here:
+    :meth:`criterion`, :attr:`loss_names`, :meth:`set_inference`, :meth:`postprocess` (:mod:`detrain.nn.head`).
 
     >>> model = DetectionModel("yolov8.yaml", scale="n", nc=3).eval()
     >>> model(torch.zeros(1, 3, 64, 64)).shape
@@ -445,7 +448,7 @@ class DetectionModel(nn.Module):
 
     @property
     def family(self) -> str:
-        """``"yolov8"`` or ``"yolo11"`` (see :func:`family`): ``DetectionModel("yolo11n.yaml").family``."""
+        """``"yolov8"``, ``"yolo11"`` or ``"yolo26"`` (:func:`family`): ``DetectionModel("yolo11n.yaml").family``."""
         return family(self.yaml)
 
     @property
