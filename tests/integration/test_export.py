@@ -238,12 +238,17 @@ def e2e_model() -> DetectionModel:
 
 
 def _same_detections(got: torch.Tensor, want: torch.Tensor) -> None:
-    """(B, k, 6) top-k outputs: equal up to the order of equal scores."""
+    """(B, k, 6) top-k outputs: the same scores, best first, and every detection of ``got`` (above the cut-off, where
+    pairs of equal score may swap in or out) found in ``want`` with the same class, box and score."""
     assert got.shape == want.shape
     for g, w in zip(got, want):
         torch.testing.assert_close(g[:, 4], w[:, 4], rtol=1e-4, atol=1e-4)  # scores, best first
-        gi, wi = g[:, 4].argsort(stable=True), w[:, 4].argsort(stable=True)
-        torch.testing.assert_close(g[gi], w[wi], rtol=1e-4, atol=2e-3)  # boxes in pixels, classes
+        above = g[g[:, 4] > w[-1, 4] + 1e-4]
+        assert len(above) > len(g) // 2
+        for row in above:
+            same_class = w[:, 5] == row[5]
+            box = (w[:, :4] - row[:4]).abs().amax(1) + (w[:, 4] - row[4]).abs() * 1e3
+            assert bool(same_class.any()) and box[same_class].min() < 2e-3, row.tolist()
 
 
 @pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
