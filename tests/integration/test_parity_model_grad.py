@@ -6,11 +6,12 @@ The unit parity tests check the loss on YOLOv8n alone (``tests/unit/test_parity_
 (``test_parity_e2e.py``); here the whole network is in the loop, for every family: its blocks, its head, the
 trainer's loss call and the detections step.
 
-What a family changes is :class:`Family`: detrain's criterion and its detections step. Ultralytics picks its own
-loss for the model it built (``init_criterion``: ``v8DetectionLoss``, or ``E2ELoss`` for an end-to-end head) and its
-``non_max_suppression`` filters end-to-end outputs as well as running NMS, so its side needs nothing per family.
-YOLO26 becomes one more entry of ``FAMILIES``: ``Family("yolo26n", None, <EndToEndLoss at epoch 0 over the model's
-E2EHeadMaps>, <topk_decode.filter_detections>)``.
+Both sides pick their loss and detections step from the model they built: detrain through its head seam
+(``model.criterion``, driven as the trainer drives it; ``model.postprocess``), Ultralytics by ``init_criterion``
+(``v8DetectionLoss``, or ``E2ELoss`` for YOLO26's end-to-end head) and its ``non_max_suppression`` (which filters
+end-to-end outputs as well as running NMS). YOLO26's loss is checked at three points of its schedule (the epoch at
+which both sides set the weight that moves from the one-to-many to the one-to-one branch over a 100-epoch run), and
+its eval output is the NMS-free top-k of the one-to-one branch on both sides.
 
 The train-mode check runs in float64, where 1e-5 means something: in float32 the two sides differ by rounding
 alone by more than that. Ultralytics' own float32 class loss is 2e-5 from its float64 value on pretrained YOLOv8n
@@ -43,9 +44,8 @@ from torch import Tensor, nn
 from detrain.data.image_io import read_image
 from detrain.data.samples.augment import letterbox
 from detrain.engine.train.trainer import _to_channels_last
-from detrain.nn.loss import DetectionLoss
+from detrain.nn.head import InferenceOptions, LossGains
 from detrain.nn.model import DetectionModel
-from detrain.nn.postprocess import non_max_suppression
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 COCO8 = SHARED / "data" / "coco8"
@@ -60,36 +60,51 @@ OurLoss = Callable[[Any, Batch], tuple[Tensor, Tensor]]  # (train-mode output, b
 @dataclass(frozen=True)
 class Family:
     """One model family under test. ``name``: both tools build ``<name>.yaml``; ``weights``: an Ultralytics file
-    both load, else Ultralytics' own initialisation under a fixed seed; ``criterion``: detrain's loss for a model,
-    called as its trainer calls it; ``detections``: detrain's step from the eval output to per-image (n, 6)
-    detections at a confidence threshold."""
+    both load, else Ultralytics' own initialisation under a fixed seed; ``epoch``: where both sides stand in a loss
+    schedule (YOLO26's branch weights; nothing changes for the others)."""
 
     name: str
-    weights: Path | None
-    criterion: Callable[[DetectionModel], OurLoss]
-    detections: Callable[[Tensor, float], list[Tensor]]
+    weights: Path | None = None
+    epoch: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}@{self.epoch}" if self.name.startswith("yolo26") else self.name
 
 
-def trainer_detection_loss(model: DetectionModel) -> OurLoss:
-    """DetectionLoss as the trainer builds and calls it: ``assign``, then ``score`` with the summed target scores
-    (one process: its own) and the step's batch as the global batch; loss = sum of items x batch."""
-    criterion = DetectionLoss(model.nc, model.stride, reg_max=model.reg_max)
+EPOCHS = 100  # Ultralytics' default, which its loss schedule reads from the model's args
+
+
+def trainer_loss(model: DetectionModel, epoch: int) -> OurLoss:
+    """The model's own criterion (the head seam) as the trainer builds and calls it: ``set_epoch``, ``assign``,
+    then ``score`` with the summed target scores (one process: its own) and the step's batch as the global batch."""
+    criterion = model.criterion(LossGains(), epochs=EPOCHS)
+    criterion.set_epoch(epoch)
 
     def loss(maps: Any, batch: Batch) -> tuple[Tensor, Tensor]:
         targets = criterion.assign(maps, batch["batch_idx"], batch["cls"], batch["bboxes"])
-        return criterion.score(targets, targets.score_sum, global_batch=maps[0].shape[0])
+        return criterion.score(targets, targets.score_sum, global_batch=BATCH)
 
     return loss
 
 
-def nms_detections(preds: Tensor, conf: float) -> list[Tensor]:
-    return non_max_suppression(preds, conf, IOU, max_det=MAX_DET)
+def their_criterion(theirs: nn.Module, epoch: int) -> Any:
+    """Ultralytics' criterion for its model, its schedule (if any) moved to ``epoch`` as its trainer does."""
+    criterion = theirs.init_criterion()
+    if hasattr(criterion, "update") and epoch:
+        criterion.updates = epoch - 1
+        criterion.update()
+    return criterion
 
 
 FAMILIES = [
-    Family("yolov8n", SHARED / "weights" / "yolov8n.pt", trainer_detection_loss, nms_detections),
-    Family("yolo11n", None, trainer_detection_loss, nms_detections),
+    Family("yolov8n", SHARED / "weights" / "yolov8n.pt"),
+    Family("yolo11n"),
+    Family("yolo26n", epoch=0),
+    Family("yolo26n", epoch=50),
+    Family("yolo26n", epoch=EPOCHS - 1),
 ]
+EVAL_FAMILIES = [f for f in FAMILIES if f.epoch == 0]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +123,8 @@ def _models(ul: SimpleNamespace, family: Family, dtype: torch.dtype) -> tuple[De
     """(ours, theirs) holding the same weights in ``dtype``: the family's file, or Ultralytics' init at SEED."""
     torch.manual_seed(SEED)
     theirs = ul.Model(f"{family.name}.yaml", nc=NC, verbose=False)
-    theirs.args = ul.get_cfg()  # its loss reads the gains (box 7.5, cls 0.5, dfl 1.5) from here
+    theirs.args = ul.get_cfg()  # its loss reads the gains (box 7.5, cls 0.5, dfl 1.5) and epochs (100) from here
+    assert theirs.args.epochs == EPOCHS
     if family.weights is None:
         ours = DetectionModel(f"{family.name}.yaml", nc=NC)
         ours.load_state_dict(theirs.state_dict())
@@ -187,7 +203,7 @@ def _worst_gradient(ours: nn.Module, theirs: nn.Module) -> tuple[float, float, s
     return worst_rel, worst_abs, worst_name, largest
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.id)
 def test_loss_and_every_gradient_agree_with_ultralytics(
     ul: SimpleNamespace, family: Family, float64_default: None
 ) -> None:
@@ -197,10 +213,10 @@ def test_loss_and_every_gradient_agree_with_ultralytics(
     batch = _coco8_batch("train", TRAIN_SIZE)
     assert len(batch["cls"]) > 5
 
-    their_loss, their_items = theirs.init_criterion()(theirs(batch["img"].double() / 255), batch)
+    their_loss, their_items = their_criterion(theirs, family.epoch)(theirs(batch["img"].double() / 255), batch)
     their_loss.sum().backward()
     imgs = batch["img"].contiguous(memory_format=torch.channels_last).double() / 255
-    our_loss, our_items = family.criterion(ours)(ours(imgs), batch)
+    our_loss, our_items = trainer_loss(ours, family.epoch)(ours(imgs), batch)
     our_loss.backward()
 
     their_items = torch.stack([v.reshape(()) for v in their_items.values()])
@@ -210,20 +226,22 @@ def test_loss_and_every_gradient_agree_with_ultralytics(
     worst_rel, worst_abs, name, largest = _worst_gradient(ours, theirs)
     total, their_total = float(our_loss.detach()), float(their_loss.detach().sum())
     print(
-        f"\n{family.name} float64: loss {total:.6f} vs {their_total:.6f}, items rel "
+        f"\n{family.id} float64: loss {total:.6f} vs {their_total:.6f}, items rel "
         f"{float(((our_items - their_items).abs() / their_items.abs()).max()):.1e}; gradients: worst rel "
         f"{worst_rel:.1e} ({name}), worst abs {worst_abs:.1e}, largest {largest:.2f}"
     )
     assert worst_rel <= 1e-5, name
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+@pytest.mark.parametrize("family", EVAL_FAMILIES, ids=lambda f: f.id)
 def test_eval_outputs_and_detections_agree_with_ultralytics(ul: SimpleNamespace, family: Family) -> None:
     ours, theirs = _models(ul, family, torch.float32)
     imgs = _coco8_batch("val", EVAL_SIZE)["img"].float() / 255
     if family.weights is None:
         _batchnorm_statistics_of(theirs, imgs)
         ours.load_state_dict(theirs.state_dict())
+    if hasattr(theirs, "end2end"):
+        theirs.end2end = bool(ours.head.end2end)  # Ultralytics 8.4.190 runs YOLO26 NMS-free only when asked to
     with torch.no_grad():
         mine = ours.eval()(imgs)
         ref = theirs.eval()(imgs)[0]  # (decoded, raw maps)
@@ -233,7 +251,8 @@ def test_eval_outputs_and_detections_agree_with_ultralytics(ul: SimpleNamespace,
     # a threshold that sends about 1 anchor in 50 to NMS, whatever the scores' scale (a random init scores low)
     scores = ref[..., 4] if ref.shape[-1] == 6 else ref[:, 4:].amax(1)  # end-to-end (B, max_det, 6) or (B, 4+nc, N)
     conf = float(scores.flatten().quantile(0.98))
-    dets, their_dets = family.detections(mine, conf), ul.nms(ref, conf, IOU, max_det=MAX_DET)
+    options = InferenceOptions(conf=conf, iou=IOU, max_det=MAX_DET)
+    dets, their_dets = ours.postprocess(mine, options), ul.nms(ref, conf, IOU, max_det=MAX_DET)
     kept = [len(d) for d in their_dets]
     assert [len(d) for d in dets] == kept and sum(kept) >= 5, kept
     for d, t in zip(dets, their_dets):
@@ -242,13 +261,13 @@ def test_eval_outputs_and_detections_agree_with_ultralytics(ul: SimpleNamespace,
     diff = (mine - ref).abs()
     worst = max(float((d - t).abs().max()) for d, t in zip(dets, their_dets) if len(d))
     print(
-        f"\n{family.name} float32 eval: boxes worst abs {float(diff[:, :4].max()):.1e} px, scores worst abs "
+        f"\n{family.id} float32 eval: boxes worst abs {float(diff[:, :4].max()):.1e} px, scores worst abs "
         f"{float(diff[:, 4:].max()):.1e}; {kept} detections at conf {conf:.3g}, worst abs {worst:.1e}"
     )
 
 
 def test_the_families_cover_what_detrain_builds() -> None:
-    """A family detrain builds has a case here (YOLO26 joins once nn/model.py builds it)."""
+    """A family detrain builds has a case here."""
     from detrain.nn.model import FAMILIES as BUILT
 
     assert {f.name.rstrip("nsmlx") for f in FAMILIES} == set(BUILT)
