@@ -32,7 +32,13 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from detrain.distributed import dist, netif, run_identity
-from detrain.distributed.devices import DeviceKind, DevicePlan, cpu_threads_per_worker, parse_device
+from detrain.distributed.devices import (
+    DeviceKind,
+    DevicePlan,
+    cpu_threads_per_worker,
+    parse_device,
+    slurm_binds_gpus,
+)
 from detrain.distributed.job_watch import ended_together
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
@@ -341,12 +347,13 @@ def _worker(
 
 
 def _worker_world(plan: DevicePlan, world: World) -> World:
-    """``world`` with the worker's device: ``plan``'s for its local rank. The number of processes on the node is
-    checked against the listed GPUs where torch's agent gives it (SLURM's tasks per node may differ from node to
-    node)."""
+    """``world`` with the worker's device: ``plan``'s for its local rank (under ``srun`` with per-task GPU binding,
+    the task's own GPU). The number of processes on the node is checked against the listed GPUs where torch's agent
+    gives it (SLURM's tasks per node may differ from node to node)."""
     local = world.local_rank if world.launched else 0
     local_world = world.local_world_size if world.launcher in ("detrain", "torchrun") else None
-    return world.on(plan.device_for(local, local_world))
+    own = world.launcher == "slurm" and plan.kind == "cuda" and slurm_binds_gpus(local, world.local_world_size)
+    return world.on(plan.device_for(local, local_world, own_gpus=own))
 
 
 @contextlib.contextmanager
