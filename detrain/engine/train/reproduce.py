@@ -56,10 +56,13 @@ def _own_cuda_state(saved: Any) -> torch.Tensor | None:
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
-    """Seed Python, numpy and torch; with ``deterministic``, ask torch (and cuBLAS) for deterministic kernels."""
+    """Seed Python, numpy and torch; with ``deterministic``, ask torch (and cuBLAS) for deterministic kernels;
+    without, let cuDNN time its kernels for the run's shapes and keep the fastest (``cudnn.benchmark``: CUDA
+    convolutions only, which then may differ from run to run; nothing changes on the CPU)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    torch.backends.cudnn.benchmark = not deterministic
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic = True
