@@ -104,4 +104,6 @@ def _tensors(output: Any) -> list[torch.Tensor]:
         return [output]
     if isinstance(output, dict):
         output = list(output.values())
+    if not isinstance(output, (list, tuple)):
+        return []
     return [t for part in output for t in _tensors(part)]
