@@ -108,20 +108,31 @@ class StderrWatch:
             time.sleep(quiet_s / 4)
 
     def _relay(self, source: int, sink: int) -> None:
+        """Copy, then read for the watchdog's words; nothing here may stop the loop while the workers write (a
+        full pipe would block them)."""
         rest = b""
         with contextlib.ExitStack() as close:
             close.callback(os.close, source)
             close.callback(os.close, sink)
-            while chunk := os.read(source, 65536):
+            while chunk := _read(source):
                 self._last = time.monotonic()
                 sink = _write_all(sink, chunk)
                 *lines, rest = (rest + chunk).split(b"\n")
                 rest = rest[-8192:]  # a line without an end is kept only so far
-                for line in lines:
-                    found = watchdog_finding(line.decode(errors="replace"))
-                    if found is not None:
-                        self.findings.setdefault(found.rank, found)
+                with contextlib.suppress(Exception):
+                    for line in lines:
+                        found = watchdog_finding(line.decode(errors="replace"))
+                        if found is not None:
+                            self.findings.setdefault(found.rank, found)
                 self._last = time.monotonic()
+
+
+def _read(fd: int) -> bytes:
+    """What the pipe holds (waiting for it); b"" once every writer has closed it, or where reading fails."""
+    try:
+        return os.read(fd, 65536)  # retried by Python itself when a signal interrupts it
+    except OSError:
+        return b""
 
 
 def _write_all(fd: int, data: bytes) -> int:
