@@ -93,6 +93,30 @@ def hang(args: dict[str, Any], world: World) -> None:
     dist.all_reduce_sum(torch.ones(1))
 
 
+# NCCL's watchdog line for a collective that waited 6 s (torch 2.4-2.14 wording; the [rankN]: prefix of the newer)
+NCCL_WATCHDOG_LINE = (
+    "[rank0]:[E1126 10:00:00.000000000 ProcessGroupNCCL.cpp:632] [Rank 0] Watchdog caught collective operation "
+    "timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=6000) ran for 6004 "
+    "milliseconds before timing out.\n"
+)
+
+
+def nccl_watchdog_abort(args: dict[str, Any], world: World) -> None:
+    """What NCCL's watchdog does to a rank whose collective waits for one that froze: rank 1 freezes (its heartbeat
+    stops, it sleeps); rank 0, ``wait_s`` later, logs the watchdog's line on its stderr descriptor (as torch's C++
+    logging does) and aborts (SIGABRT), with no Python error and no error file."""
+    from detrain.distributed import heartbeat
+
+    dist.setup(world, timeout_s=30.0)
+    if dist.rank() == 1:
+        heartbeat.stop()
+        while True:
+            time.sleep(1)
+    time.sleep(args["wait_s"])
+    os.write(2, NCCL_WATCHDOG_LINE.encode())
+    os.abort()
+
+
 def late_to_barrier(args: dict[str, Any], world: World) -> None:
     """Rank ``late`` reaches the 'end of epoch' barrier 5 s after the others, with a 1 s training timeout."""
     dist.setup(world, timeout_s=1.0)

@@ -199,9 +199,15 @@ class Train:
         parse=auto_or_count,
     )
     clip_grad: float = key(10.0, "clip the gradient norm to this value (0 = off)", low=0.0)
-    amp: bool = key(True, "automatic mixed precision on CUDA (bf16 where supported, else fp16 with a grad scaler)")
+    amp: bool = key(
+        True,
+        "automatic mixed precision on CUDA (bf16 where supported, else fp16 with a grad scaler; validation in fp16), "
+        "checked against fp32 on the model before training",
+    )
     seed: int = key(0, "random seed of the run (0 to 2147483647)", low=0)
-    deterministic: bool = key(True, "use deterministic algorithms where torch offers them")
+    deterministic: bool = key(
+        True, "use deterministic algorithms where torch offers them; false: faster CUDA (cuDNN picks its kernels)"
+    )
     close_mosaic: int = key(10, "turn mosaic off for the last N epochs", low=0)
     freeze: int | list | None = key(
         None,

@@ -2,7 +2,8 @@
 
 Accepted ``device`` values (``parse_device``):
 
-* ``None`` / ``""``: cuda:0 when CUDA is available, else the CPU (under torchrun: cuda:LOCAL_RANK);
+* ``None`` / ``""``: cuda:0 when CUDA is available, else the CPU (under torchrun: cuda:LOCAL_RANK; under ``srun``
+  with per-task GPU binding, each task's own GPU: :func:`slurm_binds_gpus`);
 * ``"cpu"``: one CPU process; ``"cpu,cpu"`` (or ``["cpu", "cpu"]``): two CPU workers on gloo;
 * ``0``, ``"0"``, ``"cuda:0"``, ``"cuda"``: one GPU; ``"0,1"``, ``[0, 1]``, ``"cuda:0,cuda:1"``: one
   worker per listed GPU on nccl (indices count the GPUs visible through CUDA_VISIBLE_DEVICES);
@@ -38,8 +39,12 @@ class DevicePlan:
     nprocs: int
     auto: bool = False
 
-    def device_for(self, local_rank: int, local_world_size: int | None = None) -> str:
+    def device_for(self, local_rank: int, local_world_size: int | None = None, own_gpus: bool = False) -> str:
         """The torch device string for the worker with this local rank.
+
+        ``own_gpus``: the launcher gave each process GPUs of its own, which are all it sees (SLURM's per-task
+        binding, :func:`slurm_binds_gpus`); an automatic plan (or one GPU named) then takes the first of them
+        (that one), whatever the local rank.
 
         Example:
             >>> DevicePlan("cuda", (2, 3), 2).device_for(1)
@@ -48,18 +53,39 @@ class DevicePlan:
         if self.kind != "cuda":
             return self.kind
         if self.auto:
-            if local_rank >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            if own_gpus and count:
+                return "cuda:0"
+            if local_rank >= count:
                 raise DistributedError(
-                    f"local rank {local_rank} has no GPU: "
-                    f"{torch.cuda.device_count()} CUDA GPU(s) are visible on this node"
+                    f"local rank {local_rank} has no GPU: {count} CUDA GPU(s) are visible to it "
+                    f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start one process "
+                    f"per visible GPU, or let the scheduler give each process its own"
                 )
             return f"cuda:{local_rank}"
+        if own_gpus and len(self.ids) == 1:  # device=0 under per-task binding: each task's own first GPU
+            return f"cuda:{self.ids[0]}"
         if local_rank >= len(self.ids) or (local_world_size is not None and local_world_size != len(self.ids)):
             raise DistributedError(
                 f"device={','.join(map(str, self.ids))} lists {len(self.ids)} GPU(s) but the launcher started "
                 f"{local_world_size or local_rank + 1} processes on this node; list one GPU per process"
             )
         return f"cuda:{self.ids[local_rank]}"
+
+
+def slurm_binds_gpus(local_rank: int, tasks_on_node: int) -> bool:
+    """Whether SLURM gave this task (one of ``srun``'s) GPUs of its own: fewer GPUs are visible to it than there are
+    tasks on its node, or none at its local rank. ``srun --gpus-per-task 1`` (and ``--gpu-bind``) sets
+    CUDA_VISIBLE_DEVICES per task, so every task sees one GPU, its own, as cuda:0; taking cuda:LOCAL_RANK would
+    leave every task but the first without one.
+
+    Example:
+        >>> import torch
+        >>> slurm_binds_gpus(1, 4) == (0 < torch.cuda.device_count() < 4)  # task 1 of 4 on its node
+        True
+    """
+    count = torch.cuda.device_count()
+    return count > 0 and (count < tasks_on_node or local_rank >= count)
 
 
 def parse_device(device: str | int | Sequence[str | int] | None) -> DevicePlan:

@@ -17,7 +17,8 @@ recent torch, 2.14 included; older versions get the private ``_set_pg_timeout``)
 every later operation on the group, DDP's gradient all-reduces included. For gloo a timed-out
 collective raises in Python, which this module turns into a one-line ``DistributedError`` naming
 the operation, the rank and the cause. For NCCL the watchdog aborts the process instead (CUDA work
-is asynchronous, so raising is not safe); the launcher then reports the rank and the signal.
+is asynchronous, so raising is not safe) after one line on stderr, which detrain's launcher reads
+(:mod:`detrain.distributed.nccl_watch`) to report the rank that stopped, or the one the watchdog ended and why.
 A phase that is known to take long (the first process of a node downloading a dataset, checking its labels
 or filling ``cache=ram``) passes ``timeout_s`` (the config's ``prepare_timeout``) to ``barrier`` for that one
 wait. On gloo, barriers go through the rendezvous store (each rank marks its arrival, then waits for every
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from detrain.distributed import heartbeat, netif
+from detrain.distributed import heartbeat, nccl_watch, netif
 from detrain.distributed.master_store import host_store
 from detrain.distributed.slurm import map_slurm_env
 from detrain.distributed.store_barrier import Absent, StoreBarrier
@@ -340,11 +341,12 @@ def waited_for_a_peer(message: str) -> bool:
     """Whether a worker's error (``"Type: text"``) says that it waited for another rank in vain: one of this
     module's collectives that lost or timed out on a peer, or the backend's own words inside a collective this
     module does not wrap (DDP's all-reduce): a peer that went away, or a wait that timed out (gloo says "Timed out
-    waiting 10000ms for send operation to complete" or "Application timeout caused pair closure")."""
+    waiting 10000ms for send operation to complete" or "Application timeout caused pair closure"; NCCL, where the
+    error reaches Python, that the remote process exited: :func:`nccl_watch.peer_gone`)."""
     kind, _, text = message.partition(":")
     if kind == "DistributedError":
         return PEER_LOST_MARK in text
-    return kind in _BACKEND_ERRORS and any(w in text.lower() for w in _WAITED)
+    return kind in _BACKEND_ERRORS and (any(w in text.lower() for w in _WAITED) or nccl_watch.peer_gone(text))
 
 
 def silent_peers_error(e: BaseException) -> DistributedError | None:

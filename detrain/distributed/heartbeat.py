@@ -100,3 +100,24 @@ def silent_ranks(watch_s: float | None = None) -> list[int]:
     with contextlib.suppress(Exception):
         return beat.silent(watch_s)
     return []
+
+
+def stopped_early(store: Any, max_attempt: int, min_lag_beats: int = 5) -> dict[int, float]:
+    """After the workers of a launch have ended, read from ``store`` (the rendezvous store they beat into, which the
+    launcher of node 0 holds): the ranks whose counter, in the latest attempt (0 to ``max_attempt``) that has any,
+    stopped at least ``min_lag_beats`` beats before the highest one, each with that lead in seconds: ranks that
+    froze or died well before the others ended. {} when the store holds no counters (another node's launcher, a
+    c10d round's own store) or cannot be read.
+
+    Example:
+        >>> stopped_early(None, 0)
+        {}
+    """
+    with contextlib.suppress(Exception):
+        attempt = next(a for a in range(max_attempt, -1, -1) if store.check([f"{_PREFIX}/attempt_{a}/0"]))
+        counts: list[int] = []
+        while store.check([f"{_PREFIX}/attempt_{attempt}/{len(counts)}"]):
+            counts.append(int(store.add(f"{_PREFIX}/attempt_{attempt}/{len(counts)}", 0)))
+        top = max(counts)
+        return {r: (top - c) * EVERY_S for r, c in enumerate(counts) if top - c >= min_lag_beats}
+    return {}

@@ -31,12 +31,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from detrain.distributed import dist, netif, run_identity
-from detrain.distributed.devices import DeviceKind, DevicePlan, cpu_threads_per_worker, parse_device
+from detrain.distributed import dist, heartbeat, netif, run_identity
+from detrain.distributed.devices import (
+    DeviceKind,
+    DevicePlan,
+    cpu_threads_per_worker,
+    parse_device,
+    slurm_binds_gpus,
+)
 from detrain.distributed.job_watch import ended_together
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
 from detrain.distributed.master_store import host_store
+from detrain.distributed.nccl_watch import relayed_stderr
 from detrain.distributed.world import LAUNCHER_ENV, World
 from detrain.errors import DistributedError
 
@@ -220,13 +227,16 @@ def _launch_workers(
         _environ(_workers_environ(transport, rdzv.backend)),
         _held_elastic_logs() as held,
         ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi),
+        relayed_stderr(_nccl_workers(plan)) as watch,  # NCCL's watchdog ends a rank with a line there, and SIGABRT
     ):  # several nodes end as one
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
         except ChildFailedError as e:
             if explained(e):
                 held.drop()  # the one line below is the whole story
-            raise DistributedError(describe_failure(e, max_restarts)) from None
+            watch.settle()
+            stopped = heartbeat.stopped_early(rdzv.store, max_restarts) if watch.findings else {}
+            raise DistributedError(describe_failure(e, max_restarts, watch.findings, stopped)) from None
         except SignalException as e:
             raise signal_stop(e) from None
         except (RendezvousError, RuntimeError, ValueError, TimeoutError) as e:  # rendezvous / store failures
@@ -237,6 +247,11 @@ def _launch_workers(
             raise DistributedError(f"could not form the group at {endpoint} (node_rank={node_rank}): {cause}") from None
     result: T | None = results.get(0)
     return result
+
+
+def _nccl_workers(plan: DevicePlan) -> bool:
+    """Whether the workers talk over NCCL, whose watchdog ends a rank on its own (see :mod:`nccl_watch`)."""
+    return plan.kind == "cuda"
 
 
 def _launch_config(
@@ -341,12 +356,13 @@ def _worker(
 
 
 def _worker_world(plan: DevicePlan, world: World) -> World:
-    """``world`` with the worker's device: ``plan``'s for its local rank. The number of processes on the node is
-    checked against the listed GPUs where torch's agent gives it (SLURM's tasks per node may differ from node to
-    node)."""
+    """``world`` with the worker's device: ``plan``'s for its local rank (under ``srun`` with per-task GPU binding,
+    the task's own GPU). The number of processes on the node is checked against the listed GPUs where torch's agent
+    gives it (SLURM's tasks per node may differ from node to node)."""
     local = world.local_rank if world.launched else 0
     local_world = world.local_world_size if world.launcher in ("detrain", "torchrun") else None
-    return world.on(plan.device_for(local, local_world))
+    own = world.launcher == "slurm" and plan.kind == "cuda" and slurm_binds_gpus(local, world.local_world_size)
+    return world.on(plan.device_for(local, local_world, own_gpus=own))
 
 
 @contextlib.contextmanager

@@ -3,12 +3,17 @@ consumer released it, so what the trainer holds never changes under it, and rele
 
 from __future__ import annotations
 
+import collections.abc
+import copy
 import os
+from collections.abc import Callable
+from typing import Any
 
 import cv2
 import numpy as np
 import pytest
 import torch
+from torch.utils.data._utils import pin_memory as torch_pinning
 
 from detrain.config.keys import Augment
 from detrain.data.dataset import DetectionDataset
@@ -91,3 +96,47 @@ def test_pinning_copies_then_releases(records: list[Rec], monkeypatch: pytest.Mo
     third = ds.collate(ds.__getitems__(list(range(4, 8))))
     assert _segment(third["img"]) == first and len(batch_memory._pool) == 2  # the freed one, filled again
     assert torch.equal(pinned["img"], again["img"])  # the copy is the pinned batch's own
+
+
+def _mapping_first(data: Any, device: Any = None) -> Any:
+    """The pinning order of older torch (2.4): tensors, then any mapping as a mapping (a copy of it updated with each
+    value pinned), then sequences, and an object's own ``pin_memory`` only after all of them."""
+    if isinstance(data, torch.Tensor):
+        return data.pin_memory()
+    if isinstance(data, (str, bytes)):
+        return data
+    if isinstance(data, collections.abc.MutableMapping):
+        clone = copy.copy(data)
+        clone.update({k: _mapping_first(v, device) for k, v in data.items()})
+        return clone
+    if isinstance(data, collections.abc.Sequence):
+        return [_mapping_first(v, device) for v in data]
+    return data.pin_memory() if hasattr(data, "pin_memory") else data
+
+
+_INSTALLED_ORDER = torch_pinning.pin_memory  # 2.14: an object's own pin_memory before the mapping branch
+
+
+@pytest.mark.parametrize("order", [_INSTALLED_ORDER, _mapping_first], ids=["own_method_first", "mapping_first"])
+def test_pinned_batches_free_their_segment_whichever_order_torch_pins_in(
+    records: list[Rec], monkeypatch: pytest.MonkeyPatch, order: Callable[..., Any]
+) -> None:
+    """The DataLoader's pinning thread calls torch's ``pin_memory(batch, device)``; whether that calls
+    ``Batch.pin_memory`` or copies the batch as a mapping, the worker's segment is free again once the trainer is
+    done with the pinned batch (``release_batch`` after the step), and the next batch reuses it."""
+    monkeypatch.setattr(torch_pinning, "pin_memory", order)
+    monkeypatch.setattr(batch_memory, "get_worker_info", lambda: object())
+    monkeypatch.setattr(batch_memory, "_pool", [])
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, device=None: self.clone())
+    ds = DetectionDataset(records, imgsz=64, augment=True, seed=1)
+    for start in (0, 4, 8):
+        batch = ds.collate(ds.__getitems__(list(range(start, start + 4))))
+        segment = _segment(batch["img"])
+        pinned = torch_pinning.pin_memory(batch, None)  # what _pin_memory_loop does with each batch
+        assert isinstance(pinned, Batch) and pinned["img"] is not batch["img"]
+        assert torch.equal(pinned["img"], batch["img"]) and pinned["im_file"] == batch["im_file"]
+        release_batch(pinned)  # the trainer, once the step is done
+        again = ds.collate(ds.__getitems__(list(range(start, start + 4))))
+        assert _segment(again["img"]) == segment  # the freed segment, filled again
+        release_batch(again)
+    assert len(batch_memory._pool) == 1  # one segment served every batch, not one per batch up to the pool's 8

@@ -182,6 +182,24 @@ def test_hang_times_out_and_nothing_is_left(tmp_path: Path) -> None:
     assert not any(_alive(pid) for pid in pids)  # the sleeping rank was stopped too
 
 
+def test_a_rank_ended_by_nccls_watchdog_names_the_rank_that_stopped(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """NCCL's watchdog ends a rank whose collective waited too long with one line on stderr and SIGABRT (no Python
+    error): the launcher, relaying the workers' stderr as it does for GPU workers, reads that line, and the
+    heartbeats in its store name the rank that froze, as on gloo, instead of "killed by SIGABRT"."""
+    from detrain.distributed import launch as launcher
+
+    monkeypatch.setattr(launcher, "_nccl_workers", lambda plan: True)  # as for GPU workers (NCCL)
+    with pytest.raises(DistributedError) as err:
+        launch(workers.nccl_watchdog_abort, {"wait_s": 8.0}, parse_device("cpu,cpu"))
+    msg = str(err.value)
+    assert msg.startswith("rank 1 stopped responding (its heartbeat stopped "), msg
+    assert msg.endswith("NCCL's watchdog: ALLREDUCE #7 waited 6s for the other ranks, seen by worker rank 0)"), msg
+    assert "\n" not in msg
+    assert workers.NCCL_WATCHDOG_LINE in capfd.readouterr().err  # the relay passed the worker's line on
+
+
 @pytest.mark.parametrize(
     ("error", "expected"),
     [

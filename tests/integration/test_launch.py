@@ -123,6 +123,33 @@ def test_device_for_each_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
         DevicePlan("cuda", (0,), 1).device_for(1, 2)  # torchrun started 2 processes but device=0
 
 
+def _srun_task(local_id: int, tasks: int = 4) -> World:
+    """Task ``local_id`` of ``srun --ntasks-per-node TASKS`` on one node, as its environment describes it."""
+    env = {"SLURM_PROCID": str(local_id), "SLURM_NTASKS": str(tasks), "SLURM_LOCALID": str(local_id)}
+    env |= {"SLURM_STEP_ID": "0", "SLURM_TASKS_PER_NODE": str(tasks), "SLURM_NODELIST": "gpu01", "MASTER_PORT": "1"}
+    return World.from_env(env)
+
+
+def test_srun_with_a_gpu_per_task_gives_every_task_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's ``srun --ntasks-per-node 4 --gpus-per-task 1``: SLURM sets CUDA_VISIBLE_DEVICES per task, so each
+    task sees one GPU (its own) as cuda:0; every task runs there instead of local ranks 1-3 finding no GPU."""
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    device = lambda args, world: world.device  # noqa: E731 - the entry: which device the task was given
+    for task in range(4):
+        world = _srun_task(task)
+        assert world.launcher == "slurm" and world.local_rank == task
+        assert launch(device, {}, parse_device(""), world=world) == "cuda:0"
+        assert launch(device, {}, parse_device("0"), world=world) == "cuda:0"  # device=0: each task's own first
+    _fake_gpus(monkeypatch, 4)  # no binding (--gres=gpu:4): every task sees the node's four, and takes its own
+    seen = [launch(device, {}, parse_device(""), world=_srun_task(t)) for t in range(4)]
+    assert seen == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    _fake_gpus(monkeypatch, 1)  # torchrun's processes share what they see: a second one has no GPU of its own
+    torchrun = World.from_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(DistributedError, match="local rank 1 has no GPU: 1 CUDA GPU"):
+        launch(device, {}, parse_device(""), world=torchrun)
+
+
 def test_one_cpu_thread_rule_for_spawned_and_in_process_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The launcher's spawned workers and a worker in this process (set_cpu_threads) share the cores alike."""
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -112,20 +112,34 @@ def release(t: torch.Tensor) -> None:
 
 
 def release_batch(batch: Mapping[str, Any]) -> None:
-    """:func:`release` the block of a collated batch (its ``img``): the trainer calls this once a step is done."""
-    img = batch.get("img")
-    if isinstance(img, torch.Tensor):
-        release(img)
+    """:func:`release` the block of a collated batch (its ``img``, or for a pinned copy made by copying the batch
+    the block it came from): the trainer calls this once a step is done."""
+    for img in (batch.get("img"), getattr(batch, "source", None)):
+        if isinstance(img, torch.Tensor):
+            release(img)
 
 
 class Batch(dict):
     """A collated batch: a plain dict to its users. Pinning it (the DataLoader's pinning thread, with CUDA)
-    copies its tensors to pinned memory and then releases the worker's segment at once."""
+    copies its tensors to pinned memory and then releases the worker's segment, whichever order torch checks a
+    batch in: a torch that calls an object's own ``pin_memory`` before treating it as a mapping (2.14) pins it here
+    and releases at once; an older one (2.4, which pyproject allows) takes any mapping as a mapping first
+    (``copy.copy`` of it, then each value pinned into the copy), and the copy remembers its block (``source``),
+    which :func:`release_batch` frees once the step is done. Otherwise recycling would silently stop there, and
+    every worker keep its whole pool of segments."""
+
+    source: torch.Tensor | None = None  # a copy's: the ``img`` of the batch it was copied from
 
     def pin_memory(self, device: Any = None) -> Batch:
         pinned = Batch({k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in self.items()})
         release_batch(self)  # the copies are done (pin_memory copies synchronously)
         return pinned
+
+    def __copy__(self) -> Batch:
+        clone = Batch(self)
+        img = self.get("img")
+        clone.source = img if isinstance(img, torch.Tensor) else self.source
+        return clone
 
 
 def block_bytes(t: torch.Tensor) -> int:

@@ -12,6 +12,7 @@ Usage: ``metrics = validate(model, loader, data, cfg, torch.device("cpu"), World
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,18 +51,23 @@ def predict_batch(
     multi_label: bool = False,
     classes: list[int] | None = None,
     agnostic: bool = False,
+    amp_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, by the model's own postprocess
     (NMS, or an end-to-end head's top-k) on the device.
 
     ``multi_label`` keeps every (box, class) pair above ``conf``, as validation does (YOLOv8's val too);
-    ``classes`` keeps only those classes (before NMS), ``agnostic`` runs NMS across classes."""
+    ``classes`` keeps only those classes (before NMS), ``agnostic`` runs NMS across classes; ``amp_dtype`` runs
+    the forward (only) under autocast in that dtype, the postprocess in float32."""
     imgs = imgs_uint8.to(device, non_blocking=True).float().div_(255)
     if device.type in ("cpu", "cuda"):
         imgs = imgs.contiguous(memory_format=torch.channels_last)
-    preds = model(imgs)
+    with torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext():
+        preds = model(imgs)
     if isinstance(preds, (tuple, list)):
         preds = preds[0]
+    if amp_dtype is not None:
+        preds = preds.float()
     options = InferenceOptions(
         conf=conf, iou=iou, max_det=max_det, classes=classes, agnostic=agnostic, multi_label=multi_label
     )
@@ -131,11 +137,14 @@ def validate(
     save_dir: Path | None = None,
     plots: bool = False,
     verbose: bool = True,
+    amp_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """COCO-exact metrics of ``model`` on ``loader``'s split (the same dict on every rank of ``world``).
 
     ``data`` is the split's ``SplitData``; with ``save_dir`` rank 0 writes metrics.json (and predictions.json
     when ``cfg.predict.save_json``), and with ``plots`` the curves, confusion matrices and the first batches drawn.
+    ``amp_dtype``: the model's forward under autocast in that dtype (training-time validation on CUDA), else
+    float32.
     """
     was_training = model.training
     model.eval()
@@ -165,6 +174,7 @@ def validate(
                 multi_label=True,
                 classes=classes,
                 agnostic=agnostic,
+                amp_dtype=amp_dtype,
             )
             if single:
                 for det in dets:

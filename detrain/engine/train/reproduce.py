@@ -27,25 +27,42 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # this rank's own device only: a resume may see fewer GPUs (8 -> 4, a requeue under srun's per-task binding)
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Put back the generators :func:`rng_state` saved (CUDA's only where CUDA is available)."""
+    """Put back the generators :func:`rng_state` saved (CUDA's only where CUDA is available: into this rank's
+    current device)."""
     random.setstate(state["python"])
     name, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = _own_cuda_state(state.get("cuda"))
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+
+
+def _own_cuda_state(saved: Any) -> torch.Tensor | None:
+    """The CUDA generator state for this rank's current device: the one a checkpoint keeps per rank, or, from an
+    older checkpoint's list of every device's state, the entry at the current device's index (the device this rank
+    used where the layout is unchanged); None where the list has no such entry (the GPUs changed: the generator
+    keeps its seed)."""
+    if saved is None or isinstance(saved, torch.Tensor):
+        return saved
+    index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+    return saved[index] if index < len(saved) else None
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
-    """Seed Python, numpy and torch; with ``deterministic``, ask torch (and cuBLAS) for deterministic kernels."""
+    """Seed Python, numpy and torch; with ``deterministic``, ask torch (and cuBLAS) for deterministic kernels;
+    without, let cuDNN time its kernels for the run's shapes and keep the fastest (``cudnn.benchmark``: CUDA
+    convolutions only, which then may differ from run to run; nothing changes on the CPU)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    torch.backends.cudnn.benchmark = not deterministic
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.deterministic = True

@@ -35,6 +35,7 @@ from detrain.engine.train.batch_plan import batch_plan, check_split, planned_wor
 from detrain.engine.train.callbacks import CallbackFn, Callbacks
 from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.mid_epoch import MidEpoch
+from detrain.engine.train.precision import choose_precision
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.nn.head import LossGains
@@ -253,10 +254,12 @@ class Trainer:
         return opt_name, weight_decay
 
     def _choose_precision(self) -> None:
-        """amp=true on CUDA: bfloat16 where the GPU has it, else float16 with a gradient scaler."""
-        self.amp_dtype = None
-        if self.cfg.train.amp and self.device.type == "cuda":
-            self.amp_dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        """amp=true on CUDA: bfloat16 where the GPU has it, else float16 with a gradient scaler; validation in
+        float16; each checked on the model first, float32 where it disagrees (:mod:`precision`)."""
+        cfg = self.cfg
+        # collective: every rank's AMP check, so that all ranks agree
+        self.precision = choose_precision(self._bare(), self.device, cfg.train.amp, cfg.inputs.imgsz, self._say)
+        self.amp_dtype = self.precision.train
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
 
     def _build_loss(self) -> None:
@@ -497,6 +500,7 @@ class Trainer:
             save_dir=None,
             plots=False,
             verbose=False,
+            amp_dtype=self.precision.val,  # on CUDA float16 (precision.py); float32 elsewhere
         )
 
     def _agree(self, trained: EpochResult) -> tuple[bool, bool]:
