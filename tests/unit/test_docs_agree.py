@@ -20,7 +20,8 @@ def _readme_commands() -> list[tuple[str, list[str]]]:
     """(command, [key=value, ...]) of every `detrain <command> ...` line in README's code blocks (continued
     lines joined; the second of two side-by-side commands on one line dropped)."""
     text = README.read_text()
-    blocks = re.findall(r"```(?:bash|sh)?\n(.*?)```", text, re.S)
+    fenced = re.findall(r"```(\w*)\n(.*?)```", text, re.S)  # every block, whatever its language (python too)
+    blocks = [body for language, body in fenced if language in ("", "bash", "sh")]
     out = []
     for block in blocks:
         joined = re.sub(r"\\\n\s*", " ", block)
