@@ -7,9 +7,11 @@ import copy
 import functools
 import hashlib
 import importlib
+import json
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -689,3 +691,42 @@ def test_a_small_file_cannot_make_detrain_build_a_huge_model(tmp_path: Path, fak
         _refusal(deep_path)
     )
     assert MAX_REPEATS == 32
+
+
+# --------------------------------------------------------------------------------------------------
+# The example Ultralytics users start from, with a YOLO26 file present locally
+# --------------------------------------------------------------------------------------------------
+COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"
+
+
+def test_the_yolo26_example_trains_on_two_cpu_workers(
+    tmp_path: Path, fake_ultralytics: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Model("yolo26n.pt").train(data="coco8.yaml", epochs=3, device="cpu,cpu")``: the file is an Ultralytics-shaped
+    YOLO26n (its own classes pickled), coco8 lies in the datasets folder as a download would leave it; only the image
+    size (64, so CI stays quick) and the run folder are added."""
+    from detrain import Model
+    from detrain.nn.model import DetectionModel
+
+    if not (COCO8 / "images" / "train").is_dir():
+        pytest.skip(f"{COCO8} not found")
+    datasets = tmp_path / "datasets"
+    shutil.copytree(COCO8, datasets / "coco8", ignore=shutil.ignore_patterns("*.cache"))
+    monkeypatch.setenv("DETRAIN_DATASETS_DIR", str(datasets))
+    torch.manual_seed(0)
+    ours = _half_rounded(DetectionModel("yolo26n.yaml", nc=80).eval())
+    weights = _synthetic_file(tmp_path, fake_ultralytics, ours, dict(ours.yaml), "yolo26n.pt")
+    for name in list(fake_ultralytics):  # the workers are fresh processes: no stub modules there, nor needed
+        monkeypatch.delitem(sys.modules, name)
+
+    result = Model(str(weights)).train(
+        data="coco8.yaml", epochs=3, device="cpu,cpu", imgsz=64, project=str(tmp_path / "runs"), name="example"
+    )
+    assert result is not None
+    run = Path(result["save_dir"])
+    rows = (run / "results.csv").read_text().splitlines()
+    assert len(rows) == 4 and "train/l1_loss" in rows[0].split(",")
+    start = json.loads((run / "events.jsonl").read_text().splitlines()[0])
+    assert start["kind"] == "start" and start["world_size"] == 2  # two workers, as device="cpu,cpu" asks
+    best = Model(str(run / "weights" / "best.pt"))
+    assert best.net.family == "yolo26" and best.net.nc == 80
