@@ -5,11 +5,15 @@ and what it saves rebuilds as YOLO26."""
 from __future__ import annotations
 
 import csv
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _processes import one_thread  # noqa: F401 (a fixture)
+from _faults import fault_env
+from _processes import child_env, one_thread  # noqa: F401 (a fixture)
 
 from detrain import Model
 from detrain.data.synthetic import generate_shapes
@@ -93,3 +97,56 @@ def test_val_and_predict_are_nms_free_and_nms_true_uses_the_other_branch(
     assert len(r.boxes) == 5  # top-k: exactly max_det detections at conf 0
     (n,) = Model(best).predict(str(image), nms=True, **kw)
     assert 0 < len(n.boxes) <= 5
+
+
+# ------------------------------------------------------------------ resume: bitwise, mid-epoch, the schedule restored
+REPO = Path(__file__).resolve().parents[2]
+RESUME = dict(
+    model="yolo26n.yaml",
+    imgsz=64,
+    batch=4,
+    nbs=8,
+    workers=0,
+    close_mosaic=0,
+    warmup_epochs=0,
+    optimizer="SGD",
+    val=False,
+    plots=False,
+    verbose=False,
+    seed=0,
+    epochs=2,
+    device="cpu",
+    name="run",
+)
+
+
+def _train(args: dict, env: dict[str, str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "detrain.cli", "train", *(f"{k}={v}" for k, v in args.items())]
+    try:
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"detrain train did not end within 300 s:\n{e.stdout}\n{e.stderr}")
+
+
+def test_a_yolo26_run_killed_after_mid_pt_resumes_bitwise(run: tuple[Path, Path], tmp_path: Path) -> None:
+    """Killed in epoch 2 (the branch weights at their second point) with one batch's gradients waiting: the resumed
+    run ends with the uninterrupted run's weights, bit for bit."""
+    data, _ = run
+    straight = _train({**RESUME, "data": str(data), "project": str(tmp_path / "a")}, child_env())
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    args = {**RESUME, "data": str(data), "project": str(tmp_path / "b"), "save_interval": 1e-9}
+    died = _train(args, fault_env("mid.pt", 0, "kill", next_batch=3))  # mid.pt in epoch 2: epoch index 0 done
+    assert died.returncode == -signal.SIGKILL, died.stdout[-2000:] + died.stderr[-2000:]
+    mid = torch.load(tmp_path / "b" / "run" / "weights" / "mid.pt", map_location="cpu", weights_only=True)
+    assert mid["mid_epoch"]["next_batch"] == 3 and mid["pending_grads"] is not None
+    resumed = _train({"resume": str(tmp_path / "b" / "run" / "weights" / "last.pt"), "device": "cpu"}, child_env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "3/4 batches done" in resumed.stdout + resumed.stderr
+    a, b = (
+        torch.load(p / "run" / "weights" / "last.pt", map_location="cpu", weights_only=True)
+        for p in (tmp_path / "a", tmp_path / "b")
+    )
+    for key in ("model", "ema"):
+        assert a[key]["state_dict"].keys() == b[key]["state_dict"].keys()
+        for name, tensor in a[key]["state_dict"].items():
+            assert torch.equal(tensor, b[key]["state_dict"][name]), (key, name)
