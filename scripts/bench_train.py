@@ -1,15 +1,17 @@
 """Training-step throughput: forward + loss + backward + optimizer step on random images.
 
-Times detrain's DetectionModel with DetectionLoss and SGD, using the update kernel detrain's trainer picks
-(fused where torch has one). When ``ultralytics`` is importable (it is never a dependency; e.g.
-``PYTHONPATH=/path/to/ulib``), its YOLOv8 DetectionModel of the same scale is timed the same way, with its
-v8DetectionLoss and the plain SGD its trainer uses on CPU, in the same process, and the throughput ratio is
-printed. The two are timed in alternating blocks and summarised by the median step, so load from other
-processes on a shared machine hits both alike.
+Times detrain's DetectionModel of a family (``--family``: yolov8, yolo11 or yolo26) with its own loss (the head
+seam's criterion: DetectionLoss, or YOLO26's EndToEndLoss) and SGD, using the update kernel detrain's trainer
+picks (fused where torch has one). When ``ultralytics`` is importable (it is never a dependency; e.g.
+``PYTHONPATH=/path/to/ulib``), its DetectionModel of the same family and scale is timed the same way, with the loss
+it picks for it (v8DetectionLoss or E2ELoss) and the plain SGD its trainer uses on CPU, in the same process, and
+the throughput ratio is printed. The two are timed in alternating blocks and summarised by the median step, so load
+from other processes on a shared machine hits both alike.
 
 Example::
 
     python scripts/bench_train.py --scale n --imgsz 320 --batch 8 --iters 20 --warmup 3 --threads 2
+    python scripts/bench_train.py --family yolo26 --scale n --imgsz 320 --batch 8 --threads 2
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
 from detrain.engine.train.optim import kernel_options
-from detrain.nn.loss import DetectionLoss
+from detrain.nn.head import LossGains
 from detrain.nn.model import DetectionModel
+
+EPOCHS = 100  # the run length a loss with a schedule (YOLO26's) is built for; both sides at its first epoch
 
 
 @dataclass
@@ -68,18 +72,20 @@ def _sgd(model: torch.nn.Module, **kernel: bool) -> torch.optim.Optimizer:
 
 def detrain_step(args: argparse.Namespace, batch: Batch, device: torch.device) -> Callable[[], None]:
     """One detrain training step as a closure over its model, loss and optimizer."""
-    model = DetectionModel(scale=args.scale, nc=args.nc).to(device).train()
+    model = DetectionModel(f"{args.family}{args.scale}.yaml", nc=args.nc).to(device).train()
     imgs = batch.imgs
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
         imgs = imgs.contiguous(memory_format=torch.channels_last)
-    criterion = DetectionLoss(args.nc, model.stride, reg_max=model.reg_max)
+    criterion = model.criterion(LossGains(), epochs=EPOCHS)
+    criterion.set_epoch(0)
     # the update kernel detrain's trainer picks (engine/optim.py: fused where torch has one)
     optimizer = _sgd(model, **kernel_options(list(model.parameters())))
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss, _ = criterion(model(imgs), batch.batch_idx, batch.cls, batch.bboxes_xywhn)
+        targets = criterion.assign(model(imgs), batch.batch_idx, batch.cls, batch.bboxes_xywhn)
+        loss, _ = criterion.score(targets, None, None)
         loss.backward()
         optimizer.step()
 
@@ -87,15 +93,16 @@ def detrain_step(args: argparse.Namespace, batch: Batch, device: torch.device) -
 
 
 def ultralytics_step(args: argparse.Namespace, batch: Batch, device: torch.device) -> Callable[[], None] | None:
-    """The same step with Ultralytics' YOLOv8 model and v8DetectionLoss, or None when it is not installed."""
+    """The same step with Ultralytics' model of the family and the loss it picks, or None when it is not
+    installed."""
     os.environ.setdefault("YOLO_OFFLINE", "1")  # never reach the network from a benchmark
     os.environ.setdefault("YOLO_VERBOSE", "False")
     try:
         from ultralytics.nn.tasks import DetectionModel as UltralyticsModel
     except ImportError:
         return None
-    model = UltralyticsModel(f"yolov8{args.scale}.yaml", nc=args.nc, verbose=False).to(device).train()
-    model.args = SimpleNamespace(box=7.5, cls=0.5, dfl=1.5)  # the loss reads its gains from here
+    model = UltralyticsModel(f"{args.family}{args.scale}.yaml", nc=args.nc, verbose=False).to(device).train()
+    model.args = SimpleNamespace(box=7.5, cls=0.5, dfl=1.5, epochs=EPOCHS)  # the loss reads its gains from here
     criterion = model.init_criterion()
     optimizer = _sgd(model)  # Ultralytics' trainer asks for no fused/foreach kernel on CPU
     # Ultralytics trains in the default (contiguous) memory format; it is timed as it trains
@@ -123,6 +130,7 @@ def _timed(step: Callable[[], None], n: int, device: torch.device, clock: Callab
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", default="yolov8", choices=("yolov8", "yolo11", "yolo26"))
     p.add_argument("--scale", default="n", choices=list("nsmlx"))
     p.add_argument("--imgsz", type=int, default=320)
     p.add_argument("--batch", type=int, default=8)
@@ -178,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
 
     layout = {"detrain": "channels_last" if args.channels_last else "contiguous", "ultralytics": "contiguous"}
     print(
-        f"scale {args.scale}  imgsz {args.imgsz}  batch {args.batch}  threads {torch.get_num_threads()}  "
+        f"{args.family}{args.scale}  imgsz {args.imgsz}  batch {args.batch}  threads {torch.get_num_threads()}  "
         f"device {device}  iters {args.iters}  warmup {args.warmup}  clock {args.clock}"
     )
     print(f"{'impl':<12} {'layout':<14} {'median ms':>10} {'mean ms':>9} {'min ms':>8} {'img/s':>8}")
