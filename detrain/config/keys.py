@@ -93,8 +93,10 @@ class Inputs:
 
     model: str = key(
         "n.yaml",
-        "architecture yaml (n/s/m/l/x.yaml, yolov8s.yaml, or a path to a yaml that says scale:), or weights (.pt)",
-        non_empty="an architecture yaml (n.yaml ... x.yaml, a path) or weights (.pt)",
+        "architecture yaml (YOLOv8: n/s/m/l/x.yaml or yolov8s.yaml; yolo11n.yaml ... yolo11x.yaml; yolo26n.yaml "
+        "... yolo26x.yaml; or a path to a yaml that says scale:), or weights (.pt: detrain's, or Ultralytics' "
+        "YOLOv8, YOLO11 and YOLO26)",
+        non_empty="an architecture yaml (n.yaml ... x.yaml, yolo11n.yaml, yolo26n.yaml, a path) or weights (.pt)",
         commands=COMMANDS,
     )
     weights_sha256: str = key(
