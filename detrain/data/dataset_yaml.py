@@ -35,7 +35,9 @@ from detrain.data import synthetic
 from detrain.data.download import DownloadLimits, download_dataset, file_lock, is_url
 from detrain.data.labels.verify import img2label_path
 from detrain.errors import DatasetError
+from detrain.system.input_file import read_input_text, reason_of
 from detrain.system.net import is_sha256
+from detrain.system.text import excerpt, shown
 
 __all__ = [
     "IMG_FORMATS",
@@ -48,6 +50,8 @@ __all__ = [
 
 IMG_FORMATS = frozenset({"bmp", "dng", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp", "pfm"})
 _SPLITS = ("train", "val", "test")
+MAX_LIST_BYTES = 1 << 30  # a .txt image list: some 20 million paths
+MAX_JSON_BYTES = 8 << 30  # a COCO annotation file (COCO's train2017 is 450 MB)
 
 
 @dataclass(frozen=True)
@@ -314,9 +318,9 @@ def _images_in(folder: Path) -> list[str]:
 
 def _read_txt_list(path: Path, root: Path) -> list[str]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: cannot read the image list ({e})") from None
+        lines = read_input_text(path, MAX_LIST_BYTES).splitlines()
+    except OSError as e:  # a FIFO or device is refused, never waited on
+        raise DatasetError(f"{shown(str(path))}: cannot read the image list ({reason_of(e)})") from None
     return [str(_abs(root, line.strip())) for line in lines if line.strip()]
 
 
@@ -328,10 +332,11 @@ def _annotations_json(root: Path, split_name: str) -> str | None:
 def _images_from_coco_json(path: Path, root: Path, key: str, yaml_file: Path) -> list[str]:
     """Image paths named in a COCO annotation file, found in the usual COCO or YOLO folder layouts."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_input_text(path, MAX_JSON_BYTES))
         file_names = [str(im["file_name"]) for im in doc["images"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DatasetError(f"{yaml_file}: {key}: {path} is not a readable COCO annotation file ({e})") from None
+        reason = excerpt(str(e), 120, quote=False)
+        raise DatasetError(f"{yaml_file}: {key}: {path} is not a readable COCO annotation file ({reason})") from None
     if not file_names:
         raise DatasetError(f"{yaml_file}: {key}: {path} lists no images")
     tag = path.stem.split("_", 1)[-1]  # instances_val2017 -> val2017

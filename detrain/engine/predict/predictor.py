@@ -216,7 +216,9 @@ def _run(
     )
     count, seconds, keep = 0, 0.0, False
     try:
-        for batch in batches(read_frames(src, warn=say), cfg.train.batch, cfg.inputs.imgsz, stride):
+        for batch in batches(
+            read_frames(src, warn=say, max_pixels=cfg.inputs.max_pixels), cfg.train.batch, cfg.inputs.imgsz, stride
+        ):
             start = time.perf_counter()
             dets = _infer_batch(cfg, net, batch, device, half, conf)
             elapsed = time.perf_counter() - start
