@@ -6,7 +6,7 @@ optional `download` (a URL, {url, dir, sha256}, or a list of those). A yaml with
 built-in generated set. Label files sit where `img2label_path` says: `.../images/...` -> `.../labels/...txt`.
 
 Example (a dataset of one image per split, in the current folder):
-    >>> import pathlib, cv2, numpy as np
+    >>> import pathlib, cv2, numpy as np, yaml
     >>> for split in ("train", "val"):
     ...     pathlib.Path(f"toy/images/{split}").mkdir(parents=True)
     ...     _ = cv2.imwrite(f"toy/images/{split}/a.png", np.zeros((48, 64, 3), np.uint8))
@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from detrain.assets import asset_dir
 from detrain.data import synthetic
 from detrain.data.download import DownloadLimits, download_dataset, file_lock, is_url
@@ -37,6 +35,7 @@ from detrain.data.labels.verify import img2label_path
 from detrain.errors import DatasetError
 from detrain.system.input_file import read_input_text, reason_of
 from detrain.system.net import is_sha256
+from detrain.system.safe_yaml import YamlRefused, read_yaml
 from detrain.system.text import excerpt, shown
 
 __all__ = [
@@ -177,12 +176,11 @@ def find_dataset_yaml(data: str | Path) -> tuple[Path, bool]:
 
 def _read_yaml(yaml_file: Path) -> dict:
     try:
-        raw = yaml.safe_load(yaml_file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        detail = " ".join(str(e).split())
-        raise DatasetError(f"{yaml_file}: not valid YAML ({detail})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{yaml_file}: cannot read it ({e})") from None
+        raw = read_yaml(yaml_file)
+    except YamlRefused as e:
+        raise DatasetError(f"{shown(str(yaml_file))}: {e}") from None
+    except OSError as e:
+        raise DatasetError(f"{shown(str(yaml_file))}: cannot read it ({reason_of(e)})") from None
     if not isinstance(raw, dict):
         raise DatasetError(
             f"{yaml_file}: must be a mapping with keys path, train, val and names "
@@ -197,16 +195,22 @@ def _parse_names(raw: dict, yaml_file: Path) -> dict[int, str]:
         raise DatasetError(
             f"{yaml_file}: the key 'names:' is missing; give a list of class names or a mapping {{0: name, ...}}"
         )
+    values = names.values() if isinstance(names, dict) else names if isinstance(names, (list, tuple)) else []
+    bad = next((v for v in values if not isinstance(v, (str, int, float)) or isinstance(v, bool)), None)
+    if bad is not None:
+        raise DatasetError(f"{yaml_file}: names: each class name must be text (got {excerpt(bad)})")
     if isinstance(names, (list, tuple)):
         parsed = {i: str(n) for i, n in enumerate(names)}
     elif isinstance(names, dict):
         try:
-            parsed = {int(k): str(v) for k, v in names.items()}
-        except (TypeError, ValueError):
-            raise DatasetError(f"{yaml_file}: names: keys must be integer class ids (got {list(names)[:5]})") from None
+            parsed = {_class_id(k): str(v) for k, v in names.items()}
+        except ValueError:
+            raise DatasetError(
+                f"{yaml_file}: names: keys must be integer class ids (got {excerpt(list(names))})"
+            ) from None
         if sorted(parsed) != list(range(len(parsed))):
             raise DatasetError(
-                f"{yaml_file}: names: ids must be 0..{len(parsed) - 1} without gaps (got {sorted(parsed)[:10]}...)"
+                f"{yaml_file}: names: ids must be 0..{len(parsed) - 1} without gaps (got {excerpt(sorted(parsed))})"
             )
         parsed = dict(sorted(parsed.items()))
     else:
@@ -215,15 +219,26 @@ def _parse_names(raw: dict, yaml_file: Path) -> dict[int, str]:
         raise DatasetError(f"{yaml_file}: names: is empty; list at least one class name")
     nc = raw.get("nc")
     if nc is not None and nc != len(parsed):
-        raise DatasetError(f"{yaml_file}: nc: {nc} disagrees with names: ({len(parsed)} classes); fix or drop nc")
+        raise DatasetError(
+            f"{yaml_file}: nc: {excerpt(nc)} disagrees with names: ({len(parsed)} classes); fix or drop nc"
+        )
     return parsed
+
+
+def _class_id(key: object) -> int:
+    """A ``names:`` key as a class id: an integer, or digits in quotes ("3"); ValueError for anything else."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 10:
+        return int(key)
+    raise ValueError(key)
 
 
 def _resolve_root(raw: dict, yaml_file: Path, bundled: bool) -> Path:
     """The dataset root: bundled yamls under datasets_dir(); others beside the yaml, then the cwd."""
     value = raw.get("path")
     if value is not None and not isinstance(value, (str, os.PathLike)):
-        raise DatasetError(f"{yaml_file}: path: must be a folder (got {value!r})")
+        raise DatasetError(f"{yaml_file}: path: must be a folder (got {excerpt(value)})")
     if bundled:
         base = datasets_dir()
         return (base / Path(value).expanduser()).absolute() if value else base / yaml_file.stem
@@ -245,7 +260,7 @@ def _split_entries(key: str, value: Any, yaml_file: Path) -> list[str]:
     if not items or not all(isinstance(v, (str, os.PathLike)) and str(v).strip() for v in items):
         raise DatasetError(
             f"{yaml_file}: {key}: must be a folder of images, a .txt list, a COCO .json or a list of those "
-            f"(got {value!r})"
+            f"(got {excerpt(value)})"
         )
     return [str(v).strip() for v in items]
 
@@ -365,6 +380,7 @@ class _Fetch:
 
 
 _ENTRY_KEYS = ("url", "dir", "sha256")
+_SYNTHETIC_BOUNDS = {"n_train": (1, 1_000_000), "n_val": (1, 1_000_000), "imgsz": (32, 4096), "seed": (0, 2**31 - 1)}
 
 
 def _download_plan(value: Any, root: Path, yaml_file: Path, bundled: bool) -> list[_Fetch] | None:
@@ -386,7 +402,7 @@ def _download_plan(value: Any, root: Path, yaml_file: Path, bundled: bool) -> li
         elif isinstance(item, dict) and is_url(item.get("url")):
             unknown = [k for k in item if k not in _ENTRY_KEYS]
             if unknown:
-                raise DatasetError(f"{where} unknown key {unknown[0]!r}; valid keys: {', '.join(_ENTRY_KEYS)}")
+                raise DatasetError(f"{where} unknown key {excerpt(unknown[0])}; valid keys: {', '.join(_ENTRY_KEYS)}")
             sub = _download_dir(item.get("dir"), root, where)
             sha256 = _download_sha256(item.get("sha256"), where)
             plan.append(_Fetch(item["url"].strip(), sub, sha256, None if sub == root else root))
@@ -402,7 +418,7 @@ def _download_dir(value: Any, root: Path, where: str) -> Path:
     text = str(value).strip()
     parts = Path(text.replace("\\", "/")).parts
     if not isinstance(value, str) or Path(text).is_absolute() or text.startswith(("/", "\\", "~")) or ".." in parts:
-        raise DatasetError(f"{where} dir: {value!r} must be a folder inside {root} (relative, without '..')")
+        raise DatasetError(f"{where} dir: {excerpt(value)} must be a folder inside {root} (relative, without '..')")
     return Path(os.path.normpath(root / text))
 
 
@@ -412,7 +428,9 @@ def _download_sha256(value: Any, where: str) -> str | None:
     text = str(value).strip().lower()
     if not isinstance(value, str) or not is_sha256(text):
         quote = "" if isinstance(value, str) else " in quotes (YAML read this one as a number)"
-        raise DatasetError(f"{where} sha256: {value!r} is not a sha256; give the 64 hex digits sha256sum prints{quote}")
+        raise DatasetError(
+            f"{where} sha256: {excerpt(value)} is not a sha256; give the 64 hex digits sha256sum prints{quote}"
+        )
     return text
 
 
@@ -449,8 +467,13 @@ def _fetch_or_explain(
 def _load_synthetic(yaml_file: Path, raw: dict, cache_dir: Path) -> DatasetInfo:
     kind = raw.get("synthetic")
     if kind != "shapes":
-        raise DatasetError(f"{yaml_file}: synthetic: {kind!r} is unknown; valid: shapes")
+        raise DatasetError(f"{yaml_file}: synthetic: {excerpt(kind)} is unknown; valid: shapes")
     params = {k: raw.get(k, default) for k, default in synthetic.DEFAULTS.items()}
+    for k, (low, high) in _SYNTHETIC_BOUNDS.items():  # checked here: they name the set's folder
+        if not isinstance(params[k], int) or isinstance(params[k], bool) or not low <= params[k] <= high:
+            raise DatasetError(
+                f"{yaml_file}: {k}={excerpt(params[k])} is invalid; it must be an integer from {low} to {high}"
+            )
     if raw.get("names") is not None and _parse_names(raw, yaml_file) != synthetic.SHAPE_NAMES:
         raise DatasetError(f"{yaml_file}: names: must be {synthetic.SHAPE_NAMES} for the shapes dataset (or left out)")
     suffix = "" if params == synthetic.DEFAULTS else "-" + "-".join(str(params[k]) for k in synthetic.DEFAULTS)

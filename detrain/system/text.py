@@ -31,7 +31,7 @@ def shown(text: str) -> str:
 def excerpt(value: object, limit: int = EXCERPT_CHARS, quote: bool = True, _depth: int = 0) -> str:
     """A short, escaped rendering of ``value`` for a message: a string quoted (``quote``) and cut at ``limit``
     characters with its length said, a container's first items within the budget with its size said, anything
-    else its ``repr`` cut alike. Never longer than about ``limit`` + 30 characters, whatever ``value`` is."""
+    else its ``repr`` cut alike. Never longer than ``limit`` + 30 characters, whatever ``value`` is."""
     if isinstance(value, str):
         body = value[:limit].encode("unicode_escape").decode("ascii")[:limit]
         more = f"...' ({len(value)} characters)" if len(value) > limit else "'"
@@ -45,6 +45,25 @@ def excerpt(value: object, limit: int = EXCERPT_CHARS, quote: bool = True, _dept
     except (ValueError, OverflowError):  # an int too long to print in decimal
         text = f"<{type(value).__name__}>"
     return shown(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def listed(values: object, limit: int = EXCERPT_CHARS) -> str:
+    """The items of a file-supplied collection named in a message ("n, s, m"), each escaped, stopping at about
+    ``limit`` characters ("n, s, ... (5000 in all)").
+
+    >>> listed({"n": 1, "s": 2}), listed(range(10**6), 12)
+    ('n, s', '0, 1, 2, 3, ... (1000000 in all)')
+    """
+    items = values if isinstance(values, (list, tuple, dict, set, frozenset, range)) else [values]
+    parts: list[str] = []
+    used = 0
+    for item in items:
+        if used >= limit:
+            return ", ".join(parts) + f", ... ({len(items)} in all)"
+        text = excerpt(item, max(8, limit - used), quote=False, _depth=1)
+        parts.append(text)
+        used += len(text) + 2
+    return ", ".join(parts)
 
 
 def _plain(value: object) -> str:
@@ -76,4 +95,6 @@ def _container(value: list | tuple | dict | set | frozenset, limit: int, depth: 
         parts.append(text)
         used += len(text) + 2
     body = opening[0] + ", ".join(parts) + (", ..." if cut else "") + opening[1]
+    if len(body) > limit + 8:  # the items' own minimum room overran a small budget
+        body, cut = body[:limit] + "...", True
     return body + (f" ({len(value)} items)" if cut else "")
