@@ -15,7 +15,6 @@ from the architecture a file records, and a file whose weights do not fit it is 
 from __future__ import annotations
 
 import datetime as _dt
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ import torch
 
 from detrain import __version__
 from detrain.errors import CheckpointError, ConfigError
-from detrain.system.tempfiles import temp_beside
+from detrain.system.tempfiles import atomic_file
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -32,28 +31,20 @@ FORMAT = "detrain-checkpoint"
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, fsync, then rename.
+    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, fsync, then rename; the folder
+    is entered without following a symbolic link (a planted ``weights/`` link receives nothing).
 
     A crash or a full disk never leaves a half-written ``last.pt``: either the old file or the new one exists.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "format": FORMAT,
         "version": __version__,
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         **state,
     }
-    fd, tmp = temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, sync=True) as f:  # weights/ is entered without following a link
+        torch.save(state, f)
     return path
 
 
