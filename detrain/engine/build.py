@@ -3,6 +3,8 @@ worker."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +80,21 @@ def check_output_folder(project: str, task: str, output: Output | None = None) -
         if folder.exists():
             if not folder.is_dir():
                 raise ConfigError(f"invalid value for 'project': {project!r}; {str(folder)!r} is a file, not a folder")
+            problem = _creation_problem(folder)
+            if problem is not None:
+                raise ConfigError(f"invalid value for 'project': {project!r}; cannot make a folder in {problem}")
             return
+
+
+def _creation_problem(folder: Path) -> str | None:
+    """Why no folder can be made inside the existing ``folder`` (the run folder's nearest existing ancestor), or
+    None: a probe folder is made and removed at once, so permissions, read-only mounts and pseudo-filesystems
+    (/proc) all answer as they would for the run."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".detrain-probe-", dir=folder))
+    except OSError as e:
+        return f"{str(folder)!r} ({e.strerror or e})"
+    return None
 
 
 def is_weights(model: str) -> bool:

@@ -204,6 +204,9 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["train", "max_pixels=0"], "'max_pixels': 0"),
     (["train", f"model={BOMB}"], f"model yaml {BOMB}: its aliases expand it past"),
     (["predict", f"source={IMAGE}", f"model={BOMB}"], f"model yaml {BOMB}: its aliases expand it past"),
+    (["train", "project=/proc/detrain/runs"], "cannot make a folder in '/proc' (No such file or directory)"),
+    (["val", "data=coco8.yaml", "project=/proc/x"], "cannot make a folder in '/proc'"),
+    (["predict", f"source={IMAGE}", "project=/proc/x"], "cannot make a folder in '/proc'"),
 ]
 
 
