@@ -134,6 +134,11 @@ class Inputs:
     download_max_files: int = key(
         2000000, "most files and folders one dataset archive may hold", low=1, commands=("train", "val")
     )
+    download_anywhere: bool = key(
+        False,
+        "let a dataset yaml's download: fill a path: outside the yaml's own folder and the datasets folder",
+        commands=("train", "val"),
+    )
     imgsz: int = key(
         640, "input size in pixels (multiple of 32)", low=32, high=8192, check=multiple_of_32, commands=COMMANDS
     )

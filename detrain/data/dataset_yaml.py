@@ -411,6 +411,20 @@ def _download_plan(value: Any, root: Path, yaml_file: Path, bundled: bool) -> li
     return plan or None
 
 
+def _check_download_root(root: Path, yaml_file: Path) -> None:
+    """A yaml's download: fills its ``path:`` only inside the yaml's own folder or the datasets folder (links
+    resolved): a ``path:`` naming any new or empty folder (an autostart folder, another user's home) would
+    otherwise receive the archive's files. ``download_anywhere=true`` lifts it."""
+    real = os.path.realpath(root)
+    allowed = [os.path.realpath(yaml_file.parent), os.path.realpath(datasets_dir())]
+    if not any(os.path.commonpath([real, base]) == base for base in allowed):
+        raise DatasetError(
+            f"{shown(str(yaml_file))}: path: {shown(str(root))} is outside the yaml's folder and the datasets folder "
+            f"{datasets_dir()}: download: does not write there; move the yaml beside the data, or give "
+            "download_anywhere=true"
+        )
+
+
 def _download_dir(value: Any, root: Path, where: str) -> Path:
     """`dir:` -> a folder inside `root`: relative, without '..'."""
     if value is None or str(value).strip() in ("", "."):
@@ -457,6 +471,8 @@ def _fetch_or_explain(
             f"{yaml_file}: {missing[0]} does not exist and downloading is off; {where}, "
             f"or allow download to fetch {plan[0].url}"
         )
+    if not bundled and not (limits or DownloadLimits()).anywhere:
+        _check_download_root(root, yaml_file)
     for entry in plan:
         download_dataset(entry.url, entry.dest, sha256=entry.sha256, limits=limits, inside=entry.inside)
     still = [p for p in missing if not p.exists()]

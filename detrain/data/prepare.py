@@ -59,7 +59,10 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
             None
             if cfg is None
             else DownloadLimits.from_gb(
-                cfg.inputs.download_max_gb, cfg.inputs.download_max_unpacked_gb, cfg.inputs.download_max_files
+                cfg.inputs.download_max_gb,
+                cfg.inputs.download_max_unpacked_gb,
+                cfg.inputs.download_max_files,
+                cfg.inputs.download_anywhere,
             )
         )
         info = load_dataset_yaml(data, limits=limits)
