@@ -17,34 +17,22 @@ import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from detrain.system.tempfiles import temp_beside
+from detrain.system.tempfiles import write_atomic
 
 # a log file or a pipe still gets full-width lines
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write a text file through a temporary file and a rename, so readers never see half of it."""
-    return _atomic_write(path, text, "w")
+def atomic_write_text(path: str | Path, text: str, root: str | Path | None = None) -> Path:
+    """Write a text file through a temporary file and a rename, so readers never see half of it, and through no
+    symbolic link: ``path``'s folder (with ``root``, every folder below it) is entered without following one
+    (:func:`detrain.system.tempfiles.write_atomic`)."""
+    return write_atomic(path, text, root)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+def atomic_write_bytes(path: str | Path, data: bytes, root: str | Path | None = None) -> Path:
     """:func:`atomic_write_text` for bytes (an encoded image)."""
-    return _atomic_write(path, data, "wb")
-
-
-def _atomic_write(path: str | Path, data: str | bytes, mode: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_beside(path)
-    try:
-        with os.fdopen(fd, mode) as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, data, root)
 
 
 def save_yaml(path: str | Path, data: Mapping[str, Any]) -> Path:

@@ -18,10 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from detrain.assets import asset_dir
 from detrain.config.keys import SECTIONS, SPECS, TITLES
+from detrain.system.safe_yaml import load_yaml
 
 HEADER = """\
 # detrain: every argument, its default and what it does. `detrain train key=value ...`,
@@ -50,7 +49,7 @@ def scalar(value: Any) -> str:
 
 
 def _loaded(text: str) -> Any:
-    return yaml.safe_load(f"k: {text}")["k"]
+    return load_yaml(f"k: {text}")["k"]
 
 
 def default_yaml() -> str:

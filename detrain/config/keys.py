@@ -39,6 +39,9 @@ Device = str | int | list
 COMMANDS = ("val", "predict", "export", "info", "train")
 WEEK_S = 7 * 24 * 3600  # the longest timeout: a typo beyond it would overflow the timers instead of waiting
 YEAR_H = 365 * 24  # the longest time= budget in hours: beyond it a value is a typo (time is hours, not seconds)
+# The most pixels an image's header may declare before it is decoded: 200 megapixels (600 MB decoded, a
+# 14000 x 14000 aerial tile) passes; a 110 KB PNG declaring 30000 x 30000 (2.7 GB on every loader thread) does not.
+MAX_PIXELS = 200_000_000
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,11 @@ class Inputs:
     download_max_files: int = key(
         2000000, "most files and folders one dataset archive may hold", low=1, commands=("train", "val")
     )
+    download_anywhere: bool = key(
+        False,
+        "let a dataset yaml's download: fill a path: outside the yaml's own folder and the datasets folder",
+        commands=("train", "val"),
+    )
     imgsz: int = key(
         640, "input size in pixels (multiple of 32)", low=32, high=8192, check=multiple_of_32, commands=COMMANDS
     )
@@ -148,6 +156,13 @@ class Inputs:
         "keep only their labels and score only them; predict keeps only their "
         "detections",
         parse=class_ids,
+        commands=("train", "val", "predict"),
+    )
+    max_pixels: int = key(
+        MAX_PIXELS,
+        "largest image, in pixels its header declares, that is decoded; bigger ones are skipped as corrupt "
+        "(refuses decompression bombs)",
+        low=1,
         commands=("train", "val", "predict"),
     )
     cache: bool | str = key(

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from detrain.config.keys import Augment
+from detrain.config.keys import MAX_PIXELS, Augment
 from detrain.data.image_io import check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side
 from detrain.data.memory.batch_memory import Batch, BatchBlock, whole_block
 from detrain.data.memory.decode_cache import LANES, DecodeCache
@@ -122,7 +122,8 @@ class DetectionDataset(Dataset):
     in shared memory, as YOLOv8's RAM cache: training pixels are resampled twice, so they differ slightly);
     ``cache_timeout_s``: how long the other local ranks wait for local rank 0 to fill the RAM cache;
     ``local_rank`` and ``launched``: this process's place on its node, from its ``World`` (local rank 0 fills the
-    RAM cache; the local ranks a launcher started share it).
+    RAM cache; the local ranks a launcher started share it); ``max_pixels``: an image whose header declares more
+    (it changed since it was verified) is replaced as unreadable, never decoded.
 
     >>> from detrain.data.labels.verify import LabelRecord
     >>> _ = cv2.imwrite("a.png", np.zeros((48, 64, 3), np.uint8))
@@ -149,6 +150,7 @@ class DetectionDataset(Dataset):
         cache_timeout_s: float | None = None,
         local_rank: int = 0,
         launched: bool = False,
+        max_pixels: int = MAX_PIXELS,
     ):
         if not records:
             raise DatasetError("the dataset has no images")
@@ -171,6 +173,7 @@ class DetectionDataset(Dataset):
         self.shapes_hw = [(int(r.shape_hw[0]), int(r.shape_hw[1])) for r in records]
         self.load_sizes_hw = [load_size(s, self.imgsz) for s in self.shapes_hw]
         self.cache = cache_mode(cache)
+        self.max_pixels = int(max_pixels)
         self._source = SampleSource(
             [(w, h) for h, w in self.load_sizes_hw], [max(s) for s in self.shapes_hw], can_reduce=self.cache is None
         )
@@ -347,11 +350,11 @@ class DetectionDataset(Dataset):
         """Image ``index`` BGR at load size (YOLOv8's ``load_image``), from the cache if any; None if unreadable."""
         if self._ram is not None:
             return self._ram.get(index)
-        img = read_npy(self.im_files[index]) if self.cache == "disk" else read_image(self.im_files[index])
+        img = self._read(index)
         return None if img is None else resize_long_side(img, self.imgsz)
 
     def _load_for_cache(self, index: int) -> np.ndarray | None:
-        img = read_npy(self.im_files[index]) if self.cache == "disk" else read_image(self.im_files[index])
+        img = self._read(index)
         if img is None:
             return None
         h, w = self.load_sizes_hw[index]
@@ -377,9 +380,14 @@ class DetectionDataset(Dataset):
         """Decoded pixels for training at any resolution (the warp scales them to the load size)."""
         if self._ram is not None:
             return self._ram.get(index)
+        return self._read(index, reduce)
+
+    def _read(self, index: int, reduce: int = 1) -> np.ndarray | None:
+        """Image ``index`` decoded (at 1/``reduce`` where that saves work), or from the disk cache; None when it
+        cannot be read or its header now declares more than ``max_pixels`` pixels (it changed since verified)."""
         if self.cache == "disk":
-            return read_npy(self.im_files[index])
-        return read_image(self.im_files[index], reduce)
+            return read_npy(self.im_files[index], self.max_pixels)
+        return read_image(self.im_files[index], reduce, self.max_pixels)
 
     def _labels_at_load_size(self, index: int) -> Labels:
         rec = self.records[index]

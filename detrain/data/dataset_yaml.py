@@ -6,7 +6,7 @@ optional `download` (a URL, {url, dir, sha256}, or a list of those). A yaml with
 built-in generated set. Label files sit where `img2label_path` says: `.../images/...` -> `.../labels/...txt`.
 
 Example (a dataset of one image per split, in the current folder):
-    >>> import pathlib, cv2, numpy as np
+    >>> import pathlib, cv2, numpy as np, yaml
     >>> for split in ("train", "val"):
     ...     pathlib.Path(f"toy/images/{split}").mkdir(parents=True)
     ...     _ = cv2.imwrite(f"toy/images/{split}/a.png", np.zeros((48, 64, 3), np.uint8))
@@ -28,14 +28,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from detrain.assets import asset_dir
 from detrain.data import synthetic
 from detrain.data.download import DownloadLimits, download_dataset, file_lock, is_url
 from detrain.data.labels.verify import img2label_path
 from detrain.errors import DatasetError
+from detrain.system.input_file import read_input_text, reason_of
 from detrain.system.net import is_sha256
+from detrain.system.safe_yaml import YamlRefused, read_yaml
+from detrain.system.text import excerpt, shown
 
 __all__ = [
     "IMG_FORMATS",
@@ -48,6 +49,8 @@ __all__ = [
 
 IMG_FORMATS = frozenset({"bmp", "dng", "jpeg", "jpg", "mpo", "png", "tif", "tiff", "webp", "pfm"})
 _SPLITS = ("train", "val", "test")
+MAX_LIST_BYTES = 1 << 30  # a .txt image list: some 20 million paths
+MAX_JSON_BYTES = 8 << 30  # a COCO annotation file (COCO's train2017 is 450 MB)
 
 
 @dataclass(frozen=True)
@@ -173,12 +176,11 @@ def find_dataset_yaml(data: str | Path) -> tuple[Path, bool]:
 
 def _read_yaml(yaml_file: Path) -> dict:
     try:
-        raw = yaml.safe_load(yaml_file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        detail = " ".join(str(e).split())
-        raise DatasetError(f"{yaml_file}: not valid YAML ({detail})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{yaml_file}: cannot read it ({e})") from None
+        raw = read_yaml(yaml_file)
+    except YamlRefused as e:
+        raise DatasetError(f"{shown(str(yaml_file))}: {e}") from None
+    except OSError as e:
+        raise DatasetError(f"{shown(str(yaml_file))}: cannot read it ({reason_of(e)})") from None
     if not isinstance(raw, dict):
         raise DatasetError(
             f"{yaml_file}: must be a mapping with keys path, train, val and names "
@@ -193,16 +195,22 @@ def _parse_names(raw: dict, yaml_file: Path) -> dict[int, str]:
         raise DatasetError(
             f"{yaml_file}: the key 'names:' is missing; give a list of class names or a mapping {{0: name, ...}}"
         )
+    values = names.values() if isinstance(names, dict) else names if isinstance(names, (list, tuple)) else []
+    bad = next((v for v in values if not isinstance(v, (str, int, float)) or isinstance(v, bool)), None)
+    if bad is not None:
+        raise DatasetError(f"{yaml_file}: names: each class name must be text (got {excerpt(bad)})")
     if isinstance(names, (list, tuple)):
         parsed = {i: str(n) for i, n in enumerate(names)}
     elif isinstance(names, dict):
         try:
-            parsed = {int(k): str(v) for k, v in names.items()}
-        except (TypeError, ValueError):
-            raise DatasetError(f"{yaml_file}: names: keys must be integer class ids (got {list(names)[:5]})") from None
+            parsed = {_class_id(k): str(v) for k, v in names.items()}
+        except ValueError:
+            raise DatasetError(
+                f"{yaml_file}: names: keys must be integer class ids (got {excerpt(list(names))})"
+            ) from None
         if sorted(parsed) != list(range(len(parsed))):
             raise DatasetError(
-                f"{yaml_file}: names: ids must be 0..{len(parsed) - 1} without gaps (got {sorted(parsed)[:10]}...)"
+                f"{yaml_file}: names: ids must be 0..{len(parsed) - 1} without gaps (got {excerpt(sorted(parsed))})"
             )
         parsed = dict(sorted(parsed.items()))
     else:
@@ -211,15 +219,26 @@ def _parse_names(raw: dict, yaml_file: Path) -> dict[int, str]:
         raise DatasetError(f"{yaml_file}: names: is empty; list at least one class name")
     nc = raw.get("nc")
     if nc is not None and nc != len(parsed):
-        raise DatasetError(f"{yaml_file}: nc: {nc} disagrees with names: ({len(parsed)} classes); fix or drop nc")
+        raise DatasetError(
+            f"{yaml_file}: nc: {excerpt(nc)} disagrees with names: ({len(parsed)} classes); fix or drop nc"
+        )
     return parsed
+
+
+def _class_id(key: object) -> int:
+    """A ``names:`` key as a class id: an integer, or digits in quotes ("3"); ValueError for anything else."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.strip().isdigit() and len(key.strip()) < 10:
+        return int(key)
+    raise ValueError(key)
 
 
 def _resolve_root(raw: dict, yaml_file: Path, bundled: bool) -> Path:
     """The dataset root: bundled yamls under datasets_dir(); others beside the yaml, then the cwd."""
     value = raw.get("path")
     if value is not None and not isinstance(value, (str, os.PathLike)):
-        raise DatasetError(f"{yaml_file}: path: must be a folder (got {value!r})")
+        raise DatasetError(f"{yaml_file}: path: must be a folder (got {excerpt(value)})")
     if bundled:
         base = datasets_dir()
         return (base / Path(value).expanduser()).absolute() if value else base / yaml_file.stem
@@ -241,7 +260,7 @@ def _split_entries(key: str, value: Any, yaml_file: Path) -> list[str]:
     if not items or not all(isinstance(v, (str, os.PathLike)) and str(v).strip() for v in items):
         raise DatasetError(
             f"{yaml_file}: {key}: must be a folder of images, a .txt list, a COCO .json or a list of those "
-            f"(got {value!r})"
+            f"(got {excerpt(value)})"
         )
     return [str(v).strip() for v in items]
 
@@ -314,9 +333,9 @@ def _images_in(folder: Path) -> list[str]:
 
 def _read_txt_list(path: Path, root: Path) -> list[str]:
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: cannot read the image list ({e})") from None
+        lines = read_input_text(path, MAX_LIST_BYTES).splitlines()
+    except OSError as e:  # a FIFO or device is refused, never waited on
+        raise DatasetError(f"{shown(str(path))}: cannot read the image list ({reason_of(e)})") from None
     return [str(_abs(root, line.strip())) for line in lines if line.strip()]
 
 
@@ -328,10 +347,11 @@ def _annotations_json(root: Path, split_name: str) -> str | None:
 def _images_from_coco_json(path: Path, root: Path, key: str, yaml_file: Path) -> list[str]:
     """Image paths named in a COCO annotation file, found in the usual COCO or YOLO folder layouts."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_input_text(path, MAX_JSON_BYTES))
         file_names = [str(im["file_name"]) for im in doc["images"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DatasetError(f"{yaml_file}: {key}: {path} is not a readable COCO annotation file ({e})") from None
+        reason = excerpt(str(e), 120, quote=False)
+        raise DatasetError(f"{yaml_file}: {key}: {path} is not a readable COCO annotation file ({reason})") from None
     if not file_names:
         raise DatasetError(f"{yaml_file}: {key}: {path} lists no images")
     tag = path.stem.split("_", 1)[-1]  # instances_val2017 -> val2017
@@ -360,6 +380,7 @@ class _Fetch:
 
 
 _ENTRY_KEYS = ("url", "dir", "sha256")
+_SYNTHETIC_BOUNDS = {"n_train": (1, 1_000_000), "n_val": (1, 1_000_000), "imgsz": (32, 4096), "seed": (0, 2**31 - 1)}
 
 
 def _download_plan(value: Any, root: Path, yaml_file: Path, bundled: bool) -> list[_Fetch] | None:
@@ -381,13 +402,27 @@ def _download_plan(value: Any, root: Path, yaml_file: Path, bundled: bool) -> li
         elif isinstance(item, dict) and is_url(item.get("url")):
             unknown = [k for k in item if k not in _ENTRY_KEYS]
             if unknown:
-                raise DatasetError(f"{where} unknown key {unknown[0]!r}; valid keys: {', '.join(_ENTRY_KEYS)}")
+                raise DatasetError(f"{where} unknown key {excerpt(unknown[0])}; valid keys: {', '.join(_ENTRY_KEYS)}")
             sub = _download_dir(item.get("dir"), root, where)
             sha256 = _download_sha256(item.get("sha256"), where)
             plan.append(_Fetch(item["url"].strip(), sub, sha256, None if sub == root else root))
         else:
             return None
     return plan or None
+
+
+def _check_download_root(root: Path, yaml_file: Path) -> None:
+    """A yaml's download: fills its ``path:`` only inside the yaml's own folder or the datasets folder (links
+    resolved): a ``path:`` naming any new or empty folder (an autostart folder, another user's home) would
+    otherwise receive the archive's files. ``download_anywhere=true`` lifts it."""
+    real = os.path.realpath(root)
+    allowed = [os.path.realpath(yaml_file.parent), os.path.realpath(datasets_dir())]
+    if not any(os.path.commonpath([real, base]) == base for base in allowed):
+        raise DatasetError(
+            f"{shown(str(yaml_file))}: path: {shown(str(root))} is outside the yaml's folder and the datasets folder "
+            f"{datasets_dir()}: download: does not write there; move the yaml beside the data, or give "
+            "download_anywhere=true"
+        )
 
 
 def _download_dir(value: Any, root: Path, where: str) -> Path:
@@ -397,7 +432,7 @@ def _download_dir(value: Any, root: Path, where: str) -> Path:
     text = str(value).strip()
     parts = Path(text.replace("\\", "/")).parts
     if not isinstance(value, str) or Path(text).is_absolute() or text.startswith(("/", "\\", "~")) or ".." in parts:
-        raise DatasetError(f"{where} dir: {value!r} must be a folder inside {root} (relative, without '..')")
+        raise DatasetError(f"{where} dir: {excerpt(value)} must be a folder inside {root} (relative, without '..')")
     return Path(os.path.normpath(root / text))
 
 
@@ -407,7 +442,9 @@ def _download_sha256(value: Any, where: str) -> str | None:
     text = str(value).strip().lower()
     if not isinstance(value, str) or not is_sha256(text):
         quote = "" if isinstance(value, str) else " in quotes (YAML read this one as a number)"
-        raise DatasetError(f"{where} sha256: {value!r} is not a sha256; give the 64 hex digits sha256sum prints{quote}")
+        raise DatasetError(
+            f"{where} sha256: {excerpt(value)} is not a sha256; give the 64 hex digits sha256sum prints{quote}"
+        )
     return text
 
 
@@ -434,6 +471,8 @@ def _fetch_or_explain(
             f"{yaml_file}: {missing[0]} does not exist and downloading is off; {where}, "
             f"or allow download to fetch {plan[0].url}"
         )
+    if not bundled and not (limits or DownloadLimits()).anywhere:
+        _check_download_root(root, yaml_file)
     for entry in plan:
         download_dataset(entry.url, entry.dest, sha256=entry.sha256, limits=limits, inside=entry.inside)
     still = [p for p in missing if not p.exists()]
@@ -444,8 +483,13 @@ def _fetch_or_explain(
 def _load_synthetic(yaml_file: Path, raw: dict, cache_dir: Path) -> DatasetInfo:
     kind = raw.get("synthetic")
     if kind != "shapes":
-        raise DatasetError(f"{yaml_file}: synthetic: {kind!r} is unknown; valid: shapes")
+        raise DatasetError(f"{yaml_file}: synthetic: {excerpt(kind)} is unknown; valid: shapes")
     params = {k: raw.get(k, default) for k, default in synthetic.DEFAULTS.items()}
+    for k, (low, high) in _SYNTHETIC_BOUNDS.items():  # checked here: they name the set's folder
+        if not isinstance(params[k], int) or isinstance(params[k], bool) or not low <= params[k] <= high:
+            raise DatasetError(
+                f"{yaml_file}: {k}={excerpt(params[k])} is invalid; it must be an integer from {low} to {high}"
+            )
     if raw.get("names") is not None and _parse_names(raw, yaml_file) != synthetic.SHAPE_NAMES:
         raise DatasetError(f"{yaml_file}: names: must be {synthetic.SHAPE_NAMES} for the shapes dataset (or left out)")
     suffix = "" if params == synthetic.DEFAULTS else "-" + "-".join(str(params[k]) for k in synthetic.DEFAULTS)

@@ -48,6 +48,7 @@ except ImportError:  # pragma: no cover
 __all__ = ["DownloadLimits", "download_dataset", "file_lock", "is_url", "marker_name"]
 
 GB = 1_000_000_000
+RATIO_FLOOR = 100_000_000  # an archive may always unpack to 100 MB, whatever its own size
 MARKER_PREFIX = ".detrain-download-"
 _MARKER = re.compile(r"\.detrain-download-[0-9a-f]{16}")
 _PARTIAL = ".detrain-partial-"  # temporaries inside a folder being added to; ignored when judging it
@@ -58,9 +59,11 @@ _JUNK = {"__MACOSX", ".DS_Store"}
 
 @dataclass(frozen=True)
 class DownloadLimits:
-    """How large a dataset download may be: the file fetched, its unpacked files together, their number.
+    """How large a dataset download may be: the file fetched, its unpacked files together (at most download_max_
+    unpacked_gb, and ``max_ratio`` times the archive), their number; and whether it may go anywhere.
 
-    Defaults as cfg/default.yaml's download_max_gb, download_max_unpacked_gb and download_max_files.
+    Defaults as cfg/default.yaml's download_max_gb, download_max_unpacked_gb, download_max_files and
+    download_anywhere.
 
     Example:
         >>> DownloadLimits.from_gb(1, 4, 1000).max_unpacked_bytes
@@ -70,11 +73,16 @@ class DownloadLimits:
     max_bytes: int = 50 * GB
     max_unpacked_bytes: int = 200 * GB
     max_members: int = 2_000_000
+    # unpacked bytes per byte of archive, above RATIO_FLOOR: images barely compress, label text some 10x; a
+    # 1.6 KB tar that unpacks to 2 GB (a ratio of a million) is a bomb
+    max_ratio: int = 200
+    # download: may fill a path: outside the yaml's own folder and the datasets folder (download_anywhere=true)
+    anywhere: bool = False
 
     @classmethod
-    def from_gb(cls, max_gb: float, max_unpacked_gb: float, max_files: int) -> DownloadLimits:
+    def from_gb(cls, max_gb: float, max_unpacked_gb: float, max_files: int, anywhere: bool = False) -> DownloadLimits:
         """The limits from the cfg keys (sizes in GB, 10^9 bytes)."""
-        return cls(int(max_gb * GB), int(max_unpacked_gb * GB), int(max_files))
+        return cls(int(max_gb * GB), int(max_unpacked_gb * GB), int(max_files), anywhere=bool(anywhere))
 
 
 def is_url(value: object) -> bool:
@@ -305,7 +313,7 @@ def _extract(archive: Path, stage: Path, url: str, dest: Path, limits: DownloadL
                 raise DatasetError(f"cannot extract {url}: {e}; {_by_hand(dest)}") from None
     elif tarfile.is_tarfile(archive):
         with tarfile.open(archive) as tf:
-            members = _checked_tar(tf, url, dest, limits)
+            members = _checked_tar(tf, url, dest, limits, archive)
             try:
                 if hasattr(tarfile, "data_filter"):  # second line of defence where Python has it
                     tf.extractall(stage, members=members, filter="data")
@@ -351,19 +359,22 @@ def _checked_zip(archive: Path, url: str, dest: Path, limits: DownloadLimits) ->
         raise DatasetError(f"cannot read the archive from {url}: {e}; {_by_hand(dest)}") from None
     if len(infos) > limits.max_members:
         raise _too_many(url, len(infos), limits)
-    total = 0
+    total, cap = 0, _unpacked_cap(archive, limits)
     for info in infos:
         _check_member(info.filename, url, dest)
         total += info.file_size  # zipfile stops each member at its declared size (and checks its CRC)
-    if total > limits.max_unpacked_bytes:
-        raise _too_large(url, total, limits)
+    if total > cap:
+        raise _too_large(url, total, limits, archive)
     return [info.filename for info in infos if not _is_junk(info.filename)]
 
 
-def _checked_tar(tf: tarfile.TarFile, url: str, dest: Path, limits: DownloadLimits) -> list[tarfile.TarInfo]:
-    """The members to extract, read one header at a time so a bomb is refused before it is decompressed."""
+def _checked_tar(
+    tf: tarfile.TarFile, url: str, dest: Path, limits: DownloadLimits, archive: Path
+) -> list[tarfile.TarInfo]:
+    """The members to extract, read one header at a time so a bomb is refused before it is decompressed: the
+    declared sizes are summed as they come and checked against the absolute cap and the ratio cap."""
     members: list[tarfile.TarInfo] = []
-    total = 0
+    total, cap = 0, _unpacked_cap(archive, limits)
     try:
         for m in tf:
             members.append(m)
@@ -373,8 +384,8 @@ def _checked_tar(tf: tarfile.TarFile, url: str, dest: Path, limits: DownloadLimi
             if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
                 raise DatasetError(f"refusing to extract {url}: member {m.name!r} is a device or pipe, not a file")
             total += m.size if m.isfile() else 0
-            if total > limits.max_unpacked_bytes:
-                raise _too_large(url, total, limits)
+            if total > cap:
+                raise _too_large(url, total, limits, archive)
     except (tarfile.TarError, EOFError, OSError) as e:
         raise DatasetError(f"cannot read the archive from {url}: {e}; {_by_hand(dest)}") from None
     _check_links(members, url, dest)
@@ -387,10 +398,22 @@ def _too_many(url: str, count: int, limits: DownloadLimits) -> DatasetError:
     )
 
 
-def _too_large(url: str, total: int, limits: DownloadLimits) -> DatasetError:
+def _unpacked_cap(archive: Path, limits: DownloadLimits) -> int:
+    """The most bytes ``archive`` may unpack to: download_max_unpacked_gb, and ``max_ratio`` times its own size
+    (at least :data:`RATIO_FLOOR`), the same rule for zip and tar."""
+    return min(limits.max_unpacked_bytes, max(RATIO_FLOOR, limits.max_ratio * archive.stat().st_size))
+
+
+def _too_large(url: str, total: int, limits: DownloadLimits, archive: Path) -> DatasetError:
+    if total > limits.max_unpacked_bytes:
+        return DatasetError(
+            f"refusing to extract {url}: its files unpack to at least {total} bytes, over "
+            f"download_max_unpacked_gb ({limits.max_unpacked_bytes / GB:g} GB)"
+        )
+    packed = archive.stat().st_size
     return DatasetError(
-        f"refusing to extract {url}: its files unpack to at least {total} bytes, over "
-        f"download_max_unpacked_gb ({limits.max_unpacked_bytes / GB:g} GB)"
+        f"refusing to extract {url}: its {packed} bytes unpack to at least {total} bytes, over {limits.max_ratio} "
+        "times its size (a decompression bomb?); extract it by hand if you trust it"
     )
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-from detrain.data.image_io import read_image
+from detrain.config.keys import MAX_PIXELS
+from detrain.data.image_io import read_image_why
 from detrain.data.sources import VIDEO_SUFFIXES, Source, SourceItem
 from detrain.errors import DatasetError
 
@@ -41,17 +42,22 @@ class Frame:
     fps: float = DEFAULT_FPS  # of the source video, for the annotated one
 
 
-def read_frames(source: Source, warn: Callable[[str], None] = lambda message: None) -> Iterator[Frame]:
-    """Every frame of every item, in order. ``warn`` gets one line per item skipped as unreadable."""
+def read_frames(
+    source: Source, warn: Callable[[str], None] = lambda message: None, max_pixels: int = MAX_PIXELS
+) -> Iterator[Frame]:
+    """Every frame of every item, in order. ``warn`` gets one line per item skipped as unreadable (a FIFO or
+    device, an image whose header declares more than ``max_pixels`` pixels, a decoder error), with the reason."""
     for item in source.items:
         if item.is_video:
             yield from _video_frames(item, source.single, warn)
             continue
-        image = as_bgr(item.pixels) if item.pixels is not None else read_image(item.target)
+        image, why = (
+            (as_bgr(item.pixels), "") if item.pixels is not None else read_image_why(item.target, 1, max_pixels)
+        )
         if image is None:
             if source.single:
-                raise DatasetError(f"cannot read image '{item.name}': not an image file OpenCV decodes")
-            warn(f"skipped {item.name}: not a readable image")
+                raise DatasetError(f"cannot read image '{item.name}': {why}")
+            warn(f"skipped {item.name}: {why}")
             continue
         yield Frame(item, image)
 

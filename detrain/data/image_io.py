@@ -23,7 +23,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from detrain.config.keys import MAX_PIXELS
+from detrain.data.image_header import image_byte_limit, opencv_reason, pixel_problem
 from detrain.errors import DatasetError
+from detrain.system.input_file import open_input, read_input_array, reason_of
 from detrain.system.tempfiles import temp_beside
 
 _REDUCED_FLAGS = {
@@ -112,34 +115,48 @@ def reduce_factor(long_side: int, needed_long_side: float) -> int:
     return 1
 
 
-def read_image(path: str, reduce: int = 1) -> np.ndarray | None:
+def read_image(path: str, reduce: int = 1, max_pixels: int = MAX_PIXELS) -> np.ndarray | None:
     """BGR uint8 (H, W, 3) decoded at 1/``reduce`` scale (DCT scaling for JPEG); None if unreadable.
 
-    Bytes are read with numpy and decoded with ``cv2.imdecode``, as YOLOv8 does: the same pixels (EXIF
-    orientation applied), non-ASCII paths work, and it is a little faster than ``cv2.imread``.
-    ``read_image("missing.jpg")`` -> None.
+    Bytes are read as ``np.fromfile`` reads them and decoded with ``cv2.imdecode``, as YOLOv8 does: the same pixels
+    (EXIF orientation applied), non-ASCII paths work, and it is a little faster than ``cv2.imread``.
+    ``read_image("missing.jpg")`` -> None. So is a FIFO or a device (never waited on), a file whose header declares
+    more than ``max_pixels`` pixels or cannot be read (:mod:`detrain.data.image_header`), and any decoder error.
 
     Only JPEGs are decoded at reduced scale: for other formats OpenCV decodes everything and then shrinks to
     floor(W / f) with a bilinear resize, a second resampling that saves nothing. A reduced JPEG decode whose
     pixels overhang the file is a :class:`ReducedImage` (see the module docstring).
     """
+    return read_image_why(path, reduce, max_pixels)[0]
+
+
+def read_image_why(path: str, reduce: int = 1, max_pixels: int = MAX_PIXELS) -> tuple[np.ndarray | None, str]:
+    """:func:`read_image`'s pixels, or None and the reason in a few words (for predict's "skipped" lines)."""
     try:
-        data = np.fromfile(path, np.uint8)
-    except OSError:
-        return None
+        data = read_input_array(path, image_byte_limit(max_pixels))
+    except OSError as e:
+        return (
+            None,
+            f"unreadable image file ({reason_of(e) if not isinstance(e, FileNotFoundError) else 'no such file'})",
+        )
     if not data.size:
-        return None
+        return None, "empty image file (0 bytes)"
+    problem = pixel_problem(data, max_pixels)
+    if problem is not None:
+        return None, problem
     if reduce > 1 and not is_jpeg(data):
         reduce = 1
     try:
         img = cv2.imdecode(data, _REDUCED_FLAGS[reduce])
-    except cv2.error:
-        return None
-    if img is not None and (img.ndim != 3 or img.shape[2] != 3):  # IMREAD_COLOR gives 3 channels; be sure
+    except (cv2.error, MemoryError) as e:
+        return None, f"not a readable image ({opencv_reason(e)})"
+    if img is None:
+        return None, "not a readable image (OpenCV cannot decode it)"
+    if img.ndim != 3 or img.shape[2] != 3:  # IMREAD_COLOR gives 3 channels; be sure
         img = cv2.cvtColor(img, cv2.COLOR_GRAY2BGR) if img.ndim == 2 else img[..., :3]
-    if img is not None and reduce > 1:
+    if reduce > 1:
         img = _placed(img, data, reduce)
-    return img
+    return img, ""
 
 
 def is_jpeg(data: np.ndarray) -> bool:
@@ -233,7 +250,7 @@ def npy_path(im_file: str) -> Path:
     return Path(im_file).with_suffix(".npy")
 
 
-def read_npy(im_file: str) -> np.ndarray | None:
+def read_npy(im_file: str, max_pixels: int = MAX_PIXELS) -> np.ndarray | None:
     """The decoded image from the disk cache, decoding and storing it first if needed (None if unreadable).
 
     The file is written through a temporary name and a rename, so a reader (another rank or worker) never sees a
@@ -242,13 +259,10 @@ def read_npy(im_file: str) -> np.ndarray | None:
     """
     path = npy_path(im_file)
     if path.exists() and path.stat().st_mtime >= _mtime(im_file):  # older than the image: stale
-        try:
-            arr = np.load(path, allow_pickle=False)
-            if arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[2] == 3:
-                return arr
-        except (OSError, ValueError):
-            pass  # a truncated or foreign file: decode again and replace it
-    img = read_image(im_file)
+        cached = _load_npy(path, max_pixels)
+        if cached is not None:
+            return cached
+    img = read_image(im_file, max_pixels=max_pixels)
     if img is None:
         return None
     tmp: str | None = None
@@ -262,6 +276,27 @@ def read_npy(im_file: str) -> np.ndarray | None:
             Path(tmp).unlink(missing_ok=True)
         warnings.warn(f"cache=disk: cannot write {path} ({e}); decoding that image every time", stacklevel=2)
     return img
+
+
+def _load_npy(path: Path, max_pixels: int) -> np.ndarray | None:
+    """The (H, W, 3) uint8 array of a ``.npy`` cache file, or None for anything else: a truncated or foreign file,
+    a FIFO or device (refused, not waited on), or a header declaring more than ``max_pixels`` pixels (checked
+    before anything is allocated)."""
+    try:
+        with open_input(path, 3 * max_pixels + (1 << 20)) as f:
+            version = np.lib.format.read_magic(f)
+            if version not in ((1, 0), (2, 0)):
+                return None
+            read_header = (
+                np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+            )
+            shape, fortran, dtype = read_header(f)
+            if fortran or dtype != np.uint8 or len(shape) != 3 or shape[2] != 3 or math.prod(shape) > 3 * max_pixels:
+                return None
+            arr = np.empty(shape, np.uint8)
+            return arr if f.readinto(arr.data.cast("B")) == arr.size else None
+    except (OSError, ValueError, EOFError):
+        return None
 
 
 def _mtime(path: str) -> float:

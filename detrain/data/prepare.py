@@ -12,6 +12,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from detrain.config.cfg import Cfg
+from detrain.config.keys import MAX_PIXELS
 from detrain.data.dataset import DetectionDataset
 from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
 from detrain.data.download import DownloadLimits
@@ -58,7 +59,10 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
             None
             if cfg is None
             else DownloadLimits.from_gb(
-                cfg.inputs.download_max_gb, cfg.inputs.download_max_unpacked_gb, cfg.inputs.download_max_files
+                cfg.inputs.download_max_gb,
+                cfg.inputs.download_max_unpacked_gb,
+                cfg.inputs.download_max_files,
+                cfg.inputs.download_anywhere,
             )
         )
         info = load_dataset_yaml(data, limits=limits)
@@ -67,7 +71,10 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
         files = getattr(info, split)
         if not files:
             raise DatasetError(f"{info.yaml_file}: the dataset has no '{split}' split")
-        records, report = load_labels(list(files), info.nc, cache=True, progress=verbose and dist.is_main())
+        max_pixels = cfg.inputs.max_pixels if cfg is not None else MAX_PIXELS
+        records, report = load_labels(
+            list(files), info.nc, cache=True, progress=verbose and dist.is_main(), max_pixels=max_pixels
+        )
     finally:
         if first:
             dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
@@ -110,6 +117,7 @@ def build_train_loader(
         stride=32,
         seed=cfg.train.seed,
         cache=cfg.inputs.cache or None,
+        max_pixels=cfg.inputs.max_pixels,
         # time= moves the last epochs: the trainer closes mosaic then (time_budget.py)
         close_mosaic_epoch=cfg.train.epochs - cfg.train.close_mosaic
         if cfg.train.close_mosaic and not cfg.train.time
@@ -142,6 +150,7 @@ def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World) 
         stride=32,
         seed=cfg.train.seed,
         cache=None,
+        max_pixels=cfg.inputs.max_pixels,
     )
     return build_dataloader(
         dataset,

@@ -40,8 +40,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from detrain.data.dataset_yaml import IMG_FORMATS
+from detrain.data.dataset_yaml import IMG_FORMATS, MAX_LIST_BYTES
 from detrain.errors import ConfigError
+from detrain.system.input_file import read_input_text, reason_of
+from detrain.system.text import shown
 
 IMAGE_SUFFIXES = frozenset("." + s for s in IMG_FORMATS)
 VIDEO_SUFFIXES = frozenset(
@@ -50,7 +52,6 @@ VIDEO_SUFFIXES = frozenset(
 STREAM_SCHEMES = ("rtsp", "rtsps", "rtmp", "rtmps", "http", "https", "tcp", "udp", "srt")
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _GLOB_MAGIC = re.compile(r"[*?[]")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 Kind = Literal["image", "video", "camera", "stream", "array"]
 SOURCE_KINDS = "an image, a video, a folder, a glob, a .txt list, a camera index (0) or a stream URL (rtsp://...)"
 
@@ -91,11 +92,6 @@ class Source:
     items: tuple[SourceItem, ...]
     skipped: tuple[str, ...] = ()
     single: bool = False
-
-
-def shown(text: str) -> str:
-    """``text`` safe to print on one line: control characters (a newline in a file name) become ``?``."""
-    return _CONTROL.sub("?", text)
 
 
 def mask_url(url: str) -> str:
@@ -216,11 +212,11 @@ def _from_python_list(entries: Sequence[str | Path | np.ndarray], exclude: str |
 
 def _from_txt_list(list_file: Path, exclude: str | Path | None) -> Source:
     try:
-        lines = list_file.read_text(encoding="utf-8").splitlines()
-    except UnicodeDecodeError:
-        raise ConfigError(f"source list '{shown(str(list_file))}' is not UTF-8 text (one path a line)") from None
-    except OSError as e:
-        raise ConfigError(f"source list '{shown(str(list_file))}' cannot be read: {e.strerror}") from None
+        lines = read_input_text(list_file, MAX_LIST_BYTES).splitlines()
+    except OSError as e:  # a FIFO or device is refused, never waited on
+        if reason_of(e) == "not UTF-8 text":
+            raise ConfigError(f"source list '{shown(str(list_file))}' is not UTF-8 text (one path a line)") from None
+        raise ConfigError(f"source list '{shown(str(list_file))}' cannot be read: {reason_of(e)}") from None
     paths = []
     for number, line in enumerate(lines, 1):
         entry = line.strip()

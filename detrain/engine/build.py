@@ -3,6 +3,8 @@ worker."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +14,8 @@ from detrain.config.keys import Output
 from detrain.distributed import dist
 from detrain.distributed.devices import cpu_threads_per_worker
 from detrain.errors import ConfigError
+from detrain.system.tempfiles import folder_problem
+from detrain.system.text import shown
 
 if TYPE_CHECKING:
     from detrain.distributed.world import World
@@ -34,24 +38,63 @@ def increment_run_dir(project: str, name: str, task: str, exist_ok: bool) -> Pat
 def agree_run_dir(output: Output, task: str, given: str | Path | None, is_main: bool) -> Path:
     """The run folder of every rank: ``given`` (the folder the launching process picked), else a new one
     (:func:`increment_run_dir` of the ``output`` keys), decided by rank 0 and sent to every rank: other nodes may
-    not know the folder the launching node picked, and look at another disk. A collective: call it on every rank."""
-    picked = str(given or increment_run_dir(output.project, output.name, task, output.exist_ok)) if is_main else None
-    return Path(dist.broadcast_object(picked))  # collective: rank 0's folder on every rank
+    not know the folder the launching node picked, and look at another disk. A collective: call it on every rank.
+    A folder :func:`run_dir_problem` refuses is one ConfigError on every rank."""
+    picked, problem = None, None
+    if is_main:
+        picked = str(given or increment_run_dir(output.project, output.name, task, output.exist_ok))
+        problem = run_dir_problem(Path(picked))
+    picked, problem = dist.broadcast_object((picked, problem))  # collective: rank 0's folder on every rank
+    if problem is not None:
+        raise ConfigError(problem)
+    return Path(picked)
 
 
-def check_output_folder(project: str, task: str) -> None:
+def run_dir_problem(path: Path) -> str | None:
+    """Why the run folder ``path`` (reused with exist_ok=True or name=) must not receive a run's files: it or its
+    ``weights/`` is a symbolic link (the files would land where the link points), not a folder, or another user's.
+
+    >>> run_dir_problem(Path("runs/train/exp")) is None
+    True
+    """
+    for folder in (path, path / "weights"):
+        problem = folder_problem(folder)
+        if problem is not None:
+            return f"run folder refused: {shown(problem)}; remove it or choose another name= or project="
+    return None
+
+
+def check_output_folder(project: str, task: str, output: Output | None = None) -> None:
     """The run folder goes into ``project`` (or ``runs/<task>``): the nearest part of it that exists must be a
-    folder, not a file.
+    folder, not a file. With ``output``'s exist_ok, the folder reused must pass :func:`run_dir_problem`.
 
     Example:
         >>> check_output_folder("", "train")
     """
+    if output is not None and output.exist_ok:
+        problem = run_dir_problem(increment_run_dir(project, output.name, task, True))
+        if problem is not None:
+            raise ConfigError(problem)
     root = Path(project) if project else Path("runs") / task
     for folder in (root, *root.parents):
         if folder.exists():
             if not folder.is_dir():
                 raise ConfigError(f"invalid value for 'project': {project!r}; {str(folder)!r} is a file, not a folder")
+            problem = _creation_problem(folder)
+            if problem is not None:
+                raise ConfigError(f"invalid value for 'project': {project!r}; cannot make a folder in {problem}")
             return
+
+
+def _creation_problem(folder: Path) -> str | None:
+    """Why no folder can be made inside the existing ``folder`` (the run folder's nearest existing ancestor), or
+    None: a probe folder is made and removed at once, so permissions, read-only mounts and pseudo-filesystems
+    (/proc) all answer as they would for the run."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".detrain-probe-", dir=folder))
+    except OSError as e:
+        return f"{str(folder)!r} ({e.strerror or e})"
+    return None
 
 
 def is_weights(model: str) -> bool:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from detrain.errors import ConfigError, DetrainError
-from detrain.system.tempfiles import temp_beside
+from detrain.system.tempfiles import open_folder, temp_beside
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -71,10 +71,11 @@ def _graph_model(
 def _atomic_file(out: Path) -> Iterator[Path]:
     """A temporary path beside ``out`` to write; renamed onto ``out`` on success, removed on any failure.
 
-    A folder that cannot be made or written to is a one-line :class:`DetrainError` naming ``out``.
+    A folder that cannot be made or written to, or is a symbolic link, is a one-line :class:`DetrainError` naming
+    ``out``; a link at ``out``'s own name is replaced, not followed.
     """
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        os.close(open_folder(out.parent))  # made if missing; a folder that is a symbolic link is refused
         fd, tmp_name = temp_beside(out, ".part")
     except OSError as e:
         raise DetrainError(f"cannot write the export {out}: {e.strerror or e}") from None

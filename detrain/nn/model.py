@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import yaml as pyyaml
 from torch import Tensor, nn
 
 from detrain.assets import asset_dir
@@ -24,6 +23,8 @@ from detrain.nn.blocks11 import C2PSA, C3k2
 from detrain.nn.head import Criterion, Head, InferenceOptions, LossGains
 from detrain.nn.head_e2e import DetectE2E
 from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Detect, Upsample
+from detrain.system.safe_yaml import YamlRefused, read_yaml
+from detrain.system.text import excerpt, listed, shown
 
 DEFAULT_SCALE = "n"
 DEFAULT_NC = 80
@@ -92,14 +93,15 @@ def _own_scale(d: dict, source: str) -> str | None:
     scales = d.get("scales")
     if scales is not None and not (isinstance(scales, dict) and scales):
         raise ConfigError(
-            f"model yaml {source}: 'scales' must map scale names to [depth, width, max_channels], got {scales!r:.80}"
+            f"model yaml {source}: 'scales' must map scale names to [depth, width, max_channels], "
+            f"got {excerpt(scales, 80)}"
         )
     scale = d.get("scale")
     if scale is None or scale == "":
         return None
     if not isinstance(scale, str) or (scales and scale not in scales):
-        valid = ", ".join(map(str, scales or ())) or "a scale name such as n"
-        raise ConfigError(f"model yaml {source}: scale {scale!r:.40} is not one of {valid}")
+        valid = listed(scales, 80) if scales else "a scale name such as n"
+        raise ConfigError(f"model yaml {source}: scale {excerpt(scale, 40)} is not one of {valid}")
     return scale
 
 
@@ -132,8 +134,10 @@ def load_model_yaml(cfg: str | Path | dict) -> tuple[dict, str | None]:
     if found is None:
         known = sorted(p.name for p in _packaged_models_dir().glob("*.yaml"))
         raise ConfigError(f"model yaml {str(cfg)!r} not found; packaged models: {', '.join(known) or 'none'}")
-    with open(found, encoding="utf-8") as f:
-        data = pyyaml.safe_load(f)
+    try:
+        data = read_yaml(found)
+    except (YamlRefused, OSError) as e:
+        raise ConfigError(f"model yaml {shown(str(found))}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"model yaml {found} is not a mapping")
     own = _own_scale(data, str(found))
@@ -161,13 +165,13 @@ def choose_scale(d: dict, scale: str | None, source: str) -> str:
     if scale is None:
         if scales:
             raise ConfigError(
-                f"model yaml {source} defines scales {', '.join(map(str, scales))} but names none: "
-                f"add a line such as 'scale: {next(iter(scales))}' to it"
+                f"model yaml {source} defines scales {listed(scales, 80)} but names none: "
+                f"add a line such as 'scale: {excerpt(next(iter(scales)), quote=False)}' to it"
             )
         return DEFAULT_SCALE
     if not isinstance(scale, str) or (scales and scale not in scales):
         raise ConfigError(
-            f"model scale {scale!r:.40} is not one of {', '.join(map(str, scales or SCALES))}"
+            f"model scale {excerpt(scale, 40)} is not one of {listed(scales or SCALES, 80)}"
             + (f" (the scales of {source})" if scales else "")
         )
     return scale
@@ -181,7 +185,7 @@ def _scale_multiples(d: dict, scale: str) -> tuple[float, float, float]:
     scales = d.get("scales")
     if scales:
         if scale not in scales:
-            raise ConfigError(f"model scale {scale!r} is not one of {', '.join(scales)}")
+            raise ConfigError(f"model scale {excerpt(scale)} is not one of {listed(scales, 80)}")
         multiples = scales[scale]
         if not (
             isinstance(multiples, (list, tuple))
@@ -190,14 +194,16 @@ def _scale_multiples(d: dict, scale: str) -> tuple[float, float, float]:
         ):
             raise ConfigError(
                 f"model scale {scale}: expected [depth, width, max_channels] (3 positive numbers), "
-                f"got {multiples!r:.80}"
+                f"got {excerpt(multiples, 80)}"
             )
         depth, width, max_channels = multiples
         return float(depth), float(width), float(max_channels)
     # the older single-scale form that YOLOv8 checkpoints carry
     multiples = d.get("depth_multiple", 1.0), d.get("width_multiple", 1.0)
     if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in multiples):
-        raise ConfigError(f"model yaml: depth_multiple and width_multiple must be positive numbers: {multiples!r:.60}")
+        raise ConfigError(
+            f"model yaml: depth_multiple and width_multiple must be positive numbers: {excerpt(multiples, 60)}"
+        )
     return float(multiples[0]), float(multiples[1]), math.inf
 
 
@@ -238,12 +244,14 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
     """
     for key, what in _UNSUPPORTED_KEYS.items():
         if d.get(key):
-            raise ConfigError(f"model yaml sets {key}: {d[key]!r:.40} ({what}), which detrain does not build")
+            raise ConfigError(f"model yaml sets {key}: {excerpt(d[key], 40)} ({what}), which detrain does not build")
     end2end = _end2end(d)
     depth, width, max_channels = _scale_multiples(d, scale)
     reg_max = d.get("reg_max", 16)
     if not isinstance(reg_max, int) or isinstance(reg_max, bool) or not 1 <= reg_max <= 64:
-        raise ConfigError(f"model yaml: reg_max must be a whole number of DFL bins (1 to 64), got {reg_max!r:.40}")
+        raise ConfigError(
+            f"model yaml: reg_max must be a whole number of DFL bins (1 to 64), got {excerpt(reg_max, 40)}"
+        )
     layers: list[nn.Module] = []
     channels: list[int] = []  # output channels of each built layer
     strides: list[float] = []  # output stride of each built layer
@@ -269,11 +277,11 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
 
     for i, spec in enumerate(specs):
         if not isinstance(spec, (list, tuple)) or len(spec) != 4:
-            raise ConfigError(f"model layer {i} must be [from, repeats, module, args], got {spec!r:.80}")
+            raise ConfigError(f"model layer {i} must be [from, repeats, module, args], got {excerpt(spec, 80)}")
         f, n, name, args = spec
         if not isinstance(name, str) or name not in _MODULE_NAMES:
             raise ConfigError(
-                f"model layer {i}: unknown module {name!r:.60}; known: {', '.join(sorted(_MODULE_NAMES))}"
+                f"model layer {i}: unknown module {excerpt(name, 60)}; known: {', '.join(sorted(_MODULE_NAMES))}"
             )
         args = [nc if a == "nc" else a for a in (args or [])]
         try:
@@ -304,7 +312,9 @@ def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn
                 s_out = s_in * stride
         # a value of the wrong kind or size in the yaml (torch says RuntimeError for a size it cannot allocate)
         except (TypeError, ValueError, IndexError, KeyError, OverflowError, RuntimeError) as e:
-            raise ConfigError(f"model layer {i} ({name} {args!r:.60}) cannot be built: {e}") from None
+            raise ConfigError(
+                f"model layer {i} ({name} {excerpt(args, 60)}) cannot be built: {excerpt(str(e), 160, quote=False)}"
+            ) from None
         layer.f, layer.i, layer.type = f, i, name  # type: ignore[assignment]
         layers.append(layer)
         channels.append(c_out)
@@ -318,7 +328,7 @@ def _end2end(d: dict) -> bool:
     """The yaml's ``end2end`` switch (absent: False); anything but True, False or nothing is a ConfigError."""
     value = d.get("end2end")
     if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"model yaml: end2end must be True or False, got {value!r:.40}")
+        raise ConfigError(f"model yaml: end2end must be True or False, got {excerpt(value, 40)}")
     return bool(value)
 
 

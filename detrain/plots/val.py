@@ -8,6 +8,7 @@ safe in worker processes and threads and never open a window; batch images are d
 from __future__ import annotations
 
 import csv
+import io
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from detrain.log import atomic_write_bytes
 from detrain.metrics import ConfusionMatrix, DetMetrics
 from detrain.plots.palette import class_color
 
@@ -212,10 +214,10 @@ def plot_images(
             )
         canvas[y0 : y0 + th, x0 : x0 + tw] = tile
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if not cv2.imwrite(str(path), canvas, [cv2.IMWRITE_JPEG_QUALITY, 90]):
-        raise OSError(f"cannot write {path}")
-    return path
+    ok, encoded = cv2.imencode(path.suffix or ".jpg", canvas, [cv2.IMWRITE_JPEG_QUALITY, 90])
+    if not ok:
+        raise OSError(f"cannot encode {path}")
+    return atomic_write_bytes(path, encoded.tobytes())  # whole, and never through a planted link
 
 
 def _draw_boxes(
@@ -258,10 +260,11 @@ def _finish(fig: Figure, ax: Axes, xlabel: str, ylabel: str, title: str) -> None
 
 
 def _save(fig: Figure, path: str | Path) -> Path:
+    """The figure as ``path`` (its suffix says the format), written whole and never through a planted link."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=150)
-    return path
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=150, format=path.suffix.lstrip(".") or "png")
+    return atomic_write_bytes(path, buf.getvalue())
 
 
 def _labelled(metrics: DetMetrics) -> bool:

@@ -43,4 +43,4 @@ def check_inputs(task: str, cfg: Cfg, world: World | None = None) -> None:
         check_pretrained(cfg.inputs.pretrained)
         check_freeze(cfg.inputs.model, cfg.train.freeze)  # a look at the model yaml's layer count
     if cfg.distributed.node_rank == 0:  # only the first node writes
-        check_output_folder(cfg.output.project, task)
+        check_output_folder(cfg.output.project, task, cfg.output)

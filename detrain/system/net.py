@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import urllib.error
 import urllib.parse
@@ -26,6 +27,8 @@ import urllib.request
 from collections.abc import Callable
 from http.client import HTTPMessage
 from typing import IO, Any
+
+from detrain.system.input_file import open_input, reason_of
 
 __all__ = [
     "BodyTooLarge",
@@ -97,11 +100,40 @@ _OPENER = urllib.request.build_opener(SafeRedirects)  # replaces urllib's own re
 
 def open_url(url: str, timeout_s: float, headers: dict[str, str] | None = None) -> Any:
     """``urlopen(url)`` with :class:`SafeRedirects`; raises ``urllib.error.URLError`` (or a subclass) on failure.
+    Every network read waits at most ``timeout_s``. A ``file://`` URL is opened here, not by urllib: only a regular
+    file on this machine (a FIFO would block for ever, /dev/zero stream to the cap), refused as
+    ``urllib.error.URLError`` naming what it is.
 
     Example (over the network): ``with open_url("https://example.com/a.zip", 30.0) as response: data =
     response.read()``.
     """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise urllib.error.URLError(f"file:// names another host ({parts.netloc}); only local files are read")
+        try:
+            return _LocalFile(open_input(urllib.request.url2pathname(parts.path), 1 << 62))
+        except OSError as e:
+            reason = reason_of(e) if not isinstance(e, FileNotFoundError) else "no such file"
+            raise urllib.error.URLError(reason) from None
     return _OPENER.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s)
+
+
+class _LocalFile:
+    """A regular file read as a download's response: ``read``, ``headers["Content-Length"]``, a context manager."""
+
+    def __init__(self, f: IO[bytes]):
+        self._f = f
+        self.headers = {"Content-Length": str(os.fstat(f.fileno()).st_size)}
+
+    def read(self, n: int = -1) -> bytes:
+        return self._f.read(n)
+
+    def __enter__(self) -> _LocalFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
 
 
 def content_length(response: Any) -> int | None:

@@ -15,7 +15,7 @@ from the architecture a file records, and a file whose weights do not fit it is 
 from __future__ import annotations
 
 import datetime as _dt
-import os
+import io
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,9 @@ import torch
 
 from detrain import __version__
 from detrain.errors import CheckpointError, ConfigError
-from detrain.system.tempfiles import temp_beside
+from detrain.system.input_file import read_input, reason_of
+from detrain.system.tempfiles import atomic_file
+from detrain.weights import limits
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -32,28 +34,20 @@ FORMAT = "detrain-checkpoint"
 
 
 def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
-    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, fsync, then rename.
+    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, fsync, then rename; the folder
+    is entered without following a symbolic link (a planted ``weights/`` link receives nothing).
 
     A crash or a full disk never leaves a half-written ``last.pt``: either the old file or the new one exists.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     state = {
         "format": FORMAT,
         "version": __version__,
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         **state,
     }
-    fd, tmp = temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, sync=True) as f:  # weights/ is entered without following a link
+        torch.save(state, f)
     return path
 
 
@@ -62,19 +56,21 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 
     Every file is first read by the restricted reader (:mod:`detrain.weights.safe_pickle`), which checks
     the zip, the pickle and every size it declares and refuses anything a checkpoint does not need, so no
-    file reaches torch's own loader unvetted. An Ultralytics file is converted from what that reader built;
-    a detrain file is then loaded by ``torch.load(weights_only=True)``, exactly as it always was.
+    file reaches torch's own loader unvetted. The file is read once: the check and torch's loader read the same
+    bytes, whatever happens to the file meanwhile. An Ultralytics file is converted from what that reader built;
+    a detrain file is then loaded by ``torch.load(weights_only=True)`` from those bytes.
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"weights file not found: {path}")
     from detrain.weights import ultralytics as ul
 
-    vetted = ul.read_torch_zip(path)  # CheckpointError for anything refused; nothing in the file runs
+    data = _read_once(path)  # checked and loaded from these bytes: the file may change on disk meanwhile
+    vetted = ul.read_torch_zip(path, data)  # CheckpointError for anything refused; nothing in the file runs
     if _is_detrain(vetted):
         del vetted  # torch.load builds the real thing; the two need not live side by side
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            ckpt = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - torch says why (unsafe global, truncated zip) on its last line
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
@@ -87,6 +83,15 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         f"{path} is not a detrain checkpoint (nor an Ultralytics one); make one with 'detrain train' or "
         "'detrain convert'"
     )
+
+
+def _read_once(path: Path) -> bytes:
+    """The whole file, read once (a regular file: a FIFO or device is refused) and capped at what the checks
+    could ever accept."""
+    try:
+        return read_input(path, limits.MAX_TOTAL_BYTES + limits.MAX_PICKLE_BYTES + limits.INFLATION_SLACK)
+    except OSError as e:
+        raise CheckpointError(f"cannot load weights file {path}: {reason_of(e)}") from None
 
 
 def _is_detrain(ckpt: Any) -> bool:

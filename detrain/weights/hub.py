@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import os
+import string
 import urllib.error
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,9 @@ from typing import IO, Any
 
 from detrain.errors import CheckpointError
 from detrain.system import net
+from detrain.system.input_file import UnreadableFile, open_input
 from detrain.system.tempfiles import temp_beside
+from detrain.system.text import excerpt, shown
 
 __all__ = [
     "DEFAULT_URL",
@@ -46,6 +49,7 @@ __all__ = [
     "file_sha256",
     "resolve_weights",
     "weights_dir",
+    "weights_url",
 ]
 
 DEFAULT_URL = "https://github.com/ultralytics/assets/releases/download/{release}/{name}"
@@ -122,9 +126,12 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         'ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad'
     """
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
+    try:
+        with open_input(path, 1 << 40) as fh:  # a regular file: a FIFO or device is refused, never waited on
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    except UnreadableFile as e:
+        raise CheckpointError(f"{shown(str(path))}: cannot read it ({e})") from None
     return digest.hexdigest()
 
 
@@ -148,16 +155,16 @@ def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True,
     """
     expected = _checked_sha256(sha256)
     given = Path(name_or_path).expanduser()
-    if given.exists():
-        return _verified(given, expected)
     canonical = canonical_name(str(name_or_path))
+    release = RELEASE_FILES.get(canonical) if canonical is not None else None
+    if given.exists():
+        return _verified(given, expected, None if canonical is None else release)
     if canonical is None:
         raise CheckpointError(f"weights file not found: {name_or_path}")
     cached = weights_dir() / canonical
     for found in (Path.cwd() / canonical, cached):
         if found.is_file():
-            return _verified(found, expected)
-    release = RELEASE_FILES.get(canonical)
+            return _verified(found, expected, release)
     if expected is not None and (release is None or release.sha256 != expected):
         tag = _FAMILY_RELEASE.get(canonical[: -len("n.pt")], "v0.0.0")
         release = ReleaseFile(expected, size=0, release=tag)  # the caller's file: its size is not known
@@ -166,9 +173,43 @@ def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True,
             f"no sha256 recorded for {canonical}: not downloading it unchecked; pass weights_sha256=<its sha256> "
             f"or put the file at {cached}"
         )
-    url = os.environ.get("DETRAIN_WEIGHTS_URL", DEFAULT_URL).format(name=canonical, release=release.release)
+    url = weights_url(canonical, release.release)
     _download(url, cached, release, progress)
     return cached
+
+
+def weights_url(name: str, release: str) -> str:
+    """``$DETRAIN_WEIGHTS_URL`` (default :data:`DEFAULT_URL`) filled in for ``name`` and ``release``; a template
+    that is not an http(s) URL with at most the fields ``{name}`` and ``{release}`` is one CheckpointError line.
+
+    Example:
+        >>> weights_url("yolov8n.pt", "v0.0.0")
+        'https://github.com/ultralytics/assets/releases/download/v0.0.0/yolov8n.pt'
+    """
+    template = os.environ.get("DETRAIN_WEIGHTS_URL", DEFAULT_URL)
+    problem = _url_template_problem(template)
+    if problem is not None:
+        raise CheckpointError(
+            f"DETRAIN_WEIGHTS_URL={excerpt(template, 80)} is not usable: {problem}; give an http(s) URL where "
+            "{name} stands for the file name and {release} for its release tag"
+        )
+    return template.format(name=name, release=release)
+
+
+def _url_template_problem(template: str) -> str | None:
+    """What is wrong with a weights URL template, or None."""
+    if not template.lower().startswith(("https://", "http://")):
+        return "it is not an http:// or https:// URL"
+    try:
+        fields = list(string.Formatter().parse(template))
+    except ValueError as e:
+        return f"its braces do not pair ({e})"
+    for _, field, spec, conversion in fields:
+        if field is None:
+            continue
+        if field not in ("name", "release") or spec or conversion:
+            return f"{{{excerpt(field, 30, quote=False)}}} is not {{name}} or {{release}}"
+    return None
 
 
 def _checked_sha256(sha256: str | None) -> str | None:
@@ -176,16 +217,29 @@ def _checked_sha256(sha256: str | None) -> str | None:
         return None
     value = str(sha256).strip().lower()
     if not net.is_sha256(value):
-        raise CheckpointError(f"weights_sha256: {sha256!r} is not a sha256; give the 64 hex digits sha256sum prints")
+        raise CheckpointError(
+            f"weights_sha256: {excerpt(sha256)} is not a sha256; give the 64 hex digits sha256sum prints"
+        )
     return value
 
 
-def _verified(path: Path, expected: str | None) -> Path:
-    """``path`` when no hash is expected or its hash matches; never deletes a file it did not write."""
+def _verified(path: Path, expected: str | None, release: ReleaseFile | None = None) -> Path:
+    """``path`` when its hash matches the one given (``expected``), else the pinned one of the release file a bare
+    name stands for (``release``: ``./yolov8n.pt`` and the cache's copy are checked like a download); with
+    neither, as it is. Never deletes a file it did not write."""
     if expected is not None:
         got = file_sha256(path)
         if got != expected:
             raise CheckpointError(f"{path} has sha256 {got}, expected {expected} (weights_sha256): not loading it")
+    elif release is not None:
+        size = path.stat().st_size
+        got = file_sha256(path) if not release.size or size == release.size else f"another size ({size} bytes)"
+        if got != release.sha256:
+            raise CheckpointError(
+                f"{shown(str(path))} is not the pinned release file (sha256 {got}, pinned {release.sha256}): not "
+                f"loading it; to load your own file of that name give its path (./{shown(path.name)}) or "
+                "weights_sha256="
+            )
     return path
 
 

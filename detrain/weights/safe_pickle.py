@@ -466,11 +466,13 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
 
 
-def read_torch_zip(path: str | Path, inert_modules: Iterable[str] = ()) -> Any:
+def read_torch_zip(path: str | Path, inert_modules: Iterable[str] = (), data: bytes | None = None) -> Any:
     """Unpickle a torch zip checkpoint with the restricted unpickler; tensors come back on the CPU.
 
     ``inert_modules`` names whole modules (``"ultralytics"`` covers ``ultralytics.nn.tasks`` too) whose
     classes become :class:`InertObject` records, beside the built-in data-only ones.
+    ``data``: the file's bytes, read once by the caller so that what is checked is what it loads (``path`` then
+    only names the file in messages).
     Raises CheckpointError if the file is missing, not a torch zip, names anything off the allow-list or
     asks for more than :mod:`detrain.weights.limits` allows.
 
@@ -485,10 +487,11 @@ def read_torch_zip(path: str | Path, inert_modules: Iterable[str] = ()) -> Any:
     if any(not m for m in extra):
         raise ValueError("inert_modules holds an empty module name")
     try:
-        with TorchZip(path) as archive:
-            data = archive.pickle_bytes()
-            result = _RestrictedUnpickler(data, StorageReader(archive), extra).load()
+        with TorchZip(path, data) as archive:
+            pickled = archive.pickle_bytes()
+            result = _RestrictedUnpickler(pickled, StorageReader(archive), extra).load()
             check_nesting(result, limits.MAX_NESTING)
+            archive.check_all_vetted()
             return result
     except Refused as e:
         raise CheckpointError(f"refusing to load {path}: {e}") from None

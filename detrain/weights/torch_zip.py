@@ -5,7 +5,11 @@ bytes sit in ``<archive>/data/<key>``. A zip's directory states every record's s
 it: Python's zipfile and torch's own reader both allocate what a record says it inflates to. So the whole
 directory is checked first, against the file itself:
 
-- only stored or deflated records (torch writes stored ones), none encrypted, no name twice;
+- only stored or deflated records (torch writes stored ones), none encrypted, no name twice, not even in another
+  case (torch's reader finds records case-insensitively, so ``DATA.PKL`` beside ``data.pkl`` could give it a
+  pickle this check never read);
+- every record in the archive's one folder and of a kind torch writes (pickle, storage, small metadata), and
+  after the pickle is read every record has been read by the check (:meth:`TorchZip.check_all_vetted`);
 - a stored record is as long as it says; a deflated one claims no more than deflate can produce;
 - every record's data lies inside the file and no two records overlap (one compressed stream cannot be
   counted twice, as "overlapping" zip bombs do);
@@ -19,6 +23,7 @@ Storages are then read only at the size the pickle declares, which must equal th
 
 from __future__ import annotations
 
+import io
 import struct
 import zipfile
 from pathlib import Path
@@ -31,6 +36,22 @@ __all__ = ["TorchZip"]
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... file name length, extra field length
 _LOCAL_SIGNATURE = b"PK\x03\x04"
+
+
+# Small records torch writes beside the pickle and the storages; each is read (CRC checked) by the check.
+_METADATA = (
+    "byteorder",
+    "version",
+    ".format_version",
+    ".storage_alignment",
+    ".data/version",
+    ".data/serialization_id",
+)
+
+
+def _is_key(key: str) -> bool:
+    """A storage key as torch writes it: short, ASCII letters and digits."""
+    return 0 < len(key) <= 32 and key.isascii() and key.isalnum()
 
 
 def _quoted(name: str) -> str:
@@ -52,12 +73,15 @@ class TorchZip:
         ('w/', b'.')
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, data: bytes | None = None) -> None:
+        """``data``: the file's bytes, read once by the caller (which then loads from the same bytes); ``path`` is
+        then only its name in messages. Without it the file at ``path`` is opened."""
         self.path = path
-        if not path.is_file():
+        if data is None and not path.is_file():
             raise CheckpointError(f"weights file not found: {path}")
+        self.vetted: set[str] = set()  # the records read (or, for an empty storage, measured) by the check
         try:
-            self._zf = zipfile.ZipFile(path)
+            self._zf = zipfile.ZipFile(path if data is None else io.BytesIO(data))
         except (MemoryError, RecursionError):
             raise
         except Exception as e:  # noqa: BLE001 - BadZipFile, or whatever else a mangled directory makes zipfile raise
@@ -65,9 +89,11 @@ class TorchZip:
                 f"cannot load weights file {path}: not a torch zip checkpoint (saved by torch >= 1.6): {e}"
             ) from None
         try:
-            self._records = self._check_directory(path.stat().st_size)
+            self._records = self._check_directory(path.stat().st_size if data is None else len(data))
             self.prefix = self._find_prefix()
+            self._check_names()
             self.byteorder = self._read_byteorder()
+            self._read_metadata()
         except BaseException:
             self._zf.close()
             raise
@@ -85,11 +111,15 @@ class TorchZip:
         if len(infos) > limits.MAX_RECORDS:
             raise Refused(f"it holds {len(infos)} zip records, more than the {limits.MAX_RECORDS} allowed")
         records: dict[str, zipfile.ZipInfo] = {}
+        folded: dict[str, str] = {}
         total = 0
         for info in infos:
             name = info.filename
             if name in records:
                 raise Refused(f"zip record {_quoted(name)} appears twice (readers would disagree on which counts)")
+            twin = folded.setdefault(name.casefold(), name)
+            if twin != name:  # torch's reader finds a record by its name in any case: it could take either
+                raise Refused(f"zip records {_quoted(twin)} and {_quoted(name)} differ only in case")
             records[name] = info
             if info.flag_bits & 0x1:
                 raise Refused(f"zip record {_quoted(name)} is encrypted")
@@ -163,6 +193,32 @@ class TorchZip:
             )
         return found[0][: -len("data.pkl")]
 
+    def _check_names(self) -> None:
+        """Every record in the archive's one folder and of a kind torch writes: its pickle, a storage
+        (``data/<key>``) or one of the small metadata records (torch names its archive after the first record's
+        folder, so a record elsewhere could make it read another archive than the one checked)."""
+        for name in self._records:
+            rest = name[len(self.prefix) :] if name.startswith(self.prefix) else None
+            storage = rest is not None and rest.startswith("data/") and _is_key(rest[5:])
+            if rest is None or not (rest == "data.pkl" or storage or rest in _METADATA):
+                raise Refused(f"zip record {_quoted(name)} is not one torch writes in {_quoted(self.prefix)}")
+
+    def _read_metadata(self) -> None:
+        """Read (CRC checked) the small records torch reads besides the pickle and the storages."""
+        for rest in _METADATA:
+            info = self._records.get(self.prefix + rest)
+            if info is not None:
+                if info.file_size > 64:
+                    raise Refused(f"its {_quoted(rest)} record is {info.file_size} bytes long")
+                self._read(info, info.file_size)
+
+    def check_all_vetted(self) -> None:
+        """After the pickle was read: every record was read by the check, so torch reads nothing unchecked (a
+        storage the pickle never names is refused too)."""
+        unread = sorted(set(self._records) - self.vetted)
+        if unread:
+            raise Refused(f"zip record {_quoted(unread[0])} is not named by its pickle (left unread by the check)")
+
     def _read_byteorder(self) -> str:
         info = self._records.get(f"{self.prefix}byteorder")
         if info is None:
@@ -176,6 +232,7 @@ class TorchZip:
 
     def _read(self, info: zipfile.ZipInfo, nbytes: int) -> bytes:
         """``nbytes`` of a record whose directory entry says exactly that; its CRC is checked on the way."""
+        self.vetted.add(info.filename)
         try:
             with self._zf.open(info) as f:
                 raw = f.read(nbytes)
@@ -198,8 +255,11 @@ class TorchZip:
         return self._read(info, info.file_size)
 
     def storage_nbytes(self, key: str) -> int | None:
-        """The size of record ``data/<key>``, or None when there is no such record."""
+        """The size of record ``data/<key>``, or None when there is no such record (an empty storage is then
+        vetted: its size is all there is to check)."""
         info = self._records.get(f"{self.prefix}data/{key}")
+        if info is not None and info.file_size == 0:
+            self.vetted.add(info.filename)
         return None if info is None else info.file_size
 
     def read_storage(self, key: str, nbytes: int) -> bytes:

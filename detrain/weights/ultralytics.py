@@ -36,7 +36,7 @@ __all__ = [
 ULTRALYTICS_MODULES = ("ultralytics",)
 
 
-def read_torch_zip(path: str | Path) -> Any:
+def read_torch_zip(path: str | Path, data: bytes | None = None) -> Any:
     """Unpickle an Ultralytics (or any torch zip) checkpoint safely, with ``ultralytics.*`` as inert records.
 
     Example (``torch.nn`` modules come back as inert records too; YOLOv8n's file has the keys
@@ -45,7 +45,7 @@ def read_torch_zip(path: str | Path) -> Any:
         >>> ckpt = read_torch_zip("ckpt.pt"); ckpt["epoch"], ckpt["model"]
         (3, <inert torch.nn.modules.linear.Linear>)
     """
-    return safe_pickle.read_torch_zip(path, inert_modules=ULTRALYTICS_MODULES)
+    return safe_pickle.read_torch_zip(path, inert_modules=ULTRALYTICS_MODULES, data=data)
 
 
 def is_ultralytics_record(ckpt: Any) -> bool:

@@ -33,6 +33,11 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 # Files the rows refer to, made in the test's own folder (the working directory): an image, a text file, a
 # folder named like weights and a plain file where a project folder would go.
 IMAGE, TEXT, FOLDER_PT, PLAIN_FILE = "img.jpg", "notes.txt", "folder.pt", "afile"
+# ~500 bytes of nested aliases (9 lists of 9 references to the one before): 6 GB once expanded (issue 25)
+BOMB = "bomb.yaml"
+BOMB_TEXT = "a0: &a0 [" + ", ".join(["lol"] * 9) + "]\n"
+BOMB_TEXT += "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9))
+BOMB_TEXT += "scales: *a8\nbackbone: []\nhead: []\n"
 
 BAD_LINES: list[tuple[list[str], str]] = [
     # values of the wrong type
@@ -195,6 +200,13 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["train", "project=runs\x1b[31m"], "U+001B"),  # a terminal escape sequence
     (["train", "data=a\x00b.yaml"], "U+0000"),  # NUL broke the path functions with a traceback
     (["train", "name=\udcff"], "U+DCFF"),  # bytes that are not UTF-8 could not even be printed
+    # hostile files and their caps (issue 25)
+    (["train", "max_pixels=0"], "'max_pixels': 0"),
+    (["train", f"model={BOMB}"], f"model yaml {BOMB}: its aliases expand it past"),
+    (["predict", f"source={IMAGE}", f"model={BOMB}"], f"model yaml {BOMB}: its aliases expand it past"),
+    (["train", "project=/proc/detrain/runs"], "cannot make a folder in '/proc' (No such file or directory)"),
+    (["val", "data=coco8.yaml", "project=/proc/x"], "cannot make a folder in '/proc'"),
+    (["predict", f"source={IMAGE}", "project=/proc/x"], "cannot make a folder in '/proc'"),
 ]
 
 
@@ -214,6 +226,7 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     Path(TEXT).write_text("not a model\n")
     Path(FOLDER_PT).mkdir()
     Path(PLAIN_FILE).write_text("a file where a folder would go\n")
+    Path(BOMB).write_text(BOMB_TEXT)
 
     def tripwire(*args: object, **kwargs: object) -> None:
         raise AssertionError("a bad command line got past the checks and started work")

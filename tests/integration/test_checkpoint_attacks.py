@@ -846,3 +846,75 @@ def test_the_yolov8n_release_file_stays_within_every_limit() -> None:
     ckpt = load_checkpoint(YOLOV8N)
     assert ckpt["source"] == "yolov8" and ckpt["model"]["nc"] == 80
     assert len(ckpt["model"]["state_dict"]) == len(load_ultralytics_checkpoint(YOLOV8N)["state_dict"])
+
+
+# --------------------------------------------------------------------------------------------------
+# issue 25, item 1: one vetted copy; no record torch could read that the check did not
+# --------------------------------------------------------------------------------------------------
+
+
+def _detrain_file(path: Path, epoch: int) -> Path:
+    """A small valid detrain checkpoint (YOLOv8n at one class) whose ``epoch`` tells copies apart."""
+    from detrain.nn.model import DetectionModel
+    from detrain.weights.checkpoint import model_meta
+
+    model = DetectionModel("n.yaml", nc=1)
+    state = {"model": {**model_meta(model, 64), "state_dict": model.state_dict()}, "ema": None, "epoch": epoch}
+    return save_checkpoint(state, path)
+
+
+def _with_records(src: Path, dst: Path, extra: dict[str, bytes]) -> Path:
+    """``src``'s zip with the ``extra`` records written first."""
+    with zipfile.ZipFile(src) as old, zipfile.ZipFile(dst, "w") as new:
+        for name, raw in extra.items():
+            new.writestr(name, raw)
+        for info in old.infolist():
+            new.writestr(info, old.read(info))
+    return dst
+
+
+def test_a_second_pickle_differing_only_in_case_is_refused(tmp_path: Path) -> None:
+    """torch's zip reader finds ``archive/data.pkl`` case-insensitively: a ``DATA.PKL`` beside the vetted one
+    could be the pickle torch unpickles."""
+    good = _detrain_file(tmp_path / "good.pt", epoch=0)
+    other = _detrain_file(tmp_path / "other.pt", epoch=99)
+    with zipfile.ZipFile(other) as zf:
+        second = zf.read("archive/data.pkl")  # save_checkpoint writes through a file object: "archive/"
+    forged = _with_records(good, tmp_path / "case.pt", {"archive/DATA.PKL": second})
+    message = _refused_any(forged)
+    assert "'archive/DATA.PKL'" in message and "differ only in case" in message
+
+
+def test_a_record_the_check_never_read_is_refused(tmp_path: Path) -> None:
+    good = _detrain_file(tmp_path / "good.pt", epoch=0)
+    unnamed = _with_records(good, tmp_path / "extra.pt", {"archive/data/999": b"\x00" * 64})
+    assert "'archive/data/999' is not named by its pickle" in _refused_any(unnamed)
+    elsewhere = _with_records(good, tmp_path / "elsewhere.pt", {"other/x": b"x"})
+    assert "'other/x' is not one torch writes in 'archive/'" in _refused_any(elsewhere)
+
+
+def _refused_any(path: Path) -> str:
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message
+    return message
+
+
+def test_the_file_is_read_once_and_a_swap_after_the_check_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check and torch.load read the same bytes: a file replaced right after the check is not what loads."""
+    from detrain.weights import ultralytics
+
+    path = _detrain_file(tmp_path / "w.pt", epoch=0)
+    swapped = _detrain_file(tmp_path / "swap.pt", epoch=99)
+    real = ultralytics.read_torch_zip
+
+    def check_then_swap(p: object, *args: object) -> object:
+        out = real(p, *args)  # type: ignore[arg-type]
+        os.replace(swapped, path)  # an attacker's file takes the checked one's place
+        return out
+
+    monkeypatch.setattr(ultralytics, "read_torch_zip", check_then_swap)
+    assert load_checkpoint(path)["epoch"] == 0

@@ -110,7 +110,9 @@ def test_reduced_jpeg_decoding_keeps_boxes(tmp_path: Path, monkeypatch: pytest.M
     recs = make_images(tmp_path, [(768, 1024), (1024, 768), (800, 1024), (1024, 1024)], ".jpg")
     reductions = []
     real = image_io.read_image
-    monkeypatch.setattr("detrain.data.dataset.read_image", lambda p, r=1: reductions.append(r) or real(p, r))
+    monkeypatch.setattr(
+        "detrain.data.dataset.read_image", lambda p, r=1, *cap: reductions.append(r) or real(p, r, *cap)
+    )
     ds = DetectionDataset(recs, imgsz=128, augment=True, hyp=replace(NO_HSV, scale=0.0), seed=1)
     for i in range(len(ds)):
         s = ds[i]

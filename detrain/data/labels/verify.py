@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from detrain.config.keys import MAX_PIXELS
 from detrain.data.labels.cache import dataset_hash, default_cache_path, read_cache, wait_for_cache, write_cache
 from detrain.data.labels.check import CORRUPT, FileCheck, verify_files
 from detrain.data.labels.record import LabelRecord, LabelReport
@@ -58,12 +59,14 @@ def load_labels(
     build: bool = True,
     timeout_s: float = 1800.0,
     cache_path: str | Path | None = None,
+    max_pixels: int = MAX_PIXELS,
 ) -> tuple[list[LabelRecord], LabelReport]:
     """Verify `img_files` and their YOLO labels; return the usable records and a report.
 
     With `cache`, a cache whose hash matches is loaded instead of verifying again, and a fresh one is
     written atomically after verifying. Under DDP let local rank 0 call with `build=True` and the other
     ranks with `build=False`: they wait (up to `timeout_s`) for the cache the lead writes, then load it.
+    `max_pixels`: images whose header declares more are skipped as corrupt (part of the cache's hash).
 
     Example (two images, one of them labelled):
         >>> import cv2
@@ -86,14 +89,14 @@ def load_labels(
     label_files = [img2label_path(f) for f in img_files]
     path = (Path(cache_path) if cache_path is not None else default_cache_path(label_files)) if cache else None
     if path is not None and img_files:
-        digest = dataset_hash(img_files, label_files, nc)
+        digest = dataset_hash(img_files, label_files, nc, max_pixels)
         cached = read_cache(path, digest)
         if cached is None and not build:
             wait_for_cache(path, timeout_s, digest)
             cached = read_cache(path, digest)
         if cached is not None:
             return cached
-    results = verify_files(img_files, label_files, nc, workers, progress)
+    results = verify_files(img_files, label_files, nc, workers, progress, max_pixels)
     records, report = _assemble(img_files, label_files, results)
     if path is not None and img_files:
         try:

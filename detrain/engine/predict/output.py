@@ -25,16 +25,17 @@ from detrain.engine.predict.results import Results
 from detrain.errors import DatasetError
 from detrain.log import atomic_write_bytes
 from detrain.plots.annotate import draw_detections
-from detrain.system.tempfiles import temp_beside
+from detrain.system.tempfiles import open_folder, temp_beside
 
 VIDEO_SUFFIX, VIDEO_FOURCC = ".avi", "MJPG"  # Ultralytics' choice on Linux: every OpenCV build writes it
 
 
 class VideoSink:
-    """Annotated frames into ``path`` (MJPG .avi): written to a hidden file beside it, renamed by :meth:`close`."""
+    """Annotated frames into ``path`` (MJPG .avi): written to a hidden file beside it, renamed by :meth:`close`;
+    ``root``: the run folder, below which no folder on the way may be a symbolic link."""
 
-    def __init__(self, path: Path, fps: float, size_wh: tuple[int, int]) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, path: Path, fps: float, size_wh: tuple[int, int], root: Path | None = None) -> None:
+        os.close(open_folder(path.parent, root))  # made, and no folder below root a link (OpenCV writes by path)
         fd, self.tmp = temp_beside(path.with_name(path.stem), VIDEO_SUFFIX)
         os.close(fd)
         self.path, self.size_wh, self.frames = path, size_wh, 0
@@ -88,16 +89,18 @@ class PredictionWriter:
             if frame.item.is_video:
                 if self._video is None:
                     h, w = drawn.shape[:2]
-                    self._video = (frame.item, VideoSink(self.save_dir / out_rel, frame.fps, (w, h)))
+                    sink = VideoSink(self.save_dir / out_rel, frame.fps, (w, h), self.save_dir)
+                    self._video = (frame.item, sink)
                 self._video[1].write(drawn)
             else:
                 ok, data = cv2.imencode(out_rel.suffix, drawn)
                 if not ok:
                     raise DatasetError(f"cannot encode '{shown(str(out_rel))}' as {out_rel.suffix}")
-                self.written.append(atomic_write_bytes(self.save_dir / out_rel, data.tobytes()))
+                self.written.append(atomic_write_bytes(self.save_dir / out_rel, data.tobytes(), self.save_dir))
         if self.save_txt and len(result):
             name = label_rel.name + ("" if frame.index is None else f"_{frame.index}")
-            result.save_txt(self.save_dir / "labels" / label_rel.parent / f"{name}.txt", self.save_conf)
+            label = self.save_dir / "labels" / label_rel.parent / f"{name}.txt"
+            result.save_txt(label, self.save_conf, root=self.save_dir)
 
     def close(self, keep: bool = True) -> None:
         """Finish the video being written (kept, or removed when ``keep`` is False: a run that failed)."""

@@ -38,7 +38,7 @@ from detrain.data.frames import Frame, read_frames
 from detrain.data.samples.augment import letterbox
 from detrain.data.sources import Source, parse_source, shown
 from detrain.distributed.devices import parse_device
-from detrain.engine.build import build_model, check_model, check_output_folder, increment_run_dir
+from detrain.engine.build import build_model, check_model, check_output_folder, increment_run_dir, run_dir_problem
 from detrain.engine.predict.output import PredictionWriter
 from detrain.engine.predict.results import Results
 from detrain.errors import ConfigError, DatasetError
@@ -158,7 +158,7 @@ def stream_predict(
     if model is None:  # the files predict names, before any picture is read or folder made
         check_model(cfg.inputs.model)
         if cfg.distributed.node_rank == 0:
-            check_output_folder(cfg.output.project, "predict")
+            check_output_folder(cfg.output.project, "predict", cfg.output)
     src = parse_source(cfg.predict.source if source is None else source, exclude=project)
     half = use_half(cfg, device)
     if model is None:
@@ -183,6 +183,9 @@ def stream_predict(
         if cfg.output.save or cfg.predict.save_txt
         else None
     )
+    problem = run_dir_problem(save_dir) if save_dir is not None else None
+    if problem is not None:
+        raise ConfigError(problem)
     return _run(cfg, net, names, src, device, half, save_dir)
 
 
@@ -216,7 +219,9 @@ def _run(
     )
     count, seconds, keep = 0, 0.0, False
     try:
-        for batch in batches(read_frames(src, warn=say), cfg.train.batch, cfg.inputs.imgsz, stride):
+        for batch in batches(
+            read_frames(src, warn=say, max_pixels=cfg.inputs.max_pixels), cfg.train.batch, cfg.inputs.imgsz, stride
+        ):
             start = time.perf_counter()
             dets = _infer_batch(cfg, net, batch, device, half, conf)
             elapsed = time.perf_counter() - start

@@ -82,7 +82,8 @@ class Results:
             lines.append(text + (f" {score:.5f}" if save_conf else ""))
         return lines
 
-    def save_txt(self, path: str | Path, save_conf: bool = False) -> Path:
-        """Write :meth:`txt_lines` to ``path`` (whole or not at all); returns the path."""
+    def save_txt(self, path: str | Path, save_conf: bool = False, root: str | Path | None = None) -> Path:
+        """Write :meth:`txt_lines` to ``path`` (whole or not at all, through no symbolic link: below ``root`` when
+        given, else in ``path``'s own folder); returns the path."""
         lines = self.txt_lines(save_conf)
-        return atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""))
+        return atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""), root)
