@@ -61,11 +61,19 @@ def _hold(until: str, src: str, dst: str) -> None:
         time.sleep(0.05)
 
 
+def _in_folder(name: object, dir_fd: object) -> str:
+    """A rename's path as a full one: relative to its folder descriptor when the rename gave one (detrain's atomic
+    writes rename inside a folder opened once, so a planted link cannot redirect them)."""
+    if isinstance(dir_fd, int) and dir_fd >= 0:
+        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(name))  # type: ignore[arg-type]
+    return os.fsdecode(name)  # type: ignore[arg-type]
+
+
 def _audit(event: str, args: tuple) -> None:
     global _RULE, _busy
     if event != "os.rename" or _RULE is None or _busy:
         return
-    src, dst = str(args[0]), str(args[1])
+    src, dst = _in_folder(args[0], args[2]), _in_folder(args[1], args[3])
     if os.path.basename(dst) != _RULE["after"] or os.path.basename(os.path.dirname(dst)) != "weights":
         return
     _busy = True
