@@ -133,60 +133,50 @@ def test_defaults_launch_two_workers_and_finish(two_workers) -> None:
     assert [r["epoch"] for r in _rows(run)] == ["1", "2"]
 
 
+def _same_run(one_run: Path, two_run: Path, atol: float, losses: tuple[str, ...]) -> None:
+    """The 1-worker and 2-worker runs agree: every weight and buffer (model and EMA) to float noise (``atol``,
+    rtol 1e-4; integers exactly), and both epochs' loss columns (the first from the same weights: 2e-5; the second
+    after one step summed in another order: 5e-4)."""
+    one, two = _weights(one_run), _weights(two_run)
+    for key in ("model", "ema"):
+        assert one[key].keys() == two[key].keys()
+        for name, a in one[key].items():
+            b = two[key][name]
+            if a.is_floating_point():
+                where = f"{key} {name}"
+                torch.testing.assert_close(b, a, atol=atol, rtol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
+            else:
+                assert torch.equal(a, b), (key, name)
+    rows_one, rows_two = _rows(one_run), _rows(two_run)
+    assert len(rows_one) == len(rows_two) == 2
+    for r1, r2, rel in zip(rows_one, rows_two, (2e-5, 5e-4)):
+        for col in (f"train/{name}" for name in losses):
+            assert float(r2[col]) == pytest.approx(float(r1[col]), rel=rel), (r1["epoch"], col)
+
+
 def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data: Path, tmp_path: Path) -> None:
     proc, dist_run = two_workers
     _ok(proc)
     args = {**EXACT, "data": str(data), "epochs": 2, "device": "cpu", "project": str(tmp_path), "name": "run"}
     _ok(_run(_cli(*_kv(args)), child_env()))
-    one_run = tmp_path / "run"
     # 16 images / batch 16: one optimizer step per epoch, 2 epochs. The first epoch's losses come from the same
     # weights on both sides, so they agree to float noise; the second epoch's come after one step whose gradient was
     # summed in another order, and near-tied anchor assignments amplify that: one process with 2 threads instead of
     # 1 already differs there by up to 1.5e-4 (relative). Weights after both steps: ~4e-6 between thread counts.
-    one, two = _weights(one_run), _weights(dist_run)
-    for key in ("model", "ema"):
-        assert one[key].keys() == two[key].keys()
-        for name, a in one[key].items():
-            b = two[key][name]
-            if a.is_floating_point():
-                where = f"{key} {name}"
-                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
-            else:
-                assert torch.equal(a, b), (key, name)
-    rows_one, rows_two = _rows(one_run), _rows(dist_run)
-    assert len(rows_one) == len(rows_two) == 2
-    for r1, r2, rel in zip(rows_one, rows_two, (2e-5, 5e-4)):
-        for col in ("train/box_loss", "train/cls_loss", "train/dfl_loss"):
-            assert float(r2[col]) == pytest.approx(float(r1[col]), rel=rel), (r1["epoch"], col)
+    _same_run(tmp_path / "run", dist_run, atol=1e-5, losses=("box_loss", "cls_loss", "dfl_loss"))
 
 
 def test_two_workers_equal_one_worker_for_yolo26(data: Path, tmp_path: Path) -> None:
     """The end-to-end loss too: both branches' normalisers summed over the ranks in one all-reduce, the branch
     weights at the same point of their schedule on every rank (2 epochs: 0.8/0.2, then 0.1/0.9)."""
-    runs = {}
-    for device in ("cpu,cpu", "cpu"):
-        name = f"run{device.count(',') + 1}"
+    for device, name in (("cpu,cpu", "run2"), ("cpu", "run1")):
         args = {**EXACT, "model": "yolo26n.yaml", "data": str(data), "epochs": 2, "device": device}
         _ok(_run(_cli(*_kv({**args, "project": str(tmp_path), "name": name})), child_env()))
-        runs[device] = tmp_path / name
-    one, two = _weights(runs["cpu"]), _weights(runs["cpu,cpu"])
-    for key in ("model", "ema"):
-        assert one[key].keys() == two[key].keys()
-        assert any(".one2one_cv3." in name for name in one[key])
-        for name, a in one[key].items():
-            b = two[key][name]
-            if a.is_floating_point():
-                where = f"{key} {name}"
-                # summation-order noise, as for YOLOv8 above, through twice the layers: 1.2e-5 at most measured (the
-                # running mean of an attention projection's BatchNorm, values below 0.01); a wrong normaliser or
-                # branch weight on one rank moves the weights by 1e-3 and more
-                torch.testing.assert_close(b, a, atol=3e-5, rtol=1e-4, msg=lambda m, where=where: f"{where}: {m}")
-            else:
-                assert torch.equal(a, b), (key, name)
-    rows_one, rows_two = _rows(runs["cpu"]), _rows(runs["cpu,cpu"])
-    for r1, r2, rel in zip(rows_one, rows_two, (2e-5, 5e-4)):
-        for col in ("train/box_loss", "train/cls_loss", "train/l1_loss"):
-            assert float(r2[col]) == pytest.approx(float(r1[col]), rel=rel), (r1["epoch"], col)
+    assert any(".one2one_cv3." in name for name in _weights(tmp_path / "run1")["model"])
+    # summation-order noise, as for YOLOv8 above, through twice the layers: 1.2e-5 at most measured (the running
+    # mean of an attention projection's BatchNorm, values below 0.01); a wrong normaliser or branch weight on one
+    # rank moves the weights by 1e-3 and more
+    _same_run(tmp_path / "run1", tmp_path / "run2", atol=3e-5, losses=("box_loss", "cls_loss", "l1_loss"))
 
 
 # ------------------------------------------------------------------ multi-node, torchrun, faults
