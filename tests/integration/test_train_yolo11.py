@@ -46,5 +46,7 @@ def test_yolo11n_trains_one_epoch_and_validates(tmp_path: Path) -> None:
     assert net.family == "yolo11" and net.head.depthwise_cls and net.imgsz == 64
     assert "model.10.m.0.attn.qkv.conv.weight" in ckpt["ema"]["state_dict"]
     assert all(torch.isfinite(v).all() for v in ckpt["ema"]["state_dict"].values() if v.is_floating_point())
-    metrics = Model(str(best)).val(data=str(root / "data.yaml"), imgsz=64, batch=4, device="cpu", plots=False)
+    metrics = Model(str(best)).val(
+        data=str(root / "data.yaml"), imgsz=64, batch=4, device="cpu", plots=False, project=str(tmp_path)
+    )
     assert metrics is not None and 0.0 <= metrics["map"] <= 1.0 and "map50" in metrics
