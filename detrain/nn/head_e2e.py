@@ -24,23 +24,10 @@ from torch import Tensor, nn
 from detrain.nn.boxes import dist2bbox, make_anchors
 from detrain.nn.head import Criterion, InferenceOptions, LossGains, nms
 from detrain.nn.loss_e2e import ITEM_NAMES, E2EHeadMaps, EndToEndLoss
-from detrain.nn.modules import Conv, DWConv, conv2d
+from detrain.nn.modules import Conv, class_convs, final_conv, replace_final_conv, run_branch
 from detrain.nn.topk_decode import decode_xyxy, filter_detections, topk_detections
 
 BOX_BIAS = 2.0  # initial distances of 2 strides to every side: a box of 4 strides about each anchor
-
-
-def _run(branch: nn.Module, x: Tensor) -> Tensor:
-    """A branch's layers on ``x``, its final 1x1 convolution through :func:`conv2d` (a matmul on CPU
-    channels_last)."""
-    *layers, last = cast(nn.Sequential, branch)
-    for layer in layers:
-        x = layer(x)
-    return conv2d(cast(nn.Conv2d, last), x)
-
-
-def _final_conv(branch: nn.Module) -> nn.Conv2d:
-    return cast(nn.Conv2d, cast(nn.Sequential, branch)[-1])
 
 
 class DetectE2E(nn.Module):
@@ -84,14 +71,7 @@ class DetectE2E(nn.Module):
         c3 = cls_channels if cls_channels is not None else max(ch[0], min(nc, 100))
         self.cls_channels = c3
         self.cv2 = nn.ModuleList(nn.Sequential(Conv(c, c2, 3), Conv(c2, c2, 3), nn.Conv2d(c2, 4, 1)) for c in ch)
-        self.cv3 = nn.ModuleList(
-            nn.Sequential(
-                nn.Sequential(DWConv(c, c, 3), Conv(c, c3, 1)),
-                nn.Sequential(DWConv(c3, c3, 3), Conv(c3, c3, 1)),
-                nn.Conv2d(c3, nc, 1),
-            )
-            for c in ch
-        )
+        self.cv3 = nn.ModuleList(nn.Sequential(*class_convs(c, c3, depthwise=True), nn.Conv2d(c3, nc, 1)) for c in ch)
         self.one2one_cv2 = copy.deepcopy(self.cv2)
         self.one2one_cv3 = copy.deepcopy(self.cv3)
         self.register_buffer("stride", torch.tensor(strides or [0.0] * self.nl, dtype=torch.float), persistent=False)
@@ -110,13 +90,13 @@ class DetectE2E(nn.Module):
         with torch.no_grad():
             for boxes, classes in ((self.cv2, self.cv3), (self.one2one_cv2, self.one2one_cv3)):
                 for box, cls, s in zip(boxes, classes, self.stride.tolist()):
-                    cast(Tensor, _final_conv(box).bias).fill_(BOX_BIAS)
-                    cast(Tensor, _final_conv(cls).bias).fill_(math.log(5 / self.nc / (640 / s) ** 2))
+                    cast(Tensor, final_conv(box).bias).fill_(BOX_BIAS)
+                    cast(Tensor, final_conv(cls).bias).fill_(math.log(5 / self.nc / (640 / s) ** 2))
 
     def branch_maps(self, xs: list[Tensor], one2one: bool) -> list[Tensor]:
         """Raw maps (B, 4 + nc, H_i, W_i) of one branch for features ``xs``."""
         boxes, classes = (self.one2one_cv2, self.one2one_cv3) if one2one else (self.cv2, self.cv3)
-        return [torch.cat((_run(box, x), _run(cls, x)), 1) for x, box, cls in zip(xs, boxes, classes)]
+        return [torch.cat((run_branch(box, x), run_branch(cls, x)), 1) for x, box, cls in zip(xs, boxes, classes)]
 
     def forward(self, xs: list[Tensor], decode: bool | None = None) -> E2EHeadMaps | Tensor:
         """Both branches' raw maps in training (``decode`` False), else the inference output (see the class
@@ -207,11 +187,7 @@ class DetectE2E(nn.Module):
         """
         for branches in (self.cv3, self.one2one_cv3):
             for branch in branches:
-                old = _final_conv(branch)
-                new = nn.Conv2d(old.in_channels, nc, 1, device=old.weight.device, dtype=old.weight.dtype)
-                if old.weight.is_contiguous(memory_format=torch.channels_last) and not old.weight.is_contiguous():
-                    new.to(memory_format=torch.channels_last)
-                cast(nn.Sequential, branch)[-1] = new
+                replace_final_conv(branch, nc)
         self.nc = nc
         self.no = nc + 4
         self.bias_init()

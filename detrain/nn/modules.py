@@ -311,12 +311,22 @@ class DFL(nn.Module):
         return (probs * self.conv.weight.view(1, 1, self.reg_max, 1)).sum(2)
 
 
-def _final_conv(branch: nn.Module) -> nn.Conv2d:
+def final_conv(branch: nn.Module) -> nn.Conv2d:
     """A head branch's final 1x1 convolution (``ModuleList`` items are typed as plain modules)."""
     return cast(nn.Conv2d, cast(nn.Sequential, branch)[-1])
 
 
-def _branch(seq: nn.Module, x: Tensor) -> Tensor:
+def replace_final_conv(branch: nn.Module, nc: int) -> None:
+    """Swap a class branch's final 1x1 convolution for a fresh one with ``nc`` outputs, on the old one's device,
+    dtype and memory format (every other layer of the branch keeps its weights)."""
+    old = final_conv(branch)
+    new = nn.Conv2d(old.in_channels, nc, 1, device=old.weight.device, dtype=old.weight.dtype)
+    if old.weight.is_contiguous(memory_format=torch.channels_last) and not old.weight.is_contiguous():
+        new.to(memory_format=torch.channels_last)
+    cast(nn.Sequential, branch)[-1] = new
+
+
+def run_branch(seq: nn.Module, x: Tensor) -> Tensor:
     """``seq(x)`` for a head branch (Conv, Conv, 1x1 Conv2d), its final 1x1 convolution through :func:`conv2d`."""
     *convs, last = cast(nn.Sequential, seq)
     for layer in convs:
@@ -324,7 +334,7 @@ def _branch(seq: nn.Module, x: Tensor) -> Tensor:
     return conv2d(cast(nn.Conv2d, last), x)
 
 
-def _class_convs(c_in: int, width: int, depthwise: bool) -> tuple[nn.Module, nn.Module]:
+def class_convs(c_in: int, width: int, depthwise: bool) -> tuple[nn.Module, nn.Module]:
     """The two feature stages of a class branch, before its final 1x1 convolution (see :class:`Detect`)."""
     if depthwise:
         return (
@@ -380,7 +390,7 @@ class Detect(nn.Module):
             nn.Sequential(Conv(c, c2, 3), Conv(c2, c2, 3), nn.Conv2d(c2, 4 * reg_max, 1)) for c in ch
         )
         self.depthwise_cls = depthwise_cls
-        self.cv3 = nn.ModuleList(nn.Sequential(*_class_convs(c, c3, depthwise_cls), nn.Conv2d(c3, nc, 1)) for c in ch)
+        self.cv3 = nn.ModuleList(nn.Sequential(*class_convs(c, c3, depthwise_cls), nn.Conv2d(c3, nc, 1)) for c in ch)
         self.dfl = DFL(reg_max) if reg_max > 1 else nn.Identity()
         self.register_buffer("stride", torch.tensor(strides or [0.0] * self.nl, dtype=torch.float), persistent=False)
         self._anchor_key: tuple | None = None
@@ -399,11 +409,11 @@ class Detect(nn.Module):
             return
         with torch.no_grad():
             for box, cls, s in zip(self.cv2, self.cv3, self.stride.tolist()):
-                cast(Tensor, _final_conv(box).bias).fill_(1.0)
-                cast(Tensor, _final_conv(cls).bias).fill_(math.log(5 / self.nc / (640 / s) ** 2))
+                cast(Tensor, final_conv(box).bias).fill_(1.0)
+                cast(Tensor, final_conv(cls).bias).fill_(math.log(5 / self.nc / (640 / s) ** 2))
 
     def forward(self, xs: list[Tensor], decode: bool | None = None) -> list[Tensor] | Tensor:
-        maps = [torch.cat((_branch(box, x), _branch(cls, x)), 1) for x, box, cls in zip(xs, self.cv2, self.cv3)]
+        maps = [torch.cat((run_branch(box, x), run_branch(cls, x)), 1) for x, box, cls in zip(xs, self.cv2, self.cv3)]
         if decode is None:
             decode = not self.training
         return self.decode(maps) if decode else maps
@@ -481,11 +491,7 @@ class Detect(nn.Module):
         (3, 67)
         """
         for branch in self.cv3:
-            old = _final_conv(branch)
-            new = nn.Conv2d(old.in_channels, nc, 1, device=old.weight.device, dtype=old.weight.dtype)
-            if old.weight.is_contiguous(memory_format=torch.channels_last) and not old.weight.is_contiguous():
-                new.to(memory_format=torch.channels_last)
-            cast(nn.Sequential, branch)[-1] = new
+            replace_final_conv(branch, nc)
         self.nc = nc
         self.no = nc + 4 * self.reg_max
         self._anchor_key = None
