@@ -1,6 +1,10 @@
-"""Errors a user can cause. The CLI prints their one-line message and exits with code 2."""
+"""Errors a user can cause. The CLI prints their one-line message and exits with code 2. Also the one way an old
+usage is announced as deprecated (:func:`deprecated`).
+"""
 
 from __future__ import annotations
+
+import warnings
 
 
 class DetrainError(Exception):
@@ -21,3 +25,18 @@ class CheckpointError(DetrainError):
 
 class DistributedError(DetrainError):
     """A launch or rendezvous problem: bad devices, a busy port, an unreachable master, a dead worker."""
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def deprecated(topic: str, message: str, stacklevel: int = 3) -> None:
+    """Say once per process (one ``DeprecationWarning`` line, pointing at the caller's code) that ``topic`` goes
+    away in the next release; later uses stay silent, so a loop over old code does not flood the console.
+
+    ``stacklevel``: how many frames up the user's line is (3: the caller of the function that calls this).
+    """
+    if topic in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(topic)
+    warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)

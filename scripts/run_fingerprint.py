@@ -118,7 +118,7 @@ def main(argv: list[str]) -> int:
         results = Model(str(first_best)).predict(
             source=str(source / "images" / "val"), device="cpu", imgsz=64, conf=0.001, save=False
         )
-        rows.append(("predict:boxes", _digest([np.asarray(r.boxes) for r in results])))
+        rows.append(("predict:boxes", _digest([np.asarray(r.boxes.xyxy) for r in results])))
     width = max(len(k) for k, _ in rows)
     table = "".join(f"{key:<{width}}  {digest}\n" for key, digest in rows)
     (args.out / "fingerprint.txt").write_text(table)

@@ -138,9 +138,9 @@ def test_results_hold_boxes_in_the_pictures_pixels(tmp_path: Path) -> None:
     path = save(tmp_path / "two.png", picture({0: (20, 30, 70, 90), 2: (100, 10, 140, 50)}))
     (r,) = predict(cfg(tmp_path), SquareFinder(), str(path))
     assert isinstance(r, Results) and (r.path, r.frame, r.orig_shape) == (str(path), None, (120, 160))
-    assert r.boxes.dtype == np.float32 and r.conf.dtype == np.float32 and r.cls.dtype == np.int64
-    assert r.boxes.shape == (2, 4) and r.conf.shape == (2,) and r.cls.shape == (2,) and len(r) == 2
-    np.testing.assert_allclose(r.boxes, [[20, 30, 70, 90], [100, 10, 140, 50]], atol=1e-4)
+    assert r.boxes.xyxy.dtype == np.float32 and r.conf.dtype == np.float32 and r.cls.dtype == np.int64
+    assert r.boxes.xyxy.shape == (2, 4) and r.conf.shape == (2,) and r.cls.shape == (2,) and len(r) == 2
+    np.testing.assert_allclose(r.boxes.xyxy, [[20, 30, 70, 90], [100, 10, 140, 50]], atol=1e-4)
     np.testing.assert_allclose(r.conf, [0.9, 0.7], atol=1e-6)
     assert r.cls.tolist() == [0, 2] and r.names == SquareFinder.names and r.labels == ["red", "blue"]
     assert r.summary() == "1 red, 1 blue"
@@ -155,7 +155,7 @@ def test_boxes_map_back_through_resizing_and_padding(tmp_path: Path) -> None:
     path = save(tmp_path / "big.png", picture({1: (40, 60, 140, 180)}, hw=(240, 320)))
     (r,) = predict(cfg(tmp_path), SquareFinder(), str(path))
     assert r.orig_shape == (240, 320)
-    np.testing.assert_allclose(r.boxes, [[40, 60, 140, 180]], atol=2.01)  # one resized pixel = 2 original ones
+    np.testing.assert_allclose(r.boxes.xyxy, [[40, 60, 140, 180]], atol=2.01)  # one resized pixel = 2 original ones
 
 
 def test_classes_keep_only_those_ids(tmp_path: Path) -> None:
@@ -192,7 +192,7 @@ def test_boxes_are_drawn_along_their_outline_and_nowhere_else(tmp_path: Path) ->
     (r,) = predict(cfg(tmp_path, save=True, name="drawn"), SquareFinder(), str(path))
     drawn = cv2.imread(str(tmp_path / "runs" / "drawn" / "x.png"))
     assert drawn.shape == original.shape and np.array_equal(drawn, r.plot())
-    for box in r.boxes:
+    for box in r.boxes.xyxy:
         for x, y in outline(box):
             assert (drawn[y, x] != original[y, x]).any(), (x, y)
     changed = (drawn != original).any(2)
@@ -269,14 +269,14 @@ def test_a_video_gives_an_annotated_video_with_every_frame(tmp_path: Path) -> No
     assert [r.frame for r in results] == list(range(7)) and {r.path for r in results} == {str(video)}
     for r, (_, box) in zip(results, frames):
         assert r.cls.tolist() == [0]
-        np.testing.assert_allclose(r.boxes[0], box, atol=3)  # MJPG blurs the square's edges a little
+        np.testing.assert_allclose(r.boxes.xyxy[0], box, atol=3)  # MJPG blurs the square's edges a little
     out = tmp_path / "runs" / "v"
     written = read_video(out / "clip.avi")
     source = read_video(video)
     assert len(written) == len(source) == 7 and written[0].shape == source[0].shape
     for r, before, after in zip(results, source, written):
         diff = np.abs(after.astype(int) - before.astype(int)).sum(2)
-        on_box = np.mean([diff[y, x] for x, y in outline(r.boxes[0])])
+        on_box = np.mean([diff[y, x] for x, y in outline(r.boxes.xyxy[0])])
         assert on_box > 60 and diff[100:, :].mean() < 15  # drawn on the box, not elsewhere (codec noise only)
     assert sorted(p.name for p in (out / "labels").iterdir()) == [f"clip_{i}.txt" for i in range(7)]
     assert no_temporary_files(out)
@@ -396,7 +396,7 @@ def test_batches_group_consecutive_pictures_of_one_shape(tmp_path: Path) -> None
     single = predict(cfg(tmp_path, batch=1), SquareFinder(), str(src))
     assert [r.path for r in batched] == [r.path for r in single] == [str(src / f"{i}.png") for i in range(8)]
     for a, b in zip(batched, single):
-        assert np.array_equal(a.boxes, b.boxes) and np.array_equal(a.cls, b.cls)
+        assert np.array_equal(a.boxes.xyxy, b.boxes.xyxy) and np.array_equal(a.cls, b.cls)
 
 
 @pytest.mark.skipif(not (YOLOV8N.is_file() and COCO8_VAL.is_dir()), reason="needs ../shared yolov8n.pt and coco8")
@@ -409,7 +409,7 @@ def test_batched_and_unbatched_real_predictions_agree() -> None:
     assert [Path(r.path).name for r in batched] == [Path(r.path).name for r in single]
     for a, b in zip(single, batched):
         assert a.cls.tolist() == b.cls.tolist()
-        np.testing.assert_allclose(a.boxes, b.boxes, atol=0.05)
+        np.testing.assert_allclose(a.boxes.xyxy, b.boxes.xyxy, atol=0.05)
         np.testing.assert_allclose(a.conf, b.conf, atol=1e-3)
 
 
@@ -425,7 +425,7 @@ def test_model_predict_writes_nothing_by_default_and_leaves_the_weights_alone(
     training, has_bn = net.training, any(isinstance(m, nn.BatchNorm2d) for m in net.modules())
     results = model.predict(np.full((64, 96, 3), 90, np.uint8), imgsz=64, device="cpu", verbose=False)
     assert isinstance(results, list) and len(results) == 1 and results[0].orig_shape == (64, 96)
-    assert results[0].path == "image0" and results[0].boxes.shape[1:] == (4,)
+    assert results[0].path == "image0" and results[0].boxes.xyxy.shape[1:] == (4,)
     assert model.net is net and net.training == training and has_bn  # a fused copy ran, not the net itself
     assert any(isinstance(m, nn.BatchNorm2d) for m in net.modules())
     assert not (tmp_path / "runs").exists()
@@ -448,15 +448,15 @@ def test_half_is_ignored_with_a_note_on_cpu(tmp_path: Path, capsys: pytest.Captu
     model = SquareFinder()
     (r,) = list(stream_predict(cfg(tmp_path, half=True), model, str(path), prepared=True))
     assert "half=True runs on CUDA only" in capsys.readouterr().out and model.dtypes == [torch.float32]
-    np.testing.assert_allclose(r.boxes, [[20, 30, 70, 90]], atol=1e-4)
+    np.testing.assert_allclose(r.boxes.xyxy, [[20, 30, 70, 90]], atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_half_runs_in_float16_on_cuda(tmp_path: Path) -> None:
     path = save(tmp_path / "x.png", picture({0: (20, 30, 70, 90), 2: (100, 10, 140, 50)}))
     (r,) = model_with(SquareFinder()).predict(str(path), imgsz=160, device="0", half=True, verbose=False)
-    np.testing.assert_allclose(r.boxes, [[20, 30, 70, 90], [100, 10, 140, 50]], atol=1e-2)
-    assert r.boxes.dtype == np.float32
+    np.testing.assert_allclose(r.boxes.xyxy, [[20, 30, 70, 90], [100, 10, 140, 50]], atol=1e-2)
+    assert r.boxes.xyxy.dtype == np.float32
     model = SquareFinder()
     list(stream_predict(cfg(tmp_path, device="0", half=True), model.cuda().half(), str(path), prepared=True))
     assert model.dtypes == [torch.float16]
@@ -467,8 +467,8 @@ def test_half_runs_in_float16_on_cuda(tmp_path: Path) -> None:
         for a, b in zip(full, half):
             confident = a.conf > 0.5
             assert len(b) >= confident.sum()
-            for box in a.boxes[confident]:
-                assert np.abs(b.boxes - box).max(1).min() < 2.0  # each confident box found again in fp16
+            for box in a.boxes.xyxy[confident]:
+                assert np.abs(b.boxes.xyxy - box).max(1).min() < 2.0  # each confident box found again in fp16
 
 
 # --- the command line -------------------------------------------------------------------------------------------

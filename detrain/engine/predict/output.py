@@ -85,7 +85,8 @@ class PredictionWriter:
             return
         out_rel, label_rel = self._place(frame.item)
         if self.save:
-            drawn = draw_detections(frame.image, result.boxes, result.conf, result.cls, result.names, self.line_width)
+            boxes = result.boxes.xyxy
+            drawn = draw_detections(frame.image, boxes, result.conf, result.cls, result.names, self.line_width)
             if frame.item.is_video:
                 if self._video is None:
                     h, w = drawn.shape[:2]

@@ -17,7 +17,7 @@ picture: a bad source, device or ``classes`` raises at once.
 >>> cfg = make_cfg({"model": "n.yaml", "source": "a.png", "imgsz": 64, "device": "cpu", "save": False,
 ...                 "verbose": False})
 >>> for r in stream_predict(cfg):  # a video gives one Results per frame, r.frame its number
-...     print(r.path, r.frame, r.orig_shape, r.boxes.shape[1:])
+...     print(r.path, r.frame, r.orig_shape, r.boxes.xyxy.shape[1:])
 a.png None (48, 64) (4,)
 """
 

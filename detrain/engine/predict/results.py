@@ -6,20 +6,30 @@
 (1, '1 dog', ['dog'])
 >>> r.txt_lines(save_conf=True)
 ['1 0.200000 0.300000 0.200000 0.400000 0.90000']
+
+Ultralytics' names read the same: ``r.boxes.xyxy``, ``r.boxes.conf``, ``r.boxes.cls`` (numpy where Ultralytics
+has tensors, see :mod:`detrain.engine.predict.boxes`), ``r.to_json()``, ``r.verbose()``, ``r.save()``:
+
+>>> r.boxes.xyxy.tolist(), r.boxes.cls.tolist(), r.verbose()
+([[8.0, 4.0, 24.0, 20.0]], [1.0], '1 dog, ')
+>>> r.to_json(normalize=True)
+'[{"name":"dog","class":1,"confidence":0.9,"box":{"x1":0.1,"y1":0.1,"x2":0.3,"y2":0.5}}]'
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
 from pathlib import Path
+from typing import Any
 
+import cv2
 import numpy as np
 
-from detrain.log import atomic_write_text
+from detrain.engine.predict.boxes import Boxes
+from detrain.log import atomic_write_bytes, atomic_write_text
 from detrain.plots.annotate import draw_detections
 
 
-@dataclass(eq=False)
 class Results:
     """The detections in one image or video frame, best first.
 
@@ -28,24 +38,40 @@ class Results:
             an in-memory image as ``image<i>``).
         frame: the frame's number in its video, camera or stream (0 = first); None for an image.
         orig_shape: (height, width) of the picture, in pixels.
-        boxes: (n, 4) float32 boxes, x1 y1 x2 y2 in the picture's pixels.
-        conf: (n,) float32 confidences.
-        cls: (n,) int64 class ids.
+        boxes: a :class:`~detrain.engine.predict.boxes.Boxes`, Ultralytics' attributes (``xyxy``, ``xywh``,
+            ``xyxyn``, ``xywhn``, ``conf``, ``cls``, ``data``) as numpy arrays where Ultralytics has tensors.
+        conf: (n,) float32 confidences (``boxes.conf``).
+        cls: (n,) int64 class ids (``boxes.cls`` holds them as floats, as Ultralytics does).
         names: class id -> name, for every class the model knows.
         orig_img: the picture (BGR uint8, as cv2 reads it), for :meth:`plot`; kept only while the Results is.
+
+    Made from ``xyxy`` (n, 4) float32 boxes in the picture's pixels, ``conf`` and ``cls``.
     """
 
-    path: str
-    frame: int | None
-    orig_shape: tuple[int, int]
-    boxes: np.ndarray
-    conf: np.ndarray
-    cls: np.ndarray
-    names: dict[int, str]
-    orig_img: np.ndarray | None = field(default=None, repr=False)
+    def __init__(
+        self,
+        path: str,
+        frame: int | None,
+        orig_shape: tuple[int, int],
+        xyxy: np.ndarray,
+        conf: np.ndarray,
+        cls: np.ndarray,
+        names: dict[int, str],
+        orig_img: np.ndarray | None = None,
+    ) -> None:
+        self.path, self.frame, self.orig_shape = path, frame, (int(orig_shape[0]), int(orig_shape[1]))
+        self.conf, self.cls, self.names, self.orig_img = conf, cls, names, orig_img
+        corners = np.asarray(xyxy).reshape(-1, 4)
+        rows = np.empty((len(corners), 6), corners.dtype)
+        rows[:, :4], rows[:, 4], rows[:, 5] = corners, conf.reshape(-1), cls.reshape(-1)
+        self.boxes = Boxes(rows, self.orig_shape)
+
+    def __repr__(self) -> str:
+        where = "" if self.frame is None else f", frame {self.frame}"
+        return f"Results({self.path!r}{where}, {self.orig_shape[0]}x{self.orig_shape[1]}: {self.summary()})"
 
     def __len__(self) -> int:
-        return len(self.boxes)
+        return len(self.cls)
 
     @property
     def labels(self) -> list[str]:
@@ -56,7 +82,7 @@ class Results:
     def xywhn(self) -> np.ndarray:
         """(n, 4) boxes as centre x, centre y, width, height, normalised by the picture's size (YOLO labels)."""
         h, w = self.orig_shape
-        b = self.boxes.astype(np.float64)
+        b = np.asarray(self.boxes.xyxy, np.float64)
         xywh = np.stack(((b[:, 0] + b[:, 2]) / 2, (b[:, 1] + b[:, 3]) / 2, b[:, 2] - b[:, 0], b[:, 3] - b[:, 1]), 1)
         return (xywh / np.array([w, h, w, h])).reshape(-1, 4)
 
@@ -72,7 +98,7 @@ class Results:
         """A copy of the picture with the boxes and '<name> <conf>' labels drawn (BGR uint8)."""
         if self.orig_img is None:
             raise ValueError(f"{self.path}: the picture was not kept, nothing to draw on")
-        return draw_detections(self.orig_img, self.boxes, self.conf, self.cls, self.names, line_width)
+        return draw_detections(self.orig_img, np.asarray(self.boxes.xyxy), self.conf, self.cls, self.names, line_width)
 
     def txt_lines(self, save_conf: bool = False) -> list[str]:
         """YOLO-format rows: ``class cx cy w h`` (normalised), and the confidence with ``save_conf``."""
@@ -87,3 +113,49 @@ class Results:
         given, else in ``path``'s own folder); returns the path."""
         lines = self.txt_lines(save_conf)
         return atomic_write_text(path, "\n".join(lines) + ("\n" if lines else ""), root)
+
+    def verbose(self) -> str:
+        """Ultralytics' log text: ``'2 persons, 1 car, '`` (counts by class id, plural 's' past one), or
+        ``'(no detections), '``."""
+        if not len(self):
+            return "(no detections), "
+        counts = np.bincount(self.cls.astype(np.int64))
+        return "".join(
+            f"{n} {self.names.get(i, str(i))}{'s' * (n > 1)}, " for i, n in enumerate(counts.tolist()) if n > 0
+        )
+
+    def records(self, normalize: bool = False, decimals: int = 5) -> list[dict[str, Any]]:
+        """One dict per detection, as Ultralytics' ``Results.summary()`` gives them: ``name``, ``class``,
+        ``confidence`` and ``box`` (``x1 y1 x2 y2`` in pixels, or divided by the width and height with
+        ``normalize``), rounded to ``decimals``. (detrain's :meth:`summary` is the counts line.)"""
+        h, w = self.orig_shape if normalize else (1, 1)
+        rows = []
+        for (x1, y1, x2, y2), score, c in zip(self.boxes.xyxy.tolist(), self.conf.tolist(), self.cls.tolist()):
+            box = {"x1": x1 / w, "y1": y1 / h, "x2": x2 / w, "y2": y2 / h}
+            rows.append(
+                {
+                    "name": self.names.get(int(c), str(int(c))),
+                    "class": int(c),
+                    "confidence": round(score, decimals),
+                    "box": {k: round(v, decimals) for k, v in box.items()},
+                }
+            )
+        return rows
+
+    def to_json(self, normalize: bool = False, decimals: int = 5) -> str:
+        """:meth:`records` as compact JSON text, as Ultralytics' ``to_json`` writes it."""
+        return json.dumps(self.records(normalize, decimals), separators=(",", ":"))
+
+    def save(self, filename: str | Path | None = None, line_width: int = 0) -> str:
+        """Write :meth:`plot`'s picture to ``filename`` (default ``results_<picture's name>``, a ``.jpg`` when the
+        name has no image suffix), whole or not at all, making its folder; returns the file name."""
+        if not filename:
+            name = Path(self.path).name or "image"
+            filename = f"results_{name}" if Path(name).suffix else f"results_{name}.jpg"
+        out = Path(filename)
+        ok, data = cv2.imencode(out.suffix or ".jpg", self.plot(line_width))
+        if not ok:
+            raise ValueError(f"cannot encode '{out}' as {out.suffix or '.jpg'}")
+        out.absolute().parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(out, data.tobytes())
+        return str(filename)
