@@ -1,4 +1,4 @@
-"""The Python API: the same engine as the CLI, returning plain Python data.
+"""The Python API: the same engine as the CLI, with Ultralytics' names for what it returns (numpy inside).
 
 >>> from detrain import Model
 >>> model = Model("n.yaml")                                   # a fresh YOLOv8n-layout model
@@ -7,9 +7,10 @@
 Then (minutes of training, so not run as a test)::
 
     metrics = model.train(data="shapes.yaml", epochs=3, imgsz=160, device="cpu")
-    metrics["map50"]
+    metrics.box.map, metrics.box.map50, metrics.results_dict, metrics.save_dir
     results = Model("runs/train/exp/weights/best.pt").predict("images/")
-    results[0].boxes, results[0].conf, results[0].cls, results[0].plot()
+    r = results[0]
+    r.boxes.xyxy, r.boxes.conf, r.boxes.cls, r.plot(), r.to_json()
     for r in Model("best.pt").predict("clip.mp4", stream=True): ...  # one frame at a time
 """
 
@@ -26,6 +27,7 @@ from detrain.engine.build import build_model, increment_run_dir, is_weights
 from detrain.engine.predict.results import Results
 from detrain.engine.train.callbacks import CallbackFn, check_event
 from detrain.errors import ConfigError
+from detrain.metrics.det_metrics import DetectionMetrics
 
 if TYPE_CHECKING:
     from detrain.nn.info import ModelInfo
@@ -71,12 +73,14 @@ class Model:
             )
         self.callbacks.setdefault(event, []).append(fn)
 
-    def train(self, **kwargs: Any) -> dict[str, Any] | None:
+    def train(self, **kwargs: Any) -> DetectionMetrics | None:
         """Train with the CLI's keys; ``device=[0, 1]`` or ``"cpu,cpu"`` trains on several workers.
 
-        Returns the final validation metrics; afterwards this Model holds the best weights. The callbacks of
-        :meth:`add_callback` fire on rank 0 during the run. On a node other than node 0 of a multi-node run
-        (``node_rank > 0``), which holds neither the metrics nor the run folder, it returns None.
+        Returns the final validation as a :class:`~detrain.metrics.det_metrics.DetectionMetrics` (Ultralytics'
+        shape: ``.box.map``, ``.box.map50``, ``.results_dict``, ``.speed``, ``.save_dir``); afterwards this Model
+        holds the best weights. The callbacks of :meth:`add_callback` fire on rank 0 during the run. On a node
+        other than node 0 of a multi-node run (``node_rank > 0``), which holds neither the metrics nor the run
+        folder, it returns None.
         """
         cfg = make_cfg({"model": self.source, **kwargs})
         from detrain.run.task import run_task
@@ -88,19 +92,22 @@ class Model:
         if best.is_file():
             self.source = str(best)
             self.net, self.ckpt = build_model(self.source, verbose=False)
-        return result
+        return DetectionMetrics.from_results(result, self.names)
 
-    def val(self, **kwargs: Any) -> dict[str, Any] | None:
-        """Validate (COCO-exact metrics) with the CLI's keys; returns the metrics dict (None on a node other than
+    def val(self, **kwargs: Any) -> DetectionMetrics | None:
+        """Validate (COCO-exact metrics) with the CLI's keys; returns a
+        :class:`~detrain.metrics.det_metrics.DetectionMetrics` as :meth:`train` does (None on a node other than
         node 0 of a multi-node run)."""
         cfg = make_cfg({"model": self.source, **kwargs})
         from detrain.run.task import run_task
 
-        return run_task("val", cfg)
+        result = run_task("val", cfg)
+        return None if result is None else DetectionMetrics.from_results(result, self.names)
 
     def predict(self, source: Any, stream: bool = False, **kwargs: Any) -> list[Results] | Iterator[Results]:
-        """Detections per picture, as :class:`~detrain.engine.predict.results.Results` (path, frame, orig_shape, boxes
-        xyxy in pixels, conf, cls, names; ``.plot()`` draws them), in the source's order.
+        """Detections per picture, as :class:`~detrain.engine.predict.results.Results` (path, frame, orig_shape,
+        ``boxes``: Ultralytics' ``xyxy``/``xywh``/``xyxyn``/``xywhn``/``conf``/``cls`` as numpy arrays; conf, cls,
+        names; ``.plot()`` draws them, ``.to_json()``, ``.save_txt()``, ``.save()``), in the source's order.
 
         ``source``: an image, a video, a folder, a glob, a ``.txt`` list, a camera index, a stream URL, a list of
         paths, or BGR image arrays (one, or a list). ``stream=True`` returns a generator that reads, predicts and

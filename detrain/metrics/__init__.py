@@ -2,6 +2,7 @@
 
 The flow is ``match_image`` per image (on any rank) -> gather the :class:`ImageStats` -> one
 ``coco_summary`` -> :class:`DetMetrics`, whose 12 COCO values equal pycocotools' for the same boxes.
+:class:`DetectionMetrics` is what ``Model.train()``/``val()`` hand the user: those numbers in Ultralytics' shape.
 
 >>> import numpy as np
 >>> s = match_image(np.array([[0., 0, 10, 10]]), np.array([0.9]), np.array([0]),
@@ -11,6 +12,7 @@ The flow is ``match_image`` per image (on any rank) -> gather the :class:`ImageS
 """
 
 from detrain.metrics.confusion import ConfusionMatrix, box_iou_xyxy
+from detrain.metrics.det_metrics import BoxMetric, DetectionMetrics
 from detrain.metrics.match import (
     AREA_NAMES,
     AREA_RANGES,
@@ -31,8 +33,10 @@ __all__ = [
     "MAX_DETS",
     "RECALL_THRESHOLDS",
     "SUMMARY_KEYS",
+    "BoxMetric",
     "ConfusionMatrix",
     "DetMetrics",
+    "DetectionMetrics",
     "ImageStats",
     "box_iou_xyxy",
     "coco_box_iou",

@@ -80,7 +80,7 @@ def test_events_fire_in_order_with_epochs_metrics_and_files(data: Path, tmp_path
     assert [e.event for e in events] == [*EVENTS[:3], *PER_EPOCH * 2, "on_train_end"]
     assert [e.epoch for e in events] == [0, 0, 0] + [1] * 4 + [2] * 4 + [2]
     assert {pid for _, pid, _ in seen} == {os.getpid()}
-    run = Path(result["save_dir"])
+    run = Path(result.save_dir)
     assert all(e.save_dir == run and e.epochs == 2 for e in events)
     assert all(e.last is None and not e.metrics for e in events[:3])  # a fresh run: nothing saved or measured yet
 

@@ -110,7 +110,7 @@ def test_single_cls_training_writes_a_one_class_checkpoint(dataset: Path, tmp_pa
         verbose=False,
         plots=False,
     )
-    last = Path(result["save_dir"]) / "weights" / "last.pt"
+    last = Path(result.save_dir) / "weights" / "last.pt"
     ckpt = torch.load(last, map_location="cpu", weights_only=True)
     assert ckpt["model"]["nc"] == 1 and ckpt["model"]["names"] == {0: "item"}
     assert ckpt["train_args"]["single_cls"] is True
@@ -131,7 +131,7 @@ def test_single_cls_training_writes_a_one_class_checkpoint(dataset: Path, tmp_pa
         r"single_cls=true",
     ):
         Model(str(last)).val(**common)
-    assert set(Model(str(last)).val(**common, single_cls=True)["per_class"]) <= {0}
+    assert set(Model(str(last)).val(**common, single_cls=True).box.ap_class_index.tolist()) <= {0}
     # what a checkpoint says only shapes the hint: a train_args that is not a mapping gets none and breaks nothing
     save_checkpoint({**ckpt, "train_args": ["single_cls"]}, tmp_path / "odd.pt")
     with pytest.raises(ConfigError, match=r"has 3; fine-tune it on the dataset first$"):

@@ -70,7 +70,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def first_run(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.set_num_threads(1)
     project = tmp_path_factory.mktemp("first")
-    return Path(Model("n.yaml").train(data=str(data), project=str(project), save_period=1, **TINY)["save_dir"])
+    return Path(Model("n.yaml").train(data=str(data), project=str(project), save_period=1, **TINY).save_dir)
 
 
 # ------------------------------------------------------------------ a run from start to end

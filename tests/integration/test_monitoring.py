@@ -166,7 +166,7 @@ def test_tensorboard_holds_each_epoch_row(tmp_path: Path) -> None:
         name="run",
         exist_ok=True,
     )
-    run = Path(result["save_dir"])
+    run = Path(result.save_dir)
     acc = EventAccumulator(str(run))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

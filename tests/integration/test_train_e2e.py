@@ -46,12 +46,12 @@ def test_a_tiny_model_learns_the_synthetic_set(tmp_path):
         project=str(tmp_path / "runs"),
         verbose=False,
     )
-    rows = _rows(result["save_dir"])
+    rows = _rows(result.save_dir)
     assert [int(r["epoch"]) for r in rows] == list(range(1, epochs + 1))
     map50 = [float(r["metrics/mAP50"]) for r in rows]
     assert map50[-1] >= 0.1 and map50[-1] > map50[0] + 0.1, map50
-    assert abs(result["map50"] - map50[-1]) < 1e-4  # train() returns the final metrics
-    run = Path(result["save_dir"])
+    assert abs(result.box.map50 - map50[-1]) < 1e-4  # train() returns the final metrics
+    run = Path(result.save_dir)
     for name in ("args.yaml", "results.csv", "results.png", "weights/last.pt", "weights/best.pt"):
         assert (run / name).is_file(), name
     for name in ("last.pt", "best.pt"):
@@ -87,7 +87,7 @@ def test_resume_continues_exactly(tmp_path, nbs, warmup, last_update):
 
     data = _fit_yaml(tmp_path, n=16, imgsz=64)
     args = {**_tiny_args(data, tmp_path / "a", epochs=3), "nbs": nbs, "warmup_epochs": warmup}
-    straight = Path(Model("n.yaml").train(**args, save_period=1)["save_dir"])
+    straight = Path(Model("n.yaml").train(**args, save_period=1).save_dir)
     saved = torch.load(straight / "weights" / "epoch2.pt", weights_only=True)
     assert saved["last_update"] == last_update
     assert (saved["pending_grads"] is not None) == (last_update < 3)
@@ -98,7 +98,7 @@ def test_resume_continues_exactly(tmp_path, nbs, warmup, last_update):
     shutil.copy(straight / "args.yaml", died / "args.yaml")
     rows = (straight / "results.csv").read_text().splitlines()
     (died / "results.csv").write_text("\n".join(rows[:3] + ["3,9,9,9"]) + "\n")  # a half-logged epoch 3
-    resumed = Path(Model("n.yaml").train(resume=str(died / "weights" / "last.pt"), device="cpu")["save_dir"])
+    resumed = Path(Model("n.yaml").train(resume=str(died / "weights" / "last.pt"), device="cpu").save_dir)
     assert resumed == died
     a = torch.load(straight / "weights" / "last.pt", weights_only=True)
     b = torch.load(died / "weights" / "last.pt", weights_only=True)
@@ -138,11 +138,11 @@ def test_nbs_auto_updates_every_batch_from_scratch_and_gathers_64_images_when_fi
         verbose=False,
         exist_ok=True,
     )
-    scratch = Path(Model("n.yaml").train(**common, project=str(tmp_path / "a"), name="run")["save_dir"])
+    scratch = Path(Model("n.yaml").train(**common, project=str(tmp_path / "a"), name="run").save_dir)
     first = torch.load(scratch / "weights" / "last.pt", weights_only=True)
     assert first["accumulate"] == 1 and first["last_update"] == 7  # 2 batches x 4 epochs, each one an update
     tuned = Path(
-        Model(str(scratch / "weights" / "last.pt")).train(**common, project=str(tmp_path / "b"), name="run")["save_dir"]
+        Model(str(scratch / "weights" / "last.pt")).train(**common, project=str(tmp_path / "b"), name="run").save_dir
     )
     second = torch.load(tuned / "weights" / "last.pt", weights_only=True)
     assert second["accumulate"] == 8 and second["train_args"]["nbs"] == "auto"

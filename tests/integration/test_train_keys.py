@@ -117,7 +117,7 @@ def _check_frozen(run: Path, start: Path, freeze_first: int) -> None:
 
 
 def test_frozen_layers_stay_bit_identical_and_the_others_train(data: Path, start: Path, tmp_path: Path) -> None:
-    run = Path(Model(str(start)).train(data=str(data), **TINY, freeze=3, project=str(tmp_path))["save_dir"])
+    run = Path(Model(str(start)).train(data=str(data), **TINY, freeze=3, project=str(tmp_path)).save_dir)
     _check_frozen(run, start, freeze_first=3)
 
 
@@ -125,7 +125,7 @@ def test_frozen_layers_stay_identical_on_two_ddp_workers(data: Path, start: Path
     """Every rank freezes the same layers before DDP: the gradient buckets match, training runs through, and the
     frozen weights (broadcast from rank 0 at the start) never move."""
     args = {**TINY, "batch": 16, "nbs": 16, "epochs": 1, "device": "cpu,cpu", "freeze": "0,1,2"}
-    run = Path(Model(str(start)).train(data=str(data), **args, project=str(tmp_path))["save_dir"])
+    run = Path(Model(str(start)).train(data=str(data), **args, project=str(tmp_path)).save_dir)
     _check_frozen(run, start, freeze_first=3)
 
 
@@ -217,7 +217,7 @@ def test_time_replans_the_epochs_and_keeps_the_lr_schedule_whole(data: Path, tmp
     read = _clock(monkeypatch, TICKS)
     closings = _mosaic_closings(monkeypatch)
     args = {**TINY, "epochs": 100, "time": 0.05, "lrf": 0.1, "close_mosaic": 1, "save_period": 1}
-    run = Path(Model("n.yaml").train(data=str(data), **args, project=str(tmp_path))["save_dir"])
+    run = Path(Model("n.yaml").train(data=str(data), **args, project=str(tmp_path)).save_dir)
     assert read == TICKS  # the start, then one reading after each epoch
     rows = _rows(run)
     assert [r["epoch"] for r in rows] == ["1", "2", "3", "4"]
@@ -240,7 +240,7 @@ def test_a_resumed_time_run_has_only_what_is_left_and_keeps_freeze(
 ) -> None:
     _clock(monkeypatch, [0, 60])  # 60 s an epoch: 3 epochs fit in 180 s; then the time is up (1e9 s)
     args = {**TINY, "epochs": 100, "time": 0.05, "lrf": 0.1, "freeze": 3, "save_period": 1}
-    straight = Path(Model(str(start)).train(data=str(data), **args, project=str(tmp_path / "a"))["save_dir"])
+    straight = Path(Model(str(start)).train(data=str(data), **args, project=str(tmp_path / "a")).save_dir)
     assert len(_rows(straight)) == 2
     saved = torch.load(straight / "weights" / "epoch1.pt", weights_only=True)
     assert saved["train_time_s"] == 60 and saved["train_args"]["epochs"] == 3
@@ -389,9 +389,7 @@ def test_training_starts_from_the_pretrained_file(data: Path, start: Path, tmp_p
     """model= a yaml, pretrained= a file, every layer but the head frozen: after training the frozen layers hold
     exactly the file's weights, so the run started from them."""
     run = Path(
-        Model("n.yaml").train(data=str(data), **TINY, pretrained=str(start), freeze=22, project=str(tmp_path))[
-            "save_dir"
-        ]
+        Model("n.yaml").train(data=str(data), **TINY, pretrained=str(start), freeze=22, project=str(tmp_path)).save_dir
     )
     n = len(DetectionModel(nc=3).state_dict())
     assert f"transferred {n}/{n} items from pretrained weights {start}" in capsys.readouterr().out

@@ -36,7 +36,7 @@ def test_yolo11n_trains_one_epoch_and_validates(tmp_path: Path) -> None:
         exist_ok=True,
     )
     assert result is not None
-    run = Path(result["save_dir"])
+    run = Path(result.save_dir)
     rows = (run / "results.csv").read_text().splitlines()
     assert len(rows) == 2 and "metrics/mAP50-95" in rows[0].split(",")  # one epoch, validated
     best = run / "weights" / "best.pt"
@@ -49,4 +49,4 @@ def test_yolo11n_trains_one_epoch_and_validates(tmp_path: Path) -> None:
     metrics = Model(str(best)).val(
         data=str(root / "data.yaml"), imgsz=64, batch=4, device="cpu", plots=False, project=str(tmp_path)
     )
-    assert metrics is not None and 0.0 <= metrics["map"] <= 1.0 and "map50" in metrics
+    assert metrics is not None and 0.0 <= metrics.box.map <= metrics.box.map50 <= 1.0

@@ -44,7 +44,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = generate_shapes(tmp / "shapes", n_train=16, n_val=4, imgsz=64, seed=0)
     result = Model("yolo26n.yaml").train(data=str(root / "data.yaml"), epochs=2, project=str(tmp), name="run", **SMALL)
     assert result is not None
-    return root / "data.yaml", Path(result["save_dir"])
+    return root / "data.yaml", Path(result.save_dir)
 
 
 def test_results_name_the_end_to_end_loss_items(run: tuple[Path, Path]) -> None:
@@ -90,7 +90,7 @@ def test_val_and_predict_are_nms_free_and_nms_true_uses_the_other_branch(
     e2e = Model(best).val(**kw)
     with_nms = Model(best).val(nms=True, **kw)
     assert e2e is not None and with_nms is not None
-    assert 0.0 <= e2e["map"] <= 1.0 and 0.0 <= with_nms["map"] <= 1.0
+    assert 0.0 <= e2e.box.map <= 1.0 and 0.0 <= with_nms.box.map <= 1.0
     image = sorted((data.parent / "images" / "val").iterdir())[0]
     kw = dict(imgsz=64, conf=0.0, max_det=5, device="cpu", verbose=False, project=str(tmp_path))
     (r,) = Model(best).predict(str(image), **kw)

@@ -723,7 +723,7 @@ def test_the_yolo26_example_trains_on_two_cpu_workers(
         data="coco8.yaml", epochs=3, device="cpu,cpu", imgsz=64, project=str(tmp_path / "runs"), name="example"
     )
     assert result is not None
-    run = Path(result["save_dir"])
+    run = Path(result.save_dir)
     rows = (run / "results.csv").read_text().splitlines()
     assert len(rows) == 4 and "train/l1_loss" in rows[0].split(",")
     start = json.loads((run / "events.jsonl").read_text().splitlines()[0])

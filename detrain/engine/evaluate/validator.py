@@ -26,6 +26,7 @@ from detrain.config.cfg import Cfg
 from detrain.data.labels.ground_truth import ImageGT, SplitGT, image_ids, ltwh2xyxy, split_ground_truth
 from detrain.distributed import dist
 from detrain.distributed.world import World
+from detrain.engine.evaluate.val_speed import STAGES, ValSpeed
 from detrain.errors import DatasetError
 from detrain.log import atomic_write_text, console
 from detrain.metrics import ConfusionMatrix, ImageStats, coco_summary, match_image_coco
@@ -52,26 +53,34 @@ def predict_batch(
     classes: list[int] | None = None,
     agnostic: bool = False,
     amp_dtype: torch.dtype | None = None,
+    speed: ValSpeed | None = None,
 ) -> list[torch.Tensor]:
     """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, by the model's own postprocess
     (NMS, or an end-to-end head's top-k) on the device.
 
     ``multi_label`` keeps every (box, class) pair above ``conf``, as validation does (YOLOv8's val too);
     ``classes`` keeps only those classes (before NMS), ``agnostic`` runs NMS across classes; ``amp_dtype`` runs
-    the forward (only) under autocast in that dtype, the postprocess in float32."""
-    imgs = imgs_uint8.to(device, non_blocking=True).float().div_(255)
-    if device.type in ("cpu", "cuda"):
-        imgs = imgs.contiguous(memory_format=torch.channels_last)
-    with torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext():
-        preds = model(imgs)
-    if isinstance(preds, (tuple, list)):
-        preds = preds[0]
-    if amp_dtype is not None:
-        preds = preds.float()
+    the forward (only) under autocast in that dtype, the postprocess in float32; ``speed`` times each stage."""
+
+    def stage(name: str, images: int = 0) -> contextlib.AbstractContextManager[None]:
+        return speed.stage(name, images) if speed is not None else contextlib.nullcontext()
+
+    with stage("preprocess", images=len(imgs_uint8)):
+        imgs = imgs_uint8.to(device, non_blocking=True).float().div_(255)
+        if device.type in ("cpu", "cuda"):
+            imgs = imgs.contiguous(memory_format=torch.channels_last)
+    with stage("inference"):
+        with torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext():
+            preds = model(imgs)
+        if isinstance(preds, (tuple, list)):
+            preds = preds[0]
+        if amp_dtype is not None:
+            preds = preds.float()
     options = InferenceOptions(
         conf=conf, iou=iou, max_det=max_det, classes=classes, agnostic=agnostic, multi_label=multi_label
     )
-    return detections(model, preds, options)
+    with stage("postprocess"):
+        return detections(model, preds, options)
 
 
 def coco_detections(det: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -150,10 +159,7 @@ def validate(
     model.eval()
     conf = VAL_CONF if cfg.predict.conf is None else cfg.predict.conf
     gt = split_ground_truth(data)
-    # single_cls: every detection is the one class 'item' (NMS across classes, as the merged class is one)
-    single = cfg.inputs.single_cls
-    classes = None if single or not cfg.inputs.classes else list(cfg.inputs.classes)
-    agnostic = single or cfg.predict.agnostic_nms
+    single, classes, agnostic = _class_options(cfg)
     set_inference(model, cfg.predict.max_det, agnostic, cfg.predict.nms)
     scorer = Scorer(
         data.nc,
@@ -162,6 +168,7 @@ def validate(
     )
     drawn: list[dict[str, Any]] = []
     draw = plots and save_dir is not None and world.is_main
+    speed = ValSpeed(device)
     try:
         for bi, batch in enumerate(loader):
             dets = predict_batch(
@@ -175,6 +182,7 @@ def validate(
                 classes=classes,
                 agnostic=agnostic,
                 amp_dtype=amp_dtype,
+                speed=speed,
             )
             if single:
                 for det in dets:
@@ -186,8 +194,17 @@ def validate(
         if was_training:
             model.train()
     gathered = dist.all_gather_object(scorer.part())  # collective: every rank's scores, on every rank
-    metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn) if world.is_main else None
+    ms = speed.per_image_ms()  # rank 0's speed is the one reported
+    metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn, speed=ms) if world.is_main else None
     return dist.broadcast_object(metrics)  # collective: rank 0's metrics on every rank
+
+
+def _class_options(cfg: Cfg) -> tuple[bool, list[int] | None, bool]:
+    """(single_cls, the classes kept or None for all, class-agnostic NMS). With single_cls every detection is the
+    one class 'item', and NMS runs across classes, as the merged class is one."""
+    single = cfg.inputs.single_cls
+    classes = None if single or not cfg.inputs.classes else list(cfg.inputs.classes)
+    return single, classes, single or cfg.predict.agnostic_nms
 
 
 def _score_batch(scorer: Scorer, gt: Any, batch: dict[str, Any], dets: list[torch.Tensor]) -> None:
@@ -209,8 +226,13 @@ def finish(
     verbose: bool,
     drawn: list[dict[str, Any]] | None = None,
     predictions_file: str | None = None,
+    speed: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Rank 0: the metrics of all ranks' :meth:`Scorer.part`, written to ``save_dir`` and printed."""
+    """Rank 0: the metrics of all ranks' :meth:`Scorer.part`, written to ``save_dir`` and printed.
+
+    Besides the numbers metrics.json holds, the dict carries ``names`` (the split's classes) and ``speed`` (rank
+    0's milliseconds per image per stage, :class:`~detrain.engine.evaluate.val_speed.ValSpeed`; zeros when no model
+    ran), which :class:`detrain.metrics.det_metrics.DetectionMetrics` reads."""
     all_stats = [s for part in gathered for s in part[0]]
     summary = coco_summary(all_stats, data.nc)  # orders images by id itself, as the reference does
     n_images = len({s.image_id for s in all_stats})
@@ -221,6 +243,8 @@ def finish(
         "n_images": n_images,
         "images_per_rank": [len(part[0]) for part in gathered],
         "ground_truth": gt.source,
+        "names": dict(data.names),
+        "speed": dict(speed) if speed is not None else dict.fromkeys(STAGES, 0.0),
     }
     if predictions_file:
         metrics["predictions"] = str(predictions_file)

@@ -56,8 +56,9 @@ class TrainEvent:
       means over the epoch and over every worker) and ``lr/pg0..2`` (one per parameter group: ``lr/pg0..7`` with
       MuSGD).
       ``on_model_save`` and ``on_fit_epoch_end``: the epoch's results.csv row (the above, ``metrics/mAP50``,
-      ``metrics/mAP50-95``... when validated, and the speed columns). ``on_train_end``: the dict
-      ``Model.train()`` returns, without ``save_dir`` (``map50``, ``map``, ``fitness``...);
+      ``metrics/mAP50-95``... when validated, and the speed columns). ``on_train_end``: the final
+      metrics by name (``map50``, ``map``, ``fitness``...: the numbers in ``details`` of the
+      :class:`~detrain.metrics.det_metrics.DetectionMetrics` ``Model.train()`` returns);
     * ``save_dir``: the run's folder; ``last``, ``best``: ``weights/last.pt`` and ``weights/best.pt`` when they
       exist at the time of the event, else None;
     * ``improved``: this epoch's fitness is the best so far, so best.pt was rewritten (``on_model_save``,

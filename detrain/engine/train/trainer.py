@@ -582,6 +582,8 @@ class Trainer:
                 )
             console.print(f"done: {self.save_dir}")
             self.callbacks.fire("on_train_end", self, None, result)
+        # after the callbacks, which get numbers only: what Model.train()'s metrics object reads besides them
+        result.update({k: metrics[k] for k in ("per_class", "names", "speed") if k in metrics})
         result["save_dir"] = str(self.save_dir)
         return dist.broadcast_object(result)  # collective: rank 0's result on every rank
 
