@@ -21,3 +21,11 @@ class CheckpointError(DetrainError):
 
 class DistributedError(DetrainError):
     """A launch or rendezvous problem: bad devices, a busy port, an unreachable master, a dead worker."""
+
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure; the same command may be run again
+
+
+class Preempted(Exception):
+    """Training stopped on a preemption signal after saving where it stands (``grace``): one line, exit code
+    :data:`EXIT_PREEMPTED`. Not a :class:`DetrainError`: nothing was wrong with what the user asked."""
