@@ -18,7 +18,7 @@ import typer
 from detrain import __version__
 from detrain.config.cfg import COMMAND_KEYS, comments, defaults, make_cfg, parse_cli_args
 from detrain.config.keys import SECTION_OF, TITLES
-from detrain.errors import DetrainError
+from detrain.errors import EXIT_PREEMPTED, DetrainError, Preempted
 
 _EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": ["-h", "--help"]}
 
@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     except DetrainError as e:
         typer.echo(f"error: {_one_line(str(e))}", err=True)
         sys.exit(2)
+    except Preempted as e:  # saved where it stood on SIGTERM / SIGUSR1: the same command may run again
+        typer.echo(_one_line(str(e)), err=True)
+        sys.exit(EXIT_PREEMPTED)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)

@@ -40,3 +40,11 @@ def deprecated(topic: str, message: str, stacklevel: int = 3) -> None:
         return
     _ANNOUNCED.add(topic)
     warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)
+
+
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: a temporary failure; the same command may be run again
+
+
+class Preempted(Exception):
+    """Training stopped on a preemption signal after saving where it stands (``grace``): one line, exit code
+    :data:`EXIT_PREEMPTED`. Not a :class:`DetrainError`: nothing was wrong with what the user asked."""

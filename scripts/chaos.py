@@ -461,7 +461,13 @@ def case_node_leaves(work: Path, size: Size = FULL) -> Result:
         result.check(
             "1 worker(s) on cpu" in n0.out().split("2 worker(s) on cpu", 1)[-1], "node 0 did not go on with 1 worker"
         )
-        resumed = re.search(r"(restart \d+|group restarted): resuming from \S+ at epoch \d+", n0.out())
+        after = n0.out().split("2 worker(s) on cpu", 1)[-1]  # what node 0 said once node 1 was gone
+        resumed = re.search(r"(restart \d+|group restarted): resuming from \S+ at epoch (\d+)", after)
+        result.check(
+            resumed is not None and 2 <= int(resumed.group(2)) <= size.epochs,
+            "node 0 did not resume from its checkpoint after node 1 left (a restart from scratch says no "
+            f"'resuming from ... at epoch 2' or later): {resumed.group(0) if resumed else 'no resume line'}",
+        )
         return _close(
             result,
             f"node 1 SIGKILLed (launcher + worker); node 0: "
@@ -484,6 +490,7 @@ def case_node_joins(work: Path, size: Size = FULL) -> Result:
             result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}")
             return _close(_finish(result, c, n0, t0, None), "")
         held = n0.workers()
+        result.check(len(held) == 1, f"node 0 workers {held}: none to hold while node 1 starts")
         send(held, signal.SIGSTOP)  # hold node 0's training while node 1 starts (released below)
         n1 = c.start(1, {**args, "node_rank": 1})
         # node 0's agent sees node 1 waiting and stops its worker (SIGTERM, pending while it is stopped)
@@ -495,7 +502,10 @@ def case_node_joins(work: Path, size: Size = FULL) -> Result:
         result.check(c.wait_all(size.limit_s), "the nodes did not end")
         _finish(result, c, n0, t0, size.epochs)
         resumed = re.search(r"group restarted: resuming from \S+last\.pt at epoch (\d+)", n0.out())
-        result.check(resumed is not None, "node 0 did not say 'group restarted: resuming from ...last.pt'")
+        result.check(
+            resumed is not None and int(resumed.group(1)) >= 2,
+            "node 0 did not say 'group restarted: resuming from ...last.pt at epoch 2' or later",
+        )
         result.check(n0.out().count("2 worker(s) on cpu") >= 1, "node 0 never trained with 2 workers")
         return _close(
             result, f"node 1 joined after epoch 1; {resumed.group(0) if resumed else ''}; 2 workers; both exit 0"

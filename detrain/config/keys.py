@@ -388,6 +388,13 @@ class Output:
         low=0.0,
         high=WEEK_S / 60,
     )
+    grace: float = key(
+        25.0,
+        "seconds a preempted run has: on SIGTERM or SIGUSR1 every rank saves weights/mid.pt at the same step and "
+        "the run exits 75 (resumable: resume=true continues it; requeued under SLURM); 0 = the signal just stops it",
+        low=0.0,
+        high=3600.0,
+    )
     plots: bool = key(True, "save plots (results.png, curves, confusion matrix, batches)", commands=("train", "val"))
     tensorboard: bool = key(
         False, 'log each epoch\'s results.csv row to tensorboard (pip install "detrain[tensorboard]")'

@@ -17,6 +17,7 @@ travels through the environment; only the mark that detrain's launcher started a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -44,8 +45,9 @@ from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezv
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
 from detrain.distributed.master_store import host_store
 from detrain.distributed.nccl_watch import relayed_stderr
+from detrain.distributed.preempt_mark import MARK_ENV, MARK_SPARE_S, read_mark
 from detrain.distributed.world import LAUNCHER_ENV, World
-from detrain.errors import DistributedError
+from detrain.errors import DistributedError, Preempted
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -54,7 +56,7 @@ __all__ = ["DeviceKind", "DevicePlan", "launch", "parse_device", "parse_nnodes"]
 
 T = TypeVar("T")
 
-_HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+_HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1")
 _CONSEQUENCE_GRACE_S = 3.0
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
@@ -77,6 +79,7 @@ def launch(
     start_timeout: float = 600.0,
     connect_timeout: float = 60.0,
     world: World | None = None,
+    grace_s: float = 0.0,
 ) -> T | None:
     """Run ``entry(args, world)`` on every worker of ``plan`` (times ``nnodes``) and return rank 0's result;
     ``world`` is that worker's :class:`World`, its device the plan's for its local rank.
@@ -119,7 +122,18 @@ def launch(
     rdzv = _meet_nodes(
         (lo, hi), node_rank, master_addr, master_port, rdzv_backend, run_id, run_args, start_timeout, connect_timeout
     )
-    return _launch_workers(entry, args, plan, rdzv, transport, run_id, max_restarts, monitor_interval, start_timeout)
+    timing = _Timing(monitor_interval, start_timeout, grace_s)
+    return _launch_workers(entry, args, plan, rdzv, transport, run_id, max_restarts, timing)
+
+
+@dataclass(frozen=True)
+class _Timing:
+    """How often the agent looks at its workers, how long nodes may take to meet, and the preemption grace (0:
+    a SIGTERM just stops the workers; > 0: they save and end resumable, :mod:`preempt_mark`)."""
+
+    monitor_interval: float
+    start_timeout: float
+    grace_s: float
 
 
 @dataclass(frozen=True)
@@ -206,11 +220,14 @@ def _launch_workers(
     transport: dict[str, str],
     run_id: str,
     max_restarts: int,
-    monitor_interval: float,
-    start_timeout: float,
+    timing: _Timing,
 ) -> T | None:
     """torch's elastic agent starts ``plan``'s workers on this node; rank 0's result, or a DistributedError of one
-    line. The caller's signal handlers come back afterwards, and the agent's logs show only when they add to it."""
+    line. The caller's signal handlers come back afterwards, and the agent's logs show only when they add to it.
+
+    Preemption (``timing.grace_s`` > 0): the agent also catches SIGUSR1 and passes SIGTERM / SIGUSR1 on to its
+    workers, waiting ``grace_s`` + a spare before it kills them; a worker that saved on such a signal leaves a
+    line in this launch's folder (:mod:`preempt_mark`), raised here as :class:`Preempted`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
@@ -218,26 +235,30 @@ def _launch_workers(
     # Elastic keeps per-attempt error files in a log folder; ours goes away with the launch (torch's
     # default would leave a torchelastic_* folder in /tmp per run). The failures are parsed before that.
     log_dir = tempfile.TemporaryDirectory(prefix="detrain_elastic_")
-    config = _launch_config(plan, rdzv, run_id, max_restarts, monitor_interval, start_timeout, log_dir.name)
+    config = _launch_config(plan, rdzv, run_id, max_restarts, timing, log_dir.name)
+    mark = os.path.join(log_dir.name, "preempted")
     threads = cpu_threads_per_worker(plan.nprocs)
     (lo, hi), node_rank, endpoint = rdzv.nodes, rdzv.node_rank, rdzv.endpoint
     with (
         log_dir,
         _restore_signal_handlers(),
-        _environ(_workers_environ(transport, rdzv.backend)),
+        _environ(_workers_environ(transport, rdzv.backend, mark if timing.grace_s > 0 else None)),
         _held_elastic_logs() as held,
         ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi),
         relayed_stderr(_nccl_workers(plan)) as watch,  # NCCL's watchdog ends a rank with a line there, and SIGABRT
     ):  # several nodes end as one
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
+            _raise_if_preempted(mark)
         except ChildFailedError as e:
+            _raise_if_preempted(mark)  # a worker slower than the grace period was killed after the save
             if explained(e):
                 held.drop()  # the one line below is the whole story
             watch.settle()
             stopped = heartbeat.stopped_early(rdzv.store, max_restarts) if watch.findings else {}
             raise DistributedError(describe_failure(e, max_restarts, watch.findings, stopped)) from None
         except SignalException as e:
+            _raise_if_preempted(mark)  # this launcher was signalled: its workers saved and returned
             raise signal_stop(e) from None
         except (RendezvousError, RuntimeError, ValueError, TimeoutError) as e:  # rendezvous / store failures
             cause = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
@@ -247,6 +268,12 @@ def _launch_workers(
             raise DistributedError(f"could not form the group at {endpoint} (node_rank={node_rank}): {cause}") from None
     result: T | None = results.get(0)
     return result
+
+
+def _raise_if_preempted(mark: str) -> None:
+    note = read_mark(mark)
+    if note is not None:
+        raise Preempted(note) from None
 
 
 def _nccl_workers(plan: DevicePlan) -> bool:
@@ -259,14 +286,17 @@ def _launch_config(
     rdzv: _Rendezvous,
     run_id: str,
     max_restarts: int,
-    monitor_interval: float,
-    start_timeout: float,
+    timing: _Timing,
     log_dir: str,
 ) -> LaunchConfig:
     """torch's description of this node's part: ``plan.nprocs`` spawned workers, the rendezvous, the restarts."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    # torch >= 2.6 lets the agent wait longer than 30 s for its workers to end (the preemption's save)
+    wait = {"shutdown_timeout": int(timing.grace_s + MARK_SPARE_S)} if timing.grace_s > 0 else {}
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        wait = {}
     return LaunchConfig(
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         min_nodes=rdzv.nodes[0],
@@ -278,19 +308,24 @@ def _launch_config(
         rdzv_backend=rdzv.backend,
         rdzv_endpoint=rdzv.endpoint,
         rdzv_configs=rdzv.configs,
-        rdzv_timeout=int(start_timeout),
+        rdzv_timeout=int(timing.start_timeout),
         max_restarts=max_restarts,
-        monitor_interval=monitor_interval,
+        monitor_interval=timing.monitor_interval,
         start_method="spawn",  # fork would copy CUDA state and the caller's threads
+        **wait,
     )
 
 
-def _workers_environ(transport: dict[str, str], backend: str) -> dict[str, str]:
-    """What the spawned workers inherit: the transport's interface, and that detrain's launcher started them."""
+def _workers_environ(transport: dict[str, str], backend: str, mark: str | None = None) -> dict[str, str]:
+    """What the spawned workers inherit: the transport's interface, that detrain's launcher started them, and
+    (preemption on) where they leave their line; the agent here also catches SIGUSR1, to pass it on."""
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
     env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
+    if mark is not None:
+        env[MARK_ENV] = mark
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(_HANDLED_SIGNALS)  # read by the agent as it starts them
     return env
 
 

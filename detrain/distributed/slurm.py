@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Mapping
 
 from detrain.errors import DistributedError
@@ -87,3 +88,21 @@ def first_slurm_host(nodelist: str) -> str:
         return prefix
     first = ranges.split(",")[0].split("-")[0]
     return prefix + first
+
+
+def requeue(job_id: str, timeout_s: float = 30.0) -> str:
+    """Put SLURM job ``job_id`` back in the queue (``scontrol requeue``), after a preemption saved the run: the
+    requeued job keeps its id and resumes its own checkpoints. Returns what happened, for the run's last line; a
+    failure (no scontrol, a job that is not requeueable) is said, not raised."""
+    if not re.fullmatch(r"[0-9]+(_[0-9]+)?", job_id):
+        return f"SLURM job id {job_id[:40]!r} is not a job id: not requeued"
+    try:
+        done = subprocess.run(
+            ["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"could not requeue SLURM job {job_id} ({type(e).__name__}: {str(e)[:120]})"
+    if done.returncode != 0:
+        why = (done.stderr or done.stdout).strip().splitlines()
+        return f"could not requeue SLURM job {job_id} (scontrol: {why[0][:160] if why else done.returncode})"
+    return f"requeued SLURM job {job_id}"

@@ -12,12 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from detrain.config.cfg import Cfg
-from detrain.distributed import launch, netif, run_identity
+from detrain.distributed import launch, netif, run_identity, slurm
 from detrain.distributed.world import World
 from detrain.engine.build import increment_run_dir
 from detrain.engine.run_plan import RunPlan
 from detrain.engine.train.batch_plan import check_split
 from detrain.engine.train.callbacks import CallbackFn, check_sendable
+from detrain.errors import Preempted
 from detrain.run.preflight import check_inputs
 
 
@@ -66,18 +67,31 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     args["plan"] = RunPlan(nodes, save_dir, launch_id)
     # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
     run_args = None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict())
-    return launch.launch(
-        entry,
-        args,
-        devices,
-        world=world,
-        nnodes=nodes,
-        node_rank=cfg.distributed.node_rank,
-        master_addr=cfg.distributed.master_addr,
-        master_port=cfg.distributed.master_port,
-        max_restarts=cfg.distributed.max_restarts,
-        rdzv_backend=cfg.distributed.rdzv_backend,
-        run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
-        run_args=run_args,
-        socket_ifname=cfg.distributed.socket_ifname,
-    )
+    try:
+        return launch.launch(
+            entry,
+            args,
+            devices,
+            world=world,
+            nnodes=nodes,
+            node_rank=cfg.distributed.node_rank,
+            master_addr=cfg.distributed.master_addr,
+            master_port=cfg.distributed.master_port,
+            max_restarts=cfg.distributed.max_restarts,
+            rdzv_backend=cfg.distributed.rdzv_backend,
+            run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
+            run_args=run_args,
+            socket_ifname=cfg.distributed.socket_ifname,
+            grace_s=cfg.output.grace if task == "train" and cfg.output.save else 0.0,
+        )
+    except Preempted as e:
+        if task == "train" and world.slurm_job_id and _leads(world, cfg):
+            raise Preempted(f"{e}; {slurm.requeue(world.slurm_job_id)}") from None
+        raise
+
+
+def _leads(world: World, cfg: Cfg) -> bool:
+    """Whether this process speaks for the whole job: rank 0 of a world srun launched, or node 0's launcher."""
+    if world.launched:
+        return world.rank == 0
+    return (world.node_rank if world.node_rank is not None else cfg.distributed.node_rank) == 0

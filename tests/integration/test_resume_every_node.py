@@ -11,6 +11,7 @@ generous subprocess timeouts, never with timed asserts.
 from __future__ import annotations
 
 import csv
+import os
 import re
 import signal
 import subprocess
@@ -93,13 +94,13 @@ def test_a_sampler_started_at_a_batch_yields_the_rest_of_the_uninterrupted_epoch
     ranks = [GlobalBatchSampler(40, 4, r, 2, seed=3) for r in (0, 1)]
     for s in ranks:
         s.set_epoch(2)
-    whole = [[[p.index for p in b] for b in s] for s in ranks]
+    whole = [[[(p.index, p.pool) for p in b] for b in s] for s in ranks]
     for s in ranks:
         s.start_at(3)
         assert len(s) == 5  # the epoch's length, as the trainer counts its batches
-    assert [[[p.index for p in b] for b in s] for s in ranks] == [w[3:] for w in whole]
-    assert [[[p.pool for p in b] for b in s] for s in ranks] != []  # the pass above ran to its end...
-    assert [len(list(s)) for s in ranks] == [5, 5]  # ...so the next pass of the epoch is whole again
+    rest = [[[(p.index, p.pool) for p in b] for b in s] for s in ranks]
+    assert rest == [w[3:] for w in whole] and all(len(r) == 2 for r in rest)  # the same images and mosaic pools
+    assert [len(list(s)) for s in ranks] == [5, 5]  # that pass ran to its end, so the next one is whole again
     ranks[0].start_at(2)
     ranks[0].set_epoch(3)  # another epoch: the start does not carry over
     assert len(list(ranks[0])) == 5
@@ -269,8 +270,16 @@ def test_the_launch_identity_under_an_agent_is_kept_by_its_restarts(monkeypatch)
     for key in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     here = Launch.here(World.from_env())
-    assert here.id is not None and here.id == Launch.here(World.from_env()).id and here.search_series  # torchrun
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # the agent restarted its workers three times
+    restarted = Launch.here(World.from_env())
+    assert here.id is not None and here.search_series and (here.restarts, restarted.restarts) == (0, 3)
+    assert restarted.id == here.id  # torchrun: the same agent, so the same launch
+    assert restarted.reason() == "restart 3"
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # another agent (another parent process) is another launch
+    assert Launch.here(World.from_env()).id not in (None, here.id)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert Launch.here(World.from_env(), "given") == Launch("given", None, 0, 0, False)  # detrain's launcher's id
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "2")

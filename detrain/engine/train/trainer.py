@@ -12,6 +12,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -23,6 +24,7 @@ from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
 from detrain.distributed import dist, parallel
 from detrain.distributed.parallel import unwrap
+from detrain.distributed.preempt_mark import leave_mark
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
 from detrain.engine.build import agree_run_dir, build_model, set_cpu_threads
@@ -36,7 +38,9 @@ from detrain.engine.train.callbacks import CallbackFn, Callbacks
 from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.mid_epoch import MidEpoch
 from detrain.engine.train.precision import choose_precision
+from detrain.engine.train.preemption import Preemption
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
+from detrain.errors import Preempted
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.nn.head import LossGains
 from detrain.plots.train import plot_results, plot_train_batch
@@ -86,12 +90,14 @@ class Trainer:
         self.save_dir = agree_run_dir(cfg.output, "train", save_dir, self.main)
         self.wdir = self.save_dir / "weights"
         self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device, world)  # mid.pt
+        # SIGTERM / SIGUSR1: every rank saves mid.pt at the same step and the run ends resumable (preemption.py)
+        self.preempt = Preemption(cfg.output.grace if cfg.output.save else 0.0)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
         """Run every epoch; returns the final metrics (the same dict on every rank). However it ends, rank 0 says
         how in the run folder's events.jsonl (detrain.engine.telemetry.run_trace)."""
-        with run_trace.ended(self):
+        with run_trace.ended(self), self.preempt.installed():
             self._prepare()  # data, model, optimizer; the run folder's files; the starting weights' score
             epoch = self.start_epoch
             while epoch < self.cfg.train.epochs:  # time= re-plans cfg.train.epochs after every epoch
@@ -102,6 +108,8 @@ class Trainer:
                 self._fit_to_time(epoch)  # time=: as many epochs as fit, the lr schedule refitted to them
                 self._save_and_log(epoch, trained, improved)  # results.csv, last.pt / best.pt, the epoch's line
                 dist.barrier("end of epoch")  # collective: every rank has finished the epoch
+                if self.preempt.agreed and not stop and epoch + 1 < self.cfg.train.epochs:
+                    raise self._preempted(self.wdir / "last.pt", f"epoch {epoch + 2}")  # signalled at the last batch
                 if stop:
                     self._say(f"early stop: no improvement in the last {self.cfg.train.patience} epochs")
                     break
@@ -349,8 +357,13 @@ class Trainer:
                 progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
             release_batch(batch)  # nothing reads this batch any more: its worker may fill the memory again
             # collective (save_interval > 0): an all-reduce of rank 0's clock, then mid.pt when it is due
-            if self.mid.due(i, self.nb):
+            saved = self.mid.due(i, self.nb)
+            if saved:
                 self._save_mid_epoch(epoch, i, mean_items, n_images)
+            if self.preempt.agreed and i + 1 < self.nb:  # the same step on every rank (the items' all-reduce)
+                if not saved:
+                    self._save_mid_epoch(epoch, i, mean_items, n_images)
+                raise self._preempted(self.mid.path, f"epoch {epoch + 1}, {i + 1}/{self.nb} batches done")
         if progress is not None:
             progress.close()
         return self._end_epoch_training(epoch, mean_items, n_images, t0, step_times)
@@ -393,7 +406,8 @@ class Trainer:
         if will_step:
             self._optimizer_step()
             self.last_update = ni
-        return dist.reduce_mean(items.detach()), imgsz  # collective: the batch's loss items over the ranks, to log
+        # collective: the batch's loss items over the ranks, to log, and whether any rank was told to stop
+        return self.preempt.read(dist.reduce_mean(self.preempt.attach(items.detach()))), imgsz
 
     def _step(self, batch: dict[str, Any], will_step: bool) -> tuple[torch.Tensor, int]:
         """Forward, loss and backward of one batch; in a group the gradients are all-reduced in the backward pass
@@ -468,6 +482,15 @@ class Trainer:
         self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)  # collective: per rank
         state = self.checkpoint_state(epoch - 1, {}, pending) if self.main else None
         self.mid.save(state, i, self.plan.step_images, mean_items, n_images)
+
+    def _preempted(self, path: Path, where: str) -> Preempted:
+        """The one line of a run stopped by a preemption signal once ``path`` holds ``where`` it stands (a
+        collective: after it, every rank knows rank 0 has written ``path``)."""
+        dist.barrier("preempted")
+        return Preempted(
+            f"preempted by {self.preempt.signal}: saved {path} at {where}; the same command with resume={path} "
+            "continues it (a restart or SLURM requeue of this launch resumes by itself)"
+        )
 
     def _speed(self, epoch: int, n_images: int, epoch_time: float, step_times: list[float]) -> dict[str, float]:
         """Images/s of the whole world, step times, the slowest rank and its data wait, each node's resources
@@ -685,5 +708,9 @@ def train_worker(args: dict[str, Any], world: World) -> dict[str, Any]:
     try:
         # after any restart, every node finds this launch's checkpoints in its run folder (resume_state.py)
         return Trainer(cfg, world, args["plan"], args.get("callbacks")).train()
+    except Preempted as e:
+        if leave_mark(str(e)):  # spawned by detrain's launcher: it ends the run with this line (preempt_mark.py)
+            return {"preempted": str(e)}
+        raise
     finally:
         dist.cleanup()

@@ -1,0 +1,36 @@
+"""A worker's note to the launcher that spawned it: "preempted, resumable", and where the run stands.
+
+A worker that stopped on a preemption signal (:mod:`detrain.engine.train.preemption`) returns normally, so that
+torch's elastic agent neither restarts it nor reports a failure; the line it leaves in its node's launch folder
+(the path in :data:`MARK_ENV`, a folder only this node's launcher and workers use: nodes share no disk) tells the
+launcher to end with :class:`detrain.errors.Preempted` instead of reporting a finished run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SIGNALS = ("SIGTERM", "SIGUSR1")  # the warning signals of SLURM, Kubernetes and spot reclaims
+MARK_ENV = "DETRAIN_PREEMPT_MARK"
+MARK_SPARE_S = 10  # the elastic agent waits grace + this for its workers before SIGKILL
+
+
+def leave_mark(line: str) -> bool:
+    """A spawned worker's note to its launcher (:data:`MARK_ENV`): written whole or not at all; False when this
+    process has no launcher of detrain's to tell."""
+    path = os.environ.get(MARK_ENV)
+    if not path:
+        return False
+    tmp = Path(f"{path}.{os.getpid()}.tmp")
+    tmp.write_text(line)
+    tmp.replace(path)
+    return True
+
+
+def read_mark(path: str | Path) -> str | None:
+    """The note a worker left for this launcher, if any."""
+    try:
+        return Path(path).read_text()[:2000] or None
+    except OSError:
+        return None

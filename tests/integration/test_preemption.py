@@ -1,0 +1,176 @@
+"""Preemption as clusters do it: SIGTERM or SIGUSR1 to one process of a running ``detrain train`` (a plain process,
+one of two gloo workers, or the launcher above them), sent from outside by the test. Every rank saves ``mid.pt`` at
+the same step, the run exits 75 with one line, and a resumed run ends with the uninterrupted run's weights, bit for
+bit; under SLURM the job is requeued and its next start resumes by itself.
+
+Where the signal lands is made exact with ``tests/_inject``'s hold: rank 0 waits right after writing epoch 1's
+``last.pt`` while the test sends the signal, so the agreed stop is the first step of epoch 2 (``1/4 batches done``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _faults import fault_env, wait_for, workers_of
+from _processes import REPO, child_env
+
+from detrain.data.synthetic import generate_shapes
+
+pytestmark = pytest.mark.integration
+
+ARGS = dict(
+    model="n.yaml",
+    imgsz=64,
+    batch=4,
+    workers=0,
+    close_mosaic=0,
+    warmup_epochs=0,
+    optimizer="SGD",
+    val=False,
+    plots=False,
+    verbose=False,
+    seed=0,
+    epochs=2,
+    name="run",
+)
+LIMIT_S = 240.0
+# one process: an update every 2 batches, so mid.pt holds a batch's waiting gradients; two workers: an update
+# every batch (waiting gradients are averaged over the ranks when mid.pt is saved, which rounds differently from
+# the uninterrupted run's one all-reduce at the update: equal to about 1e-7, not bit for bit)
+NBS = {"cpu": 8, "cpu,cpu": 4}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = generate_shapes(tmp_path_factory.mktemp("preempt") / "shapes", n_train=16, n_val=2, imgsz=64, seed=0)
+    return root / "data.yaml"
+
+
+def _cmd(args: dict) -> list[str]:
+    return [sys.executable, "-m", "detrain.cli", "train", *(f"{k}={v}" for k, v in args.items())]
+
+
+def _run(args: dict, env: dict[str, str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(_cmd(args), env=env, capture_output=True, text=True, timeout=LIMIT_S, cwd=REPO)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"detrain train did not end within {LIMIT_S:g} s:\n{e.stdout}\n{e.stderr}")
+
+
+def _weights(run: Path) -> dict[str, dict[str, torch.Tensor]]:
+    ckpt = torch.load(run / "weights" / "last.pt", map_location="cpu", weights_only=True)
+    assert ckpt["epoch"] == ARGS["epochs"] - 1
+    return {key: ckpt[key]["state_dict"] for key in ("model", "ema")}
+
+
+def _assert_same(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[str, torch.Tensor]]) -> None:
+    for key in a:
+        assert a[key].keys() == b[key].keys()
+        for name, tensor in a[key].items():
+            assert torch.equal(tensor, b[key][name]), (key, name)
+
+
+@pytest.fixture(scope="module")
+def straight(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, torch.Tensor]]]:
+    """The uninterrupted runs, on one process and on two gloo workers: what every resumed run must end with."""
+    out = {}
+    for device in ("cpu", "cpu,cpu"):
+        project = tmp_path_factory.mktemp("straight")
+        done = _run(
+            {**ARGS, "data": str(data), "project": str(project), "device": device, "nbs": NBS[device]}, child_env()
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[device] = _weights(project / "run")
+    return out
+
+
+def _preempt(
+    data: Path, project: Path, device: str, target: str, sig: signal.Signals, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """Start a run whose rank 0 holds after epoch 1's last.pt, send ``sig`` to ``target`` ("launcher": the
+    process the test started; "rank 1": the second worker), release rank 0, and collect the run's end."""
+    until = project / "release"
+    env = {**fault_env("last.pt", 0, "hold", until=until), **(env or {})}
+    args = {**ARGS, "data": str(data), "project": str(project), "device": device, "nbs": NBS[device]}
+    proc = subprocess.Popen(_cmd(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        wait_for(lambda: Path(f"{until}.held").exists() or proc.poll() is not None, LIMIT_S, "rank 0 never held")
+        assert proc.poll() is None, proc.communicate()
+        victim = proc.pid if target == "launcher" else workers_of(proc.pid)[1]
+        os.kill(victim, sig)
+        time.sleep(0.5)  # the handler runs as soon as the process is next in Python; a signal is never lost
+        until.touch()
+        out, err = proc.communicate(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), project / "run"
+
+
+def _check_preempted(ended: subprocess.CompletedProcess, run: Path, said: str) -> Path:
+    text = ended.stdout + ended.stderr
+    assert ended.returncode == 75, text[-3000:]
+    last = [line for line in ended.stderr.splitlines() if line.strip()][-1]
+    mid = run / "weights" / "mid.pt"
+    assert last.startswith(f"preempted {said}: saved {mid} at epoch 2, 1/4 batches done; "), last
+    ckpt = torch.load(mid, map_location="cpu", weights_only=True)
+    assert (ckpt["epoch"], ckpt["mid_epoch"]["next_batch"]) == (0, 1)  # the first step of epoch 2, on every rank
+    assert "Traceback" not in text
+    return mid
+
+
+def _resume(mid: Path, device: str) -> dict[str, dict[str, torch.Tensor]]:
+    resumed = _run({"resume": str(mid), "device": device}, child_env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {mid} at epoch 2, 1/4 batches done" in resumed.stdout + resumed.stderr
+    return _weights(mid.parent.parent)
+
+
+def test_sigterm_to_a_single_process_saves_where_it_stands(data, tmp_path: Path) -> None:
+    ended, run = _preempt(data, tmp_path, "cpu", "launcher", signal.SIGTERM)
+    _check_preempted(ended, run, "by SIGTERM")  # its resume: the SLURM test below, bit for bit
+
+
+def test_sigusr1_to_one_of_two_workers_stops_both_at_one_step_and_the_resume_is_bitwise(
+    data, straight, tmp_path: Path
+) -> None:
+    """Only rank 1 was told; rank 0 saves at the same step, and the launcher ends 75 without a restart."""
+    ended, run = _preempt(data, tmp_path, "cpu,cpu", "rank 1", signal.SIGUSR1)
+    mid = _check_preempted(ended, run, "by SIGUSR1")  # rank 0 was not signalled: the group's flags say which
+    assert "restart" not in ended.stdout + ended.stderr
+    _assert_same(_resume(mid, "cpu,cpu"), straight["cpu,cpu"])
+
+
+def test_sigterm_to_the_launcher_is_passed_on_to_its_workers_and_ends_resumable(data, tmp_path: Path) -> None:
+    ended, run = _preempt(data, tmp_path, "cpu,cpu", "launcher", signal.SIGTERM)
+    _check_preempted(ended, run, "by SIGTERM")
+
+
+def test_under_slurm_the_job_is_requeued_and_its_next_start_resumes_by_itself(data, straight, tmp_path: Path) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    slurm = {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    ended, run = _preempt(data, tmp_path, "cpu", "launcher", signal.SIGUSR1, slurm)
+    _check_preempted(ended, run, "by SIGUSR1")
+    assert ended.stderr.rstrip().endswith("; requeued SLURM job 4242")
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    # the requeued job: the same id, SLURM_RESTART_COUNT 1, the same command; no resume= needed
+    again = _run(
+        {**ARGS, "data": str(data), "project": str(tmp_path), "device": "cpu", "nbs": NBS["cpu"]},
+        {**child_env(), **slurm, "SLURM_RESTART_COUNT": "1"},
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "requeue 1: resuming from " in again.stdout + again.stderr
+    assert "mid.pt at epoch 2, 1/4 batches done" in again.stdout + again.stderr
+    _assert_same(_weights(run), straight["cpu"])
