@@ -232,14 +232,15 @@ def child_env(tag: str) -> dict[str, str]:
 class Node:
     """One ``detrain train`` launcher in its own folder (``home``) and session, output in ``home/out.txt``."""
 
-    def __init__(self, home: Path, args: dict[str, object], env: dict[str, str]) -> None:
+    def __init__(self, home: Path, args: dict[str, object], env: dict[str, str], log: str = "out.txt") -> None:
         self.home = home
         self.args = args
+        self.log = log
         home.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "detrain.cli", "train", *(f"{k}={v}" for k, v in args.items())]
-        with open(home / "out.txt", "w") as log:  # the child keeps its own descriptor
+        with open(home / log, "w") as out:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                cmd, cwd=home, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, cwd=home, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
             )
         self.pid = self.proc.pid
 
@@ -249,7 +250,7 @@ class Node:
 
     def out(self) -> str:
         try:
-            return (self.home / "out.txt").read_text(errors="replace")
+            return (self.home / self.log).read_text(errors="replace")
         except OSError:
             return ""
 
@@ -340,6 +341,12 @@ class Cluster:
         home = self.work / f"node{index}"
         shutil.copytree(self.data, home / "data")
         node = Node(home, args, child_env(self.tag))
+        self.nodes.append(node)
+        return node
+
+    def restart(self, index: int, args: dict[str, object]) -> Node:
+        """Node ``index`` started again in its own folder (its dataset and run folder as they are)."""
+        node = Node(self.work / f"node{index}", args, child_env(self.tag), log="out-again.txt")
         self.nodes.append(node)
         return node
 
@@ -558,15 +565,16 @@ def case_rank_stopped(work: Path, size: Size = FULL) -> Result:
 
 
 def case_launcher_sigterm(work: Path, size: Size = FULL) -> Result:
-    """(e) SIGTERM of node 0's launcher (nnodes=2) after epoch 1: every process of both nodes gone within 10 s,
-    each node's last line says why, last.pt loads."""
+    """(e) SIGTERM of node 0's launcher (nnodes=2, grace=0: no preemption save) after epoch 1: every process of
+    both nodes gone within 10 s, each node's last line says why, last.pt loads."""
     result = Result(
         "e launcher_sigterm",
-        "every process of both nodes gone within 10 s; each ends with one line ('stopped by SIGTERM'); last.pt loads",
+        "grace=0: every process of both nodes gone within 10 s; each ends with one line ('stopped by SIGTERM'); "
+        "last.pt loads",
     )
     t0 = time.monotonic()
     with Cluster(work, size, "launcher_sigterm") as c:
-        args = c.common(nnodes=2)
+        args = c.common(nnodes=2, grace=0)
         n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
         if not _wait_saved(n0, size.limit_s, [n1]):
             result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
@@ -585,6 +593,53 @@ def case_launcher_sigterm(work: Path, size: Size = FULL) -> Result:
         loads, text, _ = checkpoint_text(n0.run / "weights" / "last.pt")
         result.check(loads, f"last.pt {text}")
         return _close(result, f"all gone after {took:.1f} s; " + " / ".join(_describe(n) for n in c.nodes))
+
+
+def case_preempted(work: Path, size: Size = FULL) -> Result:
+    """(i) SIGTERM of node 0's launcher (nnodes=2, the default grace) after epoch 1: node 0's workers get it, every
+    rank of both nodes saves mid.pt at one step, both launchers exit 75 within the grace; both nodes started again
+    with resume= naming node 0's mid.pt finish, each epoch once."""
+    grace = 25.0
+    result = Result(
+        "i preempted",
+        f"both nodes exit 75 ('preempted by SIGTERM: saved ...mid.pt') within grace ({grace:g} s); the same "
+        f"command with resume=mid.pt resumes at its batch on both nodes; epochs 1-{size.epochs} once",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "preempted") as c:
+        args = c.common(nnodes=2, grace=grace)
+        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
+        if not _wait_saved(n0, size.limit_s, [n1]):
+            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+            return _close(_finish(result, c, n0, t0, None), "")
+        send(n0.pid, signal.SIGTERM)
+        t_term = time.monotonic()
+        ended = wait_until(lambda: all(n.ended() for n in c.nodes), grace + 10, 0.1)
+        took = time.monotonic() - t_term
+        mid = n0.run / "weights" / "mid.pt"
+        result.check(bool(ended) and took <= grace, f"the nodes ended after {took:.1f} s (grace {grace:g} s)")
+        said = [n.last_line() for n in c.nodes]
+        for i, n in enumerate(c.nodes):
+            result.check(n.proc.poll() == 75, f"node {i} {_describe(n)}")
+            result.check(said[i].startswith("preempted by SIGTERM: saved "), f"node {i} last line: {said[i][:200]!r}")
+        loads, text, ckpt = checkpoint_text(mid)
+        result.check(loads and ckpt is not None and "mid_epoch" in ckpt, f"mid.pt {text}")
+        if result.problems:
+            return _close(_finish(result, c, n0, t0, None), "")
+        at = re.search(r"at (epoch \d+, \d+/\d+ batches done)", said[0])
+        c.wait_all(5.0)
+        c.nodes.clear()  # the same command again on both nodes, resuming from node 0's mid.pt
+        args = {**args, "resume": str(mid.relative_to(n0.home)), "master_port": free_port()}
+        again = [c.restart(0, {**args, "node_rank": 0}), c.restart(1, {**args, "node_rank": 1})]
+        result.check(c.wait_all(size.limit_s), "the resumed nodes did not end")
+        _finish(result, c, again[0], t0, size.epochs)
+        resumed = at is not None and f"resuming from {mid.relative_to(n0.home)} at {at.group(1)}" in again[0].out()
+        result.check(resumed, f"node 0 did not resume at {at.group(1) if at else '?'}: {_describe(again[0], 3)}")
+        return _close(
+            result,
+            f"both nodes exit 75 {took:.1f} s after the SIGTERM, saved at {at.group(1) if at else '?'}; resumed "
+            "there on both nodes; both exit 0",
+        )
 
 
 def case_mid_epoch_kill(work: Path, size: Size = FULL) -> Result:
@@ -703,6 +758,7 @@ CASES: dict[str, Callable[[Path, Size], Result]] = {
     "f": case_mid_epoch_kill,
     "g": case_busy_port,
     "h": case_no_master,
+    "i": case_preempted,
 }
 NAMES = {
     "worker_kill": "a",
@@ -713,6 +769,7 @@ NAMES = {
     "mid_epoch_kill": "f",
     "busy_port": "g",
     "no_master": "h",
+    "preempted": "i",
 }
 
 
@@ -748,7 +805,7 @@ def pick(text: str) -> list[str]:
         elif all(ch in CASES for ch in part):
             picked += list(part)
         else:
-            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-h or the names {', '.join(NAMES)}")
+            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-i or the names {', '.join(NAMES)}")
     return picked
 
 
@@ -760,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cases", default="abcdefgh", help="letters or names, comma-separated (default: all)")
+    parser.add_argument("--cases", default="abcdefghi", help="letters or names, comma-separated (default: all)")
     parser.add_argument("--small", action="store_true", help="the smallest runs that exercise each case")
     parser.add_argument("--work", type=Path, default=None, help="folder for the nodes (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the nodes' folders (with --work, always kept)")

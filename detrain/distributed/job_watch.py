@@ -37,11 +37,12 @@ import torch.distributed as tdist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from detrain.distributed.launch_failures import signal_stop
-from detrain.errors import DistributedError
+from detrain.errors import DistributedError, Preempted
 
 END_KEY = "detrain/job/end"  # the reason the run ended with ("" when it completed)
 SEEN_KEY = "detrain/job/seen"  # how many launchers read it
 MAX_REASON = 300
+PREEMPTED = "preempted"  # node 0 stopped on a preemption signal: every node saved and is ending by itself
 
 
 def _client(addr: str, port: int, timeout_s: float) -> Any:
@@ -112,7 +113,7 @@ class JobWatch:
                 continue
             unreachable_since = None
             if text is not None:
-                if text:  # "" is a run that completed: nothing to stop
+                if text and text != PREEMPTED:  # "" is a run that completed: nothing to stop; so is a preemption
                     self._end(f"the run ended on {text}")
                 return
 
@@ -153,6 +154,13 @@ def ended_together(addr: str, port: int, node_rank: int, lo: int, hi: int) -> It
     watch = JobWatch(addr, port, node_rank, hi).start() if hi > 1 else None
     try:
         yield watch
+    except Preempted:
+        # every rank saved at the same step and every launcher ends with it: the others must not take node 0's
+        # going for a failure (nor wait for it: its agent skips the exit barrier)
+        if watch is not None and node_rank == 0:
+            watch.stop()  # this node's own watch must not count as a node that read it
+            watch.publish(PREEMPTED)
+        raise
     except (DistributedError, KeyboardInterrupt, SignalException) as e:
         # SignalException: the watch's interrupt reached torch's SIGINT handler outside the launch's own handling
         # (while this node was already reporting another failure)

@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezv
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
 from detrain.distributed.master_store import host_store
 from detrain.distributed.nccl_watch import relayed_stderr
-from detrain.distributed.preempt_mark import MARK_ENV, MARK_SPARE_S, read_mark
+from detrain.distributed.preempt_mark import MARK_ENV, MARK_SPARE_S, SIGNALS, read_mark, stop_path
 from detrain.distributed.world import LAUNCHER_ENV, World
 from detrain.errors import DistributedError, Preempted
 
@@ -61,6 +62,7 @@ _CONSEQUENCE_GRACE_S = 3.0
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
 
+# long: the launcher's whole contract (every path, every key) is its docstring; the body is a dozen lines
 def launch(
     entry: Callable[[dict[str, Any], World], T],
     args: dict[str, Any],
@@ -103,7 +105,8 @@ def launch(
     The rendezvous store listens only on ``master_addr`` (loopback for the default 127.0.0.1) and gloo on the
     interface that reaches it; ``socket_ifname`` names the interface(s) gloo and NCCL use instead (checked to
     exist here). Failures raise ``DistributedError`` with one line naming the rank and the cause; Ctrl-C stops
-    every worker and raises ``KeyboardInterrupt``.
+    every worker and raises ``KeyboardInterrupt``. ``grace_s`` > 0: SIGTERM or SIGUSR1 to this launcher or a worker
+    ends the run as ``Preempted`` once every rank saved (:mod:`detrain.engine.train.preemption`).
 
     Example:
         >>> from detrain.distributed.launch import launch, parse_device
@@ -122,7 +125,7 @@ def launch(
     rdzv = _meet_nodes(
         (lo, hi), node_rank, master_addr, master_port, rdzv_backend, run_id, run_args, start_timeout, connect_timeout
     )
-    timing = _Timing(monitor_interval, start_timeout, grace_s)
+    timing = _Timing(monitor_interval, start_timeout, grace_s)  # grace_s > 0: SIGTERM / SIGUSR1 save and end
     return _launch_workers(entry, args, plan, rdzv, transport, run_id, max_restarts, timing)
 
 
@@ -247,6 +250,8 @@ def _launch_workers(
         ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi),
         relayed_stderr(_nccl_workers(plan)) as watch,  # NCCL's watchdog ends a rank with a line there, and SIGABRT
     ):  # several nodes end as one
+        if timing.grace_s > 0:
+            _catch_preemption(mark)
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
             _raise_if_preempted(mark)
@@ -268,6 +273,24 @@ def _launch_workers(
             raise DistributedError(f"could not form the group at {endpoint} (node_rank={node_rank}): {cause}") from None
     result: T | None = results.get(0)
     return result
+
+
+def _catch_preemption(mark: str) -> None:
+    """SIGTERM / SIGUSR1 to this launcher (main thread): say so to the workers that will have saved and returned
+    (:func:`preempt_mark.exit_when_launcher_stops`), then stop as torch's own handler does, but as if the signal
+    were SIGUSR1: its agent passes that on to the workers and waits for them. The workers take SIGUSR1 only,
+    because the agent's own restarts stop them with SIGTERM. torch installs its handler only for the signals not
+    taken out of ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (:func:`_launch_config`, :func:`_workers_environ`)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def on_signal(signum: int, frame: object) -> None:
+        with contextlib.suppress(OSError), open(stop_path(mark), "w") as f:
+            f.write(signal.Signals(signum).name)  # what this launcher got, for the run's last line
+        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.SIGUSR1)
+
+    if threading.current_thread() is threading.main_thread():
+        for name in SIGNALS:
+            signal.signal(getattr(signal, name), on_signal)
 
 
 def _raise_if_preempted(mark: str) -> None:
@@ -294,9 +317,16 @@ def _launch_config(
     from torch.distributed.launcher.api import LaunchConfig
 
     # torch >= 2.6 lets the agent wait longer than 30 s for its workers to end (the preemption's save)
-    wait = {"shutdown_timeout": int(timing.grace_s + MARK_SPARE_S)} if timing.grace_s > 0 else {}
-    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
-        wait = {}
+    # preemption: the agent waits grace + a spare for its workers (torch >= 2.6; 30 s before) and leaves SIGTERM
+    # and SIGUSR1 to _catch_preemption (the field where torch has it, else the variable of _workers_environ)
+    wait: dict[str, Any] = {}
+    if timing.grace_s > 0:
+        wait = {
+            "shutdown_timeout": int(timing.grace_s + MARK_SPARE_S),
+            "signals_to_handle": ",".join(s for s in _HANDLED_SIGNALS if s not in SIGNALS),
+        }
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    wait = {k: v for k, v in wait.items() if k in fields}
     return LaunchConfig(
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         min_nodes=rdzv.nodes[0],
@@ -325,7 +355,8 @@ def _workers_environ(transport: dict[str, str], backend: str, mark: str | None =
     env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
     if mark is not None:
         env[MARK_ENV] = mark
-        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(_HANDLED_SIGNALS)  # read by the agent as it starts them
+        # read by the agent as it starts them: SIGTERM and SIGUSR1 stay with _catch_preemption's handler
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s for s in _HANDLED_SIGNALS if s not in SIGNALS)
     return env
 
 

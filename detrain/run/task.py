@@ -7,8 +7,9 @@ Usage (two training processes, so not run as a test): ``run_task("train", make_c
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from detrain.config.cfg import Cfg
@@ -27,9 +28,8 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
 
     The run is planned here, once, for every worker: this process's world (read from the environment), the
     devices, the node count, the run folder and the launch's id (:class:`detrain.engine.run_plan.RunPlan`), each checked
-    before a process starts or a folder is made. ``callbacks`` (train only; see
-    :mod:`detrain.engine.train.callbacks`) run on
-    rank 0: here, or pickled by reference into the spawned workers, which is checked before anything starts."""
+    before a process starts or a folder is made. ``callbacks`` (train only; see :mod:`detrain.engine.train.callbacks`)
+    run on rank 0: here, or pickled by reference into the spawned workers, checked before anything starts."""
     from detrain.engine.evaluate.val_worker import val_worker
     from detrain.engine.train.trainer import train_worker
 
@@ -67,7 +67,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     args["plan"] = RunPlan(nodes, save_dir, launch_id)
     # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
     run_args = None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict())
-    try:
+    with _requeued_when_preempted(task, world, cfg):  # under SLURM node 0 puts the job back in the queue
         return launch.launch(
             entry,
             args,
@@ -84,6 +84,14 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
             socket_ifname=cfg.distributed.socket_ifname,
             grace_s=cfg.output.grace if task == "train" and cfg.output.save else 0.0,
         )
+
+
+@contextlib.contextmanager
+def _requeued_when_preempted(task: str, world: World, cfg: Cfg) -> Iterator[None]:
+    """A training run that ends preempted (SIGTERM / SIGUSR1, ``grace``) under SLURM: the process that speaks for
+    the job requeues it, and the run's last line says how that went."""
+    try:
+        yield
     except Preempted as e:
         if task == "train" and world.slurm_job_id and _leads(world, cfg):
             raise Preempted(f"{e}; {slurm.requeue(world.slurm_job_id)}") from None

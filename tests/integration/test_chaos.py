@@ -108,6 +108,12 @@ def test_e_a_sigtermed_launcher_leaves_no_process_and_a_loadable_last_pt(work: P
     assert result.checkpoint.startswith("loads")
 
 
+def test_i_a_preempted_node_0_saves_on_every_rank_and_both_nodes_resume_there(work: Path) -> None:
+    result = chaos.run_case("i", work, chaos.SMALL)
+    _ok(result)
+    assert result.epochs == "1-3" and "resumed there on both nodes" in result.observed
+
+
 def test_f_a_kill_after_a_mid_epoch_checkpoint_resumes_at_its_batch(work: Path) -> None:
     result = chaos.run_case("f", work, chaos.SMALL)
     _ok(result)

@@ -32,14 +32,18 @@ from typing import Any
 
 import torch
 
-from detrain.distributed.preempt_mark import SIGNALS
+from detrain.distributed.preempt_mark import SIGNALS, relayed_signal
 
 
 class Preemption:
     """The preemption flag of one training process (see the module); inert with ``grace_s`` = 0."""
 
-    def __init__(self, grace_s: float) -> None:
+    def __init__(self, grace_s: float, launcher: str = "none") -> None:
         self.enabled = grace_s > 0
+        # under an elastic agent (detrain's launcher, torchrun) SIGTERM is also how the agent stops its workers to
+        # restart them: there the workers leave SIGTERM alone and take SIGUSR1, which detrain's launcher sends them
+        # for either signal it gets itself
+        self.catches = ("SIGUSR1",) if launcher in ("detrain", "torchrun") else SIGNALS
         self.signal: str | None = None  # the first signal that arrived here, or (once agreed) at another rank
         self.agreed = False  # some rank got one: the same on every rank after the step's all-reduce
         self._previous: dict[int, Any] = {}
@@ -48,7 +52,7 @@ class Preemption:
         """Catch SIGTERM and SIGUSR1 in this process (main thread only; a no-op elsewhere or when disabled)."""
         if not self.enabled or threading.current_thread() is not threading.main_thread():
             return
-        for name in SIGNALS:
+        for name in self.catches:
             sig = getattr(signal, name, None)
             if sig is not None and sig not in self._previous:
                 self._previous[sig] = signal.getsignal(sig)
@@ -74,7 +78,7 @@ class Preemption:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is None:  # a second signal (the grace period's SIGTERM after SIGUSR1) changes nothing
-            self.signal = signal.Signals(signum).name
+            self.signal = relayed_signal() or signal.Signals(signum).name  # the launcher's, where it passed it on
 
     def attach(self, items: torch.Tensor) -> torch.Tensor:
         """``items`` with one flag per signal appended (1 where this process got it), for the step's all-reduce;

@@ -24,7 +24,7 @@ from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
 from detrain.distributed import dist, parallel
 from detrain.distributed.parallel import unwrap
-from detrain.distributed.preempt_mark import leave_mark
+from detrain.distributed.preempt_mark import exit_when_launcher_stops, leave_mark
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
 from detrain.engine.build import agree_run_dir, build_model, set_cpu_threads
@@ -91,7 +91,7 @@ class Trainer:
         self.wdir = self.save_dir / "weights"
         self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device, world)  # mid.pt
         # SIGTERM / SIGUSR1: every rank saves mid.pt at the same step and the run ends resumable (preemption.py)
-        self.preempt = Preemption(cfg.output.grace if cfg.output.save else 0.0)
+        self.preempt = Preemption(cfg.output.grace if cfg.output.save else 0.0, world.launcher)
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
@@ -486,7 +486,7 @@ class Trainer:
     def _preempted(self, path: Path, where: str) -> Preempted:
         """The one line of a run stopped by a preemption signal once ``path`` holds ``where`` it stands (a
         collective: after it, every rank knows rank 0 has written ``path``)."""
-        dist.barrier("preempted")
+        dist.barrier("preempted")  # collective: rank 0 has written path when every rank is past it
         return Preempted(
             f"preempted by {self.preempt.signal}: saved {path} at {where}; the same command with resume={path} "
             "continues it (a restart or SLURM requeue of this launch resumes by itself)"
@@ -705,12 +705,16 @@ def train_worker(args: dict[str, Any], world: World) -> dict[str, Any]:
     rank 0's); ``world`` is this worker's place and device, as the launcher handed it."""
     cfg: Cfg = args["cfg"]
     dist.setup(world, timeout_s=cfg.distributed.dist_timeout)  # collective: every rank joins the group (a barrier)
+    told = False
     try:
         # after any restart, every node finds this launch's checkpoints in its run folder (resume_state.py)
         return Trainer(cfg, world, args["plan"], args.get("callbacks")).train()
     except Preempted as e:
-        if leave_mark(str(e)):  # spawned by detrain's launcher: it ends the run with this line (preempt_mark.py)
+        told = leave_mark(str(e))  # spawned by detrain's launcher: it ends the run with this line (preempt_mark.py)
+        if told:
             return {"preempted": str(e)}
         raise
     finally:
         dist.cleanup()
+        if told:
+            exit_when_launcher_stops()
