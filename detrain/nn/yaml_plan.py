@@ -17,8 +17,11 @@ refuses, in one :class:`~detrain.errors.ConfigError` line naming the key or laye
   (exactly what the builder then makes: ``tests/unit/test_model_yaml_bounds.py`` compares both counts for every
   packaged and Ultralytics detect yaml at every scale).
 
-The bounds sit far above the detectors detrain builds: YOLOv8x has 68 million parameters, about 400 modules,
-at most 640 channels in a layer and 6 repeats; the largest YOLO26 P6 model 88 million parameters.
+The bounds sit far above the detectors detrain builds: YOLOv8x has 68 million parameters in 461 modules, at most
+640 channels in a block (1,280 where a Concat joins two) and 6 repeats; Ultralytics' YOLO26-P6 x, the largest
+detect yaml detrain builds, 88 million parameters in 1,141 modules. The bounds cost nothing to check (no model is
+built to count) and stop a model before a byte of it is allocated; whatever a model within them still needs (its
+activations grow with ``imgsz`` and the batch) the user's own settings decide.
 
 >>> plan = plan_layers({"backbone": [[-1, 1, "Conv", [16, 3, 2]]], "head": [[[0], 1, "Detect", ["nc"]]]}, "n", 2)
 >>> [(layer.name, layer.c_out, layer.stride) for layer in plan.layers], plan.params
@@ -150,9 +153,9 @@ def scale_multiples(d: dict, scale: str, source: str = "") -> tuple[float, float
         if not isinstance(scales, dict) or len(scales) > 64:
             raise ConfigError(f"{where(source)}: 'scales' must map scale names to [depth, width, max_channels]")
         for name, multiples in scales.items():
-            _check_multiples(name, multiples)
+            _check_multiples(name, multiples, source)
         if scale not in scales:
-            raise ConfigError(f"model scale {excerpt(scale)} is not one of {listed(scales, 80)}")
+            raise ConfigError(f"{_at(source)}model scale {excerpt(scale)} is not one of {listed(scales, 80)}")
         depth, width, max_channels = scales[scale]
         return float(depth), float(width), float(max_channels)
     multiples = d.get("depth_multiple", 1.0), d.get("width_multiple", 1.0)
@@ -164,7 +167,12 @@ def scale_multiples(d: dict, scale: str, source: str = "") -> tuple[float, float
     return float(multiples[0]), float(multiples[1]), math.inf
 
 
-def _check_multiples(name: Any, multiples: Any) -> None:
+def _at(source: str) -> str:
+    """A message's opening that names the yaml file, if there is one (a dict's caller names it)."""
+    return f"model yaml {source}: " if source else ""
+
+
+def _check_multiples(name: Any, multiples: Any, source: str) -> None:
     if not (
         isinstance(name, str)
         and isinstance(multiples, (list, tuple))
@@ -172,13 +180,13 @@ def _check_multiples(name: Any, multiples: Any) -> None:
         and all(number(v) and v > 0 for v in multiples)
     ):
         raise ConfigError(
-            f"model scale {excerpt(name, 40, quote=False)}: expected [depth, width, max_channels] "
+            f"{_at(source)}model scale {excerpt(name, 40, quote=False)}: expected [depth, width, max_channels] "
             f"(3 positive numbers), got {excerpt(multiples, 80)}"
         )
     if not (multiples[0] <= MAX_MULTIPLE and multiples[1] <= MAX_MULTIPLE):
         raise ConfigError(
-            f"model scale {name}: depth and width multiples of {excerpt(list(multiples[:2]), 60)}; detrain builds "
-            f"multiples up to {MAX_MULTIPLE:g} (the largest YOLO scales use 1.0 and 1.5)"
+            f"{_at(source)}model scale {name}: depth and width multiples of {excerpt(list(multiples[:2]), 60)}; "
+            f"detrain builds multiples up to {MAX_MULTIPLE:g} (the largest YOLO scales use 1.0 and 1.5)"
         )
 
 
@@ -246,7 +254,7 @@ def plan_layers(d: dict, scale: str, nc: int, in_channels: int = 3, source: str 
         plan.params += layer.cost.params
         plan.modules += layer.cost.modules
     if plan.layers[-1].name != "Detect":
-        raise ConfigError("the last model layer must be Detect")
+        raise ConfigError(f"{_at(source)}the last model layer must be Detect")
     plan.modules += 2  # the model and its Sequential of layers
     if plan.params > MAX_PARAMETERS or plan.modules > MAX_MODULES:
         raise ConfigError(
