@@ -9,9 +9,11 @@ wrongly typed fields, non-integer class keys) and their neighbours found while w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import resource
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +50,27 @@ def _changed(change: Any, name: str = "yolov8.yaml") -> dict[str, Any]:
     return d
 
 
+@contextlib.contextmanager
+def _address_space_cap(extra: int = 1 << 30) -> Iterator[None]:
+    """At most ``extra`` more bytes of address space meanwhile: should a check regress, the build's allocation
+    fails (and the test with it) instead of taking the machine's memory."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def _refusal(d: dict[str, Any], tmp_path: Path, **kwargs: Any) -> str:
     """Build ``d`` from a file: the one ConfigError line, reached fast and without allocating."""
     path = tmp_path / "hostile.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(ConfigError) as err, _address_space_cap():
         DetectionModel(str(path), **kwargs)
     assert time.perf_counter() - start < 1.0
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: under 100 MB more
@@ -165,9 +181,10 @@ def test_a_model_past_the_parameter_bound_is_refused_before_it_is_built(tmp_path
 
 
 def test_a_model_past_the_module_bound_is_refused_before_it_is_built(tmp_path: Path) -> None:
-    """Small layers, but 60 of 32 attention blocks each: about 64,000 torch modules (a minute to construct)."""
+    """Small layers, but 12 of 32 attention blocks each: about 12,800 torch modules (seconds to construct; 256 such
+    layers, which the layer and repeat bounds allow, would take minutes)."""
     block = [-1, 32, "C3k2", [128, False, 0.5, True]]
-    d = {"scale": "n", "backbone": [[-1, 1, "Conv", [128, 3, 2]], *[block] * 60], "head": [[[-1], 1, "Detect", [2]]]}
+    d = {"scale": "n", "backbone": [[-1, 1, "Conv", [128, 3, 2]], *[block] * 12], "head": [[[-1], 1, "Detect", [2]]]}
     message = _refusal(d, tmp_path)
     assert "modules; detrain builds" in message and f"{MAX_MODULES:,} modules" in message
 
