@@ -1,6 +1,7 @@
 """Pickle-level mutations of a checkpoint's data.pkl, opcode by opcode: dropped, duplicated, swapped; globals
-renamed; storage dtypes, sizes and keys, tensor shapes and any integer or string changed; numpy values,
-tensors, BUILDs and keys that are costly to hash forged in place of a value; bytes flipped. Each takes a
+renamed; storage dtypes, sizes and keys, tensor shapes and any integer or string changed; a value of the recorded
+model yaml replaced by a hostile one; numpy values, tensors, BUILDs and keys that are costly to hash forged in place
+of a value; bytes flipped. Each takes a
 seeded ``random.Random`` and the parsed pickle and returns new data.pkl bytes (still a pickle program, not
 necessarily a valid one).
 
@@ -13,9 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import math
 import pickle
 import pickletools
 import random
+import struct
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,10 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from _pickle_forge import (
+    bool_,
     build,
     bytes_,
+    dict_,
     global_,
     int_,
+    list_,
     none,
     np_array,
     np_dtype,
@@ -79,6 +85,18 @@ class ParsedPickle:
             if op.name == "BINPERSID":
                 self._note_storage(j)
         self.keys = sorted(self.storages)
+        self.yaml_values = self._yaml_region()
+
+    def _yaml_region(self) -> list[int]:
+        """The one-push ops of the architecture yaml a checkpoint records (from its ``yaml`` key to just past its
+        Detect row and the keys after it): where a value reaches the model-yaml checks, not the unpickler's."""
+        texts = [(i, self.ops[i].arg) for i in self.strings]
+        start = next((i for i, text in texts if text == "yaml"), None)
+        if start is None:
+            return []
+        detects = [i for i, text in texts if text == "Detect" and i > start]
+        end = (detects[-1] if detects else start) + 24
+        return [i for i in self.one_push if start < i <= end]
 
     def _note_storage(self, j: int) -> None:
         """torch writes MARK 'storage' type key location numel TUPLE BINPERSID (memo writes between, and
@@ -429,6 +447,39 @@ def change_string(rng: random.Random, p: ParsedPickle) -> bytes:
     return p.replace(i, str_(_text(rng, p.ops[i].arg)))
 
 
+def _float(x: float) -> bytes:
+    return pickle.BINFLOAT + struct.pack(">d", x)
+
+
+def _yaml_value(rng: random.Random, old: object) -> bytes:
+    """A value a hostile model yaml would hold where ``old`` stood: widths, repeats or reg_max in the millions,
+    numbers that are not finite, wrong types (text, True, None, a list, a dict), other module names."""
+    huge = [10**6, 10**9, 2**31, 2**63, 10**5000, -1, 0, 3, 64, 65, 8193]
+    return rng.choice(
+        [
+            lambda: int_(rng.choice(huge)),
+            lambda: int_(_int(rng, old)),
+            lambda: _float(rng.choice([math.nan, math.inf, -math.inf, 1e300, 1e6, 0.0, -0.5, 0.5, 2.0])),
+            lambda: bool_(rng.random() < 0.5),
+            lambda: none(),
+            lambda: str_(rng.choice(["nc", "None", "Conv", "C2f", "C3k2", "Detect", "SCDown", "3", "x" * 5000])),
+            lambda: str_(_text(rng, old)),
+            lambda: list_(*(int_(rng.choice(huge)) for _ in range(rng.randint(0, 5)))),
+            lambda: dict_({"a": int_(1)}),
+        ]
+    )()
+
+
+def change_yaml_value(rng: random.Random, p: ParsedPickle) -> bytes:
+    """One value of the recorded architecture yaml (a width, a repeat count, a module name, a from index, a
+    scale's multiple, nc, reg_max, a key) replaced by a hostile one: the model-yaml checks must refuse it in one
+    line or build the model it describes (when still consistent with the file's weights)."""
+    if not p.yaml_values:
+        return change_int(rng, p)
+    i = rng.choice(p.yaml_values)
+    return p.replace(i, _yaml_value(rng, p.ops[i].arg))
+
+
 def inject_numpy(rng: random.Random, p: ParsedPickle) -> bytes:
     """A numpy dtype, scalar or array in place of a value (the motivating attack's surface)."""
     return p.replace(rng.choice(p.one_push), _numpy_value(rng))
@@ -487,6 +538,7 @@ MUTATIONS: dict[str, Callable[[random.Random, ParsedPickle], bytes]] = {
     "tensor_shape": change_shape,
     "int_change": change_int,
     "string_change": change_string,
+    "yaml_value": change_yaml_value,
     "numpy_inject": inject_numpy,
     "tensor_inject": inject_tensor,
     "build_inject": inject_build,

@@ -1,5 +1,6 @@
 """Zip-level mutations of a torch checkpoint: records truncated, dropped, duplicated or recompressed, header
-fields rewritten, bytes flipped. Each takes a seeded ``random.Random`` and returns the new file's bytes.
+fields rewritten, bytes flipped, NaN or infinity written into a tensor. Each takes a seeded ``random.Random`` and
+returns the new file's bytes.
 
 A checkpoint is handled as its list of records (name, bytes), rebuilt with :func:`write_zip` (stored, as torch
 writes them, fixed timestamps so a seed always gives the same bytes), or as the finished file's bytes.
@@ -130,6 +131,25 @@ def flip_bytes(rng: random.Random, records: list[Record]) -> bytes:
     return bytes(data)
 
 
+# 4 bytes that read as NaN or infinity whether a float32 or two float16 values sit there (little-endian)
+_NONFINITE = [b"\x00\x00\xc0\x7f", b"\x00\x00\x80\x7f", b"\x00\x00\x80\xff", b"\x00\x7e\x00\x7c"]
+
+
+def nonfinite_weights(rng: random.Random, records: list[Record]) -> bytes:
+    """NaN or infinity written into 1-4 places of one tensor record (``data/<key>``): a float weight that no longer
+    is finite must be refused in one line naming it (an integer record just holds another number)."""
+    tensors = [i for i, (name, data) in enumerate(records) if "/data/" in name and len(data) >= 4]
+    if not tensors:
+        return write_zip(records)
+    i = rng.choice(tensors)
+    name, data = records[i]
+    patched = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        at = 4 * rng.randrange(len(data) // 4)
+        patched[at : at + 4] = rng.choice(_NONFINITE)
+    return write_zip(records[:i] + [(name, bytes(patched))] + records[i + 1 :])
+
+
 MUTATIONS: dict[str, Callable[[random.Random, list[Record]], bytes]] = {
     "zip_truncate": truncate_file,
     "record_truncate": truncate_record,
@@ -138,4 +158,5 @@ MUTATIONS: dict[str, Callable[[random.Random, list[Record]], bytes]] = {
     "recompress": recompress,
     "header_patch": patch_header,
     "byte_flip": flip_bytes,
+    "weight_nonfinite": nonfinite_weights,
 }

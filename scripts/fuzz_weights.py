@@ -6,19 +6,22 @@
 
 Each case takes a base file (``../shared/weights/yolov8n.pt`` as Ultralytics wrote it, or the same weights saved
 as a detrain checkpoint with RNG state), applies one structured mutation (or, one case in ten, a stack of
-them) and calls ``detrain.weights.checkpoint.load_checkpoint`` on the result in a forked child (``_fuzz_sandbox``):
+them) and calls ``detrain.weights.checkpoint.load_checkpoint`` on the result in a forked child (``_fuzz_sandbox``),
+then builds the model it records (``model_from_checkpoint``: the model-yaml checks, shapes, finiteness):
 
 - pickle level (``_fuzz_pickle``, data.pkl re-zipped with a correct CRC so the mutation reaches the
   unpickler): opcodes dropped, duplicated, swapped; globals renamed; storage dtypes, sizes and keys, tensor
-  shapes, any integer or string changed; numpy values, tensors, BUILDs and keys that are costly to hash
+  shapes, any integer or string changed; a value of the recorded model yaml made hostile (a width in the
+  millions, a NaN multiple, a wrong type); numpy values, tensors, BUILDs and keys that are costly to hash
   forged in; bytes flipped;
 - zip level (``_fuzz_zip``): the file or one record truncated, a record dropped or duplicated, records
-  recompressed (must still load), a header field set to a lie, bytes flipped anywhere.
+  recompressed (must still load), a header field set to a lie, bytes flipped anywhere, NaN or infinity written
+  into a tensor.
 
-The acceptable ends are a load whose model weights are a dict of tensors (``ok``) or a CheckpointError
-(``refused``). Anything else is a finding: another exception (``error``), an allocation past ``--mem-mb``
-above what the child inherited (``memory``), more than ``--cpu-s`` seconds of CPU or ``--wall-s`` of waiting
-(``hang``), or a signal (``crash``). Cases are seeded by ``(--seed, index)``, so any case can be replayed.
+The acceptable ends are a load whose model weights are a dict of tensors and whose model is built (``ok``) or a
+CheckpointError (``refused``). Anything else is a finding: another exception (``error``), an allocation past
+``--mem-mb`` above what the child inherited (``memory``), more than ``--cpu-s`` seconds of CPU or ``--wall-s`` of
+waiting (``hang``), or a signal (``crash``). Cases are seeded by ``(--seed, index)``, so any case can be replayed.
 The table counts outcomes per mutation; the exit status is 1 when any case failed.
 """
 
@@ -118,16 +121,20 @@ def make_case(bases: list[Base], seed: int, index: int) -> Case:
     return Case(index, base.name, tuple(names), fz.MUTATIONS[zip_name](rng, base.with_pickle(data)))
 
 
-def load_target(path: Path) -> Callable[[], str]:
-    """What each child runs: load the file and touch what every caller reads (the model's weights)."""
+def load_target(path: Path, build: bool = True) -> Callable[[], str]:
+    """What each child runs: load the file, touch what every caller reads (the model's weights) and, with
+    ``build``, build the model it records and load its weights into it (the model-yaml checks, the shape checks)."""
 
     def target() -> str:
-        from detrain.weights.checkpoint import load_checkpoint
+        from detrain.weights.checkpoint import load_checkpoint, model_from_checkpoint
 
         ckpt: Any = load_checkpoint(path)
         weights = ckpt["model"]["state_dict"]
         if not all(isinstance(k, str) and hasattr(v, "shape") for k, v in weights.items()):
             raise TypeError("load_checkpoint returned weights that are not tensors")
+        if build:
+            model = model_from_checkpoint(ckpt, source=str(path))
+            return f"{ckpt.get('source', 'detrain')}: {len(weights)} tensors, {model.family} {model.scale} built"
         return f"{ckpt.get('source', 'detrain')}: {len(weights)} tensors"
 
     return target
@@ -175,7 +182,8 @@ def run_cases(
     tally: Tally | None = None,
 ) -> Tally:
     """Make, write and load each case in a forked child; count how each ended (into ``tally`` when given)."""
-    import detrain.weights.ultralytics  # noqa: F401  imported here once, so no child imports it again
+    import detrain.nn.model
+    import detrain.weights.ultralytics  # noqa: F401  imported here once, so no child imports them again
     from detrain.errors import CheckpointError
 
     tally = new_tally() if tally is None else tally

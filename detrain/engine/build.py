@@ -166,8 +166,10 @@ def architecture(model: str) -> tuple[str, str]:
 
     The scale is the yaml's own ``scale:``, else the one a bundled name implies; a conflict between the two,
     or a yaml with several ``scales`` that names none, is a ConfigError (see :func:`detrain.nn.model.choose_scale`).
+    A yaml on disk is checked as the builder would check it (:func:`detrain.nn.model.check_architecture`): a
+    field of the wrong type or beyond a bound is one line here, before any process starts.
     """
-    from detrain.nn.model import bundled_scale, choose_scale, load_model_yaml, packaged_architecture
+    from detrain.nn.model import bundled_scale, check_architecture, choose_scale, load_model_yaml, packaged_architecture
 
     path = Path(model)
     named = bundled_scale(path)
@@ -175,7 +177,9 @@ def architecture(model: str) -> tuple[str, str]:
         return str(packaged_architecture(path)), named
     if path.suffix in (".yaml", ".yml") and path.is_file():
         d, named = load_model_yaml(path)
-        return str(path), choose_scale(d, named, str(path))
+        scale = choose_scale(d, named, str(path))
+        check_architecture(d, scale, shown(str(path)))  # every field typed and bounded; nothing is built
+        return str(path), scale
     raise ConfigError(
         f"model '{model}' not found; use a scale yaml (n.yaml, s.yaml, m.yaml, l.yaml, x.yaml, yolov8n.yaml, "
         "yolo11n.yaml), "

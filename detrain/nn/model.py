@@ -9,7 +9,6 @@ own builder. A yaml that sets ``end2end`` (YOLO26) gets the end-to-end head (:cl
 from __future__ import annotations
 
 import copy
-import math
 import re
 from pathlib import Path
 from typing import Any, cast
@@ -23,6 +22,9 @@ from detrain.nn.blocks11 import C2PSA, C3k2
 from detrain.nn.head import Criterion, Head, InferenceOptions, LossGains
 from detrain.nn.head_e2e import DetectE2E
 from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Detect, Upsample
+from detrain.nn.yaml_plan import MAX_CLASSES, LayerPlan, Plan, check_nc, plan_layers, where
+from detrain.nn.yaml_plan import MAX_LAYERS as MAX_LAYERS  # re-exported: the builder's bounds
+from detrain.nn.yaml_plan import MAX_REPEATS as MAX_REPEATS
 from detrain.system.safe_yaml import YamlRefused, read_yaml
 from detrain.system.text import excerpt, listed, shown
 
@@ -177,217 +179,104 @@ def choose_scale(d: dict, scale: str | None, source: str) -> str:
     return scale
 
 
-def _make_divisible(x: float, divisor: int = 8) -> int:
-    return int(math.ceil(x / divisor) * divisor)
-
-
-def _scale_multiples(d: dict, scale: str) -> tuple[float, float, float]:
-    scales = d.get("scales")
-    if scales:
-        if scale not in scales:
-            raise ConfigError(f"model scale {excerpt(scale)} is not one of {listed(scales, 80)}")
-        multiples = scales[scale]
-        if not (
-            isinstance(multiples, (list, tuple))
-            and len(multiples) == 3
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in multiples)
-        ):
-            raise ConfigError(
-                f"model scale {scale}: expected [depth, width, max_channels] (3 positive numbers), "
-                f"got {excerpt(multiples, 80)}"
-            )
-        depth, width, max_channels = multiples
-        return float(depth), float(width), float(max_channels)
-    # the older single-scale form that YOLOv8 checkpoints carry
-    multiples = d.get("depth_multiple", 1.0), d.get("width_multiple", 1.0)
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in multiples):
-        raise ConfigError(
-            f"model yaml: depth_multiple and width_multiple must be positive numbers: {excerpt(multiples, 60)}"
-        )
-    return float(multiples[0]), float(multiples[1]), math.inf
-
-
-def _upsample(args: list) -> nn.Upsample:
-    if args and args[0] in (None, "None"):  # YOLOv8 form: [size=None, scale_factor, mode]
-        args = args[1:]
-    factor = float(args[0]) if args else 2.0
-    mode = str(args[1]) if len(args) > 1 else "nearest"
-    return Upsample(scale_factor=factor, mode=mode)
-
-
-_MODULE_NAMES = {"Conv", "C2f", "C3k2", "C2PSA", "SPPF", "Upsample", "nn.Upsample", "Concat", "Detect"}
-# Sanity bounds for any yaml (the largest Ultralytics detectors have about 40 layers and 9 repeats): a yaml, or the
-# one a checkpoint records, cannot make the builder create millions of modules.
-MAX_LAYERS = 256
-MAX_REPEATS = 32
-# Top-level yaml keys that change what Ultralytics builds in ways this builder does not follow: refused, never
-# ignored (ignoring them would build another network under the same weight names).
-_UNSUPPORTED_KEYS = {
-    "activation": "a custom activation for every Conv",
-}
-
-
-# long: the yaml's module table, one branch per layer kind; to split into per-kind builders as kinds join
-def build_layers(d: dict, scale: str, nc: int, in_channels: int = 3) -> tuple[nn.Sequential, set[int], list[float]]:
+def build_layers(
+    d: dict, scale: str, nc: int, in_channels: int = 3, source: str = ""
+) -> tuple[nn.Sequential, set[int], list[float]]:
     """Turn the yaml's backbone + head into layers -> (Sequential, indices whose output is reused, strides).
 
-    Strides are traced through the layers rather than measured with a dummy forward, so building even the
-    x scale costs no compute. Rules that follow Ultralytics so its YOLO11 and YOLO26 yamls and checkpoints build
-    the same: a C3k2 uses C3k inner blocks at scales m, l and x whatever its own flag says (its attention flag
-    still wins), a yaml with any C3k2 gets the head's depthwise class branch, and a yaml that sets ``end2end``
-    gets the end-to-end head (:class:`DetectE2E`; reg_max 1 and the depthwise class branch are the only form
-    detrain builds).
+    The yaml is first checked and planned by :func:`detrain.nn.yaml_plan.plan_layers` (every field typed and
+    bounded, the parameter count computed), so nothing is allocated for a yaml that asks too much; ``source``
+    names the yaml in its one-line errors. Strides are traced through the layers rather than measured with a dummy
+    forward, so building even the x scale costs no compute. Rules that follow Ultralytics so its YOLO11 and
+    YOLO26 yamls and checkpoints build the same: a C3k2 uses C3k inner blocks at scales m, l and x whatever its
+    own flag says (its attention flag still wins), a yaml with any C3k2 gets the head's depthwise class branch,
+    and a yaml that sets ``end2end`` gets the end-to-end head (:class:`DetectE2E`; reg_max 1 and the depthwise
+    class branch are the only form detrain builds).
 
     >>> d, _ = load_model_yaml("yolov8.yaml")
     >>> layers, save, strides = build_layers(d, "n", 80); len(layers), strides
     (23, [8.0, 16.0, 32.0])
     """
-    for key, what in _UNSUPPORTED_KEYS.items():
-        if d.get(key):
-            raise ConfigError(f"model yaml sets {key}: {excerpt(d[key], 40)} ({what}), which detrain does not build")
-    end2end = _end2end(d)
-    depth, width, max_channels = _scale_multiples(d, scale)
-    reg_max = d.get("reg_max", 16)
-    if not isinstance(reg_max, int) or isinstance(reg_max, bool) or not 1 <= reg_max <= 64:
-        raise ConfigError(
-            f"model yaml: reg_max must be a whole number of DFL bins (1 to 64), got {excerpt(reg_max, 40)}"
-        )
+    plan = plan_layers(d, scale, nc, in_channels, source)
     layers: list[nn.Module] = []
-    channels: list[int] = []  # output channels of each built layer
-    strides: list[float] = []  # output stride of each built layer
-    save: set[int] = set()
-    head_strides: list[float] = []
-    parts = d.get("backbone", []), d.get("head", [])
-    if not all(isinstance(part, list) for part in parts):
-        raise ConfigError("model yaml: 'backbone' and 'head' must be lists of layers")
-    specs = list(parts[0]) + list(parts[1])
-    if not specs:
-        raise ConfigError("model yaml has no 'backbone'/'head' layers")
-    if len(specs) > MAX_LAYERS:
-        raise ConfigError(f"model yaml has {len(specs)} layers; detrain builds at most {MAX_LAYERS}")
-    depthwise_cls = any(isinstance(spec, (list, tuple)) and len(spec) == 4 and spec[2] == "C3k2" for spec in specs)
-
-    def source(i: int, j: int) -> tuple[int, float]:
-        k = i + j if j < 0 else j
-        if k < 0:
-            return in_channels, 1.0
-        if k >= i:
-            raise ConfigError(f"model layer {i} reads layer {j}, which is not built yet")
-        return channels[k], strides[k]
-
-    for i, spec in enumerate(specs):
-        if not isinstance(spec, (list, tuple)) or len(spec) != 4:
-            raise ConfigError(f"model layer {i} must be [from, repeats, module, args], got {excerpt(spec, 80)}")
-        f, n, name, args = spec
-        if not isinstance(name, str) or name not in _MODULE_NAMES:
-            raise ConfigError(
-                f"model layer {i}: unknown module {excerpt(name, 60)}; known: {', '.join(sorted(_MODULE_NAMES))}"
-            )
-        args = [nc if a == "nc" else a for a in (args or [])]
+    for spec in plan.layers:
         try:
-            n = max(round(n * depth), 1) if n > 1 else int(n)
-            if not 0 <= n <= MAX_REPEATS:
-                raise ValueError(f"{n} repeats; detrain builds 0 to {MAX_REPEATS}")
-            froms = f if isinstance(f, list) else [f]
-            save.update((i + j) if j < 0 else j for j in froms if j != -1)
-            c_in, s_in = source(i, froms[0])
-            if name in ("Upsample", "nn.Upsample"):
-                layer: nn.Module = _upsample(args)
-                c_out, s_out = c_in, s_in / float(layer.scale_factor)  # type: ignore[arg-type]
-            elif name == "Concat":
-                srcs = [source(i, j) for j in froms]
-                if len({s for _, s in srcs}) != 1:
-                    raise ConfigError(f"model layer {i}: Concat inputs {froms} have different strides")
-                layer = Concat(int(args[0]) if args else 1)
-                c_out, s_out = sum(c for c, _ in srcs), s_in
-            elif name == "Detect":
-                srcs = [source(i, j) for j in froms]
-                head_strides = [s for _, s in srcs]
-                head = (reg_max, d.get("head_cls_channels"), depthwise_cls, end2end)
-                layer = _detect_head(nc, [c for c, _ in srcs], head_strides, *head)
-                c_out, s_out = 0, 0.0
-            else:
-                c_out = _make_divisible(min(args[0], max_channels) * width)
-                layer, stride = _block(name, c_in, c_out, n, args, scale)
-                s_out = s_in * stride
-        # a value of the wrong kind or size in the yaml (torch says RuntimeError for a size it cannot allocate)
-        except (TypeError, ValueError, IndexError, KeyError, OverflowError, RuntimeError) as e:
+            layer = _module(spec, plan, nc)
+        # a backstop: the plan checked every value, so torch should never refuse one (RuntimeError: a size)
+        except (TypeError, ValueError, IndexError, KeyError, ArithmeticError, RuntimeError) as e:
+            at = f"{where(source)}, layer" if source else "model layer"
             raise ConfigError(
-                f"model layer {i} ({name} {excerpt(args, 60)}) cannot be built: {excerpt(str(e), 160, quote=False)}"
+                f"{at} {spec.index} ({spec.name} {excerpt(spec.args, 60)}) cannot be built: "
+                f"{excerpt(str(e), 160, quote=False)}"
             ) from None
-        layer.f, layer.i, layer.type = f, i, name  # type: ignore[assignment]
+        layer.f, layer.i, layer.type = spec.froms, spec.index, spec.name  # type: ignore[assignment]
         layers.append(layer)
-        channels.append(c_out)
-        strides.append(s_out)
-    if not isinstance(layers[-1], (Detect, DetectE2E)):
-        raise ConfigError("the last model layer must be Detect")
-    return nn.Sequential(*layers), save, head_strides
+    return nn.Sequential(*layers), plan.save, plan.head_strides
 
 
-def _end2end(d: dict) -> bool:
-    """The yaml's ``end2end`` switch (absent: False); anything but True, False or nothing is a ConfigError."""
-    value = d.get("end2end")
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"model yaml: end2end must be True or False, got {excerpt(value, 40)}")
-    return bool(value)
+def check_architecture(d: dict, scale: str, source: str = "", nc: int | None = None) -> Plan:
+    """Check the model yaml ``d`` at ``scale`` as :func:`build_layers` would, building nothing (a command calls it
+    before any process starts): ``nc`` defaults to the yaml's own, else :data:`DEFAULT_NC`.
+
+    >>> check_architecture(load_model_yaml("yolov8.yaml")[0], "n").params
+    3157200
+    """
+    if nc is None:
+        nc = check_nc(d.get("nc", DEFAULT_NC), f"{where(source)}: nc")
+    return plan_layers(d, scale, nc, source=source)
 
 
-def _detect_head(
-    nc: int,
-    ch: list[int],
-    strides: list[float],
-    reg_max: int,
-    cls_channels: int | None,
-    depthwise_cls: bool,
-    end2end: bool,
-) -> Detect | DetectE2E:
-    """The Detect layer: YOLOv8's / YOLO11's head, or with ``end2end`` YOLO26's (one-to-many and one-to-one
-    branches). Ultralytics can also make an end-to-end head with DFL bins or YOLOv8's class branch; detrain does
-    not build those (a ValueError naming which), rather than build another head under the same weight names."""
-    if not end2end:
-        return Detect(nc, ch, strides, reg_max, cls_channels, depthwise_cls)
-    if reg_max != 1:
-        raise ValueError(f"an end-to-end head with reg_max {reg_max} (DFL bins); detrain builds it with reg_max 1")
-    if not depthwise_cls:
-        raise ValueError(
-            "an end-to-end head with YOLOv8's class branch (the yaml has no C3k2); detrain builds it with the "
-            "depthwise one"
-        )
-    return DetectE2E(nc, ch, strides, cls_channels=cls_channels)
-
-
-def _block(name: str, c_in: int, c_out: int, n: int, args: list, scale: str) -> tuple[nn.Module, int]:
-    """A Conv, C2f, C3k2, C2PSA or SPPF layer from its yaml args (output channels already scaled) -> (layer,
-    its stride). More arguments than the module takes are a ValueError."""
-    most = {"Conv": 3, "C2f": 2, "C3k2": 4, "C2PSA": 1, "SPPF": 4}[name]
-    if len(args) > most:
-        raise ValueError(f"detrain builds {name} from at most {most} arguments")
+def _module(spec: LayerPlan, plan: Plan, nc: int) -> nn.Module:
+    """The module of one planned layer, from the options the plan read off its row."""
+    name, opts, c_out = spec.name, spec.options, spec.c_out
+    c_in = spec.inputs[0][0]
+    if name in ("Upsample", "nn.Upsample"):
+        return Upsample(scale_factor=opts[0], mode=opts[1])
+    if name == "Concat":
+        return Concat(opts[0])
+    if name == "Detect":
+        channels = [c for c, _ in spec.inputs]
+        if plan.end2end:
+            return DetectE2E(nc, channels, plan.head_strides, cls_channels=plan.cls_channels)
+        return Detect(nc, channels, plan.head_strides, plan.reg_max, plan.cls_channels, plan.depthwise_cls)
     if name == "Conv":
-        k = int(args[1]) if len(args) > 1 else 1
-        s = int(args[2]) if len(args) > 2 else 1
-        return Conv(c_in, c_out, k, s), s
+        return Conv(c_in, c_out, opts[0], opts[1])
     if name == "C2f":
-        return C2f(c_in, c_out, n, bool(args[1]) if len(args) > 1 else False), 1
+        return C2f(c_in, c_out, spec.repeats, opts[0])
     if name == "C3k2":
-        c3k = scale in ("m", "l", "x") or (bool(args[1]) if len(args) > 1 else False)
-        e = float(args[2]) if len(args) > 2 else 0.5
-        return C3k2(c_in, c_out, n, c3k, e, attn=bool(args[3]) if len(args) > 3 else False), 1
+        c3k, e, attn = opts
+        return C3k2(c_in, c_out, spec.repeats, c3k, e, attn=attn)
     if name == "C2PSA":
-        if c_in != c_out:
-            raise ValueError(f"C2PSA keeps its width, but it reads {c_in} channels and would write {c_out}")
-        return C2PSA(c_in, c_out, n), 1
-    return _sppf(c_in, c_out, args), 1
+        return C2PSA(c_in, c_out, spec.repeats)
+    # SPPF from [channels, k] (YOLOv8, YOLO11) or [channels, k, n, shortcut] (YOLO26): as in Ultralytics 8.4, a
+    # row with any argument after k builds the YOLO26 form, whose cv1 has no activation
+    k, pools, shortcut, cv1_act = opts
+    return SPPF(c_in, c_out, k, pools, shortcut, cv1_act=cv1_act)
 
 
-def _sppf(c_in: int, c_out: int, args: list) -> SPPF:
-    """SPPF from ``[channels, k]`` (YOLOv8, YOLO11) or ``[channels, k, n, shortcut]`` (YOLO26). As in Ultralytics
-    8.4, a row with any argument after ``k`` builds the YOLO26 form, whose ``cv1`` has no activation."""
-    k = int(args[1]) if len(args) > 1 else 5
-    pools = int(args[2]) if len(args) > 2 else 3
-    if not 1 <= pools <= MAX_REPEATS:
-        raise ValueError(f"{pools} pooling steps; detrain builds 1 to {MAX_REPEATS}")
-    shortcut = bool(args[3]) if len(args) > 3 else False
-    return SPPF(c_in, c_out, k, pools, shortcut, cv1_act=len(args) <= 2)
+def class_names(names: Any) -> dict[int, str]:
+    """Class names as ``{index: name}`` with indices 0 to n-1 (whole numbers, or their digits as text); anything else
+    is a one-line ConfigError naming the first bad key.
+
+    >>> class_names({0: "cat", "1": "dog"})
+    {0: 'cat', 1: 'dog'}
+    >>> class_names({"cat": 0})
+    Traceback (most recent call last):
+    ...
+    detrain.errors.ConfigError: class names must map the indices 0 to 0 to names; key 'cat' is not one
+    """
+    if not isinstance(names, dict) or len(names) > MAX_CLASSES:
+        raise ConfigError(f"class names must be a dict of index -> name, got {excerpt(names, 60)}")
+    out: dict[int, str] = {}
+    for key, value in names.items():
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 6
+        index = int(key) if digits else key
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(names) or index in out:
+            raise ConfigError(
+                f"class names must map the indices 0 to {len(names) - 1} to names; key {excerpt(key, 40)} is not one"
+            )
+        out[index] = value if isinstance(value, str) else str(value)
+    return out
 
 
 def initialize_weights(model: nn.Module) -> None:
@@ -437,17 +326,17 @@ class DetectionModel(nn.Module):
     ) -> None:
         super().__init__()
         d, named_scale = load_model_yaml(cfg)
-        scale = choose_scale(d, scale or named_scale, "(a dict)" if isinstance(cfg, dict) else str(cfg))
+        source = "" if isinstance(cfg, dict) else shown(str(cfg))
+        scale = choose_scale(d, scale or named_scale, source or "(a dict)")
         if names is not None:
-            names = {int(k): str(v) for k, v in names.items()}
+            names = class_names(names)
             if nc is not None and nc != len(names):
-                raise ConfigError(f"nc={nc} but {len(names)} class names were given")
+                raise ConfigError(f"nc={excerpt(nc, 20)} but {len(names)} class names were given")
             nc = len(names)
-        nc = int(nc if nc is not None else d.get("nc", DEFAULT_NC))
-        if nc < 1:
-            raise ConfigError(f"nc must be >= 1, got {nc}")
+        # the caller's count, else the yaml's (checked when present either way: see yaml_plan.top_level)
+        nc = check_nc(nc, "nc") if nc is not None else check_nc(d.get("nc", DEFAULT_NC), f"{where(source)}: nc")
         d["nc"], d["scale"] = nc, scale
-        self.model, self.save, strides = build_layers(d, scale, nc)
+        self.model, self.save, strides = build_layers(d, scale, nc, source=source)
         self.register_buffer("stride", torch.tensor(strides, dtype=torch.float), persistent=False)
         self.yaml = d
         self.scale = scale

@@ -76,9 +76,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"cannot load weights file {path}: {reason[:300]}") from None
         if _is_detrain(ckpt):
             _check_detrain(ckpt, path)
+            check_finite(ckpt, path)
             return ckpt
     elif ul.is_ultralytics_record(vetted):  # pickled Ultralytics classes, as inert records
-        return from_ultralytics(ul.ultralytics_info(vetted, path))
+        converted = from_ultralytics(ul.ultralytics_info(vetted, path))
+        check_finite(converted, path)
+        return converted
     raise CheckpointError(
         f"{path} is not a detrain checkpoint (nor an Ultralytics one); make one with 'detrain train' or "
         "'detrain convert'"
@@ -123,8 +126,36 @@ def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
             f"{path} says it is a detrain checkpoint but its model description (scale, nc, names, "
             "imgsz, yaml) has the wrong types"
         )
+    from detrain.nn.model import class_names
+
+    try:
+        class_names(meta["names"])
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: its {e}") from None
     if ckpt.get("ema") is not None:
         _check_weights(ckpt["ema"], "'ema'", path)
+
+
+def check_finite(ckpt: dict[str, Any], path: str | Path) -> None:
+    """A one-line CheckpointError naming the first floating-point weight of the model or EMA state dict that holds
+    NaN or infinity: such weights load without complaint and make training fail far from the cause (in the
+    assigner, after the first forward). Costs one pass over the weights (``torch.isfinite``).
+
+    >>> check_finite({"model": {"state_dict": {"w": torch.tensor([1.0, float("nan")])}}}, "a.pt")
+    Traceback (most recent call last):
+    ...
+    detrain.errors.CheckpointError: a.pt: weight w of its 'model' holds NaN or infinite values ...
+    """
+    for where in ("model", "ema"):
+        entry = ckpt.get(where)
+        state = entry.get("state_dict") if isinstance(entry, dict) else None
+        for key, tensor in (state or {}).items():
+            floating = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+            if floating and not bool(torch.isfinite(tensor).all()):
+                raise CheckpointError(
+                    f"{path}: weight {_printable(key)} of its '{where}' holds NaN or infinite values (a damaged file "
+                    "or a diverged run); detrain loads only finite weights"
+                )
 
 
 def from_ultralytics(info: dict[str, Any]) -> dict[str, Any]:
@@ -173,7 +204,7 @@ def model_from_checkpoint(ckpt: dict[str, Any], use_ema: bool = True, source: st
         model = _described_model(meta)
     except ConfigError as e:
         raise CheckpointError(f"{source}: detrain cannot build the model it records: {e}") from None
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    load_weights(model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, source)
     model.imgsz = int(meta.get("imgsz") or 640)
     return model
 
@@ -185,9 +216,17 @@ def _described_model(meta: dict[str, Any]) -> DetectionModel:
     return DetectionModel(cfg=cfg, scale=meta["scale"], nc=meta["nc"], names=meta["names"])
 
 
+def load_weights(model: DetectionModel, state: dict[str, Any], source: str = "checkpoint") -> None:
+    """``model.load_state_dict(state)`` once :func:`check_fits` found every key with its shape (a one-line
+    CheckpointError naming the key and both shapes otherwise, never torch's multi-line report)."""
+    check_fits(model, state, source)
+    model.load_state_dict(state)
+
+
 def check_fits(model: DetectionModel, state: dict[str, Any], source: str = "checkpoint") -> None:
-    """A one-line CheckpointError unless ``state`` has exactly ``model``'s keys with its shapes; it names the first
-    three differences (a missing key and the shape expected, a key of another shape, a key the model lacks).
+    """A one-line CheckpointError unless ``state`` has exactly ``model``'s keys with its shapes and kinds of values
+    (floating point or not); it names the first three differences (a missing key and the shape expected, a key of
+    another shape or kind, a key the model lacks).
 
     >>> from detrain.nn.model import DetectionModel
     >>> state = DetectionModel(nc=2).state_dict(); del state["model.0.conv.weight"]
@@ -201,8 +240,13 @@ def check_fits(model: DetectionModel, state: dict[str, Any], source: str = "chec
     for key, ref in ours.items():
         if key not in state:
             problems.append(f"missing {key} (expected shape {tuple(ref.shape)})")
+        elif not isinstance(state[key], torch.Tensor):
+            problems.append(f"{key} is a {type(state[key]).__name__}, not a tensor")
         elif tuple(state[key].shape) != tuple(ref.shape):
             problems.append(f"{key} has shape {tuple(state[key].shape)}, expected {tuple(ref.shape)}")
+        elif state[key].is_floating_point() != ref.is_floating_point():
+            kind = "a floating-point" if ref.is_floating_point() else "an integer"
+            problems.append(f"{key} holds {state[key].dtype}, expected {kind} type")
     problems += [f"unexpected {_printable(key)}" for key in state if key not in ours]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""

@@ -14,6 +14,7 @@ building a model, exporting or converting raises at once, so a regression fails 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -38,6 +39,8 @@ BOMB = "bomb.yaml"
 BOMB_TEXT = "a0: &a0 [" + ", ".join(["lol"] * 9) + "]\n"
 BOMB_TEXT += "".join(f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 9))
 BOMB_TEXT += "scales: *a8\nbackbone: []\nhead: []\n"
+# model yamls and checkpoints that ask too much or hold what no model can use (issue 25): written by the fixture
+WIDE, DEEP, NAN_PT, SHAPE_PT, NAMES_PT = "wide.yaml", "deep.yaml", "nan.pt", "shape.pt", "names.pt"
 
 BAD_LINES: list[tuple[list[str], str]] = [
     # values of the wrong type
@@ -205,6 +208,13 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["train", f"model={BOMB}"], f"model yaml {BOMB}: its aliases expand it past"),
     (["predict", f"source={IMAGE}", f"model={BOMB}"], f"model yaml {BOMB}: its aliases expand it past"),
     (["train", "project=/proc/detrain/runs"], "cannot make a folder in '/proc' (No such file or directory)"),
+    (["train", f"model={WIDE}"], f"model yaml {WIDE}: model scale n: depth and width multiples of [0.33, 1000000.0]"),
+    (["predict", f"source={IMAGE}", f"model={WIDE}"], f"model yaml {WIDE}: model scale n: depth and width"),
+    (["train", f"model={DEEP}"], f"model yaml {DEEP}, layer 2 (C2f [128, True]) cannot be built: 330000 repeats"),
+    (["convert", NAN_PT, "out.pt"], f"{NAN_PT}: weight model.0.conv.weight of its 'model' holds NaN or infinite"),
+    (["info", f"model={NAN_PT}"], f"{NAN_PT}: weight model.0.conv.weight of its 'model' holds NaN or infinite"),
+    (["convert", SHAPE_PT, "out.pt"], "model.0.conv.weight has shape (8, 3, 3, 3), expected (16, 3, 3, 3)"),
+    (["convert", NAMES_PT, "out.pt"], f"{NAMES_PT}: its class names must map the indices 0 to 1 to names; key 'a'"),
     (["val", "data=coco8.yaml", "project=/proc/x"], "cannot make a folder in '/proc'"),
     (["predict", f"source={IMAGE}", "project=/proc/x"], "cannot make a folder in '/proc'"),
 ]
@@ -212,6 +222,44 @@ BAD_LINES: list[tuple[list[str], str]] = [
 
 def _id(row: tuple[list[str], str]) -> str:
     return " ".join(row[0]).encode("unicode_escape").decode()[:60]
+
+
+@functools.cache
+def _hostile_files() -> dict[str, bytes]:
+    """The model yamls and checkpoints of the issue-25 rows, made once: a yaml with width multiple 1e6, one with a
+    million repeats, and a 2-class YOLOv8n checkpoint with a NaN weight, with a weight of another shape, and with
+    class names keyed by text."""
+    import copy
+    import tempfile
+
+    import torch
+    import yaml
+
+    from detrain.nn.model import DetectionModel, load_model_yaml
+    from detrain.weights.checkpoint import model_meta, save_checkpoint
+
+    d, _ = load_model_yaml("yolov8.yaml")
+    wide = {**copy.deepcopy(d), "scale": "n"}
+    wide["scales"]["n"] = [0.33, 1e6, 1024]
+    deep = {**copy.deepcopy(d), "scale": "n"}
+    deep["backbone"][2][1] = 10**6
+    files = {WIDE: yaml.safe_dump(wide).encode(), DEEP: yaml.safe_dump(deep).encode()}
+    net = DetectionModel(nc=2)
+    for name, key, value in [
+        (NAN_PT, "model.0.conv.weight", None),
+        (SHAPE_PT, "model.0.conv.weight", torch.zeros(8, 3, 3, 3)),
+        (NAMES_PT, "names", {"a": "cat", "b": "dog"}),
+    ]:
+        meta = {**copy.deepcopy(model_meta(net, 64)), "state_dict": copy.deepcopy(net.state_dict())}
+        if name == NAN_PT:
+            meta["state_dict"][key][0, 0, 0, 0] = float("nan")
+        elif name == SHAPE_PT:
+            meta["state_dict"][key] = value
+        else:
+            meta[key] = value
+        with tempfile.TemporaryDirectory() as tmp:  # save_checkpoint writes a file (atomically)
+            files[name] = save_checkpoint({"model": meta, "ema": None}, Path(tmp) / name).read_bytes()
+    return files
 
 
 @pytest.fixture
@@ -227,6 +275,8 @@ def workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     Path(FOLDER_PT).mkdir()
     Path(PLAIN_FILE).write_text("a file where a folder would go\n")
     Path(BOMB).write_text(BOMB_TEXT)
+    for name, data in _hostile_files().items():
+        Path(name).write_bytes(data)
 
     def tripwire(*args: object, **kwargs: object) -> None:
         raise AssertionError("a bad command line got past the checks and started work")

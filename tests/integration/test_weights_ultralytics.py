@@ -669,8 +669,9 @@ def test_an_ultralytics_yolo26_file_detrain_cannot_build_is_refused_in_one_line(
 
 
 def test_a_small_file_cannot_make_detrain_build_a_huge_model(tmp_path: Path, fake_ultralytics: dict) -> None:
-    """The recorded architecture is sized on the meta device against the file's own tensors before anything is
-    allocated: a yaml asking for a 2**24-channel layer (tens of GB) is refused, not built."""
+    """The recorded architecture is checked against the builder's bounds (a 2**24-channel layer, tens of GB, is
+    refused from the yaml alone), then sized on the meta device against the file's own tensors before anything is
+    allocated (a layer within the bounds that the file holds no weights for is refused too, not built)."""
     import resource
 
     from detrain.nn.model import MAX_REPEATS, DetectionModel
@@ -679,13 +680,18 @@ def test_a_small_file_cannot_make_detrain_build_a_huge_model(tmp_path: Path, fak
     wide = copy.deepcopy(ours.yaml)
     wide["backbone"][1] = [-1, 1, "Conv", [2**26, 3, 2]]
     wide["scales"]["n"] = [0.5, 0.25, 2**30]  # no channel cap: 2**24 channels at width 0.25
+    wider = copy.deepcopy(wide)
+    wider["backbone"][1] = [-1, 1, "Conv", [2**15, 3, 2]]  # 8192 channels: within the bounds, not in the file
     deep = copy.deepcopy(ours.yaml)
     deep["backbone"][2] = [-1, 10**9, "C3k2", [256, False, 0.25]]
     wide_path = _synthetic_file(tmp_path, fake_ultralytics, ours, wide, "wide.pt")
+    wider_path = _synthetic_file(tmp_path, fake_ultralytics, ours, wider, "wider.pt")
     deep_path = _synthetic_file(tmp_path, fake_ultralytics, ours, deep, "deep.pt")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    message = _refusal(wide_path)
-    assert f"model.1.conv.weight has shape (32, 16, 3, 3), expected ({2**24}, 16, 3, 3)" in message
+    assert f"{2**24} output channels at width multiple 0.25; detrain builds at most 8192 per layer" in (
+        _refusal(wide_path)
+    )
+    assert "model.1.conv.weight has shape (32, 16, 3, 3), expected (8192, 16, 3, 3)" in _refusal(wider_path)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: well under 1 GB more
     assert f"model layer 2 (C3k2 [256, False, 0.25]) cannot be built: {5 * 10**8} repeats; detrain builds 0 to " in (
         _refusal(deep_path)

@@ -129,3 +129,31 @@ def test_160_fuzzed_files_each_load_or_are_refused(bases: list[fw.Base], tmp_pat
     assert tally.counts["recompress"]["ok"] == sum(tally.counts["recompress"].values()) > 0  # still valid files
     assert set(tally.counts) >= {*fp.MUTATIONS, *fz.MUTATIONS}  # every mutation ran
     assert "| **total**        |   160 |" in fw.table(tally)
+
+
+@needs_weights
+def test_hostile_yaml_values_and_non_finite_weights_meet_the_model_checks(bases: list[fw.Base], tmp_path: Path) -> None:
+    """The two mutations aimed at the readers behind the unpickler (issue 25): a value of the recorded model yaml
+    made hostile must be refused in one line by the model-yaml or shape checks (or build a model that still fits
+    the weights), NaN or infinity written into a tensor by the finiteness check, each in its sandbox."""
+    from detrain.errors import CheckpointError
+
+    ends: dict[str, list[str]] = {"yaml_value": [], "weight_nonfinite": []}
+    for index in range(40):
+        base = bases[index % 2]
+        rng = random.Random(f"aimed/{index}")
+        if index % 4:
+            name = "yaml_value"
+            data = fz.write_zip(base.with_pickle(fp.MUTATIONS[name](rng, base.pickle)))
+        else:
+            name = "weight_nonfinite"
+            data = fz.MUTATIONS[name](rng, base.records)
+        path = tmp_path / f"{base.name}.pt"
+        path.write_bytes(data)
+        outcome = run_isolated(fw.load_target(path), (CheckpointError,), cpu_s=5, mem_bytes=1 << 30, wall_s=120)
+        assert outcome.acceptable, (index, name, outcome)
+        ends[name].append(f"{outcome.kind}: {outcome.detail}")
+    yaml_checks = [e for e in ends["yaml_value"] if "cannot build the model it records" in e or "does not fit" in e]
+    assert len(yaml_checks) >= len(ends["yaml_value"]) // 2, ends["yaml_value"]
+    assert all("holds NaN or infinite values" in e for e in ends["weight_nonfinite"] if e.startswith("refused")), ends
+    assert sum("holds NaN or infinite values" in e for e in ends["weight_nonfinite"]) >= 6, ends["weight_nonfinite"]

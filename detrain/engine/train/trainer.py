@@ -44,7 +44,7 @@ from detrain.errors import Preempted
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.nn.head import LossGains
 from detrain.plots.train import plot_results, plot_train_batch
-from detrain.weights.checkpoint import model_meta, save_checkpoint
+from detrain.weights.checkpoint import load_weights, model_meta, save_checkpoint
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -208,13 +208,14 @@ class Trainer:
             model = pretrained.start_weights(model, cfg, verbose=self.main)
         frozen = freeze.freeze_layers(model, cfg.train.freeze, verbose=self.main)
         if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
-            model.load_state_dict(self.resume_ckpt["model"]["state_dict"])
+            load_weights(model, self.resume_ckpt["model"]["state_dict"], str(cfg.train.resume))
         self.model: nn.Module = model.to(self.device)  # in a group, parallel.wrap's wrapper around it (_make_parallel)
         if self.device.type in ("cpu", "cuda"):
             self.model = _to_channels_last(self.model)
         self.ema = ModelEMA(self.model, fixed=freeze.parameter_names(model, frozen))
         if self.resume_ckpt is not None and self.resume_ckpt.get("ema"):
-            self.ema.ema.load_state_dict(self.resume_ckpt["ema"]["state_dict"])
+            ema_model = cast("DetectionModel", self.ema.ema)  # a copy of the model above
+            load_weights(ema_model, self.resume_ckpt["ema"]["state_dict"], f"{cfg.train.resume} (its EMA)")
             self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
 
     def _make_parallel(self) -> None:
