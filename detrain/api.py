@@ -82,7 +82,7 @@ class Model:
         other than node 0 of a multi-node run (``node_rank > 0``), which holds neither the metrics nor the run
         folder, it returns None.
         """
-        cfg = make_cfg({"model": self.source, **kwargs})
+        cfg = make_cfg({"model": self.source, **kwargs}, "train")
         from detrain.run.task import run_task
 
         result = run_task("train", cfg, self.callbacks)
@@ -98,7 +98,7 @@ class Model:
         """Validate (COCO-exact metrics) with the CLI's keys; returns a
         :class:`~detrain.metrics.det_metrics.DetectionMetrics` as :meth:`train` does (None on a node other than
         node 0 of a multi-node run)."""
-        cfg = make_cfg({"model": self.source, **kwargs})
+        cfg = make_cfg({"model": self.source, **kwargs}, "val")
         from detrain.run.task import run_task
 
         result = run_task("val", cfg)
@@ -120,7 +120,7 @@ class Model:
 
         kwargs.setdefault("save", False)
         text = source if isinstance(source, (str, Path, int)) and not isinstance(source, bool) else None
-        cfg = make_cfg({"model": self.source, "source": "" if text is None else str(text), **kwargs})
+        cfg = make_cfg({"model": self.source, "source": "" if text is None else str(text), **kwargs}, "predict")
         device, half = inference_device(cfg, note=False)
         results = stream_predict(
             cfg,
@@ -159,7 +159,7 @@ class Model:
         """
         from detrain.nn.info import model_info, print_info
 
-        cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose})
+        cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose}, "info")
         report = model_info(self.net, cfg.inputs.imgsz)
         if cfg.output.verbose:
             print_info(report, title=self.source)
@@ -171,7 +171,7 @@ class Model:
         else ``runs/export/exp*/model.<suffix>``."""
         from detrain.engine.export import SUFFIXES, export_model
 
-        cfg = make_cfg({"model": self.source, **kwargs})
+        cfg = make_cfg({"model": self.source, **kwargs}, "export")
         suffix = SUFFIXES[cfg.export.format]
         out = (
             Path(self.source).with_suffix(suffix)
