@@ -76,6 +76,10 @@ class Model:
     def train(self, **kwargs: Any) -> DetectionMetrics | None:
         """Train with the CLI's keys; ``device=[0, 1]`` or ``"cpu,cpu"`` trains on several workers.
 
+        As in Ultralytics: ``cfg="args.yaml"`` reads keys from a yaml beneath the keywords given here and this
+        Model's own model (see :func:`detrain.config.cfg.make_cfg`); ``task="detect"`` and ``mode="train"`` are
+        accepted; ``batch=-1`` or a fraction picks the largest batch that fits each GPU (AutoBatch).
+
         Returns the final validation as a :class:`~detrain.metrics.det_metrics.DetectionMetrics` (Ultralytics'
         shape: ``.box.map``, ``.box.map50``, ``.results_dict``, ``.speed``, ``.save_dir``); afterwards this Model
         holds the best weights. The callbacks of :meth:`add_callback` fire on rank 0 during the run. On a node
@@ -151,7 +155,8 @@ class Model:
         """Layers, parameters (as is and fused), gradients, GFLOPs at ``imgsz``, strides and classes.
 
         With ``verbose`` the per-layer table (index, from, repeats, params, module, arguments, GFLOPs) and
-        a summary line are printed too. ``imgsz`` must be a multiple of 32, as for every command.
+        a summary line are printed too. An ``imgsz`` that is no multiple of 32 is rounded up to one with a
+        warning line, as for every command.
 
         >>> info = Model("n.yaml").info(imgsz=640, verbose=False)
         >>> info.params, info.fused_params, round(info.gflops, 1), info.stride, info.nc
