@@ -17,6 +17,7 @@ from _fake_gpu import FakeMemory, sized_steps
 
 from detrain import Model
 from detrain.config.cfg import make_cfg
+from detrain.data.prepare import load_split
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.launch import launch, parse_device
 from detrain.engine.train import auto_batch
@@ -62,10 +63,14 @@ def test_with_a_fake_gpu_the_real_steps_are_measured_and_the_fit_trains(
     # 4 GiB available, 60 %: (2.4 - 0.5) / 0.3 = 6 images per step
     memory = FakeMemory(total_bytes=8 * GIB, available_bytes=4 * GIB, fixed=0.5 * GIB, per_image=0.3 * GIB)
     real_steps = auto_batch.model_steps
-    monkeypatch.setattr(auto_batch, "model_steps", lambda *a: sized_steps(real_steps(*a)))
+    probed: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(auto_batch, "model_steps", lambda *a: (probed.append(a), sized_steps(real_steps(*a)))[1])
     monkeypatch.setattr(auto_batch, "pick_batch", functools.partial(auto_batch.pick_batch, memory=memory))
-    metrics = Model("n.yaml").train(data=str(data), batch=-1, **TINY, project=str(tmp_path))
+    metrics = Model("n.yaml").train(data=str(data), batch=-1, multi_scale=True, **TINY, project=str(tmp_path))
     assert metrics is not None
+    crowded = max(len(r.cls) for r in load_split(str(data), "train", verbose=False).records)
+    # training's largest size (multi_scale: 1.5 x 64 = 96), validation's; a mosaic's four images' boxes
+    assert [(a[1], a[2]) for a in probed] == [((96, 64), 4 * crowded)]
     assert [b for kind, b in memory.runs if kind == "train"] == [1, 2, 4, 8, 16]  # real steps, on this CPU
     assert "AutoBatch: batch=6 (6 per worker x 1) for 60% of GPU memory" in capsys.readouterr().out
     assert _recorded_batches(Path(metrics.save_dir)) == (6, 6)

@@ -132,14 +132,15 @@ def test_the_real_steps_run_forward_loss_and_backward_on_a_copy(yaml: str) -> No
 
     model, _ = build_model(yaml, nc=3, verbose=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    steps = model_steps(model, 64, objects=5, dtypes=(torch.bfloat16, None), device=CPU)
+    steps = model_steps(model, (96, 64), objects=5, dtypes=(torch.bfloat16, None), device=CPU)
     seen: list[torch.Tensor] = []
     handle = steps_net_hook(steps, seen)
     steps.train(2)
     assert steps.val is not None
     steps.val(3)
     handle.remove()
-    assert [t.shape[0] for t in seen] == [2, 3] and seen[0].dtype == torch.bfloat16 and seen[1].dtype == torch.float32
+    assert [t.shape[:1] + t.shape[2:] for t in seen] == [(2, 48, 48), (3, 32, 32)]  # the first conv halves the size
+    assert seen[0].dtype == torch.bfloat16 and seen[1].dtype == torch.float32
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # BatchNorm statistics too
     assert all(p.grad is None for p in model.parameters())
 

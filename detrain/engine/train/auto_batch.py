@@ -2,8 +2,9 @@
 of each GPU's memory (-1: 60 %), as Ultralytics' AutoBatch, and on every rank the same.
 
 How: a few batch sizes (1, 2, 4, 8, 16, and 32, 64 on a GPU of 16 GiB or more) each run one training step of the
-real model (forward under the run's autocast, the model's own loss on synthetic boxes as many per image as the
-dataset's most crowded one, backward) on a copy of the model, and the peak memory each adds
+real model (forward under the run's autocast at the largest size training takes, 1.5 x imgsz with multi_scale;
+the model's own loss on synthetic boxes, four times as many per image as the dataset's most crowded one with
+mosaic, as Ultralytics; backward) on a copy of the model, and the peak memory each adds
 (``torch.cuda.max_memory_allocated``) is measured; a line fitted through those points says how many images fit
 the fraction of the memory still available. Training-time validation runs whole batches of the *global* batch on
 every rank, so validation's forward is measured too and the global batch must fit it as well. A size that runs
@@ -41,6 +42,7 @@ GIB = 1 << 30
 FALLBACK_BATCH = 16  # off CUDA, or where the measurement fails (Ultralytics' default batch)
 MAX_LOCAL_BATCH = 1024  # per rank: beyond it a fit is an extrapolation far past what was measured
 MAX_PROBE_OBJECTS = 1000  # synthetic boxes per image at most (a detection label file rarely holds more)
+CHANNELS_LAST = torch.channels_last  # the trainer's memory format
 
 
 class Memory(Protocol):
@@ -206,18 +208,18 @@ class ProbeSteps:
 
 def model_steps(
     model: DetectionModel,
-    imgsz: int,
+    imgsz: tuple[int, int],
     objects: int,
     dtypes: tuple[torch.dtype | None, torch.dtype | None],
     device: torch.device,
 ) -> ProbeSteps:
-    """:class:`ProbeSteps` of a copy of ``model`` (a DetectionModel) at ``imgsz`` with ``objects`` boxes per image
-    (at least 1, at most :data:`MAX_PROBE_OBJECTS`), under autocast in ``dtypes`` (training's, validation's; None:
-    float32). Images and boxes are made the same way every time, with no random draw (the run's generators stay
-    where they are).
+    """:class:`ProbeSteps` of a copy of ``model`` (a DetectionModel) at ``imgsz`` (training's largest size,
+    validation's) with ``objects`` boxes per image (at least 1, at most :data:`MAX_PROBE_OBJECTS`), under autocast
+    in ``dtypes`` (training's, validation's; None: float32). Images and boxes are made the same way every time,
+    with no random draw (the run's generators stay where they are).
 
     >>> from detrain.nn.model import DetectionModel
-    >>> steps = model_steps(DetectionModel(nc=2), 64, 3, (None, None), torch.device("cpu"))
+    >>> steps = model_steps(DetectionModel(nc=2), (96, 64), 3, (None, None), torch.device("cpu"))
     >>> steps.train(2); steps.val(2)
     """
     net = copy.deepcopy(model).to(device)
@@ -225,6 +227,7 @@ def model_steps(
     k = min(max(objects, 1), MAX_PROBE_OBJECTS)
     nc = int(net.nc)
     train_dtype, val_dtype = dtypes
+    train_size, val_size = imgsz
 
     side = math.ceil(math.sqrt(k))  # the boxes on a grid over the image, each 80 % of its cell
     i = torch.arange(k, device=device)
@@ -238,7 +241,7 @@ def model_steps(
 
     def train(b: int) -> None:
         net.train()
-        imgs = torch.full((b, 3, imgsz, imgsz), 0.5, device=device).contiguous(memory_format=torch.channels_last)
+        imgs = torch.full((b, 3, train_size, train_size), 0.5, device=device).contiguous(memory_format=CHANNELS_LAST)
         with torch.autocast(device.type, dtype=train_dtype, enabled=train_dtype is not None):
             maps = net(imgs)
         loss, _ = criterion.score(criterion.assign(maps, *labels(b)), None, None)
@@ -247,7 +250,7 @@ def model_steps(
 
     def val(b: int) -> None:
         net.eval()
-        imgs = torch.full((b, 3, imgsz, imgsz), 0.5, device=device).contiguous(memory_format=torch.channels_last)
+        imgs = torch.full((b, 3, val_size, val_size), 0.5, device=device).contiguous(memory_format=CHANNELS_LAST)
         with torch.no_grad(), torch.autocast(device.type, dtype=val_dtype, enabled=val_dtype is not None):
             net(imgs)
 

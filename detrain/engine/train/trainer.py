@@ -194,11 +194,13 @@ class Trainer:
             return
         train = train_dtype(cfg.train.amp, self.device)
         dtypes = (train, None if train is None else torch.float16)  # validation's, as choose_precision's
-        objects = max((len(r.cls) for r in self.data.records), default=1)
+        # as Ultralytics: a mosaic holds up to four images' boxes, multi_scale trains up to 1.5 x imgsz
+        objects = max((len(r.cls) for r in self.data.records), default=1) * (4 if cfg.augment.mosaic > 0 else 1)
+        largest = -(-int(cfg.inputs.imgsz * (1.5 if cfg.train.multi_scale else 1)) // 32) * 32
         chosen = auto_batch.pick_batch(
             cfg.train.batch,
             self.device,
-            lambda: auto_batch.model_steps(self._bare(), cfg.inputs.imgsz, objects, dtypes, self.device),
+            lambda: auto_batch.model_steps(self._bare(), (largest, cfg.inputs.imgsz), objects, dtypes, self.device),
             self.planned_world,
             len(self.data.records),
             self._say,
