@@ -76,13 +76,17 @@ class Model:
     def train(self, **kwargs: Any) -> DetectionMetrics | None:
         """Train with the CLI's keys; ``device=[0, 1]`` or ``"cpu,cpu"`` trains on several workers.
 
+        As in Ultralytics: ``cfg="args.yaml"`` reads keys from a yaml beneath the keywords given here and this
+        Model's own model (see :func:`detrain.config.cfg.make_cfg`); ``task="detect"`` and ``mode="train"`` are
+        accepted; ``batch=-1`` or a fraction picks the largest batch that fits each GPU (AutoBatch).
+
         Returns the final validation as a :class:`~detrain.metrics.det_metrics.DetectionMetrics` (Ultralytics'
         shape: ``.box.map``, ``.box.map50``, ``.results_dict``, ``.speed``, ``.save_dir``); afterwards this Model
         holds the best weights. The callbacks of :meth:`add_callback` fire on rank 0 during the run. On a node
         other than node 0 of a multi-node run (``node_rank > 0``), which holds neither the metrics nor the run
         folder, it returns None.
         """
-        cfg = make_cfg({"model": self.source, **kwargs})
+        cfg = make_cfg({"model": self.source, **kwargs}, "train")
         from detrain.run.task import run_task
 
         result = run_task("train", cfg, self.callbacks)
@@ -98,7 +102,7 @@ class Model:
         """Validate (COCO-exact metrics) with the CLI's keys; returns a
         :class:`~detrain.metrics.det_metrics.DetectionMetrics` as :meth:`train` does (None on a node other than
         node 0 of a multi-node run)."""
-        cfg = make_cfg({"model": self.source, **kwargs})
+        cfg = make_cfg({"model": self.source, **kwargs}, "val")
         from detrain.run.task import run_task
 
         result = run_task("val", cfg)
@@ -120,7 +124,7 @@ class Model:
 
         kwargs.setdefault("save", False)
         text = source if isinstance(source, (str, Path, int)) and not isinstance(source, bool) else None
-        cfg = make_cfg({"model": self.source, "source": "" if text is None else str(text), **kwargs})
+        cfg = make_cfg({"model": self.source, "source": "" if text is None else str(text), **kwargs}, "predict")
         device, half = inference_device(cfg, note=False)
         results = stream_predict(
             cfg,
@@ -151,7 +155,8 @@ class Model:
         """Layers, parameters (as is and fused), gradients, GFLOPs at ``imgsz``, strides and classes.
 
         With ``verbose`` the per-layer table (index, from, repeats, params, module, arguments, GFLOPs) and
-        a summary line are printed too. ``imgsz`` must be a multiple of 32, as for every command.
+        a summary line are printed too. An ``imgsz`` that is no multiple of 32 is rounded up to one with a
+        warning line, as for every command.
 
         >>> info = Model("n.yaml").info(imgsz=640, verbose=False)
         >>> info.params, info.fused_params, round(info.gflops, 1), info.stride, info.nc
@@ -159,7 +164,7 @@ class Model:
         """
         from detrain.nn.info import model_info, print_info
 
-        cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose})
+        cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose}, "info")
         report = model_info(self.net, cfg.inputs.imgsz)
         if cfg.output.verbose:
             print_info(report, title=self.source)
@@ -171,7 +176,7 @@ class Model:
         else ``runs/export/exp*/model.<suffix>``."""
         from detrain.engine.export import SUFFIXES, export_model
 
-        cfg = make_cfg({"model": self.source, **kwargs})
+        cfg = make_cfg({"model": self.source, **kwargs}, "export")
         suffix = SUFFIXES[cfg.export.format]
         out = (
             Path(self.source).with_suffix(suffix)

@@ -16,7 +16,7 @@ from typing import Any
 import typer
 
 from detrain import __version__
-from detrain.config.cfg import COMMAND_KEYS, comments, defaults, make_cfg, parse_cli_args
+from detrain.config.cfg import COMMAND_KEYS, TASK, command_values, comments, defaults, make_cfg, parse_cli_args
 from detrain.config.keys import SECTION_OF, TITLES
 from detrain.errors import EXIT_PREEMPTED, DetrainError, Preempted
 
@@ -44,8 +44,13 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
     help="Train YOLO-style object detectors on one or many devices and machines. "
-    "Arguments are key=value (or --key value); see 'detrain train --help' for every key.",
+    "Arguments are key=value (or --key value); see 'detrain train --help' for every key. "
+    "As with Ultralytics' yolo: cfg=FILE reads keys from a yaml (a run's args.yaml; the command line wins), "
+    "task=detect and mode=<the command> are accepted, and 'detrain detect train ...' or 'detrain mode=train ...' "
+    "name the command.",
 )
+
+COMMAND_NAMES = ("train", "val", "predict", "export", "info")
 
 
 def _args(ctx: typer.Context) -> dict[str, Any]:
@@ -56,7 +61,7 @@ def _args(ctx: typer.Context) -> dict[str, Any]:
 @app.command(context_settings=_EXTRA, epilog=_keys_help("train"))
 def train(ctx: typer.Context) -> None:
     """Train a detector: detrain train data=coco8.yaml model=n.yaml epochs=3 device=0,1"""
-    cfg = make_cfg(_args(ctx))
+    cfg = make_cfg(_args(ctx), "train")
     from detrain.run.task import run_task
 
     run_task("train", cfg)
@@ -65,7 +70,7 @@ def train(ctx: typer.Context) -> None:
 @app.command(context_settings=_EXTRA, epilog=_keys_help("val"))
 def val(ctx: typer.Context) -> None:
     """Evaluate weights (COCO-exact mAP): detrain val model=best.pt data=coco8.yaml device=cpu,cpu"""
-    cfg = make_cfg(_args(ctx))
+    cfg = make_cfg(_args(ctx), "val")
     from detrain.run.task import run_task
 
     run_task("val", cfg)
@@ -74,7 +79,7 @@ def val(ctx: typer.Context) -> None:
 @app.command(context_settings=_EXTRA, epilog=_keys_help("predict"))
 def predict(ctx: typer.Context) -> None:
     """Detect objects in images, videos, cameras and streams: detrain predict model=best.pt source=path/to/images"""
-    cfg = make_cfg(_args(ctx))
+    cfg = make_cfg(_args(ctx), "predict")
     from detrain.engine.predict.predictor import stream_predict
 
     results = stream_predict(cfg)
@@ -90,7 +95,7 @@ def export(ctx: typer.Context) -> None:
     """Export weights to ONNX or TorchScript: detrain export model=best.pt format=torchscript"""
     from detrain.api import Model
 
-    args = _args(ctx)
+    args = command_values(_args(ctx), "export")  # a cfg= file's keys beneath the command line's
     sha256 = make_cfg({"weights_sha256": args.pop("weights_sha256", "")}).inputs.weights_sha256
     path = Model(args.pop("model", defaults()["model"]), weights_sha256=sha256).export(**args)
     typer.echo(f"exported {path}")
@@ -99,7 +104,7 @@ def export(ctx: typer.Context) -> None:
 @app.command(context_settings=_EXTRA, epilog=_keys_help("info"))
 def info(ctx: typer.Context) -> None:
     """Describe a model: layers, parameters, GFLOPs at imgsz, strides, classes: detrain info model=best.pt"""
-    cfg = make_cfg(_args(ctx))
+    cfg = make_cfg(_args(ctx), "info")
     from detrain.api import Model
     from detrain.nn.info import print_info
 
@@ -141,10 +146,28 @@ def _one_line(message: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
+def command_first(argv: list[str]) -> list[str]:
+    """The words in the order the commands read them, from Ultralytics' orders too: ``detect train k=v`` (the
+    task first) and ``mode=train k=v`` (the command as a key) become ``train k=v`` (``mode=`` stays: it matches).
+
+    >>> command_first(["detect", "train", "epochs=3"]), command_first(["task=detect", "mode=val", "data=a.yaml"])
+    (['train', 'epochs=3'], ['val', 'task=detect', 'mode=val', 'data=a.yaml'])
+    """
+    words = list(argv)
+    if words[:1] == [TASK]:
+        words = words[1:]
+    if words and "=" in words[0] and not words[0].startswith("-"):
+        modes = [w.split("=", 1)[1].strip() for w in words if w.startswith("mode=")]
+        if len(modes) == 1 and modes[0] in COMMAND_NAMES:
+            words = [modes[0], *words]
+    return words
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: user errors become one line on stderr and exit code 2."""
     try:
-        app(args=argv, prog_name="detrain", standalone_mode=False)
+        args = command_first(sys.argv[1:] if argv is None else argv)
+        app(args=args, prog_name="detrain", standalone_mode=False)
     except DetrainError as e:
         typer.echo(f"error: {_one_line(str(e))}", err=True)
         sys.exit(2)

@@ -283,3 +283,17 @@ def pending_grads(args: dict[str, Any], world: World) -> dict[str, Any]:
     net.bias.grad = None if dist.rank() == 1 else torch.full_like(net.bias, 4.0)
     accumulation.load_flat_gradients(net, dist.reduce_mean(accumulation.flat_gradients(net)))  # as the trainer does
     return {k: v.tolist() for k, v in accumulation.saved(net).items()}
+
+
+def auto_batch(args: dict[str, Any], world: World) -> dict[str, Any]:
+    """AutoBatch on two ranks whose fake GPUs differ (rank 1 has half the memory): what each chose."""
+    from _fake_gpu import FakeMemory, fake_steps
+
+    from detrain.engine.train.auto_batch import GIB, pick_batch
+
+    dist.setup(world, timeout_s=30.0)
+    memory = FakeMemory(available_bytes=(70 if dist.rank() == 0 else 35) * GIB, name=f"fake:{dist.rank()}")
+    said: list[str] = []
+    chosen = pick_batch(-1, torch.device("cpu"), fake_steps, dist.world_size(), 10_000, said.append, memory)
+    dist.barrier("end")
+    return {"rank": dist.rank(), "batch": chosen, "said": said, "all": dist.all_gather_object(chosen)}

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from detrain.config.cfg_file import read_cfg_file
 from detrain.config.keys import (
     COMMAND_KEYS,
     LAUNCH_KEYS,
@@ -36,8 +37,9 @@ from detrain.config.keys import (
     comments,
     defaults,
 )
-from detrain.config.values import INT_LIMIT, WEIGHTS_SUFFIXES, coerce, fail, node_range
+from detrain.config.values import INT_LIMIT, WEIGHTS_SUFFIXES, coerce, fail, is_auto_batch, node_range, note
 from detrain.errors import ConfigError
+from detrain.system.text import excerpt, listed
 
 __all__ = [
     "CHOICES",
@@ -54,6 +56,7 @@ __all__ = [
     "Predict",
     "Train",
     "check_keys",
+    "command_values",
     "comments",
     "defaults",
     "make_cfg",
@@ -63,10 +66,19 @@ __all__ = [
 ]
 
 CHOICES: dict[str, tuple[Any, ...]] = {name: spec.choices for name, spec in SPECS.items() if spec.choices}
+SPECS_DEFAULTS: dict[str, Any] = defaults()
+# What Ultralytics users type beside the keys: a yaml of keys (cfg=), the task and the mode. make_cfg reads and
+# drops them; no Cfg holds them.
+WORDS = ("cfg", "task", "mode")
+# The one task detrain has (Ultralytics' name for it).
+TASK = "detect"
 
 
 def _shown(text: str) -> str:
-    """``text`` as it can be printed on one line: escaped when it holds anything not printable."""
+    """``text`` as it can be printed on one line: escaped when it holds anything not printable, cut when long (a
+    cfg= file's key may be any length)."""
+    if len(text) > 100:
+        return excerpt(text, 100, quote=False)
     return text if text.isprintable() else repr(text)[1:-1]
 
 
@@ -140,10 +152,13 @@ def _unknown(key: str, hint_command: str) -> ConfigError:
     return ConfigError(f"unknown argument '{_shown(key)}'{hint}")
 
 
-def check_keys(keys: Iterable[Any], command: str | None = None) -> None:
+def check_keys(keys: Iterable[Any], command: str | None = None, words: bool = False) -> None:
     """Raise a ConfigError for the first unknown key (suggesting the closest valid one) or, with ``command``,
-    for the first key that belongs to another command."""
+    for the first key that belongs to another command. With ``words``, Ultralytics' cfg, task and mode pass too
+    (:func:`make_cfg` reads them)."""
     for key in keys:
+        if words and key in WORDS:
+            continue
         if not isinstance(key, str) or key not in SECTION_OF:  # a yaml's 1: or null: is no key either
             raise _unknown(str(key), command or "train")
         if command is not None and key not in COMMAND_KEYS[command]:
@@ -173,10 +188,124 @@ def replace_cfg(cfg: Cfg, changes: Mapping[str, Any]) -> Cfg:
     return _build(values)
 
 
-def make_cfg(overrides: Mapping[str, Any] | None = None) -> Cfg:
+def make_cfg(overrides: Mapping[str, Any] | None = None, command: str | None = None) -> Cfg:
     """The defaults with ``overrides`` (flat keys: ``{"epochs": "3"}``), each read and checked. Raises ConfigError
-    on an unknown key or a bad value."""
-    return replace_cfg(Cfg(), overrides or {})
+    on an unknown key or a bad value.
+
+    ``overrides`` may also hold Ultralytics' words (:data:`WORDS`): ``cfg`` (a yaml of keys beneath the others:
+    :func:`command_values`), ``task`` (``detect``) and ``mode`` (``command`` itself). With ``command`` (train,
+    val, predict, export, info), a cfg file's keys of other commands are left out, and val and predict refuse an
+    AutoBatch ``batch`` (it sizes training batches)."""
+    file_name, from_file, given = _split(overrides or {}, command)
+    check_keys(given)
+    values = Cfg().to_dict()
+    values.update(_parsed(from_file, f"cfg={file_name}: "))
+    values.update(_parsed(given))
+    _check_together(values)
+    if command in ("val", "predict") and is_auto_batch(values["batch"]):
+        raise fail("batch", values["batch"], f"a number of images for 'detrain {command}' (AutoBatch sizes training)")
+    return _build(values)
+
+
+def command_values(overrides: Mapping[str, Any], command: str | None = None) -> dict[str, Any]:
+    """``overrides`` with a cfg= file's keys beneath them and Ultralytics' words checked and dropped: the flat keys
+    a command runs with, as given (``make_cfg`` reads them). For callers that hand the keys on (``detrain
+    export`` passes them to ``Model.export``)."""
+    _, from_file, given = _split(overrides, command)
+    return {**from_file, **given}
+
+
+def _split(overrides: Mapping[str, Any], command: str | None) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(the cfg file's name, the keys it gives, the keys given beside it), Ultralytics' words checked and
+    dropped."""
+    given = dict(overrides)
+    file_name, from_file = _cfg_file(given.pop("cfg", None), command, given)
+    _check_task(given.pop("task", None))
+    _check_mode(given.pop("mode", None), command)
+    return file_name, from_file, given
+
+
+def _parsed(values: Mapping[str, Any], where: str = "") -> dict[str, Any]:
+    """Each value read and checked (:func:`parse_value`); an error line starts with ``where`` (the cfg file)."""
+    out = {}
+    for key, value in values.items():
+        try:
+            out[key] = parse_value(key, value)
+        except ConfigError as e:
+            raise ConfigError(f"{where}{e}") from None
+    return out
+
+
+def _check_task(task: Any, where: str = "") -> None:
+    """``task``: detect, or nothing; any other task is one line (detrain trains detectors only)."""
+    if task is None or (isinstance(task, str) and task.strip().lower() in ("", TASK)):
+        return
+    raise ConfigError(
+        f"{where}task={_shown(str(task))} is not supported: detrain trains and runs detection models only "
+        f"(task={TASK}, or leave task out)"
+    )
+
+
+def _check_mode(mode: Any, command: str | None) -> None:
+    """``mode``: the command itself (``detrain train mode=train``), or nothing; another mode is one line."""
+    if mode is None or command is None or (isinstance(mode, str) and mode.strip().lower() in ("", command)):
+        return
+    raise ConfigError(
+        f"mode={_shown(str(mode))} does not match the command 'detrain {command}': run 'detrain "
+        f"{_shown(str(mode))} ...', or leave mode out"
+    )
+
+
+def _cfg_file(path: Any, command: str | None, given: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the file's name as messages show it, the keys a ``cfg=`` file gives this command, less those ``given``
+    overrides). Its ``mode`` is the run's that wrote it and is dropped (the command decides); its ``task`` must be
+    detect; a ``resume`` it recorded is left out (a file starts a new run; resume= on the command line continues
+    one); keys of other commands are left out (an args.yaml holds every key), with a line naming those that are
+    not at their defaults. An unknown key is an error naming the file."""
+    if path is None:
+        return "", {}
+    name, document = read_cfg_file(path)
+    where = f"cfg={name}: "
+    unknown = [str(key) for key in document if key not in SECTION_OF and key not in WORDS]
+    if len(unknown) == 1:
+        raise ConfigError(where + str(_unknown(unknown[0], command or "train")))
+    if unknown:  # an Ultralytics args.yaml has dozens: name them all at once
+        raise ConfigError(
+            f"{where}{len(unknown)} unknown arguments: {listed([_shown(k) for k in unknown], 80)}; run 'detrain "
+            f"{command or 'train'} --help' for the keys"
+        )
+    nested = document.pop("cfg", None)
+    if nested not in (None, ""):
+        raise ConfigError(f"{where}a cfg file cannot name another (cfg: {excerpt(nested, 40)}); merge them into one")
+    _check_task(document.pop("task", None), where)
+    document.pop("mode", None)
+    resume = document.pop("resume", None)
+    if resume not in (None, False, "", "false", "False") and "resume" not in given:
+        note(
+            f"note: {where}resume: {excerpt(resume, 40)} is left out (a cfg file starts a new run; resume= on the "
+            "command line continues one)"
+        )
+    return name, _for_command(document, command, given, where)
+
+
+def _for_command(document: dict[str, Any], command: str | None, given: Mapping[str, Any], where: str) -> dict:
+    """The file's keys ``command`` takes, less those ``given`` overrides; one line for the others whose values
+    differ from the defaults (they change nothing here, which the user may not expect)."""
+    takes = COMMAND_KEYS[command] if command is not None else tuple(SECTION_OF)
+    left_out = [k for k in document if k not in takes]
+    changed = [k for k in left_out if not _is_default(k, document[k])]
+    if changed:
+        note(
+            f"note: {where}{len(changed)} key{'s' * (len(changed) > 1)} that 'detrain {command}' does not take "
+            f"{'are' if len(changed) > 1 else 'is'} left out: {listed(changed, 60)}"
+        )
+    return {k: v for k, v in document.items() if k in takes and k not in given}
+
+
+def _is_default(key: str, value: Any) -> bool:
+    """Whether a file's ``value`` for ``key`` equals its default (compared as given: an args.yaml's are)."""
+    default = SPECS_DEFAULTS[key]
+    return type(value) is type(default) and value == default
 
 
 def parse_cli_args(args: list[str], command: str | None = None) -> dict[str, str]:
@@ -212,5 +341,5 @@ def parse_cli_args(args: list[str], command: str | None = None) -> dict[str, str
             )
         out[key] = value
         i += 1
-    check_keys(out, command)
+    check_keys(out, command, words=True)
     return out

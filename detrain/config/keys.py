@@ -21,18 +21,21 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from detrain.config.values import (
+    amp_mode,
     auto_or_count,
+    batch_size,
     cache_mode,
     class_ids,
     flag_or_weights,
     folder,
     freeze,
-    multiple_of_32,
     node_count,
     node_range,
     sha256_or_empty,
+    stride_multiple,
     zero_only,
 )
+from detrain.errors import ConfigError
 
 Device = str | int | list
 # Every command that takes keys, in the order an error names those that take a key ("it is for val and train").
@@ -142,7 +145,12 @@ class Inputs:
         commands=("train", "val"),
     )
     imgsz: int = key(
-        640, "input size in pixels (multiple of 32)", low=32, high=8192, check=multiple_of_32, commands=COMMANDS
+        640,
+        "input size in pixels, a multiple of 32 (the largest stride); another is rounded up to one, with a warning",
+        low=1,
+        high=8192,
+        check=stride_multiple,
+        commands=COMMANDS,
     )
     fraction: float = key(1.0, "fraction of the training images to use (for quick experiments)", low=0.0, high=1.0)
     single_cls: bool = key(
@@ -185,11 +193,12 @@ class Train:
         low=0.0,
         high=YEAR_H,
     )
-    batch: int = key(
+    batch: int | float = key(
         16,
         "global batch per step over all workers (must divide by them; with nnodes=MIN:MAX, by all "
-        "MAX nodes' workers); predict: pictures per forward pass",
-        low=1,
+        "MAX nodes' workers); train on CUDA: -1 or a fraction (0.7) picks the largest that fits 60% or that "
+        "fraction of each GPU's memory (AutoBatch; 16 on CPU); predict: pictures per forward pass",
+        parse=batch_size,
         commands=("train", "val", "predict"),
     )
     patience: int = key(100, "stop after this many epochs without a better fitness (0 = never stop early)", low=0)
@@ -216,10 +225,12 @@ class Train:
         parse=auto_or_count,
     )
     clip_grad: float = key(10.0, "clip the gradient norm to this value (0 = off)", low=0.0)
-    amp: bool = key(
+    amp: bool | str = key(
         True,
-        "automatic mixed precision on CUDA (bf16 where supported, else fp16 with a grad scaler; validation in fp16), "
-        "checked against fp32 on the model before training",
+        "mixed precision on CUDA: true (bf16 where supported, else fp16 with a grad scaler), bf16 or fp16 (that "
+        "dtype), false or fp32 (off); validation in fp16; checked against fp32 on the model before training; "
+        "off CUDA float32",
+        parse=amp_mode,
     )
     seed: int = key(0, "random seed of the run (0 to 2147483647)", low=0)
     deterministic: bool = key(
@@ -235,6 +246,14 @@ class Train:
     multi_scale: bool = key(False, "vary imgsz by +-50% per batch (chosen on rank 0, shared by all ranks)")
     rect: bool = key(False, "rectangular training batches (no mosaic)")
     val: bool = key(True, "validate after every epoch")
+
+    @property
+    def batch_images(self) -> int:
+        """``batch`` as a number of images. An AutoBatch value (-1, a fraction) has none yet: the trainer chooses
+        one before anything reads it (engine/train/auto_batch.py), and val and predict refuse such values."""
+        if isinstance(self.batch, float) or self.batch < 1:
+            raise ConfigError(f"batch={self.batch:g} asks AutoBatch for a size, which training chooses on a GPU")
+        return self.batch
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ from typing import Any, Union, get_args, get_origin
 
 from detrain.distributed.launch_checks import parse_nnodes
 from detrain.errors import ConfigError, DistributedError
+from detrain.log import console
 from detrain.system.net import is_sha256
+from detrain.system.text import excerpt
 
 # Integers above this (or below its negative) are typos: they overflow numpy's seeds, timers and tensor sizes.
 INT_LIMIT = 2**31 - 1
@@ -30,13 +32,34 @@ NAME_MAX = 255
 TRUE = {"true", "yes", "1", "on"}
 FALSE = {"false", "no", "0", "off", ""}
 NONE = {"null", "none", "~"}
+# The longest text an error line quotes whole; longer values are excerpted.
+QUOTE_CHARS = 200
+# The largest stride of every detrain model (P3-P5 heads: 8, 16, 32): image sizes are multiples of it.
+STRIDE = 32
+# batch=-1: AutoBatch fills this fraction of each GPU's memory (as Ultralytics).
+AUTO_BATCH_FRACTION = 0.6
 # the narrow types first, so that 'true' is a bool and not the string 'true'
 _NARROW_FIRST = {bool: 0, int: 1, float: 2, list: 3, str: 4}
 
 
 def fail(key: str, value: Any, valid: str) -> ConfigError:
-    """The one error line of a bad value: ``invalid value for 'imgsz': 33; expected a multiple of 32 ...``."""
-    return ConfigError(f"invalid value for '{key}': {value!r}; expected {valid}")
+    """The one error line of a bad value: ``invalid value for 'imgsz': 0; expected a value from 1 to 8192``."""
+    return ConfigError(f"invalid value for '{key}': {quoted(value)}; expected {valid}")
+
+
+def quoted(value: Any) -> str:
+    """``value`` as an error line shows it: its ``repr`` when that is short (what the user typed, recognisably),
+    else a short escaped excerpt (a cfg= file's value may be a 10 MB string or a list of a million items)."""
+    short = isinstance(value, (bool, float, type(None))) or (isinstance(value, int) and value.bit_length() < 256)
+    if short or (isinstance(value, str) and len(value) <= QUOTE_CHARS):
+        return repr(value)
+    return excerpt(value, QUOTE_CHARS)
+
+
+def note(text: str) -> None:
+    """One line on the console about a value taken other than as given (a rounded imgsz, a cfg= file's key left
+    out): printed where the arguments are read, once per reading."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def check_text(key: str, value: str) -> None:
@@ -194,10 +217,67 @@ def auto_or_count(key: str, value: Any) -> int | str:
     return value
 
 
-def multiple_of_32(key: str, value: int) -> int:
-    if value % 32:
-        raise fail(key, value, "a multiple of 32 (the largest stride)")
-    return value
+def stride_multiple(key: str, value: int) -> int:
+    """``imgsz``: a size that is no multiple of the largest stride is rounded up to the next one (at least one
+    stride), with one line naming both, as Ultralytics' check_imgsz does.
+
+    >>> stride_multiple("imgsz", 640), stride_multiple("imgsz", 100), stride_multiple("imgsz", 16)
+    warning: imgsz=100 is not a multiple of the largest stride 32; using imgsz=128
+    warning: imgsz=16 is not a multiple of the largest stride 32; using imgsz=32
+    (640, 128, 32)
+    """
+    rounded = max(-(-value // STRIDE) * STRIDE, STRIDE)
+    if rounded != value:
+        note(f"warning: {key}={value} is not a multiple of the largest stride {STRIDE}; using {key}={rounded}")
+    return rounded
+
+
+def amp_mode(key: str, value: Any) -> bool | str:
+    """``amp``: true or false, or the dtype to train in: bf16 or fp16 (fp32 is false), any case.
+
+    >>> amp_mode("amp", "true"), amp_mode("amp", "BF16"), amp_mode("amp", "fp16"), amp_mode("amp", "fp32")
+    (True, 'bf16', 'fp16', False)
+    """
+    if isinstance(value, str) and value.strip().lower() in ("bf16", "fp16", "fp32"):
+        word = value.strip().lower()
+        return False if word == "fp32" else word
+    try:
+        return coerce(key, value, bool)
+    except ConfigError:
+        raise fail(key, value, "true, false, bf16, fp16 or fp32") from None
+
+
+def batch_size(key: str, value: Any) -> int | float:
+    """``batch``: a number of images (at least 1), or AutoBatch on CUDA: -1 (a batch filling
+    :data:`AUTO_BATCH_FRACTION` of the GPU's memory) or the fraction itself, between 0 and 1.
+
+    >>> batch_size("batch", "16"), batch_size("batch", "16.0"), batch_size("batch", -1), batch_size("batch", "0.7")
+    (16, 16, -1, 0.7)
+    """
+    valid = "a number of images of at least 1, or AutoBatch: -1 (60% of the GPU's memory) or a fraction from 0 to 1"
+    try:
+        number = coerce(key, value, int | float)
+    except ConfigError:
+        raise fail(key, value, valid) from None
+    if isinstance(number, float) and 0 < number < 1:
+        return number
+    if isinstance(number, int) and (number >= 1 or number == -1):
+        return number
+    raise fail(key, number, valid)
+
+
+def is_auto_batch(batch: float) -> bool:
+    """Whether ``batch`` asks AutoBatch for a size (-1 or a fraction) rather than giving one.
+
+    >>> is_auto_batch(16), is_auto_batch(-1), is_auto_batch(0.5)
+    (False, True, True)
+    """
+    return batch == -1 or 0 < batch < 1
+
+
+def auto_batch_fraction(batch: float) -> float:
+    """The fraction of GPU memory an AutoBatch ``batch`` fills: its own, or :data:`AUTO_BATCH_FRACTION` for -1."""
+    return AUTO_BATCH_FRACTION if batch == -1 else float(batch)
 
 
 def sha256_or_empty(key: str, value: str) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from detrain.config.cfg import Cfg
+from detrain.config.values import is_auto_batch
 from detrain.distributed import launch, netif, run_identity, slurm
 from detrain.distributed.world import World
 from detrain.engine.build import increment_run_dir
@@ -51,10 +52,10 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
                 else f"the workers of nnodes={cfg.distributed.nnodes!r}",
             )
         args["callbacks"] = {event: list(fns) for event, fns in callbacks.items()}
-    if task == "train" and not cfg.train.resume and not world.launched:
+    if task == "train" and not cfg.train.resume and not world.launched and not is_auto_batch(cfg.train.batch):
         # the whole planned world (every node of nnodes=MIN:MAX) must split the batch: say so before starting; each
         # rank checks again once the world has formed (nodes may run different numbers of workers)
-        check_split(cfg.train.batch, devices.nprocs * nodes[1])
+        check_split(cfg.train.batch_images, devices.nprocs * nodes[1])
     save_dir = None
     if spawning and cfg.distributed.node_rank == 0 and not (task == "train" and cfg.train.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder

@@ -46,15 +46,15 @@ BAD_LINES: list[tuple[list[str], str]] = [
     # values of the wrong type
     (["train", "epochs=abc"], "'epochs': 'abc'; expected an integer"),
     (["train", "imgsz=3.5"], "'imgsz': '3.5'; expected an integer"),
-    (["train", "batch=true"], "'batch': 'true'; expected an integer"),
-    (["train", "amp=maybe"], "'amp': 'maybe'; expected true or false"),
+    (["train", "batch=true"], "'batch': 'true'; expected a number of images of at least 1, or AutoBatch"),
+    (["train", "amp=maybe"], "'amp': 'maybe'; expected true, false, bf16, fp16 or fp32"),
     (["train", "lr0=fast"], "'lr0': 'fast'; expected a number"),
     (["train", "epochs=3=4"], "'epochs': '3=4'"),
     (["train", "--epochs"], "'epochs': 'true'"),  # a flag without its value
     # out of range
     (["train", "imgsz=0"], "'imgsz': 0"),
     (["train", "imgsz=-32"], "'imgsz': -32"),
-    (["train", "imgsz=33"], "multiple of 32"),
+    (["train", "imgsz=[640, 480]"], "'imgsz': '[640, 480]'; expected an integer"),  # train takes one size
     (["train", "imgsz=8224"], "'imgsz': 8224"),
     (["train", "epochs=-1"], "'epochs': -1"),
     (["train", "batch=0"], "'batch': 0"),

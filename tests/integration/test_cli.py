@@ -31,7 +31,7 @@ def test_help_lists_commands_and_keys():
     ("args", "message"),
     [
         (("train", "epoch=3"), "unknown argument 'epoch'; did you mean 'epochs'?"),
-        (("val", "imgsz=33"), "invalid value for 'imgsz': 33"),
+        (("val", "imgsz=8193"), "invalid value for 'imgsz': 8193"),
         (("predict", "model=n.yaml", "source=/no/such/dir"), "source '/no/such/dir' does not exist"),
         (("val", "model=/no/such.pt", "data=shapes.yaml"), "weights file not found: /no/such.pt"),
         (

@@ -108,8 +108,18 @@ def test_ultralytics_yolov8n_weights() -> None:
 def test_image_size_that_is_not_a_multiple_of_the_stride_is_refused(n_model: DetectionModel, imgsz: int) -> None:
     with pytest.raises(ConfigError, match="imgsz"):
         model_info(n_model, imgsz)
-    with pytest.raises(ConfigError, match="imgsz"):
-        Model("n.yaml").info(imgsz=imgsz, verbose=False)
+
+
+@pytest.mark.parametrize(("imgsz", "used"), [(100, 128), (16, 32)])
+def test_the_api_rounds_an_image_size_up_to_the_stride_as_every_command(
+    imgsz: int, used: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert Model("n.yaml").info(imgsz=imgsz, verbose=False).imgsz == (used, used)
+    assert capsys.readouterr().out.strip() == (
+        f"warning: imgsz={imgsz} is not a multiple of the largest stride 32; using imgsz={used}"
+    )
+    with pytest.raises(ConfigError, match="'imgsz': 0"):
+        Model("n.yaml").info(imgsz=0, verbose=False)
 
 
 def test_verbose_prints_the_table_and_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
@@ -179,7 +189,7 @@ def test_cli_prints_the_layer_table_by_default() -> None:
     [
         (("model=/no/such.pt",), "weights file not found: /no/such.pt"),
         (("model=garbage.pt",), "garbage.pt"),
-        (("model=n.yaml", "imgsz=33"), "invalid value for 'imgsz': 33"),
+        (("model=n.yaml", "imgsz=8193"), "invalid value for 'imgsz': 8193"),
         (("model=n.yaml", "imgsz=../../etc"), "invalid value for 'imgsz'"),
         (("model=no_such.yaml",), "model 'no_such.yaml' not found"),
     ],

@@ -58,7 +58,7 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     model = model.to(memory_format=torch.channels_last)
     # Every rank runs whole single-process batches (the same rectangular shapes, so the same numbers for any
     # number of ranks); the ranks share the batches, contiguous and disjoint.
-    loader = build_val_loader(data, cfg, cfg.train.batch, world)
+    loader = build_val_loader(data, cfg, cfg.train.batch_images, world)
     if world.is_main:
         console.print(
             f"validating {cfg.inputs.model} on {cfg.inputs.data} ({cfg.predict.split}: {len(data.records)} images) "

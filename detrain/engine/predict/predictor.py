@@ -219,9 +219,8 @@ def _run(
     )
     count, seconds, keep = 0, 0.0, False
     try:
-        for batch in batches(
-            read_frames(src, warn=say, max_pixels=cfg.inputs.max_pixels), cfg.train.batch, cfg.inputs.imgsz, stride
-        ):
+        frames = read_frames(src, warn=say, max_pixels=cfg.inputs.max_pixels)  # a generator: nothing read yet
+        for batch in batches(frames, cfg.train.batch_images, cfg.inputs.imgsz, stride):
             start = time.perf_counter()
             dets = _infer_batch(cfg, net, batch, device, half, conf)
             elapsed = time.perf_counter() - start

@@ -29,7 +29,7 @@ def planned_updates(cfg: Cfg, n_images: int) -> int:
     >>> planned_updates(make_cfg({"epochs": 30}), 400)
     210
     """
-    return math.ceil(n_images / max(cfg.train.batch, weight_decay_batch(cfg))) * cfg.train.epochs
+    return math.ceil(n_images / max(cfg.train.batch_images, weight_decay_batch(cfg))) * cfg.train.epochs
 
 
 def auto_choice(cfg: Cfg, nc: int, updates: int) -> tuple[str, float, float]:
@@ -70,7 +70,7 @@ def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
     if cfg.train.nbs != "auto":
         return int(cfg.train.nbs)
     if cfg.train.optimizer == "auto" and optimizer in ("AdamW", "Adam") and not from_weights:
-        return cfg.train.batch
+        return cfg.train.batch_images
     return NOMINAL_BATCH
 
 

@@ -1,13 +1,15 @@
 """Which precision a CUDA run trains and validates in, checked once on the real model before the first step.
 
 ``amp=true`` on CUDA trains under autocast in bfloat16 where the GPU has it, else float16 with a gradient scaler;
+``amp=bf16`` and ``amp=fp16`` ask for that dtype (bfloat16 on a GPU without it: float16, with a line);
 training-time validation runs under autocast in float16 (inference needs no scaler, and float16's 11-bit mantissa
 keeps box distances within about 0.05 % where bfloat16 rounds them by up to 0.4 %). Before training starts, one
 forward of the model on a fixed smooth image in each of those dtypes is compared with one in float32
 (:func:`autocast_difference`): a GPU, driver or kernel that gets mixed precision wrong (values that overflow, or
 disagree beyond rounding) would otherwise train or score garbage without a word. Where a dtype disagrees on any
 rank, every rank runs that part in float32 instead, and the run says so in one line. Off CUDA nothing changes:
-no autocast, no check (CPU runs stay bit-identical).
+no autocast, no check (CPU runs stay bit-identical); a dtype asked for by name (``amp=bf16``) says in one line
+that the run is in float32 (CPU autocast would be slower than float32 on most CPUs, and changes the results).
 """
 
 from __future__ import annotations
@@ -38,15 +40,39 @@ class Precision:
     val: torch.dtype | None = None
 
 
+def train_dtype(amp: bool | str, device: torch.device, say: Callable[[str], None] | None = None) -> torch.dtype | None:
+    """The autocast dtype ``amp`` asks for on ``device``, before any check: None (float32) off CUDA or with
+    ``amp=false``; bfloat16 for ``amp=bf16``, or for ``amp=true`` where the GPU has it; else float16. ``say``
+    gets one line where a named dtype is not what the run uses.
+
+    >>> train_dtype(True, torch.device("cpu")), train_dtype("fp16", torch.device("cpu"), print)
+    amp=fp16: mixed precision runs on CUDA only; this cpu run trains and validates in float32
+    (None, None)
+    """
+    if not amp:
+        return None
+    if device.type != "cuda":
+        if isinstance(amp, str) and say is not None:
+            say(f"amp={amp}: mixed precision runs on CUDA only; this {device.type} run trains and validates in float32")
+        return None
+    if amp == "fp16":
+        return torch.float16
+    if torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    if amp == "bf16" and say is not None:
+        say("amp=bf16: this GPU has no bfloat16; training in float16 with a gradient scaler")
+    return torch.float16
+
+
 def choose_precision(
-    model: nn.Module, device: torch.device, amp: bool, imgsz: int, say: Callable[[str], None]
+    model: nn.Module, device: torch.device, amp: bool | str, imgsz: int, say: Callable[[str], None]
 ) -> Precision:
-    """The run's :class:`Precision`: with ``amp`` on CUDA, bfloat16 (or float16) for training and float16 for
-    validation, each kept only where :func:`autocast_difference` is within :data:`AMP_TOLERANCE` on every rank;
-    ``say`` gets one line per dtype that falls back to float32."""
-    if not amp or device.type != "cuda":
+    """The run's :class:`Precision`: with ``amp`` on CUDA, the dtype it asks for (:func:`train_dtype`) for
+    training and float16 for validation, each kept only where :func:`autocast_difference` is within
+    :data:`AMP_TOLERANCE` on every rank; ``say`` gets one line per dtype that falls back to float32."""
+    train = train_dtype(amp, device, say)
+    if train is None:
         return Precision()
-    train = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     dtypes = sorted({train, torch.float16}, key=str)
     mine = [autocast_difference(model, device, dtype, imgsz) for dtype in dtypes]
     # collective: every rank's differences, so that all ranks train and validate in the same precision

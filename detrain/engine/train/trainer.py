@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from detrain.config.cfg import Cfg
+from detrain.config.cfg import Cfg, replace_cfg
+from detrain.config.values import is_auto_batch
 from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
 from detrain.distributed import dist, parallel
@@ -32,12 +33,12 @@ from detrain.engine.evaluate.validator import validate
 from detrain.engine.run_plan import RunPlan
 from detrain.engine.telemetry import epoch_stats, run_trace
 from detrain.engine.telemetry.epoch_monitor import EpochMonitor
-from detrain.engine.train import accumulation, freeze, optim, pretrained, resume_state, time_budget
+from detrain.engine.train import accumulation, auto_batch, freeze, optim, pretrained, resume_state, time_budget
 from detrain.engine.train.batch_plan import batch_plan, check_split, planned_world_size
 from detrain.engine.train.callbacks import CallbackFn, Callbacks
 from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.mid_epoch import MidEpoch
-from detrain.engine.train.precision import choose_precision
+from detrain.engine.train.precision import choose_precision, train_dtype
 from detrain.engine.train.preemption import Preemption
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.errors import Preempted
@@ -83,7 +84,8 @@ class Trainer:
         self.rank, self.main = world.rank, world.is_main
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
         self.planned_world = planned_world_size(plan.nodes, world.world_size, world.local_world_size)
-        check_split(cfg.train.batch, self.planned_world)
+        if not is_auto_batch(cfg.train.batch):  # AutoBatch's is chosen to split (_pick_batch)
+            check_split(cfg.train.batch_images, self.planned_world)
         self.device = torch.device(world.device)  # the launcher's choice for this rank (World.device)
         set_cpu_threads(self.device, world)
         # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
@@ -166,8 +168,9 @@ class Trainer:
         """The run's pieces, each step using those before it (and drawing on the generators seeded here)."""
         seed_everything(self.cfg.train.seed + self.rank, self.cfg.train.deterministic)
         self._load_data()  # the splits, their classes
-        total_iters = self._plan_batches()  # self.plan: images per update (optimizer=auto's), accumulation
         self._build_model()  # start, frozen or resumed weights on the device; the EMA
+        self._pick_batch()  # collective (batch=-1 or a fraction): the batch that fits every rank's GPU
+        total_iters = self._plan_batches()  # self.plan: images per update (optimizer=auto's), accumulation
         self._make_parallel()  # collective: every rank trains rank 0's weights
         self._build_loaders()  # collective: a barrier once every node's data is ready
         opt_name, weight_decay = self._build_optimizer(total_iters)  # and the lr schedule
@@ -182,6 +185,29 @@ class Trainer:
         self.val_data = load_split(self.cfg.inputs.data, "val", self.cfg)
         self.nc, self.names = self.data.nc, self.data.names
 
+    def _pick_batch(self) -> None:
+        """``batch=-1`` or a fraction: the largest batch whose step fits that share of every rank's GPU memory
+        (:mod:`auto_batch`), the same on every rank; from here on the run's arguments (args.yaml, checkpoints) hold
+        that number, so a resume or a rerun of args.yaml trains with the same batch."""
+        cfg = self.cfg
+        if not is_auto_batch(cfg.train.batch):
+            return
+        train = train_dtype(cfg.train.amp, self.device)
+        dtypes = (train, None if train is None else torch.float16)  # validation's, as choose_precision's
+        # as Ultralytics: a mosaic holds up to four images' boxes, multi_scale trains up to 1.5 x imgsz
+        objects = max((len(r.cls) for r in self.data.records), default=1) * (4 if cfg.augment.mosaic > 0 else 1)
+        largest = -(-int(cfg.inputs.imgsz * (1.5 if cfg.train.multi_scale else 1)) // 32) * 32
+        chosen = auto_batch.pick_batch(
+            cfg.train.batch,
+            self.device,
+            lambda: auto_batch.model_steps(self._bare(), (largest, cfg.inputs.imgsz), objects, dtypes, self.device),
+            self.planned_world,
+            len(self.data.records),
+            self._say,
+        )
+        self.cfg = replace_cfg(cfg, {"batch": chosen})
+        check_split(chosen, self.planned_world)
+
     def _plan_batches(self) -> int:
         """The batch plan (:func:`detrain.engine.train.batch_plan.batch_plan`): ``optimizer=auto``'s choice, and
         from it how many images an update gathers (``nbs=auto``); returns the updates ``optimizer=auto`` counts."""
@@ -189,7 +215,7 @@ class Trainer:
         total_iters = optim.planned_updates(cfg, len(self.data.records))
         opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
         self.plan = batch_plan(
-            cfg.train.batch,
+            cfg.train.batch_images,
             optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
             self.world.world_size,
             self.planned_world,
@@ -240,7 +266,7 @@ class Trainer:
         self.train_loader = build_train_loader(self.data, cfg, self.local_batch, self.world, self.plan.planned_world)
         # every rank runs whole single-process val batches, so padded shapes (and so metrics) do not depend on
         # the number of ranks
-        self.val_loader = build_val_loader(self.val_data, cfg, cfg.train.batch, self.world)
+        self.val_loader = build_val_loader(self.val_data, cfg, cfg.train.batch_images, self.world)
         # collective: cache=ram is filled per node: the first step's collectives must not start the short training
         # timeout on a node that is still filling
         dist.barrier("training data ready on every node", cfg.distributed.prepare_timeout)
