@@ -20,6 +20,19 @@ import fuzz_weights as fw  # noqa: E402
 from _fuzz_sandbox import run_isolated  # noqa: E402
 
 YOLOV8N = REPO.parent / "shared" / "weights" / "yolov8n.pt"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread_before_forks():
+    """Each case runs in a forked child that builds a model: a child of a process whose OpenMP pool has run threads
+    can wait forever on a lock no thread will release (seen: a case hung until the suite's time ran out). One
+    thread here, as scripts/fuzz_weights.py does, keeps the children single-threaded."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 needs_weights = pytest.mark.skipif(not YOLOV8N.is_file(), reason="shared/weights/yolov8n.pt is not present")
 
 
