@@ -5,7 +5,7 @@
     detrain predict model=best.pt source=images/      (or a video, a glob, a .txt list, a camera 0, rtsp://...)
     detrain info model=yolov8n.pt imgsz=640
 
-A bad key or value prints one line and exits with code 2.
+A bad key or value prints one line and exits with code 2; a run preempted by SIGTERM or SIGUSR1 saves and exits 75.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ app = typer.Typer(
     "Arguments are key=value (or --key value); see 'detrain train --help' for every key. "
     "As with Ultralytics' yolo: cfg=FILE reads keys from a yaml (a run's args.yaml; the command line wins), "
     "task=detect and mode=<the command> are accepted, and 'detrain detect train ...' or 'detrain mode=train ...' "
-    "name the command.",
+    "name the command. Exit codes: 0 done, 2 a bad argument or file (one line), 75 preempted by SIGTERM or "
+    "SIGUSR1 after saving weights/mid.pt (resumable: the line says how), 130 interrupted.",
 )
 
 COMMAND_NAMES = ("train", "val", "predict", "export", "info")
@@ -114,7 +115,7 @@ def info(ctx: typer.Context) -> None:
 
 @app.command()
 def convert(
-    src: str = typer.Argument(..., help="an Ultralytics (YOLOv8, YOLO11) or detrain .pt"),
+    src: str = typer.Argument(..., help="an Ultralytics (YOLOv8, YOLO11, YOLO26) or detrain .pt"),
     dst: str = typer.Argument(..., help="the detrain checkpoint to write"),
 ) -> None:
     """Convert an Ultralytics checkpoint into a detrain one that loads with torch.load(weights_only=True)."""

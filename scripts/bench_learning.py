@@ -524,8 +524,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--weights",
         type=Path,
-        help="start both tools from this YOLOv8 checkpoint (e.g. ../shared/weights/yolov8n.pt: "
-        "fine-tuning) instead of training YOLOv8n from scratch",
+        help="start both tools from this Ultralytics checkpoint, YOLOv8, YOLO11 or YOLO26 (e.g. "
+        "../shared/weights/yolov8n.pt: fine-tuning) instead of training --model from scratch",
     )
     p.add_argument(
         "--detrain-args",
