@@ -134,11 +134,6 @@ def _resume(mid: Path, device: str) -> dict[str, dict[str, torch.Tensor]]:
     return _weights(mid.parent.parent)
 
 
-def test_sigterm_to_a_single_process_saves_where_it_stands(data, tmp_path: Path) -> None:
-    ended, run = _preempt(data, tmp_path, "cpu", "launcher", signal.SIGTERM)
-    _check_preempted(ended, run, "by SIGTERM")  # its resume: the SLURM test below, bit for bit
-
-
 def test_sigusr1_to_one_of_two_workers_stops_both_at_one_step_and_the_resume_is_bitwise(
     data, straight, tmp_path: Path
 ) -> None:
@@ -161,8 +156,8 @@ def test_under_slurm_the_job_is_requeued_and_its_next_start_resumes_by_itself(da
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
     scontrol.chmod(0o755)
     slurm = {"SLURM_JOB_ID": "4242", "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    ended, run = _preempt(data, tmp_path, "cpu", "launcher", signal.SIGUSR1, slurm)
-    _check_preempted(ended, run, "by SIGUSR1")
+    ended, run = _preempt(data, tmp_path, "cpu", "launcher", signal.SIGTERM, slurm)  # a single process: SIGTERM
+    _check_preempted(ended, run, "by SIGTERM")
     assert ended.stderr.rstrip().endswith("; requeued SLURM job 4242")
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
     # the requeued job: the same id, SLURM_RESTART_COUNT 1, the same command; no resume= needed

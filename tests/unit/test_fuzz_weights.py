@@ -33,6 +33,8 @@ def _one_thread_before_forks():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
 needs_weights = pytest.mark.skipif(not YOLOV8N.is_file(), reason="shared/weights/yolov8n.pt is not present")
 
 
