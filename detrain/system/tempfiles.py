@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -157,3 +158,30 @@ def write_atomic(path: str | Path, data: str | bytes, root: str | Path | None = 
     with atomic_file(path, root, "w" if isinstance(data, str) else "wb") as f:
         f.write(data)
     return Path(path)
+
+
+_TEMP_NAME = re.compile(r"\.(.+)\.[0-9a-f]{12}\.tmp")  # what atomic_file names its temporary files
+
+
+def remove_unfinished(folder: str | Path) -> list[str]:
+    """Remove the temporary files that writes killed before their rename left in ``folder`` (``atomic_file``'s
+    ``.<name>.<12 hex>.tmp``; SIGKILL, a power loss or a full disk gives them no chance to clean up): regular files
+    of this user only, never followed through a link; returns the names removed. Call where no write of this run
+    can be under way (a run's start, on the rank that writes)."""
+    try:
+        fd = open_folder(folder)
+    except OSError:
+        return []  # no such folder yet, or one detrain writes nothing into
+    removed = []
+    try:
+        for name in os.listdir(fd):
+            if not _TEMP_NAME.fullmatch(name):
+                continue
+            with suppress(OSError):
+                info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+                    os.unlink(name, dir_fd=fd)
+                    removed.append(name)
+    finally:
+        os.close(fd)
+    return sorted(removed)

@@ -160,6 +160,9 @@ def test_under_slurm_the_job_is_requeued_and_its_next_start_resumes_by_itself(da
     _check_preempted(ended, run, "by SIGTERM")
     assert ended.stderr.rstrip().endswith("; requeued SLURM job 4242")
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    # a save killed mid-write (SIGKILL, a full disk) leaves its temporary file: the next start removes it
+    killed = run / "weights" / ".last.pt.0123456789ab.tmp"
+    killed.write_bytes(b"half a checkpoint")
     # the requeued job: the same id, SLURM_RESTART_COUNT 1, the same command; no resume= needed
     again = _run(
         {**ARGS, "data": str(data), "project": str(tmp_path), "device": "cpu", "nbs": NBS["cpu"]},
@@ -168,4 +171,6 @@ def test_under_slurm_the_job_is_requeued_and_its_next_start_resumes_by_itself(da
     assert again.returncode == 0, again.stderr[-3000:]
     assert "requeue 1: resuming from " in again.stdout + again.stderr
     assert "mid.pt at epoch 2, 1/4 batches done" in again.stdout + again.stderr
+    assert "removed 1 temporary file(s) of writes that never finished: .last.pt.0123456789ab.tmp" in again.stdout
+    assert not killed.exists()
     _assert_same(_weights(run), straight["cpu"])

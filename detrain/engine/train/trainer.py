@@ -45,6 +45,7 @@ from detrain.errors import Preempted
 from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
 from detrain.nn.head import LossGains
 from detrain.plots.train import plot_results, plot_train_batch
+from detrain.system.tempfiles import remove_unfinished
 from detrain.weights.checkpoint import load_weights, model_meta, save_checkpoint
 
 if TYPE_CHECKING:
@@ -129,6 +130,9 @@ class Trainer:
         cfg = self.cfg
         if self.main:
             self.wdir.mkdir(parents=True, exist_ok=True)
+            left = [*remove_unfinished(self.save_dir), *remove_unfinished(self.wdir)]  # saves killed mid-write
+            if left:
+                self._say(f"removed {len(left)} temporary file(s) of writes that never finished: {', '.join(left)}")
             save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
             console.print(
                 f"training {cfg.inputs.model} on {cfg.inputs.data} for {cfg.train.epochs} epochs; "
