@@ -24,7 +24,7 @@ import torch
 from detrain import __version__
 from detrain.errors import CheckpointError, ConfigError
 from detrain.system.input_file import read_input, reason_of
-from detrain.system.tempfiles import atomic_file
+from detrain.system.tempfiles import UnsafePath, atomic_file
 from detrain.weights import limits
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     is entered without following a symbolic link (a planted ``weights/`` link receives nothing).
 
     A crash or a full disk never leaves a half-written ``last.pt``: either the old file or the new one exists.
+    A write that fails (a full disk, an I/O error, a read-only folder) is one line naming the file and why, the
+    previous file untouched (CheckpointError); a killed write's temporary file goes at the next start
+    (:func:`detrain.system.tempfiles.remove_unfinished`).
     """
     path = Path(path)
     state = {
@@ -46,9 +49,28 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
         "date": _dt.datetime.now().isoformat(timespec="seconds"),
         **state,
     }
-    with atomic_file(path, sync=True) as f:  # weights/ is entered without following a link
-        torch.save(state, f)
+    try:
+        with atomic_file(path, sync=True) as f:  # weights/ is entered without following a link
+            torch.save(state, f)
+    except UnsafePath:
+        raise
+    except (OSError, RuntimeError) as e:  # torch's zip writer may turn a failed write into a RuntimeError
+        cause = _os_error(e)
+        if cause is None:
+            raise
+        kept = f"the previous {path.name} is intact" if path.is_file() else f"no {path.name} was written"
+        raise CheckpointError(f"cannot write {path}: {cause.strerror or cause}; {kept}") from None
     return path
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind ``e`` (itself, or one it was raised while handling: ENOSPC, EIO, EROFS...), if any."""
+    seen: BaseException | None = e
+    for _ in range(8):
+        if seen is None or isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
