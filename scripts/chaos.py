@@ -392,6 +392,14 @@ def _wait_saved(node: Node, limit_s: float, others: list[Node] = ()) -> bool:
     )
 
 
+def _two_nodes_past_epoch_1(c: Cluster, args: dict[str, object], result: Result) -> tuple[Node, Node]:
+    """Nodes 0 and 1 started with ``args``, once node 0's first epoch is saved (else a problem in ``result``)."""
+    n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
+    if not _wait_saved(n0, c.size.limit_s, [n1]):
+        result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+    return n0, n1
+
+
 def _finish(result: Result, cluster: Cluster, main: Node, t0: float, epochs: int | None) -> Result:
     """Common checks of a run that must finish: every launcher exit 0, each epoch once, last.pt loads."""
     rows = main.rows()
@@ -428,9 +436,8 @@ def case_worker_kill(work: Path, size: Size = FULL) -> Result:
     t0 = time.monotonic()
     with Cluster(work, size, "worker_kill") as c:
         args = c.common(issue=size.issue_keys, nnodes=2, max_restarts=1)
-        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
-        if not _wait_saved(n0, size.limit_s, [n1]):
-            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+        n0, n1 = _two_nodes_past_epoch_1(c, args, result)
+        if result.problems:
             return _close(_finish(result, c, n0, t0, None), "")
         victims = n1.workers()
         result.check(len(victims) == 1, f"node 1 workers {victims}")
@@ -450,9 +457,8 @@ def case_node_leaves(work: Path, size: Size = FULL) -> Result:
     t0 = time.monotonic()
     with Cluster(work, size, "node_leaves") as c:
         args = c.common(nnodes="1:2", rdzv_backend="c10d", max_restarts=1)
-        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
-        if not _wait_saved(n0, size.limit_s, [n1]):
-            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+        n0, n1 = _two_nodes_past_epoch_1(c, args, result)
+        if result.problems:
             return _close(_finish(result, c, n0, t0, None), "")
         two = "2 worker(s)" in n0.out()
         result.check(two, "node 1 was not in the group before it was killed")
@@ -530,9 +536,8 @@ def case_rank_stopped(work: Path, size: Size = FULL) -> Result:
     t0 = time.monotonic()
     with Cluster(work, size, "rank_stopped") as c:
         args = c.common(nnodes=2)
-        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
-        if not _wait_saved(n0, size.limit_s, [n1]):
-            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+        n0, n1 = _two_nodes_past_epoch_1(c, args, result)
+        if result.problems:
             return _close(_finish(result, c, n0, t0, None), "")
         stopped = n1.workers()
         result.check(len(stopped) == 1, f"node 1 workers {stopped}")
@@ -575,9 +580,8 @@ def case_launcher_sigterm(work: Path, size: Size = FULL) -> Result:
     t0 = time.monotonic()
     with Cluster(work, size, "launcher_sigterm") as c:
         args = c.common(nnodes=2, grace=0)
-        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
-        if not _wait_saved(n0, size.limit_s, [n1]):
-            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+        n0, _n1 = _two_nodes_past_epoch_1(c, args, result)
+        if result.problems:
             return _close(_finish(result, c, n0, t0, None), "")
         send(n0.pid, signal.SIGTERM)
         t_term = time.monotonic()
@@ -608,9 +612,8 @@ def case_preempted(work: Path, size: Size = FULL) -> Result:
     t0 = time.monotonic()
     with Cluster(work, size, "preempted") as c:
         args = c.common(nnodes=2, grace=grace)
-        n0, n1 = c.start(0, {**args, "node_rank": 0}), c.start(1, {**args, "node_rank": 1})
-        if not _wait_saved(n0, size.limit_s, [n1]):
-            result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+        n0, _n1 = _two_nodes_past_epoch_1(c, args, result)
+        if result.problems:
             return _close(_finish(result, c, n0, t0, None), "")
         send(n0.pid, signal.SIGTERM)
         t_term = time.monotonic()

@@ -58,6 +58,8 @@ __all__ = ["DeviceKind", "DevicePlan", "launch", "parse_device", "parse_nnodes"]
 T = TypeVar("T")
 
 _HANDLED_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1")
+# what torch's agent handles itself under preemption: SIGTERM and SIGUSR1 go to _catch_preemption
+_AGENT_SIGNALS_UNDER_GRACE = ",".join(s for s in _HANDLED_SIGNALS if s not in SIGNALS)
 _CONSEQUENCE_GRACE_S = 3.0
 _ELASTIC_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
@@ -228,9 +230,10 @@ def _launch_workers(
     """torch's elastic agent starts ``plan``'s workers on this node; rank 0's result, or a DistributedError of one
     line. The caller's signal handlers come back afterwards, and the agent's logs show only when they add to it.
 
-    Preemption (``timing.grace_s`` > 0): the agent also catches SIGUSR1 and passes SIGTERM / SIGUSR1 on to its
-    workers, waiting ``grace_s`` + a spare before it kills them; a worker that saved on such a signal leaves a
-    line in this launch's folder (:mod:`preempt_mark`), raised here as :class:`Preempted`."""
+    Preemption (``timing.grace_s`` > 0): SIGTERM or SIGUSR1 to this launcher reaches its workers as SIGUSR1
+    (:func:`_catch_preemption`), and the agent waits ``grace_s`` + a spare before it kills them; a worker that
+    saved on such a signal leaves a line in this launch's folder (:mod:`preempt_mark`), raised here as
+    :class:`Preempted`."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
@@ -316,14 +319,13 @@ def _launch_config(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
-    # torch >= 2.6 lets the agent wait longer than 30 s for its workers to end (the preemption's save)
     # preemption: the agent waits grace + a spare for its workers (torch >= 2.6; 30 s before) and leaves SIGTERM
     # and SIGUSR1 to _catch_preemption (the field where torch has it, else the variable of _workers_environ)
     wait: dict[str, Any] = {}
     if timing.grace_s > 0:
         wait = {
             "shutdown_timeout": int(timing.grace_s + MARK_SPARE_S),
-            "signals_to_handle": ",".join(s for s in _HANDLED_SIGNALS if s not in SIGNALS),
+            "signals_to_handle": _AGENT_SIGNALS_UNDER_GRACE,
         }
     fields = {f.name for f in dataclasses.fields(LaunchConfig)}
     wait = {k: v for k, v in wait.items() if k in fields}
@@ -356,7 +358,7 @@ def _workers_environ(transport: dict[str, str], backend: str, mark: str | None =
     if mark is not None:
         env[MARK_ENV] = mark
         # read by the agent as it starts them: SIGTERM and SIGUSR1 stay with _catch_preemption's handler
-        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(s for s in _HANDLED_SIGNALS if s not in SIGNALS)
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = _AGENT_SIGNALS_UNDER_GRACE
     return env
 
 

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from detrain.system.tempfiles import write_atomic
+
 SIGNALS = ("SIGTERM", "SIGUSR1")  # the warning signals of SLURM, Kubernetes and spot reclaims
 MARK_ENV = "DETRAIN_PREEMPT_MARK"
 MARK_SPARE_S = 10  # the elastic agent waits grace + this for its workers before SIGKILL
@@ -24,9 +26,7 @@ def leave_mark(line: str) -> bool:
     path = os.environ.get(MARK_ENV)
     if not path:
         return False
-    tmp = Path(f"{path}.{os.getpid()}.tmp")
-    tmp.write_text(line)
-    tmp.replace(path)
+    write_atomic(path, line)
     return True
 
 

@@ -2,15 +2,18 @@
 
 Clusters take machines back with a warning signal and a grace period: SLURM sends SIGTERM (or, with
 ``--signal=USR1@90``, SIGUSR1 that long before its time limit) and SIGKILL after ``KillWait``; Kubernetes and spot
-reclaims send SIGTERM and SIGKILL after ``terminationGracePeriodSeconds``. With ``grace`` > 0 every training process
-catches both signals (:meth:`Preemption.install`): the handler only raises a flag. The flag travels with the
+reclaims send SIGTERM and SIGKILL after ``terminationGracePeriodSeconds``. With ``grace`` > 0 a training process
+catches both signals (:meth:`Preemption.install`; a worker under an elastic agent SIGUSR1 only, as the agent stops
+workers with SIGTERM to restart them, and detrain's launcher passes either signal on as SIGUSR1): the handler only
+raises a flag. The flag travels with the
 all-reduce every step already makes (the batch's loss items, :meth:`Preemption.attach` / :meth:`Preemption.read`),
 so all ranks learn of it at the same step however many of them got the signal: a signal to one worker, to one
 node's launcher (torch's elastic agent passes it on to that node's workers, :mod:`detrain.distributed.launch`) or to
 every process of the job is the same agreed stop. At that step every rank saves ``mid.pt`` together
 (:mod:`detrain.engine.train.mid_epoch`; at an epoch's last batch the epoch finishes and ``last.pt`` is the place)
 and raises :class:`detrain.errors.Preempted`. A resumed run starts at the next batch and ends bitwise equal to an
-uninterrupted one (tests/integration/test_preemption.py).
+uninterrupted one (tests/integration/test_preemption.py; with gradients waiting on several ranks, to float
+rounding: they are averaged when mid.pt is saved).
 
 How the process ends: the CLI prints one line and exits :data:`detrain.errors.EXIT_PREEMPTED` (75, EX_TEMPFAIL:
 "try again"); workers spawned by detrain's launcher leave a note in the node's launch folder
