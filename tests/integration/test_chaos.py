@@ -12,6 +12,8 @@ torch's c10d rendezvous), so they start at once in threads and run beside the ot
 from __future__ import annotations
 
 import importlib.util
+import json
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -84,10 +86,24 @@ def test_a_a_killed_worker_on_node_1_resumes_on_both_nodes(work: Path) -> None:
     assert result.epochs == "1-3" and result.checkpoint == "loads (epoch 3)"
 
 
-def test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish(background) -> None:
+def test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish(background, work: Path) -> None:
     result = _collected(background, "b")
     _ok(result)
     assert result.epochs == "1-3" and result.checkpoint == "loads (epoch 3)"
+    # what node 0 recorded: the node that left, the restart that resumed, and the update size it kept
+    node0 = work / "node_leaves" / "node0"
+    events = [json.loads(line) for line in (node0 / "runs" / "x" / "events.jsonl").read_text().splitlines()]
+    change = next(e for e in events if e["kind"] == "membership")
+    assert (change["previous_world_size"], change["world_size"]) == (2, 1)
+    assert [(n["host"], n["workers"]) for n in change["left_nodes"]] == [(socket.gethostname(), 1)]
+    assert change["joined_nodes"] == []
+    restart = next(e for e in events if e["kind"] == "restart")
+    assert restart["resumed_from"] == "runs/x/weights/last.pt" and restart["epoch"] >= 2
+    assert [e["world_size"] for e in events if e["kind"] == "start"] == [2, 1]
+    assert events[-1]["kind"] == "end" and events[-1]["status"] == "completed"
+    out = (node0 / "out.txt").read_text()
+    kept = "elastic: 1 of the 2 planned workers; each keeps its batch of 4 and 2 steps of 4 images make an update"
+    assert kept in out, out[-3000:]
 
 
 def test_c_a_node_joining_mid_run_grows_the_group_which_finishes(work: Path) -> None:
