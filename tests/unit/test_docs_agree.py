@@ -1,5 +1,6 @@
-"""README, ``detrain --help`` and cfg/default.yaml say the same thing: every key README uses exists for its
-command, the keys table shows the true defaults, and every key has its one-line comment."""
+"""README, the docs pages, ``detrain --help`` and cfg/default.yaml say the same thing: every key a command line
+in README or docs/*.md uses exists for its command, docs/usage.md's keys table shows the true defaults, every key
+has its one-line comment, and every docs page README links to exists."""
 
 from __future__ import annotations
 
@@ -13,13 +14,15 @@ from detrain.cli import _keys_help
 from detrain.config.cfg import COMMAND_KEYS, WORDS, comments, defaults, make_cfg
 from detrain.errors import ConfigError
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+USAGE = ROOT / "docs" / "usage.md"
 
 
-def _readme_commands() -> list[tuple[str, list[str]]]:
-    """(command, [key=value, ...]) of every `detrain <command> ...` line in README's code blocks (continued
+def _readme_commands_of(text: str) -> list[tuple[str, list[str]]]:
+    """(command, [key=value, ...]) of every `detrain <command> ...` line in the code blocks of ``text`` (continued
     lines joined; the second of two side-by-side commands on one line dropped)."""
-    text = README.read_text()
     fenced = re.findall(r"```(\w*)\n(.*?)```", text, re.S)  # every block, whatever its language (python too)
     blocks = [body for language, body in fenced if language in ("", "bash", "sh")]
     out = []
@@ -34,11 +37,21 @@ def _readme_commands() -> list[tuple[str, list[str]]]:
     return out
 
 
-COMMANDS = _readme_commands()
+# README and the docs pages; architecture.md's code block is a diagram (`detrain train k=v`), not a command
+COMMANDS = _readme_commands_of("\n".join(p.read_text() for p in PAGES if p.name != "architecture.md"))
 
 
 def test_readme_shows_commands() -> None:
     assert {c for c, _ in COMMANDS} == {"train", "val", "predict", "export", "info"}
+    readme = _readme_commands_of(README.read_text())
+    assert {c for c, _ in readme} == {"train", "val", "predict", "export", "info"}  # README alone shows each
+
+
+def test_every_docs_page_readme_links_to_exists_and_every_page_is_linked() -> None:
+    text = README.read_text()
+    linked = set(re.findall(r"\]\((docs/[^)#]+)", text))
+    assert linked and all((ROOT / link).is_file() for link in linked), sorted(linked)
+    assert {f"docs/{p.name}" for p in PAGES[1:]} <= linked  # no page a newcomer cannot reach
 
 
 @pytest.mark.parametrize(("command", "args"), COMMANDS, ids=[f"{c} {' '.join(a)}" for c, a in COMMANDS])
@@ -57,8 +70,8 @@ def test_every_readme_command_line_uses_keys_of_its_command(command: str, args: 
 
 
 def test_readme_keys_table_shows_the_defaults() -> None:
-    table = re.search(r"^\| key \| default \| meaning \|\n\|[-|]+\|\n((?:\|.*\n)+)", README.read_text(), re.M)
-    assert table, "README has no | key | default | meaning | table"
+    table = re.search(r"^\| key \| default \| meaning \|\n\|[-|]+\|\n((?:\|.*\n)+)", USAGE.read_text(), re.M)
+    assert table, "docs/usage.md has no | key | default | meaning | table"
     rows = re.findall(r"^\| (`[^|]*`) \| ([^|]*) \|", table.group(1), re.M)
     assert rows
     truth = defaults()
