@@ -32,6 +32,7 @@ from detrain.assets import asset_dir
 from detrain.data import synthetic
 from detrain.data.download import DownloadLimits, download_dataset, file_lock, is_url
 from detrain.data.labels.verify import img2label_path
+from detrain.data.ultralytics_dirs import ultralytics_datasets_dir, ultralytics_settings_file
 from detrain.errors import DatasetError
 from detrain.system.input_file import read_input_text, reason_of
 from detrain.system.net import is_sha256
@@ -70,6 +71,7 @@ class DatasetInfo:
     nc: int
     coco_json: dict[str, str] | None
     raw: dict
+    note: str | None = None  # a line to show once (rank 0): where the files were found, when not where the yaml says
 
 
 def datasets_dir() -> Path:
@@ -127,7 +129,11 @@ def load_dataset_yaml(
     root = _resolve_root(raw, yaml_file, bundled)
     splits = {k: _split_entries(k, raw[k], yaml_file) for k in _SPLITS if raw.get(k) is not None}
     missing = [p for k in ("train", "val") for p in _missing_paths(root, splits[k])]
-    if missing:
+    note = None
+    borrowed = _ultralytics_copy(raw, yaml_file, bundled, root, splits) if missing else None
+    if borrowed is not None:
+        root, note = borrowed
+    elif missing:
         _fetch_or_explain(raw, yaml_file, root, missing, download, bundled, limits)
     lists: dict[str, list[str]] = {}
     coco_json: dict[str, str] = {}
@@ -145,6 +151,7 @@ def load_dataset_yaml(
         nc=len(names),
         coco_json=coco_json or None,
         raw=raw,
+        note=note,
     )
 
 
@@ -250,6 +257,28 @@ def _resolve_root(raw: dict, yaml_file: Path, bundled: bool) -> Path:
     beside, in_cwd = yaml_file.parent / path, Path.cwd() / path
     chosen = beside if beside.exists() or not in_cwd.exists() else in_cwd
     return Path(os.path.normpath(chosen.absolute()))
+
+
+def _ultralytics_copy(
+    raw: dict, yaml_file: Path, bundled: bool, root: Path, splits: dict[str, list[str]]
+) -> tuple[Path, str] | None:
+    """(root, the line saying so) of a complete copy of the dataset in Ultralytics' datasets folder, where the
+    yaml's own root lacks its train or val files: a relative ``path:`` (a bundled yaml's name when it has none)
+    resolved there, as Ultralytics resolves it. None when there is no such folder or copy."""
+    value = raw.get("path")
+    rel = Path(str(value)).expanduser() if value else (Path(yaml_file.stem) if bundled else None)
+    if rel is None or rel.is_absolute():
+        return None
+    base = ultralytics_datasets_dir()
+    if base is None:
+        return None
+    candidate = Path(os.path.normpath((base / rel).absolute()))
+    if candidate == root or any(_missing_paths(candidate, splits[k]) for k in ("train", "val")):
+        return None
+    return candidate, (
+        f"{yaml_file.name}: using the copy in {candidate} (the datasets_dir of {ultralytics_settings_file()}) "
+        f"instead of downloading to {root}"
+    )
 
 
 # ---- splits ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from detrain.distributed.world import World
 from detrain.errors import DatasetError
 
 PREPARE_TIMEOUT_S = 3600.0  # without a config: as cfg/default.yaml's prepare_timeout
+_SHOWN: set[str] = set()  # the dataset notes already shown by this process
 
 
 @dataclass
@@ -89,6 +90,9 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
     if verbose and dist.is_main():
         from detrain.log import console
 
+        if info.note is not None and info.note not in _SHOWN:  # once per process, not once per split
+            _SHOWN.add(info.note)
+            console.print(info.note)
         console.print(f"{split}: {summary}")
     if not records:
         raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
