@@ -179,6 +179,12 @@ class Inputs:
         choices=(False, "ram", "disk"),
         parse=cache_mode,
     )
+    fingerprint: str = key(
+        "paths",
+        "manifest.json's dataset fingerprint: paths (relative paths and sizes, reads no file) or content (also "
+        "every byte of every image, label and json)",
+        choices=("paths", "content"),
+    )
 
 
 @dataclass(frozen=True)

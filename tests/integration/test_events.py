@@ -8,6 +8,7 @@ are hostile input here: symlinks, FIFOs, garbage, huge files.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,9 +27,11 @@ from detrain.distributed.world_layout import membership_change
 from detrain.engine.telemetry import events as events_mod
 from detrain.engine.telemetry.events import EventLog
 from detrain.engine.telemetry.manifest import (
+    build_manifest,
     dataset_fingerprint,
     git_commit,
     read_manifest,
+    same_kind,
     split_fingerprint,
     write_start,
 )
@@ -110,6 +113,48 @@ def test_the_manifest_names_versions_commit_dataset_and_arguments(first_run: Pat
     images = [str(p) for p in (root / "images").rglob("*") if p.is_file()]
     assert m["dataset"]["files"] == 2 * len(images)  # every image and its label file, train and val
     assert m["dataset"]["fingerprint"] == dataset_fingerprint(root, images)["fingerprint"]
+    assert m["weights"] is None  # started from n.yaml: no weights file
+
+
+def test_the_content_fingerprint_sees_an_edit_that_keeps_the_size(tmp_path: Path) -> None:
+    root = tmp_path / "set"
+    (root / "images").mkdir(parents=True)
+    (root / "labels").mkdir()
+    images = [str(root / "images" / "a.jpg")]
+    Path(images[0]).write_bytes(b"x" * 10)
+    (root / "labels" / "a.txt").write_text("0 0.5 0.5 0.1 0.1\n")
+    first = dataset_fingerprint(root, images, content=True)
+    assert first["fingerprint"].startswith("content-sha256:") and (first["files"], first["bytes"]) == (2, 28)
+    assert first["fingerprint"].split(":")[1] != dataset_fingerprint(root, images)["fingerprint"].split(":")[1]
+    (root / "labels" / "a.txt").write_text("1 0.5 0.5 0.1 0.1\n")  # same size, other class: seen by reading
+    edited = dataset_fingerprint(root, images, content=True)
+    assert edited["fingerprint"] != first["fingerprint"]
+    os.unlink(images[0])
+    os.mkfifo(images[0])  # a FIFO where an image was: hashed as unreadable, never waited on
+    assert dataset_fingerprint(root, images, content=True)["fingerprint"] != edited["fingerprint"]
+    assert not same_kind(first["fingerprint"], dataset_fingerprint(root, images)["fingerprint"])
+
+
+def test_the_manifest_records_the_starting_weights_with_their_sha256(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DETRAIN_WEIGHTS_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "yolov8n.pt").write_bytes(b"release bytes")  # a release name found in the cache
+    (tmp_path / "mine.pt").write_bytes(b"my weights")
+    weights = build_manifest({"model": "n.pt", "pretrained": "mine.pt"}, None)["weights"]
+    assert weights["model"] == {
+        "name": "n.pt",
+        "path": str(tmp_path / "cache" / "yolov8n.pt"),
+        "sha256": hashlib.sha256(b"release bytes").hexdigest(),
+        "bytes": 13,
+    }
+    assert weights["pretrained"]["sha256"] == hashlib.sha256(b"my weights").hexdigest()
+    assert build_manifest({"model": "gone.pt", "pretrained": True}, None)["weights"] == {
+        "model": {"name": "gone.pt", "path": None, "sha256": None, "bytes": None}
+    }
+    assert build_manifest({"model": "s.yaml", "pretrained": False}, None)["weights"] is None
 
 
 def test_the_fingerprint_follows_file_sizes_not_contents(tmp_path: Path) -> None:
@@ -371,3 +416,33 @@ def test_split_fingerprint_covers_train_val_and_a_coco_json(tmp_path: Path) -> N
         Path(p).write_bytes(b"12345")
     fp = split_fingerprint([Split("train"), Split("val")])
     assert (fp["yaml"], fp["files"], fp["bytes"]) == (str(tmp_path / "d.yaml"), 3, 15)
+
+
+def test_fingerprint_content_reaches_the_manifest_and_a_switch_of_kind_is_no_data_change(tmp_path: Path) -> None:
+    from detrain.config.cfg import make_cfg
+
+    class Info:
+        yaml_file, root = tmp_path / "d.yaml", tmp_path
+        train: ClassVar[list[str]] = [str(tmp_path / "images" / "t.jpg")]
+        val: ClassVar[list[str]] = [str(tmp_path / "images" / "v.jpg")]
+        coco_json = None
+
+    class Split:
+        def __init__(self, split: str) -> None:
+            self.info, self.split = Info, split
+
+    (tmp_path / "images").mkdir()
+    for p in (*Info.train, *Info.val):
+        Path(p).write_bytes(b"12345")
+    splits = [Split("train"), Split("val")]
+    run = tmp_path / "run"
+    run.mkdir()
+    RunTrace(run, True, epochs=3, first_epoch=0, world=[]).record_start(
+        make_cfg({"fingerprint": "content"}, "train"), 0, None, splits
+    )
+    assert _manifest(run)["dataset"]["fingerprint"].startswith("content-sha256:")
+    RunTrace(run, True, epochs=3, first_epoch=1, world=[]).record_start(
+        make_cfg({}, "train"), 4, str(run / "last.pt"), splits
+    )  # resumed with the default fingerprint: another kind, not another dataset
+    restart = next(e for e in _events(run) if e["kind"] == "restart")
+    assert "dataset_changed" not in restart

@@ -1,9 +1,12 @@
 """``manifest.json``: what a run ran with - versions, platform, detrain's git commit, a fingerprint of the dataset's
 files, the full arguments - written atomically by rank 0 when the run starts, and updated on each restart.
 
-The dataset fingerprint is cheap by design: sha256 over the sorted (path relative to the dataset root, size) of
+The dataset fingerprint is cheap by default: sha256 over the sorted (path relative to the dataset root, size) of
 every train and val image, its label file and the split's COCO json when there is one. It changes when a file is
 added, removed, renamed or changes size; it does not read contents (an edit that keeps the size is not seen).
+``fingerprint=content`` also hashes every byte of those files (``content-sha256:...``), which sees any edit and
+costs one read of the dataset (scripts/bench_fingerprint.py measures it). The weights a run starts from
+(``model=`` or ``pretrained=`` naming a .pt) are recorded with their sha256 and size.
 
 >>> m = build_manifest({"epochs": 3}, None)
 >>> sorted(m)[:4]
@@ -29,36 +32,96 @@ import detrain
 from detrain.data.labels.verify import img2label_path
 from detrain.log import atomic_write_text
 from detrain.system.file_tail import read_regular
+from detrain.system.input_file import UnreadableFile, open_input
 from detrain.system.process_env import without_git_variables
 
 MAX_MANIFEST_BYTES = 1 << 20  # an earlier manifest.json larger than this is not read back (a fresh one is written)
 GIT_TIMEOUT_S = 5.0
 
 
-def dataset_fingerprint(root: str | Path, images: Iterable[str], extra: Iterable[str] = ()) -> dict[str, Any]:
+def dataset_fingerprint(
+    root: str | Path, images: Iterable[str], extra: Iterable[str] = (), content: bool = False
+) -> dict[str, Any]:
     """sha256 over the sorted (relative path, size) of ``images``, their label files (where present) and ``extra``
-    files; also the count of files and their total size. A listed image that is gone counts with size -1."""
+    files, with ``content`` also each file's own sha256; also the count of files and their total size. A listed
+    image that is gone counts with size -1 (and no content)."""
     root = Path(os.path.abspath(root))
-    entries: set[tuple[str, int]] = set()
+    files: dict[tuple[str, int], str] = {}  # (relative path, size) -> the path to read for its content
     for path in images:
-        entries.add((_relative(path, root), _size(path)))
+        files[(_relative(path, root), _size(path))] = str(path)
         label = img2label_path(path)
         size = _size(label)
         if size >= 0:
-            entries.add((_relative(label, root), size))
+            files[(_relative(label, root), size)] = label
     for path in extra:
-        entries.add((_relative(path, root), _size(path)))
+        files[(_relative(path, root), _size(path))] = str(path)
     h = hashlib.sha256()
-    for rel, size in sorted(entries):
-        h.update(f"{rel}\0{size}\n".encode("utf-8", "surrogateescape"))
+    for rel, size in sorted(files):
+        digest = _content_sha256(files[(rel, size)]) if content and size >= 0 else ""
+        h.update(f"{rel}\0{size}\0{digest}\n".encode("utf-8", "surrogateescape") if content else _line(rel, size))
     return {
-        "fingerprint": f"sha256:{h.hexdigest()}",
-        "files": len(entries),
-        "bytes": sum(size for _, size in entries if size > 0),
+        "fingerprint": f"{'content-sha256' if content else 'sha256'}:{h.hexdigest()}",
+        "files": len(files),
+        "bytes": sum(size for _, size in files if size > 0),
     }
 
 
-def split_fingerprint(datasets: Iterable[Any]) -> dict[str, Any]:
+def same_kind(a: str, b: str) -> bool:
+    """Whether two fingerprints were made the same way (paths, or content), so comparing them means something.
+
+    >>> same_kind("sha256:ab", "sha256:cd"), same_kind("sha256:ab", "content-sha256:ab")
+    (True, False)
+    """
+    return a.split(":", 1)[0] == b.split(":", 1)[0]
+
+
+def starting_weights(args: dict[str, Any]) -> dict[str, Any] | None:
+    """The weights files a run starts from (``model=`` and ``pretrained=`` when they name a .pt): the name given,
+    the file found (as the builder finds it: the path, else the current folder or the weights cache for a release
+    name), its sha256 and size; None for a run that starts from a yaml alone. A file that cannot be read is
+    recorded with ``sha256`` null."""
+    out: dict[str, Any] = {}
+    for key in ("model", "pretrained"):
+        value = args.get(key)
+        if not isinstance(value, str) or not value.endswith((".pt", ".pth")):
+            continue
+        path = _local_weights(value)
+        record: dict[str, Any] = {"name": value, "path": None, "sha256": None, "bytes": None}
+        if path is not None:
+            record.update(path=str(path.absolute()), bytes=_size(path), sha256=_content_sha256(str(path)) or None)
+        out[key] = record
+    return out or None
+
+
+def _local_weights(value: str) -> Path | None:
+    from detrain.weights.hub import canonical_name, weights_dir
+
+    given = Path(value).expanduser()
+    if given.is_file():
+        return given
+    canonical = canonical_name(value)
+    if canonical is None:
+        return None
+    return next((p for p in (Path.cwd() / canonical, weights_dir() / canonical) if p.is_file()), None)
+
+
+def _content_sha256(path: str) -> str:
+    """A file's sha256, read as a regular file only ("" when it cannot be: gone, a FIFO, a device)."""
+    digest = hashlib.sha256()
+    try:
+        with open_input(path, 1 << 40) as fh:
+            while chunk := fh.read(1 << 20):
+                digest.update(chunk)
+    except (OSError, UnreadableFile):
+        return ""
+    return digest.hexdigest()
+
+
+def _line(rel: str, size: int) -> bytes:
+    return f"{rel}\0{size}\n".encode("utf-8", "surrogateescape")  # the paths fingerprint, as it always was
+
+
+def split_fingerprint(datasets: Iterable[Any], content: bool = False) -> dict[str, Any]:
     """The fingerprint of the train and val splits of loaded :class:`~detrain.data.prepare.SplitData` objects."""
     datasets = list(datasets)
     info = datasets[0].info
@@ -69,7 +132,8 @@ def split_fingerprint(datasets: Iterable[Any]) -> dict[str, Any]:
         json_file = (d.info.coco_json or {}).get(d.split)
         if json_file:
             jsons.append(str(json_file))
-    return {"yaml": str(info.yaml_file), "root": str(info.root), **dataset_fingerprint(info.root, images, jsons)}
+    fingerprint = dataset_fingerprint(info.root, images, jsons, content)
+    return {"yaml": str(info.yaml_file), "root": str(info.root), **fingerprint}
 
 
 def versions() -> dict[str, Any]:
@@ -130,6 +194,7 @@ def build_manifest(args: dict[str, Any], dataset: dict[str, Any] | None) -> dict
         "platform": platform.platform(),
         "git": git_commit(),
         "dataset": dataset,
+        "weights": starting_weights(args),
         "args": args,
         "restarts": 0,
         "launcher_restart_count": 0,

@@ -36,7 +36,7 @@ from detrain.distributed.world import World
 from detrain.distributed.world_layout import describe_nodes, gather_layout, membership_change
 from detrain.engine.telemetry.epoch_stats import stragglers
 from detrain.engine.telemetry.events import EventLog
-from detrain.engine.telemetry.manifest import split_fingerprint, write_start
+from detrain.engine.telemetry.manifest import same_kind, split_fingerprint, write_start
 from detrain.log import console
 
 ERROR_CHARS = 1000  # an end event's error line is cut to this length
@@ -71,7 +71,7 @@ class RunTrace:
         self.events.write(
             "start", world_size=len(self.world), epochs=self.epochs, first_epoch=self.first_epoch + 1, world=self.world
         )
-        dataset = split_fingerprint(datasets)
+        dataset = split_fingerprint(datasets, content=cfg.inputs.fingerprint == "content")
         manifest = write_start(
             self.save_dir / "manifest.json",
             cfg.to_dict(),
@@ -89,7 +89,8 @@ class RunTrace:
             }
             before = manifest.get("dataset")
             before = before.get("fingerprint") if isinstance(before, dict) else None
-            if before is not None and before != dataset["fingerprint"]:
+            now = dataset["fingerprint"]
+            if isinstance(before, str) and same_kind(before, now) and before != now:  # paths vs content: unknown
                 fields["dataset_changed"] = {"from": before, "to": dataset["fingerprint"]}
                 console.print(
                     f"note: the dataset's files changed since this run started ({before} -> {dataset['fingerprint']})"
