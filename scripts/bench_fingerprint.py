@@ -45,7 +45,7 @@ def main() -> None:
     info = load_dataset_yaml(a.data, download=False)
     images = sorted(set(info.train) | set(info.val))
     print(f"{a.data}: {len(images)} images")
-    print("| fingerprint | cache | files | MB | seconds (best of %d) | MB/s |" % a.repeat)
+    print(f"| fingerprint | cache | files | MB | seconds (best of {a.repeat}) | MB/s |")
     print("|---|---|---:|---:|---:|---:|")
     base = None
     for content in (False, True):

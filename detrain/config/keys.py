@@ -424,6 +424,16 @@ class Output:
     tensorboard: bool = key(
         False, 'log each epoch\'s results.csv row to tensorboard (pip install "detrain[tensorboard]")'
     )
+    mlflow: bool = key(
+        False,
+        "log the args, each results.csv row and best.pt to MLflow: $MLFLOW_TRACKING_URI, else a local store in "
+        '<project>/mlflow (pip install "detrain[mlflow]")',
+    )
+    wandb: bool = key(
+        False,
+        "log the args, each results.csv row and best.pt to Weights & Biases, offline in <run>/wandb unless "
+        '$WANDB_MODE says online (pip install "detrain[wandb]")',
+    )
     verbose: bool = key(
         True,
         "print per-class metrics and progress (info: the per-layer table)",

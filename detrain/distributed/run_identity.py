@@ -41,6 +41,9 @@ PER_NODE_KEYS = frozenset(
         "verbose",
         "plots",
         "tensorboard",
+        "mlflow",
+        "wandb",
+        "fingerprint",
     }
 )
 

@@ -17,6 +17,7 @@ from detrain.config.cfg import Cfg
 from detrain.data.dataset_yaml import find_dataset_yaml
 from detrain.distributed.world import World
 from detrain.engine.build import check_model, check_output_folder
+from detrain.engine.telemetry import run_loggers
 from detrain.engine.train.freeze import check_freeze
 from detrain.engine.train.pretrained import check_pretrained
 from detrain.engine.train.reproduce import find_resume_checkpoint
@@ -27,6 +28,8 @@ from detrain.errors import ConfigError
 def check_inputs(task: str, cfg: Cfg, world: World | None = None) -> None:
     """Raise the error the ``task`` (train, val, predict) would meet later for a path in ``cfg`` that names no
     usable file, and for a run folder that cannot be made. ``world``: this process's (None: a plain one)."""
+    if task == "train" and cfg.distributed.node_rank == 0:
+        run_loggers.check(cfg)  # mlflow=true or wandb=true without the library: the install line, now
     if task == "train" and cfg.train.resume:
         # rank 0 alone reads it and sends it to the others (resume_state.py)
         if may_host_rank0(world or World(), cfg.distributed.node_rank):

@@ -23,6 +23,7 @@ Events, in the order they are written:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -165,13 +166,19 @@ def start(
 
 @contextmanager
 def ended(owner: Any) -> Iterator[None]:
-    """Around a training run: writes the end event of ``owner.trace`` (once it exists) however the run ends."""
+    """Around a training run: writes the end event of ``owner.trace`` (once it exists) however the run ends, and
+    ends the experiment trackers of ``owner.loggers`` (once they exist) of a run that raised as FAILED (KILLED for
+    Ctrl-C or a signal)."""
     try:
         yield
     except BaseException as e:
         trace = getattr(owner, "trace", None)
         if trace is not None:
             trace.end(e)
+        loggers = getattr(owner, "loggers", None)
+        if loggers is not None:
+            with contextlib.suppress(Exception):  # the run's own error is the one to report
+                loggers.close("KILLED" if isinstance(e, (KeyboardInterrupt, SystemExit)) else "FAILED")
         raise
     trace = getattr(owner, "trace", None)
     if trace is not None:

@@ -33,6 +33,7 @@ from detrain.engine.evaluate.validator import validate
 from detrain.engine.run_plan import RunPlan
 from detrain.engine.telemetry import epoch_stats, run_trace
 from detrain.engine.telemetry.epoch_monitor import EpochMonitor
+from detrain.engine.telemetry.run_loggers import RunLoggers
 from detrain.engine.train import accumulation, auto_batch, freeze, optim, pretrained, resume_state, time_budget
 from detrain.engine.train.batch_plan import batch_plan, check_split, planned_world_size
 from detrain.engine.train.callbacks import CallbackFn, Callbacks
@@ -42,7 +43,7 @@ from detrain.engine.train.precision import choose_precision, train_dtype
 from detrain.engine.train.preemption import Preemption
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.errors import Preempted
-from detrain.log import EpochProgress, ResultsCSV, TensorBoard, console, save_yaml
+from detrain.log import EpochProgress, ResultsCSV, console, save_yaml
 from detrain.nn.head import LossGains
 from detrain.plots.train import plot_results, plot_train_batch
 from detrain.system.tempfiles import remove_unfinished
@@ -151,7 +152,7 @@ class Trainer:
         )
         self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world)
         self.csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
-        self.tb = TensorBoard(self.save_dir, cfg.output.tensorboard and self.main)
+        self.loggers = RunLoggers(self.save_dir, cfg, self.main)  # tensorboard, mlflow, wandb
         self.metrics: dict[str, Any] = {}  # the last validation's (kept by epochs that do not validate)
         self.start_scores: dict[str, Any] = {}
         if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.train.val:
@@ -600,7 +601,7 @@ class Trainer:
             return
         self.csv.add(row)
         scalars = {k: float(v) for k, v in row.items() if k != "epoch"}
-        self.tb.log(scalars, epoch + 1)
+        self.loggers.add_row(scalars, epoch + 1)
         self._save(epoch, self.metrics, improved)
         self.mid.epoch_done()
         if cfg.output.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
@@ -620,7 +621,7 @@ class Trainer:
     def _finish(self) -> dict[str, Any]:
         """Close the logs; rank 0 plots the run, says how it went and fires ``on_train_end``; every rank returns
         rank 0's result."""
-        self.tb.close()
+        self.loggers.close()
         self.monitor.close()
         metrics, start = self.metrics, self.start_scores
         result = {k: v for k, v in metrics.items() if not isinstance(v, (dict, list, np.ndarray))}
