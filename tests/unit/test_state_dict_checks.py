@@ -7,7 +7,6 @@ shape or kind ended in torch's multi-line report, class names keyed by text in a
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
 from typing import Any
 
@@ -172,22 +171,24 @@ def test_a_checkpoint_whose_class_names_are_not_indices_is_one_line(
     ids=["width", "reg-max", "repeats", "kernel-text"],
 )
 def test_a_checkpoint_whose_yaml_asks_too_much_is_refused_before_any_allocation(
-    net: DetectionModel, tmp_path: Path, change: Any, fragment: str
+    net: DetectionModel, tmp_path: Path, change: Any, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = _state(net)
     change(state["model"]["yaml"])
     path = _saved(state, tmp_path / "yaml.pt")
-    start = time.perf_counter()
+    ckpt = load_checkpoint(path)
+
+    def built(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a layer was built before the yaml was refused")
+
+    monkeypatch.setattr(torch.nn.Conv2d, "__init__", built)  # the first thing any of these models allocates
     with pytest.raises(CheckpointError) as err:
-        model_from_checkpoint(load_checkpoint(path), source=str(path))
+        model_from_checkpoint(ckpt, source=str(path))
     message = _one_line(err)
     assert message.startswith(f"{path}: detrain cannot build the model it records: ") and fragment in message
-    assert time.perf_counter() - start < 2.0
 
 
-def test_the_finiteness_check_is_one_cheap_pass(net: DetectionModel) -> None:
+def test_the_finiteness_check_passes_finite_and_integer_tensors(net: DetectionModel) -> None:
     weights = {"w": torch.zeros(10_000_000)}  # three YOLOv8n's worth
-    start = time.perf_counter()
     check_finite({"model": {"state_dict": weights}, "ema": {"state_dict": weights}}, "big.pt")
-    assert time.perf_counter() - start < 1.0
     check_finite({"model": {"state_dict": {"n": torch.tensor(7)}}}, "ints.pt")  # integer tensors: nothing to check

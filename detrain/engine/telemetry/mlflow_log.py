@@ -11,13 +11,13 @@ file backend is in maintenance mode), which is set for this process only when de
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from detrain.errors import ConfigError
+from detrain.system.process_env import allow_mlflow_file_store, quiet_trackers, tracker_settings
 
 INSTALL = 'mlflow=true needs MLflow: pip install "detrain[mlflow]"'
 _PARAMS_PER_CALL = 100  # MLflow's limit for one batch of parameters
@@ -27,7 +27,7 @@ _NAME = re.compile(r"[^A-Za-z0-9_\-./ ]")
 
 def require() -> Any:
     """The mlflow module, or the install line as a ConfigError (checked before any process starts)."""
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    quiet_trackers()
     try:
         import mlflow
     except ImportError:
@@ -49,14 +49,14 @@ class MLflowRun:
 
     def __init__(self, save_dir: Path, args: Mapping[str, Any]) -> None:
         self.mlflow = require()
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
-            store = save_dir.parent / "mlflow"
-            uri = store.absolute().as_uri()
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        settings = tracker_settings()
+        uri = settings.get("MLFLOW_TRACKING_URI")
+        if uri is None:
+            uri = (save_dir.parent / "mlflow").absolute().as_uri()
+            allow_mlflow_file_store()
         self.uri = uri
         self.mlflow.set_tracking_uri(uri)
-        self.mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME") or "detrain")
+        self.mlflow.set_experiment(settings.get("MLFLOW_EXPERIMENT_NAME", "detrain"))
         self.run = self.mlflow.start_run(run_name=save_dir.name)
         items = [(k, str(v)[:_PARAM_CHARS]) for k, v in args.items()]
         for i in range(0, len(items), _PARAMS_PER_CALL):

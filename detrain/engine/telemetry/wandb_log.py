@@ -9,19 +9,19 @@ W&B's error reporting is switched off unless the user's own ``WANDB_ERROR_REPORT
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from detrain.errors import ConfigError
+from detrain.system.process_env import quiet_trackers, tracker_settings
 
 INSTALL = 'wandb=true needs Weights & Biases: pip install "detrain[wandb]"'
 
 
 def require() -> Any:
     """The wandb module, or the install line as a ConfigError (checked before any process starts)."""
-    os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
+    quiet_trackers()
     try:
         import wandb
     except ImportError:
@@ -34,9 +34,10 @@ class WandbRun:
 
     def __init__(self, save_dir: Path, args: Mapping[str, Any]) -> None:
         self.wandb = require()
-        self.mode = os.environ.get("WANDB_MODE") or "offline"
+        settings = tracker_settings()
+        self.mode = settings.get("WANDB_MODE", "offline")
         self.run = self.wandb.init(
-            project=os.environ.get("WANDB_PROJECT") or "detrain",
+            project=settings.get("WANDB_PROJECT", "detrain"),
             name=save_dir.name,
             dir=str(save_dir),
             config=dict(args),
