@@ -274,13 +274,14 @@ def _choose(
         folders += chain[:1] + chain[-1:]
     best: tuple[Path, dict[str, Any], tuple[int, int]] | None = None
     seen: set[Path] = set()
+    tried: dict[Path, Any] = {}  # each file is read (and a fallback said) once
     for folder in folders:
         for name in (MID, LAST):
             path = folder / "weights" / name
             if not path.is_file() or path.resolve() in seen:
                 continue
             seen.add(path.resolve())
-            loaded = _load_candidate(path, explicit, last_beside=(folder / "weights" / LAST).is_file())
+            loaded = _load_candidate(path, explicit, (folder / "weights" / LAST).is_file(), tried)
             if loaded is None:
                 continue
             path, ckpt = loaded
@@ -293,10 +294,10 @@ def _choose(
         return best[0], best[1], True
     if given is None:
         return None
-    given, ckpt = _load_or_previous(given, explicit)
+    given, ckpt = _load_candidate(given, explicit, False, tried) or (given, {})  # None only for a skipped mid.pt
     _check_resumable(ckpt, given)
     beside = given.with_name(MID)
-    loaded = _load_candidate(beside, explicit, last_beside=True) if given.name == LAST and beside.is_file() else None
+    loaded = _load_candidate(beside, explicit, True, tried) if given.name == LAST and beside.is_file() else None
     if loaded is not None:
         mid = loaded[1]
         written_by = ckpt.get("launch_id")
@@ -328,16 +329,25 @@ def _load_or_previous(path: Path, report: bool) -> tuple[Path, dict[str, Any]]:
         return previous, ckpt
 
 
-def _load_candidate(path: Path, report: bool, last_beside: bool) -> tuple[Path, dict[str, Any]] | None:
+def _load_candidate(
+    path: Path, report: bool, last_beside: bool, tried: dict[Path, Any]
+) -> tuple[Path, dict[str, Any]] | None:
     """:func:`_load_or_previous`, except that a ``mid.pt`` that does not load beside a ``last.pt`` is passed over
-    with one line (and event): None, the other candidates decide."""
-    try:
-        return _load_or_previous(path, report)
-    except CheckpointError as e:
-        if path.name != MID or not last_beside:
-            raise
-        _fell_back(path, path.with_name(LAST), e, report)
-        return None
+    with one line (and event): None, the other candidates decide. ``tried``: the answers so far, by file (a file
+    is read once however many ways lead to it)."""
+    key = path.resolve()
+    if key not in tried:
+        try:
+            tried[key] = _load_or_previous(path, report)
+        except CheckpointError as e:
+            if path.name != MID or not last_beside:
+                tried[key] = e
+            else:
+                _fell_back(path, path.with_name(LAST), e, report)
+                tried[key] = None
+    if isinstance(tried[key], CheckpointError):
+        raise tried[key]
+    return tried[key]
 
 
 def _fell_back(damaged: Path, instead: Path, error: CheckpointError, report: bool) -> None:
