@@ -9,7 +9,8 @@ so no collective is added and every rank reads the same verdict at the same step
 with gradient accumulation, one non-finite batch among those it gathers skips it (the flags are kept, on the
 device, from the update before). A skipped update steps neither the optimizer nor the EMA; the gradients are
 zeroed; the fp16 gradient scaler still lowers its scale (its own inf check, as before) and such steps are counted
-like the others.
+like the others, towards ``nonfinite_limit`` too (the first updates of an fp16 run often overflow a few times while
+the scaler finds its scale; ten in a row would have lowered it 1024-fold).
 
 Counted: the epoch's ``nonfinite_skipped`` column of results.csv, one ``nonfinite`` event per skipped update in
 events.jsonl (epoch, batch, what was non-finite, how many ranks saw a non-finite loss) and one console line.
