@@ -231,6 +231,12 @@ class Train:
         parse=auto_or_count,
     )
     clip_grad: float = key(10.0, "clip the gradient norm to this value (0 = off)", low=0.0)
+    nonfinite_limit: int = key(
+        10,
+        "an update whose loss or gradients hold NaN/inf on any worker is skipped by every worker; this many in a "
+        "row stop the run (0 = never stop)",
+        low=0,
+    )
     amp: bool | str = key(
         True,
         "mixed precision on CUDA: true (bf16 where supported, else fp16 with a grad scaler), bf16 or fp16 (that "

@@ -21,6 +21,7 @@ import errno
 import os
 import re
 import secrets
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -151,6 +152,47 @@ def atomic_file(
             raise
     finally:
         os.close(folder)
+
+
+def keep_generation(path: str | Path, previous: str) -> bool:
+    """Before ``path`` is replaced: make the file it is now also ``previous`` (a name in its folder), in place
+    atomically, ``path`` untouched; returns False where there is no regular file at ``path``. A hard link costs
+    neither time nor space until ``path`` is replaced; a filesystem without hard links gets a copy. Nothing is
+    followed through a link (:func:`atomic_file`'s rules)."""
+    path = Path(path)
+    folder = open_folder(path.parent)
+    try:
+        try:
+            info = os.stat(path.name, dir_fd=folder, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(info.st_mode):
+            return False
+        tmp = f".{previous}.{secrets.token_hex(6)}.tmp"  # remove_unfinished's pattern: a killed keep is cleaned
+        try:
+            try:
+                os.link(path.name, tmp, src_dir_fd=folder, dst_dir_fd=folder, follow_symlinks=False)
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                    raise
+                _copy_in(folder, path.name, tmp)
+            os.replace(tmp, previous, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=folder)
+            raise
+        return True
+    finally:
+        os.close(folder)
+
+
+def _copy_in(folder: int, src: str, dst: str) -> None:
+    """Copy the file ``src`` to the new file ``dst``, both in the open ``folder``, flushed to disk."""
+    fin = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+    with os.fdopen(fin, "rb") as r, os.fdopen(os.open(dst, _NEW_FILE, 0o666, dir_fd=folder), "wb") as w:
+        shutil.copyfileobj(r, w, 1 << 20)
+        w.flush()
+        os.fsync(w.fileno())
 
 
 def write_atomic(path: str | Path, data: str | bytes, root: str | Path | None = None) -> Path:

@@ -24,18 +24,23 @@ import torch
 from detrain import __version__
 from detrain.errors import CheckpointError, ConfigError
 from detrain.system.input_file import read_input, reason_of
-from detrain.system.tempfiles import UnsafePath, atomic_file
+from detrain.system.tempfiles import UnsafePath, atomic_file, keep_generation
 from detrain.weights import limits
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
 
 FORMAT = "detrain-checkpoint"
+PREVIOUS = "last.prev.pt"  # the generation of last.pt before the latest (save_checkpoint's keep_previous)
 
 
-def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
+def save_checkpoint(state: dict[str, Any], path: str | Path, keep_previous: str | None = None) -> Path:
     """Write ``state`` to ``path`` atomically: a temporary file in the same folder, fsync, then rename; the folder
-    is entered without following a symbolic link (a planted ``weights/`` link receives nothing).
+    is entered without following a symbolic link (a planted ``weights/`` link receives nothing). Weights or an EMA
+    holding NaN or infinity are refused (one line; nothing is written).
+
+    ``keep_previous``: a name in ``path``'s folder (``last.prev.pt``, :data:`PREVIOUS`) that first takes the file
+    ``path`` holds now, a generation to fall back to when ``path`` is later found damaged (a hard link: no copy).
 
     A crash or a full disk never leaves a half-written ``last.pt``: either the old file or the new one exists.
     A write that fails (a full disk, an I/O error, a read-only folder) is one line naming the file and why, the
@@ -43,6 +48,7 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
     (:func:`detrain.system.tempfiles.remove_unfinished`).
     """
     path = Path(path)
+    check_finite(state, path, writing=True)  # the last line of defence: a diverged run's weights are never kept
     state = {
         "format": FORMAT,
         "version": __version__,
@@ -50,6 +56,8 @@ def save_checkpoint(state: dict[str, Any], path: str | Path) -> Path:
         **state,
     }
     try:
+        if keep_previous:
+            keep_generation(path, keep_previous)
         with atomic_file(path, sync=True) as f:  # weights/ is entered without following a link
             torch.save(state, f)
     except UnsafePath:
@@ -158,10 +166,11 @@ def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
         _check_weights(ckpt["ema"], "'ema'", path)
 
 
-def check_finite(ckpt: dict[str, Any], path: str | Path) -> None:
+def check_finite(ckpt: dict[str, Any], path: str | Path, writing: bool = False) -> None:
     """A one-line CheckpointError naming the first floating-point weight of the model or EMA state dict that holds
     NaN or infinity: such weights load without complaint and make training fail far from the cause (in the
-    assigner, after the first forward). Costs one pass over the weights (``torch.isfinite``).
+    assigner, after the first forward). Costs one pass over the weights (``torch.isfinite``). ``writing``: the
+    check before a save (:func:`save_checkpoint`), which then writes nothing.
 
     >>> check_finite({"model": {"state_dict": {"w": torch.tensor([1.0, float("nan")])}}}, "a.pt")
     Traceback (most recent call last):
@@ -174,6 +183,11 @@ def check_finite(ckpt: dict[str, Any], path: str | Path) -> None:
         for key, tensor in (state or {}).items():
             floating = isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
             if floating and not bool(torch.isfinite(tensor).all()):
+                if writing:
+                    raise CheckpointError(
+                        f"refusing to write {path}: weight {_printable(key)} of its '{where}' holds NaN or infinite "
+                        "values; the previous checkpoint is kept"
+                    )
                 raise CheckpointError(
                     f"{path}: weight {_printable(key)} of its '{where}' holds NaN or infinite values (a damaged file "
                     "or a diverged run); detrain loads only finite weights"

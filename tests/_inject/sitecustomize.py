@@ -95,3 +95,82 @@ if _RULE is not None:
     import sys
 
     sys.addaudithook(_audit)
+
+
+# ---------------------------------------------------------------------------------------------- non-finite steps
+# ``TEST_NONFINITE`` (a JSON object) makes chosen batches' losses NaN on one rank, for real: ``rank``, ``at`` (global
+# batch indices, 0-based over the run) or ``from`` (that batch and every later one); with ``dump`` (a folder), every
+# rank appends, per batch, a digest of its model's and EMA's parameters before and after the batch (and the EMA's
+# update count) to ``<dump>/rank<r>.jsonl``. It wraps ``Trainer._train_batch`` once detrain's trainer module is
+# imported (a meta path finder), and the batch's ``criterion.score`` while it runs: nothing in detrain knows.
+_NONFINITE = json.loads(os.environ["TEST_NONFINITE"]) if os.environ.get("TEST_NONFINITE") else None
+_TRAINER = "detrain.engine.train.trainer"
+
+
+def _digest(trainer: object) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for module in (trainer.model, trainer.ema.ema):  # type: ignore[attr-defined]
+        for p in module.parameters():
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _poisoned(score):
+    def nan_score(*args, **kwargs):
+        return tuple(t * float("nan") for t in score(*args, **kwargs))
+
+    return nan_score
+
+
+def _patch_trainer(module: object) -> None:
+    rule = _NONFINITE
+    cls = module.Trainer  # type: ignore[attr-defined]
+    original = cls._train_batch
+
+    def _train_batch(self, epoch, i, batch, n_warmup):
+        ni = epoch * self.nb + i
+        bad = self.rank == rule["rank"] and (ni in rule.get("at", ()) or ni >= rule.get("from", 1 << 60))
+        before = _digest(self) if rule.get("dump") else None
+        if bad:
+            self.criterion.score = _poisoned(self.criterion.score)
+        try:
+            return original(self, epoch, i, batch, n_warmup)
+        finally:
+            if bad:
+                del self.criterion.score
+            if before is not None:
+                line = {"step": ni, "nan": bad, "before": before, "after": _digest(self), "ema": self.ema.updates}
+                with open(os.path.join(rule["dump"], f"rank{self.rank}.jsonl"), "a") as f:
+                    f.write(json.dumps(line) + "\n")
+
+    cls._train_batch = _train_batch
+
+
+class _AfterImport:
+    """A meta path finder that lets the real finder find the trainer module and patches it once executed."""
+
+    def find_spec(self, name, path, target=None):
+        import sys
+
+        if name != _TRAINER:
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None and spec.loader is not None:
+                real = spec.loader.exec_module
+
+                def exec_module(module, real=real):
+                    real(module)
+                    _patch_trainer(module)
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
+if _NONFINITE is not None:
+    import sys
+
+    sys.meta_path.insert(0, _AfterImport())

@@ -15,6 +15,11 @@ Events, in the order they are written:
   ``left_nodes``/``joined_nodes`` (each node that left or joined: ``host``, ``launcher_pid``, ``workers``);
 * ``straggler`` (per epoch and rank): ``epoch``, ``rank``, ``node``, ``host``, ``cause`` (``data_wait`` or
   ``compute``), ``ms_per_step`` and ``others_median_ms`` (:func:`detrain.engine.telemetry.epoch_stats.stragglers`);
+* ``nonfinite`` (per update skipped for a NaN or infinity, :mod:`detrain.engine.train.nonfinite`): ``epoch``,
+  ``batch`` (1-based), ``what`` (``loss`` or ``gradients``), ``ranks`` (how many saw a non-finite loss) and
+  ``in_a_row``;
+* ``checkpoint_fallback`` (before ``start``, written by resume: :mod:`detrain.engine.train.resume_state`):
+  ``damaged`` (a ``last.pt`` or ``mid.pt`` that does not load), ``instead`` (the file taken) and ``reason``;
 * ``end``: ``status`` (``completed``, ``stopped_early``, ``interrupted`` or ``failed``), ``epoch`` (the last
   whose training loop finished, 1-based; null if none) and for a failure ``error``, its one line. A process
   killed outright (SIGKILL, or the launcher's SIGTERM after a peer died) writes no end: the next ``start``

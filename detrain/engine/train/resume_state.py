@@ -47,11 +47,12 @@ from detrain.data.memory.process_owner import start_ticks
 from detrain.distributed import dist
 from detrain.distributed.parallel import sync_buffers_next_forward, unwrap
 from detrain.distributed.world import World
+from detrain.engine.telemetry.events import EventLog
 from detrain.engine.train import run_record
 from detrain.engine.train.reproduce import find_resume_checkpoint, rng_state
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
-from detrain.weights.checkpoint import load_checkpoint
+from detrain.weights.checkpoint import PREVIOUS, load_checkpoint
 
 MID, LAST = "mid.pt", "last.pt"
 
@@ -273,13 +274,17 @@ def _choose(
         folders += chain[:1] + chain[-1:]
     best: tuple[Path, dict[str, Any], tuple[int, int]] | None = None
     seen: set[Path] = set()
+    tried: dict[Path, Any] = {}  # each file is read (and a fallback said) once
     for folder in folders:
         for name in (MID, LAST):
             path = folder / "weights" / name
             if not path.is_file() or path.resolve() in seen:
                 continue
             seen.add(path.resolve())
-            ckpt = load_checkpoint(path)
+            loaded = _load_candidate(path, explicit, (folder / "weights" / LAST).is_file(), tried)
+            if loaded is None:
+                continue
+            path, ckpt = loaded
             if launch.owns(ckpt):
                 at = position(ckpt, path)
                 if best is None or at > best[2]:
@@ -289,11 +294,12 @@ def _choose(
         return best[0], best[1], True
     if given is None:
         return None
-    ckpt = load_checkpoint(given)
+    given, ckpt = _load_candidate(given, explicit, False, tried) or (given, {})  # None only for a skipped mid.pt
     _check_resumable(ckpt, given)
     beside = given.with_name(MID)
-    if given.name == LAST and beside.is_file():
-        mid = load_checkpoint(beside)
+    loaded = _load_candidate(beside, explicit, True, tried) if given.name == LAST and beside.is_file() else None
+    if loaded is not None:
+        mid = loaded[1]
         written_by = ckpt.get("launch_id")
         if (
             isinstance(written_by, str)
@@ -303,6 +309,55 @@ def _choose(
             _check_resumable(mid, beside)
             return beside, mid, False
     return given, ckpt, False
+
+
+def _load_or_previous(path: Path, report: bool) -> tuple[Path, dict[str, Any]]:
+    """(path, checkpoint) of ``path``; where ``last.pt`` does not load (damaged: a truncated or bit-flipped zip, a
+    refused pickle), of ``last.prev.pt`` beside it, the generation before, with one line (and, ``report``: rank 0,
+    an event in the run folder's events.jsonl naming both files and why). Neither loads: ``path``'s own error."""
+    try:
+        return path, load_checkpoint(path)
+    except CheckpointError as e:
+        previous = path.with_name(PREVIOUS) if path.name == LAST else None
+        if previous is None or not previous.is_file():
+            raise
+        try:
+            ckpt = load_checkpoint(previous)
+        except CheckpointError:
+            raise e from None  # neither loads: the newer file's reason, as before
+        _fell_back(path, previous, e, report)
+        return previous, ckpt
+
+
+def _load_candidate(
+    path: Path, report: bool, last_beside: bool, tried: dict[Path, Any]
+) -> tuple[Path, dict[str, Any]] | None:
+    """:func:`_load_or_previous`, except that a ``mid.pt`` that does not load beside a ``last.pt`` is passed over
+    with one line (and event): None, the other candidates decide. ``tried``: the answers so far, by file (a file
+    is read once however many ways lead to it)."""
+    key = path.resolve()
+    if key not in tried:
+        try:
+            tried[key] = _load_or_previous(path, report)
+        except CheckpointError as e:
+            if path.name != MID or not last_beside:
+                tried[key] = e
+            else:
+                _fell_back(path, path.with_name(LAST), e, report)
+                tried[key] = None
+    if isinstance(tried[key], CheckpointError):
+        raise tried[key]
+    return tried[key]
+
+
+def _fell_back(damaged: Path, instead: Path, error: CheckpointError, report: bool) -> None:
+    """Say that ``damaged`` does not load and ``instead`` is taken (every node that finds it; rank 0 also as a
+    ``checkpoint_fallback`` event in the run folder)."""
+    console.print(f"warning: {damaged} does not load ({error}); falling back to {instead.name}")
+    if report:
+        EventLog(damaged.parent.parent / "events.jsonl").write(
+            "checkpoint_fallback", damaged=str(damaged), instead=str(instead), reason=str(error)
+        )
 
 
 def _furthest_key(ckpt: dict[str, Any]) -> tuple[int, float]:

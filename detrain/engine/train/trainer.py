@@ -39,6 +39,7 @@ from detrain.engine.train.batch_plan import batch_plan, check_split, planned_wor
 from detrain.engine.train.callbacks import CallbackFn, Callbacks
 from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.mid_epoch import MidEpoch
+from detrain.engine.train.nonfinite import NonFinite, finite_items, gradient_norm
 from detrain.engine.train.precision import choose_precision, train_dtype
 from detrain.engine.train.preemption import Preemption
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
@@ -47,7 +48,7 @@ from detrain.log import EpochProgress, ResultsCSV, console, save_yaml
 from detrain.nn.head import LossGains
 from detrain.plots.train import plot_results, plot_train_batch
 from detrain.system.tempfiles import remove_unfinished
-from detrain.weights.checkpoint import load_weights, model_meta, save_checkpoint
+from detrain.weights.checkpoint import PREVIOUS, load_weights, model_meta, save_checkpoint
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -151,6 +152,8 @@ class Trainer:
             resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None,
         )
         self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world)
+        # non-finite losses or gradients: every rank skips the same updates (nonfinite.py)
+        self.nonfinite = NonFinite(cfg.train.nonfinite_limit, self.trace.events if self.main else None)
         self.csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
         self.loggers = RunLoggers(self.save_dir, cfg, self.main)  # tensorboard, mlflow, wandb
         self.metrics: dict[str, Any] = {}  # the last validation's (kept by epochs that do not validate)
@@ -380,6 +383,7 @@ class Trainer:
         for i, batch in enumerate(self.monitor.timed(self.train_loader), first):
             ts = time.perf_counter()
             items, imgsz = self._train_batch(epoch, i, batch, n_warmup)
+            items = finite_items(items, mean_items)  # a skipped batch's NaN stays out of the epoch's mean
             mean_items = (mean_items * i + items) / (i + 1)
             n_images += int(batch["img"].shape[0])
             if self.main and cfg.output.plots and epoch == self.start_epoch and i < 3:
@@ -404,6 +408,7 @@ class Trainer:
         """The epoch's monitor, augmentation and sampler; mosaic closed when due; the model in training mode."""
         cfg = self.cfg
         self.monitor.begin_epoch()
+        self.nonfinite.begin_epoch()
         self.train_loader.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
         _set_sampler_epoch(self.train_loader, epoch)
         if self.budget is not None:
@@ -436,10 +441,18 @@ class Trainer:
             accumulation.add_saved(unwrap(self.model), self.carried_grads)
             self.carried_grads = None
         if will_step:
-            self._optimizer_step()
+            self.nonfinite.note_gradients(self._unscaled_norm())
+        # collective: the batch's loss items over the ranks, to log, whether any rank was told to stop and whether
+        # any saw a non-finite loss or gradient (the flags ride along: preemption.py, nonfinite.py)
+        reduced = dist.reduce_mean(self.preempt.attach(self.nonfinite.attach(items.detach())))
+        items = self.nonfinite.read(self.preempt.read(reduced), self.world.world_size)
+        if will_step:
+            if self.nonfinite.skip(epoch, i, self.nb):  # the same answer on every rank
+                self._skip_update()
+            else:
+                self._optimizer_step()
             self.last_update = ni
-        # collective: the batch's loss items over the ranks, to log, and whether any rank was told to stop
-        return self.preempt.read(dist.reduce_mean(self.preempt.attach(items.detach()))), imgsz
+        return items, imgsz
 
     def _step(self, batch: dict[str, Any], will_step: bool) -> tuple[torch.Tensor, int]:
         """Forward, loss and backward of one batch; in a group the gradients are all-reduced in the backward pass
@@ -461,6 +474,7 @@ class Trainer:
             # step, with or without boxes of its own)
             summed_scores = dist.all_reduce_sum(targets.score_sum)
             loss, items = self.criterion.score(targets, summed_scores, global_batch=self.plan.step_images)
+            self.nonfinite.note_loss(loss)
             self.scaler.scale(loss).backward()
         return items, int(imgs.shape[-1])
 
@@ -476,14 +490,23 @@ class Trainer:
         new = [math.ceil(x * factor / 32) * 32 for x in imgs.shape[2:]]
         return nn.functional.interpolate(imgs, size=new, mode="bilinear", align_corners=False)
 
-    def _optimizer_step(self) -> None:
+    def _unscaled_norm(self) -> torch.Tensor:
+        """At an update: the gradients unscaled (fp16) and clipped (clip_grad); their total norm."""
         self.scaler.unscale_(self.optimizer)
-        if self.cfg.train.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=self.cfg.train.clip_grad)
+        return gradient_norm(self.model.parameters(), self.cfg.train.clip_grad)
+
+    def _optimizer_step(self) -> None:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.ema.update(self.model)
+
+    def _skip_update(self) -> None:
+        """An update some rank found non-finite: no optimizer step, no EMA update, the gradients gone; the fp16
+        scaler lowers its scale where its own check found infinities, as a step it skips always did."""
+        if self.scaler.is_enabled():
+            self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
 
     def _end_epoch_training(
         self, epoch: int, mean_items: torch.Tensor, n_images: int, t0: float, step_times: list[float]
@@ -594,7 +617,14 @@ class Trainer:
         """The epoch's row in results.csv and TensorBoard, last.pt (best.pt when it improved), the epoch's line and
         the callbacks after it (rank 0; every rank first gives what differs between ranks for last.pt)."""
         cfg = self.cfg
-        row = {"epoch": epoch + 1, **trained.losses, **_metric_columns(self.metrics), **trained.lrs, **trained.speed}
+        row = {
+            "epoch": epoch + 1,
+            **trained.losses,
+            **_metric_columns(self.metrics),
+            **trained.lrs,
+            "nonfinite_skipped": self.nonfinite.epoch_skipped,  # updates skipped for a NaN/inf (nonfinite.py)
+            **trained.speed,  # the per-node columns come last
+        }
         if cfg.output.save:  # collective: what differs between ranks goes in last.pt too (an all_gather_object)
             self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)
         if not self.main:
@@ -685,7 +715,10 @@ class Trainer:
         if not self.cfg.output.save:
             return
         state = self.checkpoint_state(epoch, metrics, self._gradients_wait(epoch))
-        save_checkpoint(state, self.wdir / "last.pt")
+        # the last.pt before becomes last.prev.pt, which a resume falls back to when last.pt is damaged; a run
+        # resumed from last.prev.pt keeps it: the last.pt it replaces was the damaged one
+        keep = None if Path(str(self.cfg.train.resume)).name == PREVIOUS and epoch == self.start_epoch else PREVIOUS
+        save_checkpoint(state, self.wdir / "last.pt", keep_previous=keep)
         light = {
             k: v
             for k, v in state.items()

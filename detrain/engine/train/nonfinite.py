@@ -1,0 +1,123 @@
+"""Non-finite losses and gradients: every rank skips the same optimizer update, and too many in a row stop the run.
+
+bfloat16 has no gradient scaler and float32 can blow up too: one NaN or infinity that reaches an update poisons the
+weights, the EMA and every later checkpoint. So each rank notes, per batch, whether its loss is finite, and at an
+update whether the gradients are (after the scaler's unscale, from the norm that clipping computes anyway: one
+fused norm, :func:`gradient_norm`). The flags travel with the all-reduce every step already makes (the batch's loss
+items, as :mod:`detrain.engine.train.preemption`'s flag does: :meth:`NonFinite.attach` / :meth:`NonFinite.read`),
+so no collective is added and every rank reads the same verdict at the same step. An update is decided as a whole:
+with gradient accumulation, one non-finite batch among those it gathers skips it (the flags are kept, on the
+device, from the update before). A skipped update steps neither the optimizer nor the EMA; the gradients are
+zeroed; the fp16 gradient scaler still lowers its scale (its own inf check, as before) and such steps are counted
+like the others, towards ``nonfinite_limit`` too (the first updates of an fp16 run often overflow a few times while
+the scaler finds its scale; ten in a row would have lowered it 1024-fold).
+
+Counted: the epoch's ``nonfinite_skipped`` column of results.csv, one ``nonfinite`` event per skipped update in
+events.jsonl (epoch, batch, what was non-finite, how many ranks saw a non-finite loss) and one console line.
+``nonfinite_limit`` skipped updates in a row (0: never) end the run on every rank at that same step with one line
+(a :class:`detrain.errors.DetrainError`, exit code 2); the checkpoints hold the last finite weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from detrain.errors import DetrainError
+from detrain.log import console
+
+FLAGS = 2  # elements appended to the items: ranks whose loss was non-finite, ranks whose gradients were
+
+
+class NonFinite:
+    """The non-finite bookkeeping of one rank (see the module). ``limit``: updates skipped in a row that end the
+    run (0: never); ``events``: where rank 0 writes its events (anything with ``write(kind, **fields)``, or None)."""
+
+    def __init__(self, limit: int, events: Any = None) -> None:
+        self.limit = limit
+        self.events = events
+        self.in_a_row = 0
+        self.epoch_skipped = 0  # this epoch's skipped updates (results.csv)
+        self._loss: torch.Tensor | None = None  # this batch's own flag, on the device (no host sync)
+        self._grads: torch.Tensor | None = None
+        self._seen: torch.Tensor | None = None  # agreed flags of the batches since the last update
+
+    def note_loss(self, loss: torch.Tensor) -> None:
+        """This batch's loss (before backward): whether it is finite, kept on its device."""
+        self._loss = (~torch.isfinite(loss.detach())).any().float().reshape(1)
+
+    def note_gradients(self, norm: torch.Tensor) -> None:
+        """At an update: the total gradient norm (after unscale); non-finite when any gradient is."""
+        self._grads = (~torch.isfinite(norm.detach())).float().reshape(1)
+
+    def attach(self, items: torch.Tensor) -> torch.Tensor:
+        """``items`` with :data:`FLAGS` elements appended (1 where this rank saw a non-finite loss / gradient), for
+        the step's all-reduce. An all-reduce works element by element: the items' values do not change."""
+        zero = items.new_zeros(1)
+        loss = zero if self._loss is None else self._loss.to(items)
+        grads = zero if self._grads is None else self._grads.to(items)
+        self._loss = self._grads = None
+        return torch.cat((items, loss, grads))
+
+    def read(self, reduced: torch.Tensor, world_size: int) -> torch.Tensor:
+        """The items back from :meth:`attach`'s all-reduced (mean) tensor; the flags, as counts of ranks, are kept
+        until the update (:meth:`skip`). A batch whose loss some rank found non-finite gives the items NaN, so the
+        caller keeps them out of the epoch's mean (:meth:`finite_items`)."""
+        flags = reduced[-FLAGS:] * world_size
+        self._seen = flags if self._seen is None else torch.maximum(self._seen, flags)
+        return reduced[:-FLAGS]
+
+    def skip(self, epoch: int, batch: int, nb: int) -> bool:
+        """At an update (batch ``batch`` of ``epoch``, both 0-based; ``nb`` batches an epoch): whether every rank
+        skips it, the same answer on every rank. Counts it, says so (rank 0) and raises once ``limit`` in a row
+        have been skipped (on every rank at this same step). One host sync: the agreed flags."""
+        seen = [0.0, 0.0] if self._seen is None else self._seen.tolist()
+        self._seen = None
+        ranks, grads = round(seen[0]), seen[1] > 0
+        if not ranks and not grads:
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        self.epoch_skipped += 1
+        what = "loss" if ranks else "gradients"
+        where = f"epoch {epoch + 1}, batch {batch + 1}/{nb}"
+        if self.events is not None:
+            self.events.write(
+                "nonfinite", epoch=epoch + 1, batch=batch + 1, what=what, ranks=ranks, in_a_row=self.in_a_row
+            )
+            who = f" on {ranks} rank(s)" if ranks else ""
+            console.print(f"non-finite {what}{who} at {where}: update skipped ({self.in_a_row} in a row)")
+        if self.limit and self.in_a_row >= self.limit:
+            raise DetrainError(
+                f"{self.in_a_row} updates in a row had a non-finite {what} (nonfinite_limit={self.limit}), the last "
+                f"at {where}; training stopped, the checkpoints hold the last finite weights (lower lr0, check the "
+                "data, or amp=false)"
+            )
+        return True
+
+    def begin_epoch(self) -> None:
+        """A new epoch's count (a skipped run of updates goes on counting across epochs)."""
+        self.epoch_skipped = 0
+
+
+def gradient_norm(parameters: Iterable[torch.Tensor], clip: float) -> torch.Tensor:
+    """The total 2-norm of the gradients (one fused pass), clipping them to ``clip`` when > 0 (as
+    ``clip_grad_norm_`` does, which returns the same norm): the check costs nothing where clipping is on."""
+    params = [p for p in parameters if p.grad is not None]
+    if clip > 0:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm=clip)
+    if not params:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
+
+
+def finite_items(items: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+    """``items``, or where any is not finite (a skipped batch's), ``mean`` itself: the running mean over the epoch
+    then stays as it was (no host sync).
+
+    >>> finite_items(torch.tensor([1.0, float("nan")]), torch.tensor([2.0, 3.0]))
+    tensor([2., 3.])
+    """
+    return torch.where(torch.isfinite(items).all(), items, mean.to(items))
