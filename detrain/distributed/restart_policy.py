@@ -76,10 +76,11 @@ def stopped(e: AgreedStop, world: World) -> Stopped:
 
 
 def raise_if_stopped(results: Iterable[Any]) -> None:
-    """In the launcher: the agreed stop of this node's workers as one line (DistributedError), if they stopped."""
+    """In the launcher: the agreed stop of this node's workers as one line (an :class:`AgreedStop`, which a node
+    raises as its own line even when another node said it first: :mod:`job_watch`), if they stopped."""
     for result in results:
         if isinstance(result, Stopped):
-            raise DistributedError(result.line)
+            raise AgreedStop(result.line)
 
 
 def finished(result: T | Stopped) -> T:
@@ -172,10 +173,12 @@ def _judge(folder: Path, attempt: int, point: tuple[int, int] | None, failed: li
     history: list[dict[str, Any]] = []
     if attempt > 0:
         with contextlib.suppress(OSError, ValueError):
-            history = json.loads(path.read_text())[:attempt]
-        if history:
-            history[-1]["failure"] = failed
-    history.append({"attempt": attempt, "point": list(point) if point is not None else None, "failure": []})
+            read = json.loads(path.read_text())
+            history = [a for a in read if isinstance(a, dict)][:attempt] if isinstance(read, list) else []
+        # an attempt that failed before it got here has no start on record: its point is unknown, never the same
+        history += [{"point": "unknown", "failure": []} for _ in range(attempt - len(history))]
+        history[-1]["failure"] = failed
+    history.append({"point": list(point) if point is not None else None, "failure": []})
     with contextlib.suppress(OSError):
         write_atomic(path, json.dumps(history))
     return repeated_without_progress(history, same)
