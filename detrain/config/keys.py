@@ -371,8 +371,8 @@ class Distributed:
     )
     requeue_without_progress: int = key(
         3,
-        "SLURM: stop requeueing a preempted job once it was preempted this many times in a row at the same "
-        "checkpoint (0 = always requeue)",
+        "SLURM: requeue a preempted job at most this many times in a row from the same checkpoint, then stop with "
+        "one line (0 = no limit)",
         low=0,
     )
     dist_timeout: float = key(
