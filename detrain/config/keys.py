@@ -31,6 +31,7 @@ from detrain.config.values import (
     freeze,
     node_count,
     node_range,
+    same_failures,
     sha256_or_empty,
     stride_multiple,
     zero_only,
@@ -364,6 +365,27 @@ class Distributed:
         "resumes from the furthest last.pt or mid.pt of any node)",
         low=0,
         launch=True,
+    )
+    restart_backoff: float = key(
+        1.0,
+        "seconds the workers wait before the first restart, doubled at each further restart up to "
+        "restart_backoff_max (and below half of dist_timeout); 0 = restart at once",
+        low=0.0,
+        high=3600.0,
+    )
+    restart_backoff_max: float = key(60.0, "the longest wait before a restart, in seconds", low=0.0, high=3600.0)
+    restart_same_failures: int = key(
+        2,
+        "stop the run instead of restarting once the same error ended this many attempts in a row with no new "
+        "last.pt or mid.pt in between (0 = use up max_restarts; 1 is not allowed)",
+        low=0,
+        check=same_failures,
+    )
+    requeue_without_progress: int = key(
+        3,
+        "SLURM: requeue a preempted job at most this many times in a row from the same checkpoint, then stop with "
+        "one line (0 = no limit)",
+        low=0,
     )
     dist_timeout: float = key(
         120.0,

@@ -306,6 +306,13 @@ def zero_only(key: str, value: float) -> float:
     return value
 
 
+def same_failures(key: str, value: int) -> int:
+    """``restart_same_failures``: a repeat needs two failures to compare (1 would stop after any failure)."""
+    if value == 1:
+        raise fail(key, value, "0 (never stop early) or 2 and more: a failure repeats only from its second time")
+    return value
+
+
 @functools.lru_cache(maxsize=32)
 def node_range(nnodes: str) -> tuple[int, int]:
     """``nnodes`` as (MIN, MAX) nodes: parsed once per value, however many checks and readers ask."""

@@ -37,6 +37,7 @@ import torch.distributed as tdist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from detrain.distributed.launch_failures import signal_stop
+from detrain.distributed.restart_policy import AgreedStop
 from detrain.errors import DistributedError, Preempted
 
 END_KEY = "detrain/job/end"  # the reason the run ended with ("" when it completed)
@@ -166,7 +167,9 @@ def ended_together(addr: str, port: int, node_rank: int, lo: int, hi: int) -> It
         # (while this node was already reporting another failure)
         if watch is not None:
             watch.stop()
-            if watch.reason:  # another node ended the run: this node's own error only follows from that
+            # another node ended the run: this node's own error only follows from that, unless every node reached
+            # that end alike by itself (restart_policy.AgreedStop: its own line is the story)
+            if watch.reason and not isinstance(e, AgreedStop):
                 raise DistributedError(watch.reason) from None
         if watch is not None and (lo == hi or node_rank == 0):  # with nnodes=MIN:MAX the others may leave
             what = "interrupted" if isinstance(e, SignalException) else (str(e) or "interrupted")

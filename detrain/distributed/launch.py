@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from detrain.distributed import dist, heartbeat, netif, run_identity
+from detrain.distributed import dist, heartbeat, netif, restart_policy, run_identity
 from detrain.distributed.devices import (
     DeviceKind,
     DevicePlan,
@@ -248,7 +248,7 @@ def _launch_workers(
     with (
         log_dir,
         _restore_signal_handlers(),
-        _environ(_workers_environ(transport, rdzv.backend, mark if timing.grace_s > 0 else None)),
+        _environ(_workers_environ(transport, rdzv.backend, mark if timing.grace_s > 0 else None, log_dir.name)),
         _held_elastic_logs() as held,
         ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi),
         relayed_stderr(_nccl_workers(plan)) as watch,  # NCCL's watchdog ends a rank with a line there, and SIGABRT
@@ -258,6 +258,7 @@ def _launch_workers(
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
             _raise_if_preempted(mark)
+            restart_policy.raise_if_stopped(results.values())  # every rank agreed to stop: no restart could help
         except ChildFailedError as e:
             _raise_if_preempted(mark)  # a worker slower than the grace period was killed after the save
             if explained(e):
@@ -348,13 +349,19 @@ def _launch_config(
     )
 
 
-def _workers_environ(transport: dict[str, str], backend: str, mark: str | None = None) -> dict[str, str]:
-    """What the spawned workers inherit: the transport's interface, that detrain's launcher started them, and
-    (preemption on) where they leave their line; the agent here also catches SIGUSR1, to pass it on."""
+def _workers_environ(
+    transport: dict[str, str], backend: str, mark: str | None = None, launch_dir: str | None = None
+) -> dict[str, str]:
+    """What the spawned workers inherit: the transport's interface, that detrain's launcher started them,
+    (preemption on) where they leave their line, and where in ``launch_dir`` they note each attempt
+    (:mod:`restart_policy`); the agent here also catches SIGUSR1, to pass it on."""
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
     env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
+    if launch_dir is not None:  # the workers' notes of each attempt (restart_policy)
+        env[restart_policy.ATTEMPTS_ENV] = os.path.join(launch_dir, "attempts")
+        os.makedirs(env[restart_policy.ATTEMPTS_ENV], exist_ok=True)
     if mark is not None:
         env[MARK_ENV] = mark
         # read by the agent as it starts them: SIGTERM and SIGUSR1 stay with _catch_preemption's handler
@@ -406,13 +413,16 @@ def _worker(
         # One core per worker on CPU: more threads only fight each other and the gloo comms.
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+    world = World.from_env()
     try:
-        return entry(args, _worker_world(plan, World.from_env()))  # this worker's local rank picks its device
+        return entry(args, _worker_world(plan, world))  # this worker's local rank picks its device
     except KeyboardInterrupt:
         raise SystemExit(130) from None  # the agent reports the stop; no traceback per worker
     except Exception as e:
         blamed = dist.silent_peers_error(e)  # a wait in vain: name the rank whose heartbeat stopped (a few seconds)
-        if blamed is not None or is_consequence(f"{type(e).__name__}: {e}"):
+        consequence = blamed is not None or is_consequence(f"{type(e).__name__}: {e}")
+        restart_policy.note_failure(world, e, consequence)  # the next attempt compares it (restart_policy)
+        if consequence:
             # This rank only noticed that a peer is gone. The agent reports whichever worker it sees
             # exit first and stops the rest, so give the peer that failed on its own time to be seen.
             time.sleep(_CONSEQUENCE_GRACE_S)

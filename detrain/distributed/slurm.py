@@ -10,12 +10,18 @@ already launched; its variables are translated to the ones torch.distributed rea
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import subprocess
 from collections.abc import Mapping
+from pathlib import Path
 
 from detrain.errors import DistributedError
+from detrain.system.tempfiles import write_atomic
+
+REQUEUES_FILE = "requeues.json"  # in the run folder: the preemptions in a row at one checkpoint
 
 
 def env_int(key: str, default: int, env: Mapping[str, str] | None = None) -> int:
@@ -106,3 +112,26 @@ def requeue(job_id: str, timeout_s: float = 30.0) -> str:
         why = (done.stderr or done.stdout).strip().splitlines()
         return f"could not requeue SLURM job {job_id} (scontrol: {why[0][:160] if why else done.returncode})"
     return f"requeued SLURM job {job_id}"
+
+
+def requeue_unless_stuck(job_id: str, run_dir: str | Path, point: str, limit: int) -> str:
+    """Requeue job ``job_id`` (:func:`requeue`) after a preemption that saved the run at ``point`` (where it stands,
+    as the run's line says it), unless it was already requeued ``limit`` times in a row from that same point: a job
+    preempted again before it saved anything further would loop through the queue for ever. The count is kept in
+    ``run_dir``/requeues.json (written atomically; another point or job starts it again at 1). ``limit`` 0: no
+    limit. Returns what happened, for the run's last line."""
+    path = Path(run_dir) / REQUEUES_FILE
+    earlier: dict[str, object] = {}
+    with contextlib.suppress(OSError, ValueError):
+        read = json.loads(path.read_bytes()[:4096])
+        earlier = read if isinstance(read, dict) else {}
+    same = earlier.get("job") == job_id and earlier.get("point") == point and type(earlier.get("count")) is int
+    count = int(earlier["count"]) + 1 if same else 1  # type: ignore[call-overload]
+    if limit and count > limit:
+        return (
+            f"not requeued: SLURM job {job_id} was requeued {limit} times in a row with no progress since {point} "
+            f"(requeue_without_progress={limit}); see why it is preempted before it saves, then requeue it by hand"
+        )
+    with contextlib.suppress(OSError):
+        write_atomic(path, json.dumps({"job": job_id, "point": point, "count": count}))
+    return requeue(job_id)

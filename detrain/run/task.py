@@ -8,13 +8,15 @@ Usage (two training processes, so not run as a test): ``run_task("train", make_c
 from __future__ import annotations
 
 import contextlib
+import re
 import uuid
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from detrain.config.cfg import Cfg
 from detrain.config.values import is_auto_batch
-from detrain.distributed import launch, netif, run_identity, slurm
+from detrain.distributed import launch, netif, restart_policy, run_identity, slurm
 from detrain.distributed.world import World
 from detrain.engine.build import increment_run_dir
 from detrain.engine.run_plan import RunPlan
@@ -22,6 +24,8 @@ from detrain.engine.train.batch_plan import check_split
 from detrain.engine.train.callbacks import CallbackFn, check_sendable
 from detrain.errors import Preempted
 from detrain.run.preflight import check_inputs
+
+_SAVED = re.compile(r"saved (.+?) at (epoch [^;]+);")  # in the line of a preempted run (trainer.py)
 
 
 def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | None = None) -> dict[str, Any] | None:
@@ -60,30 +64,29 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     if spawning and cfg.distributed.node_rank == 0 and not (task == "train" and cfg.train.resume):
         # decided once, before the workers start, so that restarted workers write to the same folder
         save_dir = str(increment_run_dir(cfg.output.project, cfg.output.name, task, cfg.output.exist_ok))
-    launch_id = None
-    if task == "train" and not world.launched and cfg.distributed.node_rank == 0:
-        # this launch's id goes into its checkpoints: after any restart, rank 0 resumes from those and not from an
-        # older run's in the same folder (engine/resume_state.py); a requeued SLURM job finds them by its job id
-        launch_id = uuid.uuid4().hex
+    # this launch's id goes into its checkpoints: after any restart, rank 0 resumes from those and not from an
+    # older run's in the same folder (engine/resume_state.py); a requeued SLURM job finds them by its job id
+    launch_id = uuid.uuid4().hex if task == "train" and not world.launched and cfg.distributed.node_rank == 0 else None
     args["plan"] = RunPlan(nodes, save_dir, launch_id)
-    # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
-    run_args = None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict())
     with _requeued_when_preempted(task, world, cfg):  # under SLURM node 0 puts the job back in the queue
-        return launch.launch(
-            entry,
-            args,
-            devices,
-            world=world,
-            nnodes=nodes,
-            node_rank=cfg.distributed.node_rank,
-            master_addr=cfg.distributed.master_addr,
-            master_port=cfg.distributed.master_port,
-            max_restarts=cfg.distributed.max_restarts,
-            rdzv_backend=cfg.distributed.rdzv_backend,
-            run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
-            run_args=run_args,
-            socket_ifname=cfg.distributed.socket_ifname,
-            grace_s=cfg.output.grace if task == "train" and cfg.output.save else 0.0,
+        return restart_policy.finished(  # every rank agreed to stop (restart_policy.py): its line, raised
+            launch.launch(
+                entry,
+                args,
+                devices,
+                world=world,
+                nnodes=nodes,
+                node_rank=cfg.distributed.node_rank,
+                master_addr=cfg.distributed.master_addr,
+                master_port=cfg.distributed.master_port,
+                max_restarts=cfg.distributed.max_restarts,
+                rdzv_backend=cfg.distributed.rdzv_backend,
+                run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
+                # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
+                run_args=None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict()),
+                socket_ifname=cfg.distributed.socket_ifname,
+                grace_s=cfg.output.grace if task == "train" and cfg.output.save else 0.0,
+            )
         )
 
 
@@ -95,7 +98,12 @@ def _requeued_when_preempted(task: str, world: World, cfg: Cfg) -> Iterator[None
         yield
     except Preempted as e:
         if task == "train" and world.slurm_job_id and _leads(world, cfg):
-            raise Preempted(f"{e}; {slurm.requeue(world.slurm_job_id)}") from None
+            saved = _SAVED.search(str(e))  # the run's line: "saved <run>/weights/mid.pt at epoch 2, 1/2 batches done;"
+            if saved is None:
+                raise Preempted(f"{e}; {slurm.requeue(world.slurm_job_id)}") from None
+            run_dir, point = Path(saved.group(1)).parent.parent, saved.group(2)
+            limit = cfg.distributed.requeue_without_progress
+            raise Preempted(f"{e}; {slurm.requeue_unless_stuck(world.slurm_job_id, run_dir, point, limit)}") from None
         raise
 
 

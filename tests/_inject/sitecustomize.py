@@ -10,12 +10,15 @@ ranks). It does nothing unless ``TEST_FAULT`` holds a rule, a JSON object:
   is written at the end of the first epoch, a mid.pt with epoch 0 within the second);
 * ``next_batch`` (mid.pt only): act at the first mid.pt of that epoch whose ``mid_epoch.next_batch`` is at least
   this;
-* ``then``: ``"kill"`` (SIGKILL this process once the file is in place) or ``"hold"`` (write ``<until>.held``
-  holding this pid, then wait until the file ``until`` exists, or at most 300 s, and go on).
+* ``then``: ``"kill"`` (SIGKILL this process once the file is in place), ``"hold"`` (write ``<until>.held``
+  holding this pid, then wait until the file ``until`` exists, or at most 300 s, and go on) or ``"raise"`` (the
+  rename fails with ``OSError(EIO, "injected failure")``, the file is not written);
+* ``every_attempt``: true to act on every attempt of the launcher (a failure that repeats).
 
-The rule acts on the launcher's first attempt only (``TORCHELASTIC_RESTART_COUNT`` absent or 0), so a restarted
-group runs on. It watches the run through Python's audit hooks (the ``os.rename`` event that ``os.replace``
-raises, :pep:`578`), so nothing in detrain knows about it: the checkpoint's temporary file is read with
+The rule acts on the launcher's first attempt only (``TORCHELASTIC_RESTART_COUNT`` absent or 0) unless
+``every_attempt``, so a restarted group runs on. It watches the run through Python's audit hooks (the
+``os.rename`` event that ``os.replace`` raises, :pep:`578`), so nothing in detrain knows about it: the
+checkpoint's temporary file is read with
 ``torch.load(weights_only=True)`` to learn its epoch and position, before the rename. To act *after* the file is
 in place, "kill" does the rename itself and dies; "hold" puts a copy in place atomically and lets the original
 rename replace it with the same bytes after the hold.
@@ -78,9 +81,13 @@ def _audit(event: str, args: tuple) -> None:
         return
     _busy = True
     try:
-        if not _first_attempt() or not _matches(src):
+        if not (_RULE.get("every_attempt") or _first_attempt()) or not _matches(src):
             return
         rule, _RULE = _RULE, None  # once per process
+        if rule["then"] == "raise":
+            import errno
+
+            raise OSError(errno.EIO, "injected failure")
         if rule["then"] == "kill":
             os.replace(src, dst)
             import signal

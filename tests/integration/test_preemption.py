@@ -9,6 +9,7 @@ Where the signal lands is made exact with ``tests/_inject``'s hold: rank 0 waits
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -160,6 +161,9 @@ def test_under_slurm_the_job_is_requeued_and_its_next_start_resumes_by_itself(da
     _check_preempted(ended, run, "by SIGTERM")
     assert ended.stderr.rstrip().endswith("; requeued SLURM job 4242")
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    # counted in the run folder: a job preempted again at this point is requeued at most requeue_without_progress times
+    count = {"job": "4242", "point": "epoch 2, 1/4 batches done", "count": 1}
+    assert json.loads((run / "requeues.json").read_text()) == count
     # a save killed mid-write (SIGKILL, a full disk) leaves its temporary file: the next start removes it
     killed = run / "weights" / ".last.pt.0123456789ab.tmp"
     killed.write_bytes(b"half a checkpoint")

@@ -136,6 +136,20 @@ def split_fingerprint(datasets: Iterable[Any], content: bool = False) -> dict[st
     return {"yaml": str(info.yaml_file), "root": str(info.root), **fingerprint}
 
 
+def dataset_identity(datasets: Iterable[Any]) -> dict[str, Any]:
+    """What every node's copy of the dataset must share (:mod:`detrain.distributed.node_consistency`): the number
+    of images of each split and the fingerprint of :func:`split_fingerprint`.
+
+    >>> from types import SimpleNamespace as NS
+    >>> info = NS(train=[], val=[], coco_json=None, yaml_file="d.yaml", root=".")
+    >>> dataset_identity([NS(info=info, split="train"), NS(info=info, split="val")])["train images"]
+    0
+    """
+    datasets = list(datasets)
+    counts = {f"{d.split} images": len(getattr(d.info, d.split) or []) for d in datasets}
+    return {**counts, "dataset files": split_fingerprint(datasets)["fingerprint"]}
+
+
 def versions() -> dict[str, Any]:
     """detrain's, Python's and the libraries' versions; CUDA, cuDNN and NCCL where this torch has them."""
     out: dict[str, Any] = {

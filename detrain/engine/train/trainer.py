@@ -23,7 +23,7 @@ from detrain.config.cfg import Cfg, replace_cfg
 from detrain.config.values import is_auto_batch
 from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
-from detrain.distributed import dist, parallel
+from detrain.distributed import dist, node_consistency, parallel, restart_policy
 from detrain.distributed.parallel import unwrap
 from detrain.distributed.preempt_mark import exit_when_launcher_stops, leave_mark
 from detrain.distributed.world import World
@@ -33,6 +33,7 @@ from detrain.engine.evaluate.validator import validate
 from detrain.engine.run_plan import RunPlan
 from detrain.engine.telemetry import epoch_stats, run_trace
 from detrain.engine.telemetry.epoch_monitor import EpochMonitor
+from detrain.engine.telemetry.manifest import dataset_identity
 from detrain.engine.telemetry.run_loggers import RunLoggers
 from detrain.engine.train import accumulation, auto_batch, freeze, optim, pretrained, resume_state, time_budget
 from detrain.engine.train.batch_plan import batch_plan, check_split, planned_world_size
@@ -82,11 +83,15 @@ class Trainer:
         # every rank gets the furthest of all from the rank that holds it (resume_state.py)
         start = resume_state.agree(cfg, plan.save_dir, resume_state.Launch.here(world, plan.launch_id), world)
         cfg, save_dir, self.resume_ckpt, self.launch = start.cfg, start.save_dir, start.ckpt, start.launch
+        # collective: the same failure again with no progress since the last restart stops the run (restart_policy.py)
+        point = resume_state.position(start.ckpt) if start.ckpt is not None else None
+        restart_policy.check_progress(world, point, cfg.distributed.restart_same_failures)
         self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
         self.cfg, self.world = cfg, world
         self.rank, self.main = world.rank, world.is_main
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
         self.planned_world = planned_world_size(plan.nodes, world.world_size, world.local_world_size)
+        self.elastic = plan.nodes[0] != plan.nodes[1]  # nnodes=MIN:MAX: nodes must have the same number of devices
         if not is_auto_batch(cfg.train.batch):  # AutoBatch's is chosen to split (_pick_batch)
             check_split(cfg.train.batch_images, self.planned_world)
         self.device = torch.device(world.device)  # the launcher's choice for this rank (World.device)
@@ -176,6 +181,9 @@ class Trainer:
         """The run's pieces, each step using those before it (and drawing on the generators seeded here)."""
         seed_everything(self.cfg.train.seed + self.rank, self.cfg.train.deterministic)
         self._load_data()  # the splits, their classes
+        # collective: every node's code, versions and dataset (and elastic nodes' devices) are node 0's, or all stop
+        data = (self.data, self.val_data)
+        node_consistency.check_nodes(self.world, lambda: dataset_identity(data), elastic=self.elastic)
         self._build_model()  # start, frozen or resumed weights on the device; the EMA
         self._pick_batch()  # collective (batch=-1 or a fraction): the batch that fits every rank's GPU
         total_iters = self._plan_batches()  # self.plan: images per update (optimizer=auto's), accumulation
@@ -763,17 +771,21 @@ def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:
             set_epoch(epoch)
 
 
-def train_worker(args: dict[str, Any], world: World) -> dict[str, Any]:
+def train_worker(args: dict[str, Any], world: World) -> dict[str, Any] | restart_policy.Stopped:
     """Entry point of every rank (spawned by the elastic launcher, or called in-process under torchrun, srun or on
     one device): ``args`` holds the Cfg the command checked (``cfg``, pickled to spawned workers, not checked again
     here), the launching process's :class:`detrain.engine.run_plan.RunPlan` (``plan``) and the callbacks (``callbacks``,
     rank 0's); ``world`` is this worker's place and device, as the launcher handed it."""
     cfg: Cfg = args["cfg"]
-    dist.setup(world, timeout_s=cfg.distributed.dist_timeout)  # collective: every rank joins the group (a barrier)
+    d = cfg.distributed  # a restart waits longer each time (restart_policy.py)
+    restart_policy.pause_before_restart(world, d.restart_backoff, d.restart_backoff_max, d.dist_timeout)
+    dist.setup(world, timeout_s=d.dist_timeout)  # collective: every rank joins the group (a barrier)
     told = False
     try:
         # after any restart, every node finds this launch's checkpoints in its run folder (resume_state.py)
         return Trainer(cfg, world, args["plan"], args.get("callbacks")).train()
+    except restart_policy.AgreedStop as e:  # every rank alike: not worth a restart
+        return restart_policy.stopped(e, world)
     except Preempted as e:
         told = leave_mark(str(e))  # spawned by detrain's launcher: it ends the run with this line (preempt_mark.py)
         if told:
