@@ -499,7 +499,8 @@ class Export:
     opset: int = key(17, "ONNX opset (onnx only)", low=11, high=23, commands=("export",))
     dynamic: bool = key(
         True,
-        "dynamic batch dimension in the exported ONNX model (a TorchScript one takes any batch)",
+        "ONNX: any batch and image size (multiples of 32; a YOLO26 top-k graph: any batch); false: (1, 3, imgsz, "
+        "imgsz) only (a TorchScript export takes any batch and size)",
         commands=("export",),
     )
 

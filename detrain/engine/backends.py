@@ -9,8 +9,11 @@ and the mAP, are the model's. What the graph alone does not say (class names, st
 of output) is read from the metadata the export wrote: ONNX ``metadata_props``, TorchScript's extra file
 ``detrain.json``.
 
-An exported graph has a fixed input size (its anchors are constants): :attr:`ExportedModel.imgsz`, which val and
-predict use whatever ``imgsz=`` says. A file exported with a fixed batch of 1 takes a batch one image at a time.
+A graph ending in boxes and scores for NMS, exported with a free batch (ONNX ``dynamic=true``, the default; every
+TorchScript one), takes any image size, so val and predict run it as they run the ``.pt``: at ``imgsz``, in the
+same rectangular batches, giving the same detections. Any other graph (an end-to-end top-k one, a fixed-batch
+ONNX) has one input size, :attr:`ExportedModel.fixed_imgsz`, which val and predict use whatever ``imgsz=`` says,
+every image letterboxed to it. A file exported with a fixed batch of 1 takes a batch one image at a time.
 
 * ``.torchscript``: ``torch.jit.load`` onto the device (torch alone).
 * ``.onnx``: an onnxruntime ``InferenceSession`` on the CPU (``pip install "detrain[export]"``), with this process's
@@ -55,6 +58,7 @@ class ExportInfo:
     stride: int
     imgsz: tuple[int, int]
     dynamic: bool  # the batch is free; else the graph takes ``batch`` images
+    free_size: bool  # the image size is free (multiples of ``stride``); else ``imgsz`` only
     batch: int
     end2end: bool  # the graph gives final top-k detections (B, max_det, 6); else boxes and scores for NMS
     max_det: int
@@ -76,18 +80,23 @@ class ExportedModel(nn.Module):
         self.names = dict(info.names)
         self.nc = len(info.names)
         self.imgsz = info.imgsz
+        self.fixed_imgsz = None if info.free_size else info.imgsz  # what val and predict must run at, if anything
         self.end2end = info.end2end
         self.register_buffer("stride", torch.tensor([float(info.stride)]), persistent=False)
         self.eval()
 
     def forward(self, x: Tensor) -> Tensor:
-        """The graph's output for ``x`` (float, (B, 3, H, W) at :attr:`imgsz`), on ``x``'s device, in float32; a
-        fixed-batch graph runs the batch in pieces of its own batch size."""
-        if tuple(x.shape[2:]) != self.imgsz:
+        """The graph's output for ``x`` (float (B, 3, H, W): at :attr:`fixed_imgsz` when the graph has one, else any
+        multiple of the stride), on ``x``'s device, in float32; a fixed-batch graph runs the batch in pieces of its
+        own batch size."""
+        stride = self.info.stride
+        if self.fixed_imgsz is not None and tuple(x.shape[2:]) != self.fixed_imgsz:
             raise ConfigError(
                 f"{shown(self.path)} was exported at imgsz={_size(self.imgsz)}: it takes (B, 3, {self.imgsz[0]}, "
                 f"{self.imgsz[1]}) images, not {tuple(x.shape)}"
             )
+        if any(v % stride for v in x.shape[2:]):
+            raise ConfigError(f"{shown(self.path)} takes images whose sides are multiples of {stride}, not {x.shape}")
         x = x.float()
         if self.info.dynamic or len(x) == self.info.batch:
             return self._run(x)
@@ -245,6 +254,7 @@ def export_info(meta: Any, name: str) -> ExportInfo:
         stride=stride,
         imgsz=(int(imgsz[0]), int(imgsz[1])),
         dynamic=meta.get("dynamic", True) is not False,
+        free_size=meta.get("free_size") is True,
         batch=batch if _positive(batch) else 1,
         end2end=end2end,
         max_det=max_det if _positive(max_det) else 300,

@@ -2,8 +2,11 @@
 
 Both hold one fused eval graph, input ``images`` (B, 3, H, W) float in [0, 1] -> output (B, 4 + nc, N):
 what the model gives in eval mode (xywh boxes in input pixels, sigmoid class scores), with no NMS inside,
-the layout YOLOv8 exports use, so existing post-processing keeps working. The image size is fixed at
-``imgsz`` (the anchors are constants of the graph); the batch size is free (ONNX: with ``dynamic``).
+the layout YOLOv8 exports use, so existing post-processing keeps working. Such a graph computes its anchors from
+the input's shape, so it takes any batch and any image size that is a multiple of the stride (ONNX: with
+``dynamic``, as Ultralytics' dynamic exports do; without it, batch 1 at ``imgsz`` only, the anchors constants of
+the graph). An end-to-end (YOLO26) graph's top-k is sized when traced: it takes ``imgsz`` only, any batch.
+``imgsz`` (by default the size the model was trained at) is the size traced, recorded as the one to serve at.
 
 ONNX uses torch's TorchScript-based exporter (``dynamo=False``), which needs the ``onnx`` package
 (``pip install "detrain[export]"``), while the newer torch.export-based one needs ``onnxscript`` too. The class
@@ -54,10 +57,15 @@ def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[
 
 
 def _graph_model(
-    model: DetectionModel, imgsz: int | tuple[int, int] | list[int] | None, nms: bool = False
+    model: DetectionModel, imgsz: int | tuple[int, int] | list[int] | None, nms: bool = False, free_size: bool = True
 ) -> tuple[DetectionModel, torch.Tensor, tuple[int, int], int]:
     """(fused float32 eval copy on the CPU, an example input, (h, w), largest stride) for tracing; ``nms``: an
     end-to-end head's graph ends in its one-to-many boxes and scores (for NMS) instead of its top-k detections.
+
+    With ``free_size`` (and a graph that ends in boxes and scores for NMS) the trace computes the anchors from the
+    input's shape, so the graph takes any multiple of the stride: the warm-up runs at another size, and the head's
+    anchor cache (keyed by shape) misses while tracing. Otherwise the warm-up fills it for this size and the anchors
+    are constants of the graph. A top-k graph keeps its size: its ``k`` is fixed when traced.
 
     A copy, so the caller's model keeps its BatchNorms, device, dtype, training mode and inference options.
     """
@@ -69,9 +77,15 @@ def _graph_model(
     for p in graph_model.parameters():
         p.requires_grad_(False)
     example = torch.zeros(1, 3, h, w)
+    other = free_size and not graph_model.head.end2end
     with torch.no_grad():
-        graph_model(example)  # builds the anchor cache for this size before tracing
+        graph_model(torch.zeros(1, 3, h + stride, w + stride) if other else example)  # the anchor cache (above)
     return graph_model, example, (h, w), stride
+
+
+def _free_size(graph_model: DetectionModel, asked: bool) -> bool:
+    """Whether the traced graph takes any input size (a multiple of the stride): only one ending in NMS's input."""
+    return asked and not graph_model.head.end2end
 
 
 @contextlib.contextmanager
@@ -102,10 +116,13 @@ def _output_kind(graph_model: DetectionModel) -> str:
     return "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS"
 
 
-def _metadata(graph_model: DetectionModel, imgsz: tuple[int, int], stride: int, dynamic: bool) -> dict[str, object]:
+def _metadata(
+    graph_model: DetectionModel, imgsz: tuple[int, int], stride: int, dynamic: bool, free_size: bool
+) -> dict[str, object]:
     """What an exported file records about the model besides its graph, enough to serve it
-    (:mod:`detrain.engine.backends`): classes, stride, input size, whether the batch is free (else 1), and what the
-    graph gives (``end2end``: final top-k detections, ``max_det`` rows; else boxes and scores for NMS)."""
+    (:mod:`detrain.engine.backends`): classes, stride, the size it was exported at, whether the batch is free
+    (else 1) and the image size (any multiple of ``stride``; else ``imgsz`` only), and what the graph gives
+    (``end2end``: final top-k detections, ``max_det`` rows; else boxes and scores for NMS)."""
     from detrain import __version__
 
     head = graph_model.head
@@ -118,6 +135,7 @@ def _metadata(graph_model: DetectionModel, imgsz: tuple[int, int], stride: int, 
         "imgsz": list(imgsz),
         "batch": 1,
         "dynamic": dynamic,
+        "free_size": free_size,
         "end2end": bool(head.end2end),
         "output": _output_kind(graph_model),
         "names": {int(k): str(v) for k, v in dict(getattr(graph_model, "names", {}) or {}).items()},
@@ -180,14 +198,18 @@ def export_onnx(
     The graph is a fused (BatchNorm folded into convolutions) float32 copy in eval mode, input ``images``
     (B, 3, H, W) float in [0, 1], output ``output0`` (B, 4 + nc, N), or an end-to-end model's (B, 300, 6)
     detections (see :func:`export_model`; the metadata's ``output`` says which). With ``dynamic_batch`` the batch size
-    is free; the image size is fixed at ``imgsz``. The file appears atomically: a failed export leaves no
-    file behind.
+    is free, and so are height and width (multiples of the stride) except for an end-to-end graph; without it the
+    input is (1, 3, ``imgsz``). The file appears atomically: a failed export leaves no file behind.
 
     Example (seconds of tracing, so not run as a test): ``export_onnx(DetectionModel(scale="n", nc=3),
     "model.onnx", imgsz=320)`` returns ``PosixPath('model.onnx')``.
     """
     out = Path(out_path)
-    graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms)
+    graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms, free_size=dynamic_batch)
+    free = _free_size(graph_model, dynamic_batch)
+    axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", 2: "anchors"}}
+    if not free:
+        axes = {"images": {0: "batch"}, "output0": {0: "batch"}}
     with _atomic_file(out) as tmp:
         with _quiet_tracing():
             torch.onnx.export(
@@ -197,11 +219,11 @@ def export_onnx(
                 input_names=["images"],
                 output_names=["output0"],
                 opset_version=opset,
-                dynamic_axes={"images": {0: "batch"}, "output0": {0: "batch"}} if dynamic_batch else None,
+                dynamic_axes=axes if dynamic_batch else None,
                 do_constant_folding=True,
                 dynamo=False,
             )
-        _add_metadata(tmp, _metadata(graph_model, (h, w), stride, dynamic_batch))
+        _add_metadata(tmp, _metadata(graph_model, (h, w), stride, dynamic_batch, free))
     return out
 
 
@@ -214,8 +236,8 @@ def export_torchscript(
     """Write ``model`` as a TorchScript archive and return its path; the model passed in is left untouched.
 
     The archive is a trace of the fused float32 eval model on the CPU: ``torch.jit.load(path)`` gives a
-    module mapping (B, 3, H, W) float in [0, 1] at the exported ``imgsz`` to (B, 4 + nc, N) (an end-to-end model:
-    (B, 300, 6) detections, see :func:`export_model`), for any B,
+    module mapping (B, 3, H, W) float in [0, 1] (any multiple of the stride; an end-to-end model: the exported
+    ``imgsz``) to (B, 4 + nc, N) (an end-to-end model: (B, 300, 6) detections, see :func:`export_model`), for any B,
     without detrain installed. Names, stride and imgsz are in the extra file ``detrain.json``. The file
     appears atomically: a failed export leaves no file behind.
 
@@ -224,7 +246,7 @@ def export_torchscript(
     """
     out = Path(out_path)
     graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms)
-    meta = json.dumps(_metadata(graph_model, (h, w), stride, dynamic=True))
+    meta = json.dumps(_metadata(graph_model, (h, w), stride, True, _free_size(graph_model, True)))
     with _atomic_file(out) as tmp, _quiet_tracing():
         traced = torch.jit.trace(graph_model, (example,), check_trace=False)
         torch.jit.save(traced, str(tmp), _extra_files={TORCHSCRIPT_META: meta})

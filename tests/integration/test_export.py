@@ -115,6 +115,7 @@ def test_torchscript_matches_torch_for_batch_1_and_3(model: DetectionModel, tmp_
         "imgsz": [IMGSZ, IMGSZ],
         "batch": 1,
         "dynamic": True,
+        "free_size": True,
         "end2end": False,
         "output": "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS",
         "names": {"0": "a", "1": "b", "2": "c"},

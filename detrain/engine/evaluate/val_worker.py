@@ -40,7 +40,8 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     model: torch.nn.Module
     if is_exported(cfg.inputs.model):
         model, cfg = _exported_model(cfg, data.nc, device, world.is_main)
-        loader = build_val_loader(data, cfg, cfg.train.batch_images, world, rect=False)  # the file's one input size
+        # a graph of one input size: every image letterboxed to it; else the .pt's rectangular batches
+        loader = build_val_loader(data, cfg, cfg.train.batch_images, world, rect=model.fixed_imgsz is None)
     else:
         model = _pt_model(cfg, data, device, world.is_main)
         # Every rank runs whole single-process batches (the same rectangular shapes, so the same numbers for any
@@ -85,16 +86,19 @@ def _pt_model(cfg: Cfg, data: Any, device: torch.device, is_main: bool) -> torch
 
 
 def _exported_model(cfg: Cfg, nc: int, device: torch.device, is_main: bool) -> tuple[ExportedModel, Cfg]:
-    """(the exported file of ``model=``, ``cfg`` with its input size): an export runs at the one square size it
-    was exported at, whatever ``imgsz=`` says (a line says so when they differ), as Ultralytics' validator does."""
+    """(the exported file of ``model=``, ``cfg`` with the input size it runs at): a graph that takes any size runs
+    at ``imgsz`` as the ``.pt`` does; one of a fixed size at the one square size it was exported at, whatever
+    ``imgsz=`` says (a line says so when they differ), as Ultralytics' validator does."""
     model = load_exported(cfg.inputs.model, device)
-    h, w = model.imgsz
+    if model.nc != nc and not cfg.inputs.single_cls:
+        raise ConfigError(f"{cfg.inputs.model} predicts {model.nc} classes but {cfg.inputs.data} has {nc}")
+    if model.fixed_imgsz is None:
+        return model, cfg
+    h, w = model.fixed_imgsz
     if h != w:
         raise ConfigError(
             f"{cfg.inputs.model} was exported at imgsz={h},{w}: val letterboxes to a square; export it at one size"
         )
-    if model.nc != nc and not cfg.inputs.single_cls:
-        raise ConfigError(f"{cfg.inputs.model} predicts {model.nc} classes but {cfg.inputs.data} has {nc}")
     if cfg.inputs.imgsz != h:
         if is_main:
             console.print(

@@ -106,8 +106,9 @@ def exported_half(cfg: Cfg, net: ExportedModel, half: bool) -> bool:
 
 def input_shape(cfg: Cfg, net: nn.Module) -> tuple[tuple[int, int], bool]:
     """((h, w), auto) of the letterbox: ``imgsz`` with the short side padded only to the next multiple of the stride
-    (``auto``), or an exported model's one input size, padded to it whole (a line when ``imgsz`` says otherwise)."""
-    fixed = getattr(net, "imgsz", None) if isinstance(net, ExportedModel) else None
+    (``auto``), or the one input size of an exported graph that has one, padded to it whole (a line when ``imgsz``
+    says otherwise)."""
+    fixed = net.fixed_imgsz if isinstance(net, ExportedModel) else None
     if fixed is None:
         return (cfg.inputs.imgsz, cfg.inputs.imgsz), True
     if fixed != (cfg.inputs.imgsz, cfg.inputs.imgsz):
