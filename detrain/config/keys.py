@@ -101,7 +101,7 @@ class Inputs:
         "n.yaml",
         "architecture yaml (YOLOv8: n/s/m/l/x.yaml or yolov8s.yaml; yolo11n.yaml ... yolo11x.yaml; yolo26n.yaml "
         "... yolo26x.yaml; or a path to a yaml that says scale:), or weights (.pt: detrain's, or Ultralytics' "
-        "YOLOv8, YOLO11 and YOLO26)",
+        "YOLOv8, YOLO11 and YOLO26); val and predict also take an export (.onnx, .torchscript)",
         non_empty="an architecture yaml (n.yaml ... x.yaml, yolo11n.yaml, yolo26n.yaml, a path) or weights (.pt)",
         commands=COMMANDS,
     )
