@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from detrain.config.cfg import make_cfg
-from detrain.engine.build import build_model, increment_run_dir, is_weights
+from detrain.config.cfg import command_values, make_cfg
+from detrain.engine.build import build_model, check_exported, increment_run_dir, is_exported, is_weights
 from detrain.engine.predict.results import Results
 from detrain.engine.train.callbacks import CallbackFn, check_event
 from detrain.errors import ConfigError
@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 
 
 class Model:
-    """A detector from an architecture yaml (``n.yaml`` … ``x.yaml``) or weights (detrain or YOLOv8 ``.pt``).
+    """A detector from an architecture yaml (``n.yaml`` … ``x.yaml``), weights (detrain or YOLOv8 ``.pt``), or a
+    file ``export()`` wrote (``.onnx``, ``.torchscript``: :meth:`val` and :meth:`predict` only, at the input size
+    it was exported at).
 
     ``Model("missing.pt")`` raises :class:`detrain.errors.CheckpointError` naming the file.
     ``weights_sha256`` is the sha256 the weights must have (as the ``weights_sha256`` key): needed to
@@ -43,7 +45,14 @@ class Model:
 
     def __init__(self, model: str | Path = "n.yaml", weights_sha256: str = "") -> None:
         self.source = str(model)
-        self.net, self.ckpt = build_model(self.source, verbose=False, weights_sha256=weights_sha256)
+        self.net: Any
+        self.ckpt: dict[str, Any] | None
+        if is_exported(self.source):  # an exported file serves val and predict (detrain.engine.backends)
+            from detrain.engine.backends import load_exported
+
+            self.net, self.ckpt = load_exported(self.source), None
+        else:
+            self.net, self.ckpt = build_model(self.source, verbose=False, weights_sha256=weights_sha256)
         self._prepared: tuple[torch.nn.Module, tuple[Any, ...], torch.nn.Module] | None = None
         self.callbacks: dict[str, list[CallbackFn]] = {}
 
@@ -87,6 +96,7 @@ class Model:
         folder, it returns None.
         """
         cfg = make_cfg({"model": self.source, **kwargs}, "train")
+        self._refuse_exported("train")  # one line here, before anything starts
         from detrain.run.task import run_task
 
         result = run_task("train", cfg, self.callbacks)
@@ -141,6 +151,12 @@ class Model:
         net, new names, or any parameter or buffer written since: every tensor's version is part of the key)."""
         from detrain.engine.predict.predictor import prepare_model
 
+        if is_exported(self.source):  # a graph's constants move with torch.jit.load's map_location only
+            from detrain.engine.backends import load_exported
+
+            if self._prepared is None or self._prepared[1] != (str(device),):
+                self._prepared = (self.net, (str(device),), load_exported(self.source, device))
+            return self._prepared[2]
         key = (
             str(device),
             half,
@@ -165,6 +181,7 @@ class Model:
         from detrain.nn.info import model_info, print_info
 
         cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose}, "info")
+        self._refuse_exported("info")
         report = model_info(self.net, cfg.inputs.imgsz)
         if cfg.output.verbose:
             print_info(report, title=self.source)
@@ -172,11 +189,14 @@ class Model:
 
     def export(self, **kwargs: Any) -> Path:
         """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``) or TorchScript (``format=torchscript``)
-        at ``imgsz``; returns the file's path: beside ``.pt`` weights (``best.onnx``, ``best.torchscript``),
-        else ``runs/export/exp*/model.<suffix>``."""
+        at ``imgsz``, by default the size the weights were trained at (640 for a yaml); returns the file's path:
+        beside ``.pt`` weights (``best.onnx``, ``best.torchscript``), else ``runs/export/exp*/model.<suffix>``.
+        Names, stride, imgsz, batch and the kind of output go into the file's metadata."""
         from detrain.engine.export import SUFFIXES, export_model
 
         cfg = make_cfg({"model": self.source, **kwargs}, "export")
+        self._refuse_exported("export")
+        given_imgsz = "imgsz" in command_values(kwargs, "export")  # a cfg= file's imgsz counts as given
         suffix = SUFFIXES[cfg.export.format]
         out = (
             Path(self.source).with_suffix(suffix)
@@ -188,11 +208,18 @@ class Model:
             self.net,
             out,
             format=cfg.export.format,
-            imgsz=cfg.inputs.imgsz,
+            imgsz=cfg.inputs.imgsz if given_imgsz else None,  # None: the weights' own training size
             opset=cfg.export.opset,
             dynamic_batch=cfg.export.dynamic,
             nms=cfg.predict.nms,
         )
 
+    def _refuse_exported(self, command: str) -> None:
+        """The one line for ``command`` on an exported file, which serves val and predict only."""
+        if is_exported(self.source):
+            check_exported(self.source, command)
+
     def __repr__(self) -> str:
+        if is_exported(self.source):
+            return f"Model({self.source!r}: exported {self.net.format}, {self.net.nc} classes)"
         return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"

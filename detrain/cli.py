@@ -3,6 +3,7 @@
     detrain train data=coco8.yaml model=n.yaml epochs=3 imgsz=320 device=cpu,cpu
     detrain val model=runs/train/exp/weights/best.pt data=coco8.yaml
     detrain predict model=best.pt source=images/      (or a video, a glob, a .txt list, a camera 0, rtsp://...)
+    detrain export model=best.pt format=onnx          (then val and predict take model=best.onnx)
     detrain info model=yolov8n.pt imgsz=640
 
 A bad key or value prints one line and exits with code 2; a run preempted by SIGTERM or SIGUSR1 saves and exits 75.
@@ -93,12 +94,16 @@ def predict(ctx: typer.Context) -> None:
 
 @app.command(context_settings=_EXTRA, epilog=_keys_help("export"))
 def export(ctx: typer.Context) -> None:
-    """Export weights to ONNX or TorchScript: detrain export model=best.pt format=torchscript"""
+    """Export weights to ONNX or TorchScript at their training imgsz: detrain export model=best.pt format=torchscript"""
     from detrain.api import Model
+    from detrain.engine.build import check_exported, is_exported
 
     args = command_values(_args(ctx), "export")  # a cfg= file's keys beneath the command line's
     sha256 = make_cfg({"weights_sha256": args.pop("weights_sha256", "")}).inputs.weights_sha256
-    path = Model(args.pop("model", defaults()["model"]), weights_sha256=sha256).export(**args)
+    model = str(args.pop("model", defaults()["model"]))
+    if is_exported(model):  # one line before anything is read
+        check_exported(model, "export")
+    path = Model(model, weights_sha256=sha256).export(**args)
     typer.echo(f"exported {path}")
 
 
@@ -107,6 +112,10 @@ def info(ctx: typer.Context) -> None:
     """Describe a model: layers, parameters, GFLOPs at imgsz, strides, classes: detrain info model=best.pt"""
     cfg = make_cfg(_args(ctx), "info")
     from detrain.api import Model
+    from detrain.engine.build import check_exported, is_exported
+
+    if is_exported(cfg.inputs.model):
+        check_exported(cfg.inputs.model, "info")
     from detrain.nn.info import print_info
 
     model = Model(cfg.inputs.model, weights_sha256=cfg.inputs.weights_sha256)

@@ -102,7 +102,7 @@ class Inputs:
         "n.yaml",
         "architecture yaml (YOLOv8: n/s/m/l/x.yaml or yolov8s.yaml; yolo11n.yaml ... yolo11x.yaml; yolo26n.yaml "
         "... yolo26x.yaml; or a path to a yaml that says scale:), or weights (.pt: detrain's, or Ultralytics' "
-        "YOLOv8, YOLO11 and YOLO26)",
+        "YOLOv8, YOLO11 and YOLO26); val and predict also take an export (.onnx, .torchscript)",
         non_empty="an architecture yaml (n.yaml ... x.yaml, yolo11n.yaml, yolo26n.yaml, a path) or weights (.pt)",
         commands=COMMANDS,
     )
@@ -543,7 +543,8 @@ class Export:
     opset: int = key(17, "ONNX opset (onnx only)", low=11, high=23, commands=("export",))
     dynamic: bool = key(
         True,
-        "dynamic batch dimension in the exported ONNX model (a TorchScript one takes any batch)",
+        "ONNX: any batch and image size (multiples of 32; a YOLO26 top-k graph: any batch); false: (1, 3, imgsz, "
+        "imgsz) only (a TorchScript export takes any batch and size)",
         commands=("export",),
     )
 

@@ -142,14 +142,15 @@ def build_train_loader(
     )
 
 
-def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World) -> DataLoader:
-    """Rectangular, unaugmented batches over disjoint shards of the ranks of ``world`` (no padded duplicates)."""
+def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World, rect: bool = True) -> DataLoader:
+    """Rectangular, unaugmented batches over disjoint shards of the ranks of ``world`` (no padded duplicates);
+    ``rect=False``: every image letterboxed to imgsz x imgsz, for a model of one fixed input size (an export)."""
     dataset = DetectionDataset(
         data.records,
         imgsz=cfg.inputs.imgsz,
         augment=False,
         hyp=cfg.augment,
-        rect=True,
+        rect=rect,
         batch_size=local_batch,
         stride=32,
         seed=cfg.train.seed,

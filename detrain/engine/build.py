@@ -102,6 +102,44 @@ def is_weights(model: str) -> bool:
     return str(model).endswith((".pt", ".pth"))
 
 
+#: the suffixes of the files ``detrain export`` writes, which val and predict serve (:mod:`detrain.engine.backends`)
+EXPORTED_SUFFIXES = (".onnx", ".torchscript")
+#: the commands that take an exported file for ``model=``
+SERVES_EXPORTED = ("val", "predict")
+
+
+def is_exported(model: str) -> bool:
+    """True when ``model`` names an exported file (``.onnx``, ``.torchscript``): a fixed graph that val and
+    predict run, but that cannot be trained or exported again.
+
+    >>> is_exported("runs/train/exp/weights/best.onnx"), is_exported("best.pt")
+    (True, False)
+    """
+    return str(model).endswith(EXPORTED_SUFFIXES)
+
+
+def check_exported(model: str, command: str) -> None:
+    """The one line for an exported ``model`` given to a command that needs the model itself (train, export,
+    info), or an exported file that is missing or a folder.
+
+    >>> try:
+    ...     check_exported("best.onnx", "train")
+    ... except ConfigError as e:
+    ...     print(str(e)[:60])
+    model=best.onnx is an exported file: 'detrain train' needs t
+    """
+    if command not in SERVES_EXPORTED:
+        raise ConfigError(
+            f"model={shown(str(model))} is an exported file: 'detrain {command}' needs the weights it was exported "
+            "from (.pt); exported files serve val and predict only"
+        )
+    path = Path(model).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"model={shown(str(model))} is a folder, not an exported file")
+    if not path.is_file():
+        raise ConfigError(f"exported model file not found: {shown(str(model))}")
+
+
 def build_model(
     model: str,
     nc: int | None = None,
@@ -142,10 +180,14 @@ def build_model(
     return DetectionModel(cfg=cfg, scale=scale, nc=80 if nc is None else nc, names=names), None
 
 
-def check_model(model: str) -> None:
+def check_model(model: str, command: str = "predict") -> None:
     """Raise the error ``build_model`` would raise for a ``model`` that names nothing usable, without building
     the model or reading or downloading weights (an architecture yaml is read: it says the scale): commands
-    call it before any process starts or any folder is made."""
+    call it before any process starts or any folder is made. An exported file (:func:`is_exported`) is usable by
+    val and predict only (``command``)."""
+    if is_exported(model):
+        check_exported(model, command)
+        return
     if not is_weights(model):
         architecture(model)
         return

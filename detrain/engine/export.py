@@ -2,12 +2,18 @@
 
 Both hold one fused eval graph, input ``images`` (B, 3, H, W) float in [0, 1] -> output (B, 4 + nc, N):
 what the model gives in eval mode (xywh boxes in input pixels, sigmoid class scores), with no NMS inside,
-the layout YOLOv8 exports use, so existing post-processing keeps working. The image size is fixed at
-``imgsz`` (the anchors are constants of the graph); the batch size is free (ONNX: with ``dynamic``).
+the layout YOLOv8 exports use, so existing post-processing keeps working. Such a graph computes its anchors from
+the input's shape, so it takes any batch and any image size that is a multiple of the stride (ONNX: with
+``dynamic``, as Ultralytics' dynamic exports do; without it, batch 1 at ``imgsz`` only, the anchors constants of
+the graph). An end-to-end (YOLO26) graph's top-k is sized when traced: it takes ``imgsz`` only, any batch.
+``imgsz`` (by default the size the model was trained at) is the size traced, recorded as the one to serve at.
 
-ONNX uses torch's TorchScript-based exporter (``dynamo=False``): it needs no extra package, while the
-newer torch.export-based one needs ``onnxscript``. When the ``onnx`` package is installed, the class
-names, strides and image size are written into the file's metadata too.
+ONNX uses torch's TorchScript-based exporter (``dynamo=False``), which needs the ``onnx`` package
+(``pip install "detrain[export]"``), while the newer torch.export-based one needs ``onnxscript`` too. The class
+names, strides, image size, batch and the kind of output are written into the file's ``metadata_props``
+(appended to the file as protobuf records, not by a load-and-save of the whole model through ``onnx``;
+onnxruntime's ``get_modelmeta().custom_metadata_map`` reads them), each value as Python writes it (``str``:
+``"{0: 'person'}"``, ``"[640, 640]"``, ``"True"``), as Ultralytics' exports hold theirs.
 
 TorchScript is a trace of the same fused model, loaded by ``torch.jit.load`` with torch alone (no detrain,
 no Python source of the model). The same metadata travels in the archive as the extra file
@@ -33,10 +39,14 @@ from detrain.system.tempfiles import open_folder, temp_beside
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
 
-__all__ = ["SUFFIXES", "export_model", "export_onnx", "export_torchscript"]
+__all__ = ["SUFFIXES", "TORCHSCRIPT_META", "export_model", "export_onnx", "export_torchscript", "training_imgsz"]
 
 #: export format -> file suffix (the ``format=`` values ``detrain export`` takes)
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript"}
+#: the extra file of a TorchScript archive that holds its metadata (JSON)
+TORCHSCRIPT_META = "detrain.json"
+#: the image size of a model that records none (built from a yaml)
+DEFAULT_IMGSZ = 640
 
 
 def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[int, int]:
@@ -47,24 +57,35 @@ def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[
 
 
 def _graph_model(
-    model: DetectionModel, imgsz: int | tuple[int, int] | list[int], nms: bool = False
+    model: DetectionModel, imgsz: int | tuple[int, int] | list[int] | None, nms: bool = False, free_size: bool = True
 ) -> tuple[DetectionModel, torch.Tensor, tuple[int, int], int]:
     """(fused float32 eval copy on the CPU, an example input, (h, w), largest stride) for tracing; ``nms``: an
     end-to-end head's graph ends in its one-to-many boxes and scores (for NMS) instead of its top-k detections.
 
+    With ``free_size`` (and a graph that ends in boxes and scores for NMS) the trace computes the anchors from the
+    input's shape, so the graph takes any multiple of the stride: the warm-up runs at another size, and the head's
+    anchor cache (keyed by shape) misses while tracing. Otherwise the warm-up fills it for this size and the anchors
+    are constants of the graph. A top-k graph keeps its size: its ``k`` is fixed when traced.
+
     A copy, so the caller's model keeps its BatchNorms, device, dtype, training mode and inference options.
     """
     stride = int(max(model.stride.tolist())) if len(model.stride) else 32
-    h, w = _image_size(imgsz, stride)
+    h, w = _image_size(training_imgsz(model) if imgsz is None else imgsz, stride)
     graph_model = copy.deepcopy(model).to("cpu", torch.float32).eval()
     graph_model.set_inference(nms=nms)
     graph_model.fuse()
     for p in graph_model.parameters():
         p.requires_grad_(False)
     example = torch.zeros(1, 3, h, w)
+    other = free_size and not graph_model.head.end2end
     with torch.no_grad():
-        graph_model(example)  # builds the anchor cache for this size before tracing
+        graph_model(torch.zeros(1, 3, h + stride, w + stride) if other else example)  # the anchor cache (above)
     return graph_model, example, (h, w), stride
+
+
+def _free_size(graph_model: DetectionModel, asked: bool) -> bool:
+    """Whether the traced graph takes any input size (a multiple of the stride): only one ending in NMS's input."""
+    return asked and not graph_model.head.end2end
 
 
 @contextlib.contextmanager
@@ -95,31 +116,60 @@ def _output_kind(graph_model: DetectionModel) -> str:
     return "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS"
 
 
-def _metadata(model: DetectionModel, imgsz: tuple[int, int], stride: int, output: str) -> dict[str, object]:
-    """What an exported file records about the model besides its graph; ``output`` says what the graph gives
-    (:func:`_output_kind`)."""
-    return {
+def _metadata(
+    graph_model: DetectionModel, imgsz: tuple[int, int], stride: int, dynamic: bool, free_size: bool
+) -> dict[str, object]:
+    """What an exported file records about the model besides its graph, enough to serve it
+    (:mod:`detrain.engine.backends`): classes, stride, the size it was exported at, whether the batch is free
+    (else 1) and the image size (any multiple of ``stride``; else ``imgsz`` only), and what the graph gives
+    (``end2end``: final top-k detections, ``max_det`` rows; else boxes and scores for NMS)."""
+    from detrain import __version__
+
+    head = graph_model.head
+    meta: dict[str, object] = {
         "producer": "detrain",
+        "version": __version__,
         "task": "detect",
+        "family": graph_model.family,
         "stride": stride,
         "imgsz": list(imgsz),
-        "output": output,
-        "names": {int(k): str(v) for k, v in dict(getattr(model, "names", {}) or {}).items()},
+        "batch": 1,
+        "dynamic": dynamic,
+        "free_size": free_size,
+        "end2end": bool(head.end2end),
+        "output": _output_kind(graph_model),
+        "names": {int(k): str(v) for k, v in dict(getattr(graph_model, "names", {}) or {}).items()},
     }
+    if head.end2end:
+        meta["max_det"] = int(getattr(head, "max_det", 300))
+    return meta
+
+
+def training_imgsz(model: DetectionModel) -> int:
+    """The image size ``model`` was trained at, as its checkpoint records it (640 for a model built from a yaml):
+    what an export uses unless told otherwise.
+
+    >>> from detrain.nn.model import DetectionModel
+    >>> m = DetectionModel(nc=1); training_imgsz(m), (setattr(m, "imgsz", 320), training_imgsz(m))[1]
+    (640, 320)
+    """
+    size = getattr(model, "imgsz", None)
+    return size if isinstance(size, int) and size > 0 else DEFAULT_IMGSZ
 
 
 def export_model(
     model: DetectionModel,
     out_path: str | os.PathLike[str],
     format: str = "onnx",
-    imgsz: int | tuple[int, int] = 640,
+    imgsz: int | tuple[int, int] | None = None,
     opset: int = 17,
     dynamic_batch: bool = True,
     nms: bool = False,
 ) -> Path:
     """Write ``model`` in ``format`` (``onnx`` or ``torchscript``) and return the file's path.
 
-    ``opset`` and ``dynamic_batch`` apply to ONNX; a TorchScript file takes any batch size. An end-to-end (YOLO26)
+    ``imgsz`` None: the size the model was trained at (:func:`training_imgsz`). ``opset`` and ``dynamic_batch``
+    apply to ONNX; a TorchScript file takes any batch size. An end-to-end (YOLO26)
     model's graph gives its (B, 300, 6) detections, or with ``nms`` its one-to-many boxes and scores for NMS.
 
     >>> from detrain.nn.model import DetectionModel
@@ -138,7 +188,7 @@ def export_model(
 def export_onnx(
     model: DetectionModel,
     out_path: str | os.PathLike[str],
-    imgsz: int | tuple[int, int] = 640,
+    imgsz: int | tuple[int, int] | None = None,
     opset: int = 17,
     dynamic_batch: bool = True,
     nms: bool = False,
@@ -148,14 +198,18 @@ def export_onnx(
     The graph is a fused (BatchNorm folded into convolutions) float32 copy in eval mode, input ``images``
     (B, 3, H, W) float in [0, 1], output ``output0`` (B, 4 + nc, N), or an end-to-end model's (B, 300, 6)
     detections (see :func:`export_model`; the metadata's ``output`` says which). With ``dynamic_batch`` the batch size
-    is free; the image size is fixed at ``imgsz``. The file appears atomically: a failed export leaves no
-    file behind.
+    is free, and so are height and width (multiples of the stride) except for an end-to-end graph; without it the
+    input is (1, 3, ``imgsz``). The file appears atomically: a failed export leaves no file behind.
 
     Example (seconds of tracing, so not run as a test): ``export_onnx(DetectionModel(scale="n", nc=3),
     "model.onnx", imgsz=320)`` returns ``PosixPath('model.onnx')``.
     """
     out = Path(out_path)
-    graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms)
+    graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms, free_size=dynamic_batch)
+    free = _free_size(graph_model, dynamic_batch)
+    axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", 2: "anchors"}}
+    if not free:
+        axes = {"images": {0: "batch"}, "output0": {0: "batch"}}
     with _atomic_file(out) as tmp:
         with _quiet_tracing():
             torch.onnx.export(
@@ -165,25 +219,25 @@ def export_onnx(
                 input_names=["images"],
                 output_names=["output0"],
                 opset_version=opset,
-                dynamic_axes={"images": {0: "batch"}, "output0": {0: "batch"}} if dynamic_batch else None,
+                dynamic_axes=axes if dynamic_batch else None,
                 do_constant_folding=True,
                 dynamo=False,
             )
-        _add_metadata(tmp, _metadata(model, (h, w), stride, _output_kind(graph_model)))
+        _add_metadata(tmp, _metadata(graph_model, (h, w), stride, dynamic_batch, free))
     return out
 
 
 def export_torchscript(
     model: DetectionModel,
     out_path: str | os.PathLike[str],
-    imgsz: int | tuple[int, int] = 640,
+    imgsz: int | tuple[int, int] | None = None,
     nms: bool = False,
 ) -> Path:
     """Write ``model`` as a TorchScript archive and return its path; the model passed in is left untouched.
 
     The archive is a trace of the fused float32 eval model on the CPU: ``torch.jit.load(path)`` gives a
-    module mapping (B, 3, H, W) float in [0, 1] at the exported ``imgsz`` to (B, 4 + nc, N) (an end-to-end model:
-    (B, 300, 6) detections, see :func:`export_model`), for any B,
+    module mapping (B, 3, H, W) float in [0, 1] (any multiple of the stride; an end-to-end model: the exported
+    ``imgsz``) to (B, 4 + nc, N) (an end-to-end model: (B, 300, 6) detections, see :func:`export_model`), for any B,
     without detrain installed. Names, stride and imgsz are in the extra file ``detrain.json``. The file
     appears atomically: a failed export leaves no file behind.
 
@@ -192,10 +246,10 @@ def export_torchscript(
     """
     out = Path(out_path)
     graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms)
-    meta = json.dumps(_metadata(model, (h, w), stride, _output_kind(graph_model)))
+    meta = json.dumps(_metadata(graph_model, (h, w), stride, True, _free_size(graph_model, True)))
     with _atomic_file(out) as tmp, _quiet_tracing():
         traced = torch.jit.trace(graph_model, (example,), check_trace=False)
-        torch.jit.save(traced, str(tmp), _extra_files={"detrain.json": meta})
+        torch.jit.save(traced, str(tmp), _extra_files={TORCHSCRIPT_META: meta})
     return out
 
 
@@ -211,14 +265,37 @@ def _quiet_tracing() -> Iterator[None]:
 
 
 def _add_metadata(path: Path, meta: dict[str, object]) -> None:
-    """Record ``meta`` (names, stride, imgsz, output) in the file (readers such as onnxruntime expose them); needs
-    ``onnx``."""
-    try:
-        import onnx
-    except ImportError:  # the export itself does not need it
-        return
-    proto = onnx.load(str(path))
-    for key, value in meta.items():
-        entry = proto.metadata_props.add()
-        entry.key, entry.value = key, str(value)
-    onnx.save(proto, str(path))
+    """Append ``meta`` to the ONNX file as ``metadata_props`` records, each value as ``str`` gives it.
+
+    A protobuf message followed by more fields is read as one message with those fields added (a repeated field's
+    records are appended), so the records are written as bytes after the model's own, with no ``onnx`` package:
+    field 14 of ``ModelProto`` (``metadata_props``), each a ``StringStringEntryProto`` (key 1, value 2).
+    """
+    records = b"".join(
+        _field(14, _field(1, key.encode()) + _field(2, str(value).encode())) for key, value in meta.items()
+    )
+    with open(path, "ab") as f:
+        f.write(records)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """One length-delimited protobuf field (wire type 2): tag, length, bytes.
+
+    >>> _field(1, b"ab")
+    b'\\n\\x02ab'
+    """
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _varint(value: int) -> bytes:
+    """``value`` as a protobuf varint: 7 bits a byte, low bits first, the high bit set on all but the last.
+
+    >>> _varint(1), _varint(300)
+    (b'\\x01', b'\\xac\\x02')
+    """
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)

@@ -41,7 +41,7 @@ def check_inputs(task: str, cfg: Cfg, world: World | None = None) -> None:
         if not Path(cfg.predict.predictions).is_file():
             raise ConfigError(f"predictions file not found: {cfg.predict.predictions} (a COCO results json)")
     else:
-        check_model(cfg.inputs.model)
+        check_model(cfg.inputs.model, task)
     if task == "train":
         check_pretrained(cfg.inputs.pretrained)
         check_freeze(cfg.inputs.model, cfg.train.freeze)  # a look at the model yaml's layer count

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from detrain import __version__ as detrain_version
 from detrain.config.cfg import CHOICES
 from detrain.engine.export import SUFFIXES, export_model, export_onnx, export_torchscript
 from detrain.errors import ConfigError, DetrainError
@@ -107,9 +108,15 @@ def test_torchscript_matches_torch_for_batch_1_and_3(model: DetectionModel, tmp_
     meta = json.loads(extra["detrain.json"])
     assert meta == {
         "producer": "detrain",
+        "version": detrain_version,
         "task": "detect",
+        "family": "yolov8",
         "stride": 32,
         "imgsz": [IMGSZ, IMGSZ],
+        "batch": 1,
+        "dynamic": True,
+        "free_size": True,
+        "end2end": False,
         "output": "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS",
         "names": {"0": "a", "1": "b", "2": "c"},
     }

@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
 # Evaluation sits above telemetry and below train: training validates, and a validator may record what it did.
 ENGINE_LAYERS: list[tuple[str, ...]] = [
     ("run_plan", "build", "export"),  # what every worker receives; arguments -> model and run folder; export
+    ("backends",),  # exported files served to val and predict (reads what export writes)
     ("telemetry",),
     ("evaluate",),
     ("train", "predict"),

@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
-from detrain.config.cfg import Cfg
+from detrain.config.cfg import Cfg, replace_cfg
 from detrain.data.prepare import build_val_loader, load_split
 from detrain.distributed import dist
 from detrain.distributed.world import World
-from detrain.engine.build import agree_run_dir, build_model, is_weights, set_cpu_threads
+from detrain.engine.backends import ExportedModel, load_exported
+from detrain.engine.build import agree_run_dir, build_model, is_exported, is_weights, set_cpu_threads
 from detrain.engine.evaluate.validator import validate
 from detrain.engine.run_plan import RunPlan
 from detrain.errors import ConfigError
@@ -24,7 +25,9 @@ from detrain.log import console
 
 def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[str, Any]:
     """Validate on this rank's shard of ``world`` (on its device); every rank returns the same metrics. ``save_dir``:
-    the run folder the launching process picked (None: rank 0 picks it)."""
+    the run folder the launching process picked (None: rank 0 picks it). ``model=`` may be weights, an architecture
+    (random weights) or an exported file (:mod:`detrain.engine.backends`: at its own input size, images letterboxed
+    to that square)."""
     device = torch.device(world.device)
     set_cpu_threads(device, world)
     # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
@@ -34,14 +37,39 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
         from detrain.engine.evaluate.score_file import score_predictions_file
 
         return score_predictions_file(cfg, data, save_dir, world)
+    model: torch.nn.Module
+    if is_exported(cfg.inputs.model):
+        model, cfg = _exported_model(cfg, data.nc, device, world.is_main)
+        # a graph of one input size: every image letterboxed to it; else the .pt's rectangular batches
+        loader = build_val_loader(data, cfg, cfg.train.batch_images, world, rect=model.fixed_imgsz is None)
+    else:
+        model = _pt_model(cfg, data, device, world.is_main)
+        # Every rank runs whole single-process batches (the same rectangular shapes, so the same numbers for any
+        # number of ranks); the ranks share the batches, contiguous and disjoint.
+        loader = build_val_loader(data, cfg, cfg.train.batch_images, world)
+    if world.is_main:
+        console.print(
+            f"validating {cfg.inputs.model} on {cfg.inputs.data} ({cfg.predict.split}: {len(data.records)} images) "
+            f"with {world.world_size} worker(s); results in {save_dir}"
+        )
+    metrics = validate(
+        model, loader, data, cfg, device, world, save_dir=save_dir, plots=cfg.output.plots, verbose=cfg.output.verbose
+    )
+    metrics["save_dir"] = str(save_dir)
+    return metrics
+
+
+def _pt_model(cfg: Cfg, data: Any, device: torch.device, is_main: bool) -> torch.nn.Module:
+    """The model of ``model=`` (weights, or an architecture with random weights), fused, on ``device``, in eval mode;
+    a model of another class count than the dataset's is one line."""
     weights = is_weights(cfg.inputs.model)
-    if not weights and world.is_main:
+    if not weights and is_main:
         console.print(f"note: {cfg.inputs.model} is an architecture, not weights: validating random weights")
     model, ckpt = build_model(
         cfg.inputs.model,
         nc=None if weights else data.nc,
         names=None if weights else data.names,
-        verbose=world.is_main,
+        verbose=is_main,
         weights_sha256=cfg.inputs.weights_sha256,
     )
     if model.nc != data.nc and not cfg.inputs.single_cls:  # single_cls scores any model's detections as one class
@@ -53,22 +81,32 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
             f"fine-tune it on the dataset first{hint}"
         )
     model = model.to(device).eval()
-    if hasattr(model, "fuse"):
-        model.fuse()
-    model = model.to(memory_format=torch.channels_last)
-    # Every rank runs whole single-process batches (the same rectangular shapes, so the same numbers for any
-    # number of ranks); the ranks share the batches, contiguous and disjoint.
-    loader = build_val_loader(data, cfg, cfg.train.batch_images, world)
-    if world.is_main:
-        console.print(
-            f"validating {cfg.inputs.model} on {cfg.inputs.data} ({cfg.predict.split}: {len(data.records)} images) "
-            f"with {world.world_size} worker(s); results in {save_dir}"
+    model.fuse()
+    return model.to(memory_format=torch.channels_last)
+
+
+def _exported_model(cfg: Cfg, nc: int, device: torch.device, is_main: bool) -> tuple[ExportedModel, Cfg]:
+    """(the exported file of ``model=``, ``cfg`` with the input size it runs at): a graph that takes any size runs
+    at ``imgsz`` as the ``.pt`` does; one of a fixed size at the one square size it was exported at, whatever
+    ``imgsz=`` says (a line says so when they differ), as Ultralytics' validator does."""
+    model = load_exported(cfg.inputs.model, device)
+    if model.nc != nc and not cfg.inputs.single_cls:
+        raise ConfigError(f"{cfg.inputs.model} predicts {model.nc} classes but {cfg.inputs.data} has {nc}")
+    if model.fixed_imgsz is None:
+        return model, cfg
+    h, w = model.fixed_imgsz
+    if h != w:
+        raise ConfigError(
+            f"{cfg.inputs.model} was exported at imgsz={h},{w}: val letterboxes to a square; export it at one size"
         )
-    metrics = validate(
-        model, loader, data, cfg, device, world, save_dir=save_dir, plots=cfg.output.plots, verbose=cfg.output.verbose
-    )
-    metrics["save_dir"] = str(save_dir)
-    return metrics
+    if cfg.inputs.imgsz != h:
+        if is_main:
+            console.print(
+                f"note: {cfg.inputs.model} was exported at imgsz={h}: validating at {h} (imgsz={cfg.inputs.imgsz} "
+                "is not used; an exported model's input size is fixed)"
+            )
+        cfg = replace_cfg(cfg, {"imgsz": h})
+    return model, cfg
 
 
 def val_worker(args: dict[str, Any], world: World) -> dict[str, Any]:

@@ -38,7 +38,15 @@ from detrain.data.frames import Frame, read_frames
 from detrain.data.samples.augment import letterbox
 from detrain.data.sources import Source, parse_source, shown
 from detrain.distributed.devices import parse_device
-from detrain.engine.build import build_model, check_model, check_output_folder, increment_run_dir, run_dir_problem
+from detrain.engine.backends import ExportedModel, load_exported
+from detrain.engine.build import (
+    build_model,
+    check_model,
+    check_output_folder,
+    increment_run_dir,
+    is_exported,
+    run_dir_problem,
+)
 from detrain.engine.predict.output import PredictionWriter
 from detrain.engine.predict.results import Results
 from detrain.errors import ConfigError, DatasetError
@@ -89,6 +97,29 @@ def prepare_model(model: nn.Module, device: torch.device, half: bool, copy_first
     return net
 
 
+def exported_half(cfg: Cfg, net: ExportedModel, half: bool) -> bool:
+    """An exported graph runs in the float32 it was exported in: ``half=True`` is a note, not an error."""
+    if half:
+        say(f"half=True: {cfg.inputs.model} is an exported float32 graph; predicting in float32")
+    return False
+
+
+def input_shape(cfg: Cfg, net: nn.Module) -> tuple[tuple[int, int], bool]:
+    """((h, w), auto) of the letterbox: ``imgsz`` with the short side padded only to the next multiple of the stride
+    (``auto``), or the one input size of an exported graph that has one, padded to it whole (a line when ``imgsz``
+    says otherwise)."""
+    fixed = net.fixed_imgsz if isinstance(net, ExportedModel) else None
+    if fixed is None:
+        return (cfg.inputs.imgsz, cfg.inputs.imgsz), True
+    if fixed != (cfg.inputs.imgsz, cfg.inputs.imgsz):
+        size = str(fixed[0]) if fixed[0] == fixed[1] else f"{fixed[0]},{fixed[1]}"
+        say(
+            f"note: {cfg.inputs.model} was exported at imgsz={size}: predicting at {size} (imgsz={cfg.inputs.imgsz} is "
+            "not used; an exported model's input size is fixed)"
+        )
+    return fixed, False
+
+
 def check_classes(classes: list[int] | None, names: dict[int, str]) -> None:
     """``classes`` must name classes the model has."""
     unknown = [c for c in classes or [] if c not in names]
@@ -98,11 +129,14 @@ def check_classes(classes: list[int] | None, names: dict[int, str]) -> None:
         )
 
 
-def batches(frames: Iterable[Frame], size: int, imgsz: int, stride: int) -> Iterator[Batch]:
-    """Consecutive frames letterboxed and grouped: up to ``size`` of one shape; a live source's frames alone."""
+def batches(
+    frames: Iterable[Frame], size: int, shape: tuple[int, int], stride: int, auto: bool = True
+) -> Iterator[Batch]:
+    """Consecutive frames letterboxed to ``shape`` (with ``auto``, padded only to a multiple of ``stride``) and
+    grouped: up to ``size`` of one shape; a live source's frames alone."""
     pending: Batch = []
     for frame in frames:
-        img, (gain, _), pad = letterbox(frame.image, (imgsz, imgsz), auto=True, stride=stride)
+        img, (gain, _), pad = letterbox(frame.image, shape, auto=auto, stride=stride)
         if pending and pending[0][1].shape != img.shape:
             yield pending
             pending = []
@@ -161,6 +195,8 @@ def stream_predict(
             check_output_folder(cfg.output.project, "predict", cfg.output)
     src = parse_source(cfg.predict.source if source is None else source, exclude=project)
     half = use_half(cfg, device)
+    if model is None and is_exported(cfg.inputs.model):
+        model, prepared = load_exported(cfg.inputs.model, device), True
     if model is None:
         net = prepare_model(
             build_model(cfg.inputs.model, verbose=False, weights_sha256=cfg.inputs.weights_sha256)[0],
@@ -170,6 +206,8 @@ def stream_predict(
         )
     else:
         net = model if prepared else prepare_model(model, device, half)
+    if isinstance(net, ExportedModel):
+        half = exported_half(cfg, net, half)
     set_inference(net, cfg.predict.max_det, cfg.predict.agnostic_nms, cfg.predict.nms)
     names = {int(k): str(v) for k, v in dict(getattr(net, "names", {})).items()}
     check_classes(cfg.inputs.classes, names)
@@ -208,6 +246,7 @@ def _run(
     conf = PREDICT_CONF if cfg.predict.conf is None else cfg.predict.conf
     stride = max(int(getattr(net, "stride", torch.tensor([32.0])).max()), 32)
     show: Callable[[str], None] = say if cfg.output.verbose else (lambda text: None)
+    shape, auto = input_shape(cfg, net)
     if src.skipped:
         first = ", ".join(src.skipped[:3]) + (", ..." if len(src.skipped) > 3 else "")
         say(f"skipped {len(src.skipped)} file(s) that are neither images nor videos: {first}")
@@ -220,7 +259,7 @@ def _run(
     count, seconds, keep = 0, 0.0, False
     try:
         frames = read_frames(src, warn=say, max_pixels=cfg.inputs.max_pixels)  # a generator: nothing read yet
-        for batch in batches(frames, cfg.train.batch_images, cfg.inputs.imgsz, stride):
+        for batch in batches(frames, cfg.train.batch_images, shape, stride, auto):
             start = time.perf_counter()
             dets = _infer_batch(cfg, net, batch, device, half, conf)
             elapsed = time.perf_counter() - start

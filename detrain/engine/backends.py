@@ -1,0 +1,271 @@
+"""Serving exported files: ``model=best.onnx`` or ``model=best.torchscript`` for ``detrain val`` and ``predict``.
+
+:func:`load_exported` reads a file ``detrain export`` wrote into an :class:`ExportedModel`, a module that looks to
+the validator and the predictor like an eval-mode ``DetectionModel``: ``forward`` gives the head's inference output
+in the layout the ``.pt`` model gives it (boxes and scores (B, 4 + nc, N) for NMS, or an end-to-end head's
+(B, max_det, 6) top-k detections), and :meth:`ExportedModel.postprocess` runs the same postprocess the model's own
+head runs (:func:`detrain.nn.head.nms` or :func:`detrain.nn.topk_decode.filter_detections`), so the detections,
+and the mAP, are the model's. What the graph alone does not say (class names, stride, input size, batch, the kind
+of output) is read from the metadata the export wrote: ONNX ``metadata_props``, TorchScript's extra file
+``detrain.json``.
+
+A graph ending in boxes and scores for NMS, exported with a free batch (ONNX ``dynamic=true``, the default; every
+TorchScript one), takes any image size, so val and predict run it as they run the ``.pt``: at ``imgsz``, in the
+same rectangular batches, giving the same detections. Any other graph (an end-to-end top-k one, a fixed-batch
+ONNX) has one input size, :attr:`ExportedModel.fixed_imgsz`, which val and predict use whatever ``imgsz=`` says,
+every image letterboxed to it. A file exported with a fixed batch of 1 takes a batch one image at a time.
+
+* ``.torchscript``: ``torch.jit.load`` onto the device (torch alone).
+* ``.onnx``: an onnxruntime ``InferenceSession`` on the CPU (``pip install "detrain[export]"``), with this process's
+  torch thread count.
+
+Only serve files you trust: unlike a ``.pt``, which detrain reads with its own restricted unpickler, an exported
+file is a program. A TorchScript archive runs its graph's operators and may hold TorchScript code (no arbitrary
+Python, but torch's file and tensor operators), and loading it is torch's own ``torch.jit.load``; an ONNX file runs
+its operators in onnxruntime. Neither is checked by detrain beyond its metadata.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from detrain.engine.export import TORCHSCRIPT_META
+from detrain.errors import ConfigError, DetrainError
+from detrain.nn.head import InferenceOptions, nms
+from detrain.nn.topk_decode import filter_detections
+from detrain.system.text import shown
+
+__all__ = ["ExportInfo", "ExportedModel", "load_exported"]
+
+INSTALL_ONNXRUNTIME = 'pip install "detrain[export]"'
+META_MAX_CHARS = 1_000_000  # a metadata value longer than this is no export of detrain's
+
+
+@dataclass(frozen=True)
+class ExportInfo:
+    """What an exported file records about its model (see :func:`detrain.engine.export._metadata`)."""
+
+    names: dict[int, str]
+    stride: int
+    imgsz: tuple[int, int]
+    dynamic: bool  # the batch is free; else the graph takes ``batch`` images
+    free_size: bool  # the image size is free (multiples of ``stride``); else ``imgsz`` only
+    batch: int
+    end2end: bool  # the graph gives final top-k detections (B, max_det, 6); else boxes and scores for NMS
+    max_det: int
+    family: str
+
+
+class ExportedModel(nn.Module):
+    """An exported graph with the inference surface of an eval ``DetectionModel`` (see the module docstring).
+
+    ``run`` maps a float32 (B, 3, H, W) batch at :attr:`imgsz` to the graph's output; ``info`` is the file's
+    metadata; ``module``: the loaded TorchScript module (registered, so ``.to(device)`` moves it), or None."""
+
+    def __init__(
+        self, path: str, fmt: str, info: ExportInfo, run: Callable[[Tensor], Tensor], module: nn.Module | None = None
+    ) -> None:
+        super().__init__()
+        self.path, self.format, self.info, self._run = path, fmt, info, run
+        self.graph = module
+        self.names = dict(info.names)
+        self.nc = len(info.names)
+        self.imgsz = info.imgsz
+        self.fixed_imgsz = None if info.free_size else info.imgsz  # what val and predict must run at, if anything
+        self.end2end = info.end2end
+        self.register_buffer("stride", torch.tensor([float(info.stride)]), persistent=False)
+        self.eval()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The graph's output for ``x`` (float (B, 3, H, W): at :attr:`fixed_imgsz` when the graph has one, else any
+        multiple of the stride), on ``x``'s device, in float32; a fixed-batch graph runs the batch in pieces of its
+        own batch size."""
+        stride = self.info.stride
+        if self.fixed_imgsz is not None and tuple(x.shape[2:]) != self.fixed_imgsz:
+            raise ConfigError(
+                f"{shown(self.path)} was exported at imgsz={_size(self.imgsz)}: it takes (B, 3, {self.imgsz[0]}, "
+                f"{self.imgsz[1]}) images, not {tuple(x.shape)}"
+            )
+        if any(v % stride for v in x.shape[2:]):
+            raise ConfigError(f"{shown(self.path)} takes images whose sides are multiples of {stride}, not {x.shape}")
+        x = x.float()
+        if self.info.dynamic or len(x) == self.info.batch:
+            return self._run(x)
+        return torch.cat([self._run(part) for part in x.split(self.info.batch)])
+
+    def set_inference(self, max_det: int = 300, agnostic: bool = False, nms: bool = False) -> ExportedModel:
+        """What a model's ``set_inference`` shapes is fixed in an end-to-end graph: its class-wise top-k of
+        ``max_det`` rows (fewer are kept by :meth:`postprocess`). Asking it for NMS or class-agnostic top-k is one
+        line; a graph whose output goes through NMS takes every option."""
+        if self.end2end and (nms or agnostic):
+            key = "nms=true" if nms else "agnostic_nms=true"
+            raise ConfigError(
+                f"{shown(self.path)} holds an end-to-end graph (its top-{self.info.max_det} detections, class-wise): "
+                f"{key} needs a model exported with nms=true, or the .pt"
+            )
+        return self
+
+    def postprocess(self, preds: Tensor, options: InferenceOptions) -> list[Tensor]:
+        """The graph's output -> per image (n, 6) detections by the postprocess the exported head runs."""
+        if self.end2end:
+            return filter_detections(preds, options.conf, options.max_det, options.classes)
+        return nms(preds, options)
+
+    def fuse(self) -> ExportedModel:
+        """Nothing to fold: the export already folded every BatchNorm."""
+        return self
+
+
+def load_exported(path: str | Path, device: torch.device | str = "cpu") -> ExportedModel:
+    """The exported file ``path`` (``.onnx``, ``.torchscript``) ready to run on ``device`` (ONNX: on the CPU, its
+    outputs moved to the input's device). A file that is missing, unreadable or lacks detrain's metadata is one
+    line naming it.
+
+    >>> load_exported("missing.torchscript")
+    Traceback (most recent call last):
+    ...
+    detrain.errors.ConfigError: exported model file not found: missing.torchscript
+    """
+    name = str(path)
+    file = Path(name).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"exported model file not found: {shown(name)}")
+    if name.endswith(".onnx"):
+        return _load_onnx(name, file)
+    if name.endswith(".torchscript"):
+        return _load_torchscript(name, file, torch.device(device))
+    raise ConfigError(f"{shown(name)}: not an exported model (.onnx or .torchscript)")
+
+
+def _load_torchscript(name: str, file: Path, device: torch.device) -> ExportedModel:
+    extra = {TORCHSCRIPT_META: ""}
+    try:
+        module = torch.jit.load(str(file), map_location=device, _extra_files=extra)
+    except Exception as e:  # noqa: BLE001 - whatever torch's reader raises on a broken archive is one line
+        raise DetrainError(f"{shown(name)}: not a readable TorchScript archive ({type(e).__name__})") from None
+    try:
+        meta = json.loads(extra[TORCHSCRIPT_META] or "null")
+    except ValueError:
+        meta = None
+    info = export_info(meta, name)
+    module.eval()
+
+    def run(x: Tensor) -> Tensor:
+        with torch.no_grad():
+            return _first(module(x))
+
+    return ExportedModel(name, "torchscript", info, run, module)
+
+
+def _load_onnx(name: str, file: Path) -> ExportedModel:
+    ort = _onnxruntime()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = max(1, torch.get_num_threads())
+    options.log_severity_level = 3  # errors only: onnxruntime's warnings are not the user's to act on
+    try:
+        session = ort.InferenceSession(str(file), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - whatever onnxruntime raises on a broken file is one line
+        raise DetrainError(f"{shown(name)}: not a readable ONNX model ({type(e).__name__})") from None
+    raw = session.get_modelmeta().custom_metadata_map
+    info = export_info({k: _literal(v) for k, v in raw.items()} if raw.get("producer") == "detrain" else None, name)
+    input_name = session.get_inputs()[0].name
+
+    def run(x: Tensor) -> Tensor:
+        array = np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
+        return torch.from_numpy(session.run(None, {input_name: array})[0]).to(x.device)
+
+    return ExportedModel(name, "onnx", info, run)
+
+
+def _onnxruntime() -> Any:
+    """onnxruntime, or the one line that says how to install it."""
+    try:
+        import onnxruntime
+    except ImportError:
+        raise ConfigError(f"an .onnx model needs onnxruntime: {INSTALL_ONNXRUNTIME}") from None
+    return onnxruntime
+
+
+def _first(out: Any) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _literal(text: str) -> Any:
+    """An ONNX metadata value (``str`` of a Python value) back to the value; text that is no literal stays text."""
+    if len(text) > META_MAX_CHARS:
+        return None
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
+def export_info(meta: Any, name: str) -> ExportInfo:
+    """The :class:`ExportInfo` of a file's metadata (a dict), checked: a file without detrain's metadata, or with
+    values of the wrong kind, is one line naming it.
+
+    >>> export_info({"names": {0: "a"}, "stride": 32, "imgsz": [64, 96], "dynamic": False}, "m.onnx").imgsz
+    (64, 96)
+    >>> export_info({"names": {0: "a"}}, "m.onnx")
+    Traceback (most recent call last):
+    ...
+    detrain.errors.ConfigError: m.onnx records no valid 'stride', 'imgsz' in its metadata: export it again with \
+'detrain export'
+    """
+    meta = meta if isinstance(meta, dict) else {}
+    names, stride, imgsz = meta.get("names"), meta.get("stride"), meta.get("imgsz")
+    bad = [
+        key
+        for key, ok in (
+            ("names", isinstance(names, dict) and bool(names) and all(isinstance(k, (int, str)) for k in names)),
+            ("stride", isinstance(stride, int) and stride > 0),
+            ("imgsz", isinstance(imgsz, (list, tuple)) and len(imgsz) == 2 and all(_positive(v) for v in imgsz)),
+        )
+        if not ok
+    ]
+    if bad:
+        raise ConfigError(
+            f"{shown(name)} records no valid {', '.join(repr(k) for k in bad)} in its metadata: export it again "
+            "with 'detrain export'"
+        )
+    assert isinstance(names, dict) and isinstance(stride, int) and isinstance(imgsz, (list, tuple))
+    try:
+        classes = {int(k): str(v) for k, v in names.items()}
+    except ValueError:
+        raise ConfigError(f"{shown(name)}: its metadata's class names are not indexed 0 to n-1") from None
+    if sorted(classes) != list(range(len(classes))):
+        raise ConfigError(f"{shown(name)}: its metadata's class names are not indexed 0 to n-1")
+    end2end = meta.get("end2end")
+    if not isinstance(end2end, bool):  # a file of an earlier release says it in words only
+        end2end = str(meta.get("output", "")).startswith("detections")
+    batch = meta.get("batch", 1)
+    max_det = meta.get("max_det", 300)
+    return ExportInfo(
+        names=classes,
+        stride=stride,
+        imgsz=(int(imgsz[0]), int(imgsz[1])),
+        dynamic=meta.get("dynamic", True) is not False,
+        free_size=meta.get("free_size") is True,
+        batch=batch if _positive(batch) else 1,
+        end2end=end2end,
+        max_det=max_det if _positive(max_det) else 300,
+        family=str(meta.get("family", "")),
+    )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 1 << 20
+
+
+def _size(hw: tuple[int, int]) -> str:
+    """``320`` for a square size, ``320,480`` otherwise."""
+    return str(hw[0]) if hw[0] == hw[1] else f"{hw[0]},{hw[1]}"
