@@ -25,7 +25,7 @@ import cv2
 import numpy as np
 import pytest
 
-from detrain import cli
+from detrain import __version__, cli
 from detrain.config.cfg import make_cfg, parse_cli_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -236,7 +236,7 @@ def _hostile_files() -> dict[str, bytes]:
     import yaml
 
     from detrain.nn.model import DetectionModel, load_model_yaml
-    from detrain.weights.checkpoint import model_meta, save_checkpoint
+    from detrain.weights.checkpoint import FORMAT, model_meta, save_checkpoint
 
     d, _ = load_model_yaml("yolov8.yaml")
     wide = {**copy.deepcopy(d), "scale": "n"}
@@ -258,7 +258,11 @@ def _hostile_files() -> dict[str, bytes]:
         else:
             meta[key] = value
         with tempfile.TemporaryDirectory() as tmp:  # save_checkpoint writes a file (atomically)
-            files[name] = save_checkpoint({"model": meta, "ema": None}, Path(tmp) / name).read_bytes()
+            if name == NAN_PT:  # save_checkpoint refuses non-finite weights: the file a damaged disk would leave
+                torch.save({"format": FORMAT, "version": __version__, "model": meta, "ema": None}, Path(tmp) / name)
+                files[name] = (Path(tmp) / name).read_bytes()
+            else:
+                files[name] = save_checkpoint({"model": meta, "ema": None}, Path(tmp) / name).read_bytes()
     return files
 
 
