@@ -503,19 +503,20 @@ def _bench_train() -> Any:
     return module
 
 
-def _step_ms(step: Callable[[], Any], device: torch.device, dtype: torch.dtype | None, iters: int) -> tuple[float, Any]:
-    """The median time of ``iters`` steps (after one untimed) under autocast to ``dtype`` (None: float32), and the
-    last step's loss."""
+def _step_ms(
+    step: Callable[[], Any], device: torch.device, dtype: torch.dtype | None, iters: int
+) -> tuple[float, float, Any]:
+    """(the first step's ms, the median of the ``iters`` after it, the last loss), each step under autocast to
+    ``dtype`` (None: float32). The first is a compiled model's compile, or an eager one's warmup."""
     times, loss = [], None
-    for i in range(iters + 1):
+    for _ in range(iters + 1):
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if i:
-            times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times), loss
+        times.append((time.perf_counter() - start) * 1000)
+    return times[0], statistics.median(times[1:]), loss
 
 
 def step_side_by_side(
@@ -532,7 +533,7 @@ def step_side_by_side(
         for impl, step in steps.items():
             if step is None:
                 raise Skip("ultralytics is not importable (PYTHONPATH=/path/to/ulib to compare)")
-            ms, loss = _step_ms(step, device, dtype, iters)
+            _, ms, loss = _step_ms(step, device, dtype, iters)
             figures[f"{name}_{impl}_ms"] = ms
             figures[f"{name}_{impl}_finite"] = bool(loss is not None and torch.isfinite(loss).all())
         figures[f"{name}_ratio"] = figures[f"{name}_ultralytics_ms"] / figures[f"{name}_detrain_ms"]
@@ -551,28 +552,32 @@ def check_ultralytics_step(ctx: Context) -> tuple[str, dict[str, Any]]:
     return f"detrain's step vs Ultralytics' (their ms / ours): {speed}", figures
 
 
+def compile_vs_eager(
+    device: torch.device, dtype: torch.dtype | None, imgsz: int, batch: int, mode: str, iters: int
+) -> dict[str, Any]:
+    """detrain's step (bench_train's) eager, then compiled in ``mode`` as ``compile=`` does: each one's first step
+    (the compiled one's compile) and median step after it, in ms, and the speed-up."""
+    bt = _bench_train()
+    args = bt.parse_args(["--imgsz", str(imgsz), "--batch", str(batch), "--device", str(device)])
+    data = bt.make_batch(batch, imgsz, args.nc, args.boxes, device, seed=0)
+    figures: dict[str, Any] = {}
+    for name, how in (("eager", None), ("compiled", mode)):
+        first, median, loss = _step_ms(bt.detrain_step(args, data, device, how), device, dtype, iters)
+        figures.update({f"{name}_first_ms": first, f"{name}_ms": median})
+        assert torch.isfinite(loss).all(), f"the {name} step's loss is not finite"
+    figures["speedup"] = figures["eager_ms"] / figures["compiled_ms"]
+    return figures
+
+
 def check_compile(ctx: Context) -> tuple[str, dict[str, Any]]:
-    """compile=true's model (inductor, default mode) against eager: the first step (its compile) and the median
-    step after it, at 640 px, batch 16."""
+    """compile=true's model (inductor, default mode) against eager, in bf16 as training runs on a GPU that has it,
+    at 640 px, batch 16."""
     if not ctx.cuda:
         raise Skip("no CUDA (inductor on a CPU costs minutes: scripts/bench_train.py --compile measures it)")
-    bt = _bench_train()
-    device = torch.device("cuda", 0)
-    args = bt.parse_args(["--imgsz", "640", "--batch", "16", "--device", "cuda:0"])
-    data = bt.make_batch(16, 640, args.nc, args.boxes, device, seed=0)
-    figures: dict[str, Any] = {}
-    for name, mode in (("eager", None), ("compiled", "default")):
-        step = bt.detrain_step(args, data, device, mode)
-        start = time.perf_counter()
-        step()
-        torch.cuda.synchronize(device)
-        figures[f"{name}_first_ms"] = (time.perf_counter() - start) * 1000
-        figures[f"{name}_ms"] = _step_ms(step, device, None, 10)[0]
-    figures["speedup"] = figures["eager_ms"] / figures["compiled_ms"]
-    return (
-        f"compiled step {figures['speedup']:.2f}x eager's, first step {figures['compiled_first_ms'] / 1000:.0f} s",
-        figures,
-    )
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    figures = compile_vs_eager(torch.device("cuda", 0), dtype, 640, 16, "default", 10)
+    first_s = figures["compiled_first_ms"] / 1000
+    return f"compiled step {figures['speedup']:.2f}x eager's, its first step {first_s:.0f} s", figures
 
 
 CHECKS: list[tuple[str, Check]] = [

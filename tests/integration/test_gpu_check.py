@@ -76,3 +76,9 @@ def test_ultralytics_step_side_by_side_in_fp32_on_cpu(tmp_path_factory: pytest.T
         figures = gc.step_side_by_side(torch.device("cpu"), {"fp32": None}, imgsz=64, batch=2, iters=1)
     assert figures["fp32_detrain_finite"] and figures["fp32_ultralytics_finite"]
     assert figures["fp32_detrain_ms"] > 0 and figures["fp32_ratio"] > 0
+
+
+def test_compile_check_code_on_cpu_with_the_tracing_backend() -> None:
+    """The compile check's code on a CPU, with aot_eager (inductor would compile for minutes)."""
+    figures = gc.compile_vs_eager(torch.device("cpu"), None, imgsz=64, batch=2, mode="aot_eager", iters=1)
+    assert figures["compiled_first_ms"] > figures["compiled_ms"] > 0 and figures["speedup"] > 0

@@ -311,9 +311,9 @@ class Trainer:
         and its state_dict's names (no ``_orig_mod.`` prefix): checkpoints, resume, export and the EMA (a copy
         made before, which validation runs eagerly) see the same model. In a group DDP already wraps this very
         module, which is the order torch advises (compile the inner module, not the DDP wrapper, which dynamo
-        traces poorly); DDP's gradient hooks still fire per parameter, though they cannot overlap inside one
-        compiled backward. After the AMP and AutoBatch checks, which would otherwise compile shapes and dtypes
-        that training never runs."""
+        traces poorly); dynamo sees the DDP forward it runs in and splits the graph at DDP's buckets
+        (DDPOptimizer), so gradient all-reduces still overlap the backward. After the AMP and AutoBatch checks,
+        which would otherwise compile shapes and dtypes that training never runs."""
         mode = self.cfg.train.compile
         if mode is False:
             return
