@@ -12,6 +12,11 @@ Example::
 
     python scripts/bench_train.py --scale n --imgsz 320 --batch 8 --iters 20 --warmup 3 --threads 2
     python scripts/bench_train.py --family yolo26 --scale n --imgsz 320 --batch 8 --threads 2
+    python scripts/bench_train.py --compile default --no-ultralytics --imgsz 320 --batch 8 --threads 2
+
+``--compile MODE`` also times detrain's step with its model compiled in place as ``compile=MODE`` trains it
+(``nn.Module.compile``; aot_eager: the tracing backend, no code generation), beside the eager one, and prints each
+one's first step: the compile cost a run pays once.
 """
 
 from __future__ import annotations
@@ -70,29 +75,38 @@ def _sgd(model: torch.nn.Module, **kernel: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.937, nesterov=True, weight_decay=5e-4, **kernel)
 
 
-def detrain_step(args: argparse.Namespace, batch: Batch, device: torch.device) -> Callable[[], None]:
-    """One detrain training step as a closure over its model, loss and optimizer."""
+def detrain_step(
+    args: argparse.Namespace, batch: Batch, device: torch.device, compile_mode: str | None = None
+) -> Callable[[], torch.Tensor]:
+    """One detrain training step (it returns its loss) as a closure over its model, loss and optimizer; with
+    ``compile_mode``, the model compiled in place as the trainer's ``compile=`` does."""
+    torch.manual_seed(0)  # the eager and the compiled model start from the same weights
     model = DetectionModel(f"{args.family}{args.scale}.yaml", nc=args.nc).to(device).train()
     imgs = batch.imgs
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
         imgs = imgs.contiguous(memory_format=torch.channels_last)
+    if compile_mode == "aot_eager":
+        model.compile(backend="aot_eager")
+    elif compile_mode is not None:
+        model.compile(mode=None if compile_mode == "default" else compile_mode)
     criterion = model.criterion(LossGains(), epochs=EPOCHS)
     criterion.set_epoch(0)
     # the update kernel detrain's trainer picks (engine/optim.py: fused where torch has one)
     optimizer = _sgd(model, **kernel_options(list(model.parameters())))
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         targets = criterion.assign(model(imgs), batch.batch_idx, batch.cls, batch.bboxes_xywhn)
         loss, _ = criterion.score(targets, None, None)
         loss.backward()
         optimizer.step()
+        return loss.detach()
 
     return step
 
 
-def ultralytics_step(args: argparse.Namespace, batch: Batch, device: torch.device) -> Callable[[], None] | None:
+def ultralytics_step(args: argparse.Namespace, batch: Batch, device: torch.device) -> Callable[[], torch.Tensor] | None:
     """The same step with Ultralytics' model of the family and the loss it picks, or None when it is not
     installed."""
     os.environ.setdefault("YOLO_OFFLINE", "1")  # never reach the network from a benchmark
@@ -108,16 +122,17 @@ def ultralytics_step(args: argparse.Namespace, batch: Batch, device: torch.devic
     # Ultralytics trains in the default (contiguous) memory format; it is timed as it trains
     data = {"img": batch.imgs, "batch_idx": batch.batch_idx, "cls": batch.cls, "bboxes": batch.bboxes_xywhn}
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
         loss, _ = criterion(model(batch.imgs), data)
         loss.sum().backward()
         optimizer.step()
+        return loss.detach().sum()
 
     return step
 
 
-def _timed(step: Callable[[], None], n: int, device: torch.device, clock: Callable[[], float]) -> list[float]:
+def _timed(step: Callable[[], object], n: int, device: torch.device, clock: Callable[[], float]) -> list[float]:
     times = []
     for _ in range(n):
         start = clock()
@@ -154,6 +169,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cpu: this process's CPU time, a fair measure on a shared machine with --threads 1",
     )
     p.add_argument("--no-ultralytics", action="store_true", help="time detrain only")
+    p.add_argument(
+        "--compile",
+        default=None,
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "aot_eager"),
+        help="also time detrain compiled in this torch.compile mode (as compile=MODE trains), and the first steps",
+    )
     return p.parse_args(argv)
 
 
@@ -165,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     batch = make_batch(args.batch, args.imgsz, args.nc, args.boxes, device, seed=0)
 
-    steps: dict[str, Callable[[], None]] = {"detrain": detrain_step(args, batch, device)}
+    steps: dict[str, Callable[[], object]] = {"detrain": detrain_step(args, batch, device)}
+    if args.compile:
+        steps["detrain+compile"] = detrain_step(args, batch, device, args.compile)
     if not args.no_ultralytics:
         theirs = ultralytics_step(args, batch, device)
         if theirs is None:
@@ -174,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             steps["ultralytics"] = theirs
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    first = {name: _timed(step, 1, device, clock)[0] for name, step in steps.items()}  # compiles, if compiled
     for step in steps.values():
         _timed(step, args.warmup, device, clock)
     times: dict[str, list[float]] = {name: [] for name in steps}
@@ -184,22 +208,26 @@ def main(argv: list[str] | None = None) -> None:
             times[name] += _timed(step, n, device, clock)
         remaining -= n
 
-    layout = {"detrain": "channels_last" if args.channels_last else "contiguous", "ultralytics": "contiguous"}
+    detrain_layout = "channels_last" if args.channels_last else "contiguous"
+    layout = {"detrain": detrain_layout, "detrain+compile": detrain_layout, "ultralytics": "contiguous"}
     print(
         f"{args.family}{args.scale}  imgsz {args.imgsz}  batch {args.batch}  threads {torch.get_num_threads()}  "
         f"device {device}  iters {args.iters}  warmup {args.warmup}  clock {args.clock}"
     )
-    print(f"{'impl':<12} {'layout':<14} {'median ms':>10} {'mean ms':>9} {'min ms':>8} {'img/s':>8}")
+    print(f"{'impl':<16} {'layout':<14} {'first ms':>10} {'median ms':>10} {'mean ms':>9} {'min ms':>8} {'img/s':>8}")
     throughput = {}
     for name, ms in times.items():
         median = statistics.median(ms)
         throughput[name] = args.batch / (median / 1000)
         print(
-            f"{name:<12} {layout[name]:<14} {median:>10.1f} {statistics.fmean(ms):>9.1f} {min(ms):>8.1f} "
+            f"{name:<16} {layout[name]:<14} {first[name]:>10.1f} {median:>10.1f} {statistics.fmean(ms):>9.1f} "
+            f"{min(ms):>8.1f} "
             f"{throughput[name]:>8.1f}"
         )
     if "ultralytics" in throughput:
         print(f"throughput ratio detrain / ultralytics: {throughput['detrain'] / throughput['ultralytics']:.2f}x")
+    if "detrain+compile" in throughput:
+        print(f"throughput ratio compiled / eager: {throughput['detrain+compile'] / throughput['detrain']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from detrain.config.values import (
     batch_size,
     cache_mode,
     class_ids,
+    compile_mode,
     flag_or_weights,
     folder,
     freeze,
@@ -244,6 +245,15 @@ class Train:
         "dtype), false or fp32 (off); validation in fp16; checked against fp32 on the model before training; "
         "off CUDA float32",
         parse=amp_mode,
+    )
+    compile: bool | str = key(
+        False,
+        "torch.compile the training forward (in place, so checkpoints keep their names; validation and the EMA stay "
+        "eager): false, true (inductor, default mode), reduce-overhead, max-autotune, max-autotune-no-cudagraphs, "
+        "or aot_eager (traces without generating code); off by default: the first steps compile for minutes (on a "
+        "2-core CPU 3.6 min for yolov8n at 320 px, then 1.15x faster steps), and each new batch shape recompiles",
+        choices=(False, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "aot_eager"),
+        parse=compile_mode,
     )
     seed: int = key(0, "random seed of the run (0 to 2147483647)", low=0)
     deterministic: bool = key(

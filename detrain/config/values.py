@@ -207,6 +207,20 @@ def cache_mode(key: str, value: Any) -> bool | str:
     return "ram" if value is True else value
 
 
+def compile_mode(key: str, value: Any) -> bool | str:
+    """``compile``: false, or how torch.compile builds the training forward: true is inductor's default mode; a
+    mode by name (its choices are checked next); aot_eager traces without generating code (a cheap check that the
+    model compiles).
+
+    >>> compile_mode("compile", "true"), compile_mode("compile", "False"), compile_mode("compile", "max-autotune")
+    ('default', False, 'max-autotune')
+    """
+    value = coerce(key, value, bool | str)
+    if isinstance(value, str):
+        return value.strip().lower()
+    return "default" if value is True else value
+
+
 def auto_or_count(key: str, value: Any) -> int | str:
     """``nbs``: the word auto (any case) or an integer (its bounds are checked next); any other word is refused."""
     value = coerce(key, value, int | str)

@@ -49,9 +49,16 @@ def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The bare model inside DDP (or the model itself)."""
-    inner = getattr(model, "module", None)
-    return inner if isinstance(inner, nn.Module) else model
+    """The bare model inside DDP and/or ``torch.compile``'s wrapper (``_orig_mod``), or the model itself. The
+    trainer compiles in place (``nn.Module.compile``), which leaves no wrapper; this also sees through one made
+    by ``torch.compile(model)``, so that no checkpoint ever holds its ``_orig_mod.`` names."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
 
 
 def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[object]:

@@ -191,6 +191,7 @@ class Trainer:
         self._build_loaders()  # collective: a barrier once every node's data is ready
         opt_name, weight_decay = self._build_optimizer(total_iters)  # and the lr schedule
         self._choose_precision()  # AMP's dtype and the gradient scaler
+        self._compile()  # compile=: the training forward, once the checks above ran it eagerly
         self._build_loss()
         self._start_point()  # epoch 0, or where a resumed checkpoint stands
         self._say_recipe(opt_name, weight_decay)
@@ -312,6 +313,23 @@ class Trainer:
         self.precision = choose_precision(self._bare(), self.device, cfg.train.amp, cfg.inputs.imgsz, self._say)
         self.amp_dtype = self.precision.train
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+
+    def _compile(self) -> None:
+        """``compile=``: the bare model's forward compiled in place (``nn.Module.compile``), so it keeps its class
+        and its state_dict's names (no ``_orig_mod.`` prefix): checkpoints, resume, export and the EMA (a copy
+        made before, which validation runs eagerly) see the same model. In a group DDP already wraps this very
+        module, which is the order torch advises (compile the inner module, not the DDP wrapper, which dynamo
+        traces poorly); dynamo sees the DDP forward it runs in and splits the graph at DDP's buckets
+        (DDPOptimizer), so gradient all-reduces still overlap the backward. After the AMP and AutoBatch checks,
+        which would otherwise compile shapes and dtypes that training never runs."""
+        mode = self.cfg.train.compile
+        if mode is False:
+            return
+        if mode == "aot_eager":
+            self._bare().compile(backend="aot_eager")
+        else:
+            self._bare().compile(mode=None if mode == "default" else mode)
+        self._say(f"compile={mode}: the first training steps compile the model (torch.compile)")
 
     def _build_loss(self) -> None:
         """The model's own loss (its head's: :mod:`detrain.nn.head`); the normaliser's all-reduce is the training

@@ -1,0 +1,84 @@
+"""scripts/gpu_check.py: its CPU-safe checks as a real command (rows, figures, skipped GPU checks and one table),
+the one-rank group's worker on gloo, and the Ultralytics side-by-side step on a CPU (tests/unit/test_gpu_check_rows.py
+has the table and the comparison)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _processes import child_env
+from _ultralytics import offline_ultralytics
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+GPU_ONLY = ("fp16", "nccl-one-rank", "nccl-watchdog", "ultralytics-step", "compile")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load()
+
+
+def test_cpu_run_proves_the_cpu_paths_and_skips_the_gpu_ones(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--cpu", "--json", str(out), "--work", str(tmp_path / "work")],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["check"]: r for r in report["rows"]}
+    assert report["cuda"] is False and list(rows) == [name for name, _ in gc.CHECKS]
+    for name in ("versions", "train", "resume"):
+        assert rows[name]["status"] == "ok", rows[name]
+    assert rows["versions"]["figures"]["torch"] == torch.__version__
+    train = rows["train"]["figures"]
+    assert train["images_per_s"] > 0 and 0 <= train["data_wait_share"] <= 1 and train["losses_finite"] is True
+    assert 0 <= train["mAP50-95"] <= 1
+    resume = rows["resume"]["figures"]
+    assert resume["ranks"] == 2 and resume["max_abs_diff"] <= gc.CPU_FLOOR and resume["run_to_run"] == 0
+    for name in GPU_ONLY:
+        assert rows[name]["status"] == "skipped" and rows[name]["result"].startswith("no CUDA"), rows[name]
+    # one table at the end: a header and a line per check
+    table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(gc.CHECKS) and table[0].startswith("| check | status |")
+
+
+def test_one_rank_group_runs_ddp_and_every_collective_on_gloo() -> None:
+    """The nccl-one-rank check's worker, on gloo in this process (CPU: no SyncBatchNorm, as torch's is GPU-only)."""
+    import torch.distributed as tdist
+
+    try:
+        gc.one_rank_group(gc._free_port(), "gloo")
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+
+
+def test_ultralytics_step_side_by_side_in_fp32_on_cpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The ultralytics-step check's code on a CPU, in fp32 at 64 px (skipped where Ultralytics is absent)."""
+    with offline_ultralytics(tmp_path_factory):
+        figures = gc.step_side_by_side(torch.device("cpu"), {"fp32": None}, imgsz=64, batch=2, iters=1)
+    assert figures["fp32_detrain_finite"] and figures["fp32_ultralytics_finite"]
+    assert figures["fp32_detrain_ms"] > 0 and figures["fp32_ratio"] > 0
+
+
+def test_compile_check_code_on_cpu_with_the_tracing_backend() -> None:
+    """The compile check's code on a CPU, with aot_eager (inductor would compile for minutes)."""
+    figures = gc.compile_vs_eager(torch.device("cpu"), None, imgsz=64, batch=2, mode="aot_eager", iters=1)
+    assert figures["compiled_first_ms"] > figures["compiled_ms"] > 0 and figures["speedup"] > 0
