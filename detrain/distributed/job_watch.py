@@ -11,8 +11,10 @@ run with several nodes keeps a :class:`JobWatch`: a daemon thread that reads the
   count any node's end ends the run; with ``nnodes=MIN:MAX`` only node 0's does (the others may leave: the
   group re-forms without them).
 * A launcher that reads a reason, or cannot reach node 0's store for ``lost_after_s`` seconds (node 0's launcher
-  ended or its machine is gone), interrupts its own main thread (the agent then stops its workers, as on Ctrl-C)
-  and, ``kill_after_s`` later, SIGKILLs the workers still alive: a stopped process never acts on SIGTERM.
+  ended, or its machine or the network is gone; the run's ``dist_timeout``, so that a network drop the collectives
+  would ride out does not end a node either), interrupts its own main thread (the agent then stops its workers,
+  as on Ctrl-C) and, ``kill_after_s`` later, SIGKILLs the workers still alive: a stopped process never acts on
+  SIGTERM.
   The launcher then ends with :attr:`JobWatch.reason`.
 
 What the store holds came over the network: a reason is read as at most 300 bytes of UTF-8 (bad bytes replaced)
@@ -148,11 +150,13 @@ class JobWatch:
 
 
 @contextlib.contextmanager
-def ended_together(addr: str, port: int, node_rank: int, lo: int, hi: int) -> Iterator[JobWatch | None]:
+def ended_together(
+    addr: str, port: int, node_rank: int, lo: int, hi: int, lost_after_s: float = 10.0
+) -> Iterator[JobWatch | None]:
     """Around a launch of ``lo:hi`` nodes (nothing to do for one): watch for the run's end; when this launch ends
     with a ``DistributedError`` or an interrupt, raise the other node's reason instead if that is what stopped it,
     else publish this node's (with ``nnodes=MIN:MAX``, node 0's only); a completed run says so for the others."""
-    watch = JobWatch(addr, port, node_rank, hi).start() if hi > 1 else None
+    watch = JobWatch(addr, port, node_rank, hi, lost_after_s=lost_after_s).start() if hi > 1 else None
     try:
         yield watch
     except Preempted:
