@@ -230,3 +230,35 @@ def test_losing_node_0_stops_a_node_and_kills_its_stopped_worker() -> None:
             worker.kill()
     assert watch.reason is not None and watch.reason.startswith("lost node 0's launcher at 127.0.0.1:")
     assert worker.exitcode == -signal.SIGKILL
+
+
+STUCK_LAUNCHER = """
+import time
+from datetime import timedelta
+from detrain.distributed.job_watch import JobWatch
+from detrain.distributed.master_store import host_store
+server = host_store("127.0.0.1", 0, bind="127.0.0.1", timeout=timedelta(seconds=5))
+watch = JobWatch("127.0.0.1", server.port, 1, poll_s=0.02, lost_after_s=0.3, kill_after_s=0.1, exit_after_s=0.5)
+watch.start()
+time.sleep(0.1)
+del server
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:  # a main thread that never comes out (a call over a dead link): ignores the
+    try:                            # interrupt, as a C++ call that does not return would
+        time.sleep(0.01)
+    except KeyboardInterrupt:
+        pass
+print("still here")
+"""
+
+
+def test_a_launcher_stuck_past_the_watchs_verdict_ends_itself_with_the_line() -> None:
+    """Over a link that drops every packet, torch's agent can sit in a store call that never returns, so the
+    interrupt never lands: the watch then prints the reason and ends the process itself (exit code 2)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", STUCK_LAUNCHER], capture_output=True, text=True, timeout=LIMIT_S)
+    assert proc.returncode == 2 and "still here" not in proc.stdout
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: lost node 0's launcher at 127.0.0.1:") and "for 0.3s" in last
