@@ -25,6 +25,12 @@ f mid_epoch_kill   device=cpu,cpu max_restarts=1 save_interval: SIGKILL of rank 
 g busy_port        master_port held by another socket: one line naming the port before training, exit code 2
 h no_master        node_rank=1 and nobody at master_addr:master_port: one line after the 60 s wait for the master,
                    before training, exit code 2
+i preempted        nnodes=2: SIGTERM of node 0's launcher after epoch 1 under the default grace: every rank saves
+                   mid.pt at one step, both launchers exit 75, and both started again with resume= finish from it
+j net_blip         nnodes=2, each node in its own network namespace (scripts/_netns.py, root): the cable between
+                   them cut for 20 s after epoch 1 (dist_timeout 45), then mended: both finish, no restart
+k net_partition    nnodes=1:2 rdzv_backend=c10d max_restarts=1, own namespaces: the cable cut for good after epoch
+                   1: node 0 resumes alone within dist_timeout + 60 s and finishes; node 1 ends with one line
 
 Every case returns a :class:`Result` (a row of the printed table); the exit code is 1 when any case failed. Every
 process a case started is killed when it ends, however it ends (Ctrl-C included): each node runs in its own session
@@ -57,9 +63,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a source checkout too
+sys.path.insert(0, str(REPO / "scripts"))  # _netns, also when this file is loaded by the tests
+
+import _netns  # noqa: E402 (scripts/_netns.py, beside this file)
 
 from detrain.system.procfs import stat_fields, status_value  # noqa: E402
 
+BLIP_S = 20.0  # case j: longer than the 10 s a node used to wait for node 0's store, shorter than its timeout
+BLIP_TIMEOUT_S = 45.0  # case j's dist_timeout: the drop plus TCP's retransmission backoff (to 2x) fit in it
 TAG_ENV = "CHAOS_TAG"  # in every process a case starts (inherited by all descendants): what cleanup looks for
 
 
@@ -94,6 +105,7 @@ class Result:
     epochs: str = "-"  # the epoch column of node 0's results.csv: "1-10" when each epoch is there once, in order
     checkpoint: str = "-"  # whether node 0's weights/last.pt loads with detrain's safe loader
     problems: list[str] = field(default_factory=list)
+    skipped: bool = False  # the machine cannot make the case (network namespaces need root)
 
     def check(self, condition: bool, problem: str) -> None:
         if not condition:
@@ -232,12 +244,15 @@ def child_env(tag: str) -> dict[str, str]:
 class Node:
     """One ``detrain train`` launcher in its own folder (``home``) and session, output in ``home/out.txt``."""
 
-    def __init__(self, home: Path, args: dict[str, object], env: dict[str, str], log: str = "out.txt") -> None:
+    def __init__(
+        self, home: Path, args: dict[str, object], env: dict[str, str], log: str = "out.txt", prefix: list[str] = ()
+    ) -> None:
         self.home = home
         self.args = args
         self.log = log
         home.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "detrain.cli", "train", *(f"{k}={v}" for k, v in args.items())]
+        # prefix: ``ip netns exec NS`` for a node on its own network (it execs, so the pid is the launcher's)
+        cmd = [*prefix, sys.executable, "-m", "detrain.cli", "train", *(f"{k}={v}" for k, v in args.items())]
         with open(home / log, "w") as out:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 cmd, cwd=home, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -336,11 +351,12 @@ class Cluster:
             **extra,
         }
 
-    def start(self, index: int, args: dict[str, object]) -> Node:
-        """Node ``index`` in ``work/<case>/node<index>``, with its own copy of the dataset."""
+    def start(self, index: int, args: dict[str, object], prefix: list[str] = ()) -> Node:
+        """Node ``index`` in ``work/<case>/node<index>``, with its own copy of the dataset (``prefix``: the command
+        that puts it on its own network)."""
         home = self.work / f"node{index}"
         shutil.copytree(self.data, home / "data")
-        node = Node(home, args, child_env(self.tag))
+        node = Node(home, args, child_env(self.tag), prefix=prefix)
         self.nodes.append(node)
         return node
 
@@ -752,6 +768,107 @@ def case_no_master(work: Path, size: Size = FULL) -> Result:
         return _close(result, f"{_describe(n1)[:150]}")
 
 
+def _on_two_networks(c: Cluster, args: dict[str, object], result: Result, net) -> tuple[Node, Node]:
+    """Nodes 0 and 1 each in its own network namespace of ``net`` (a :class:`_netns.Pair`), node 0's address the
+    master, started with ``args`` once node 0's first epoch is saved (else a problem in ``result``)."""
+    args = {**args, "master_addr": net.addrs[0]}
+    n0 = c.start(0, {**args, "node_rank": 0}, net.exec_prefix(0))
+    n1 = c.start(1, {**args, "node_rank": 1}, net.exec_prefix(1))
+    if not _wait_saved(n0, c.size.limit_s, [n1]):
+        result.problems.append(f"no epoch 1: node 0 {_describe(n0, 3)}; node 1 {_describe(n1)}")
+    return n0, n1
+
+
+def _no_netns(name: str, expected: str) -> Result | None:
+    why = _netns.available()
+    if why is None:
+        return None
+    result = Result(name, expected, f"skipped: {why}", ok=True)
+    result.skipped = True
+    return result
+
+
+def case_net_blip(work: Path, size: Size = FULL) -> Result:
+    """(j) nnodes=2, each node in its own network namespace: the cable between them is cut after epoch 1 for
+    ``BLIP_S`` seconds (no RST, no ICMP: packets just stop), then mended. The drop is shorter than dist_timeout
+    (``BLIP_TIMEOUT_S`` here), so nobody gives up: both nodes finish with no restart, each epoch once."""
+    expected = (
+        f"a {BLIP_S:g} s drop (dist_timeout {BLIP_TIMEOUT_S:g} s) is ridden out: both nodes exit 0 with no "
+        f"restart; epochs 1-{size.epochs} once"
+    )
+    skipped = _no_netns("j net_blip", expected)
+    if skipped is not None:
+        return skipped
+    result = Result("j net_blip", expected)
+    t0 = time.monotonic()
+    with _netns.Pair() as net, Cluster(work, size, "net_blip") as c:
+        args = c.common(nnodes=2, dist_timeout=BLIP_TIMEOUT_S)
+        n0, _n1 = _on_two_networks(c, args, result, net)
+        if result.problems:
+            return _close(_finish(result, c, n0, t0, None), "")
+        net.cut(1)
+        time.sleep(BLIP_S)
+        net.mend(1)
+        mended = time.monotonic()
+        result.check(c.wait_all(size.limit_s), "the nodes did not end")
+        after = time.monotonic() - mended
+        _finish(result, c, n0, t0, size.epochs)
+        for i, n in enumerate(c.nodes):
+            result.check("restart" not in n.out(), f"node {i} restarted: {_describe(n, 3)}")
+        return _close(
+            result,
+            f"cable cut {BLIP_S:g} s after epoch 1, then mended; both nodes went on and exit 0 {after:.0f} s later, "
+            "no restart",
+        )
+
+
+def case_net_partition(work: Path, size: Size = FULL) -> Result:
+    """(k) nnodes=1:2 rdzv_backend=c10d max_restarts=1, each node in its own network namespace: the cable is cut
+    after epoch 1 for good. Node 0's collective times out after dist_timeout, its launcher restarts it, and the
+    group re-forms without node 1 (torch's 30 s wait for more nodes), resuming from last.pt; node 1, cut off, ends
+    with one line once node 0's store has been silent for dist_timeout."""
+    bound = size.dist_timeout + 30 + 30  # the collective's timeout, torch's wait for more nodes, a restart
+    expected = (
+        f"node 0 resumes alone within dist_timeout + 60 s ({bound:g} s) of the cut and exits 0, epochs "
+        f"1-{size.epochs} once; node 1 ends with one line"
+    )
+    skipped = _no_netns("k net_partition", expected)
+    if skipped is not None:
+        return skipped
+    result = Result("k net_partition", expected)
+    t0 = time.monotonic()
+    with _netns.Pair() as net, Cluster(work, size, "net_partition") as c:
+        args = c.common(nnodes="1:2", rdzv_backend="c10d", max_restarts=1)
+        n0, n1 = _on_two_networks(c, args, result, net)
+        if result.problems:
+            return _close(_finish(result, c, n0, t0, None), "")
+        before = n0.out()
+        net.cut(1)
+        t_cut = time.monotonic()
+        resumed_at: list[float] = []
+
+        def resumed() -> bool:
+            if not resumed_at and re.search(r"(restart \d+|group restarted): resuming from", n0.out()[len(before) :]):
+                resumed_at.append(time.monotonic() - t_cut)
+            return bool(resumed_at) or n0.ended()
+
+        wait_until(resumed, size.limit_s, 0.2)
+        result.check(bool(resumed_at) and resumed_at[0] <= bound, f"node 0 resumed after {resumed_at or '-'} s")
+        result.check(bool(wait_until(lambda: all(n.ended() for n in c.nodes), size.limit_s, 0.2)), "not ended")
+        _finish(result, c, n0, t0, None)
+        rows = n0.rows()
+        result.check(n0.proc.poll() == 0, f"node 0 {_describe(n0, 3)}")
+        result.check(rows == [str(e) for e in range(1, size.epochs + 1)], f"results.csv epochs {rows}")
+        said = [x for x in n1.out().splitlines() if x.startswith("error: ")]  # Python's resource tracker may
+        line = said[0] if said else ""  # warn after it, from its own process
+        result.check(n1.proc.poll() != 0 and len(said) == 1, f"node 1 {_describe(n1, 3)}")
+        return _close(
+            result,
+            f"cable cut for good after epoch 1; node 0 resumed alone {resumed_at[0] if resumed_at else -1:.0f} s "
+            f"later and exits 0; node 1: {line[:160]}",
+        )
+
+
 CASES: dict[str, Callable[[Path, Size], Result]] = {
     "a": case_worker_kill,
     "b": case_node_leaves,
@@ -762,6 +879,8 @@ CASES: dict[str, Callable[[Path, Size], Result]] = {
     "g": case_busy_port,
     "h": case_no_master,
     "i": case_preempted,
+    "j": case_net_blip,
+    "k": case_net_partition,
 }
 NAMES = {
     "worker_kill": "a",
@@ -773,6 +892,8 @@ NAMES = {
     "busy_port": "g",
     "no_master": "h",
     "preempted": "i",
+    "net_blip": "j",
+    "net_partition": "k",
 }
 
 
@@ -808,7 +929,7 @@ def pick(text: str) -> list[str]:
         elif all(ch in CASES for ch in part):
             picked += list(part)
         else:
-            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-i or the names {', '.join(NAMES)}")
+            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-k or the names {', '.join(NAMES)}")
     return picked
 
 
@@ -820,7 +941,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cases", default="abcdefghi", help="letters or names, comma-separated (default: all)")
+    parser.add_argument("--cases", default="abcdefghijk", help="letters or names, comma-separated (default: all)")
     parser.add_argument("--small", action="store_true", help="the smallest runs that exercise each case")
     parser.add_argument("--work", type=Path, default=None, help="folder for the nodes (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the nodes' folders (with --work, always kept)")

@@ -6,6 +6,11 @@ A daemon thread adds 1 to this rank's counter every ``every_s`` seconds through 
 collectives' client is never shared between threads). :func:`silent_ranks` reads every counter twice, a few beats
 apart, and returns the ranks whose counter did not move. The keys are per restart attempt, like the barriers'.
 
+A store that cannot be reached for a while (a network drop, node 0's machine busy) does not end the heartbeat: the
+thread makes a new client and goes on beating once the store answers again, so a blip shorter than the collectives'
+timeout leaves every counter moving afterwards and nobody is named. While the store cannot be read, nobody is
+named either (:meth:`Heartbeat.silent` returns [] without two readings).
+
 >>> silent_ranks()  # no group, no heartbeat: nobody to name
 []
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -29,11 +35,15 @@ _beat: Heartbeat | None = None
 class Heartbeat:
     """This rank's counter, advanced by a daemon thread, and a reader of every rank's counter."""
 
-    def __init__(self, store: Any, rank: int, world: int, every_s: float = EVERY_S) -> None:
+    def __init__(
+        self, store: Any, rank: int, world: int, every_s: float = EVERY_S, reconnect: Callable[[], Any] | None = None
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world = world
         self.every_s = every_s
+        self.reconnect = reconnect  # a fresh client after a store error (None: the heartbeat stops there)
+        self.failures = 0  # store errors met so far (each followed by a new client)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="detrain-heartbeat", daemon=True)
 
@@ -48,17 +58,28 @@ class Heartbeat:
             self._thread.join(timeout=2 * self.every_s + 5)
 
     def _run(self) -> None:
+        store = self.store
         while not self._stop.is_set():
             try:
-                self.store.add(str(self.rank), 1)
-            except Exception:  # noqa: BLE001 - the store is gone (its host ended): nothing left to tell
-                return
+                if store is None:
+                    store = self.store = self.reconnect() if self.reconnect is not None else None
+                if store is None:
+                    return
+                store.add(str(self.rank), 1)
+            except Exception:  # noqa: BLE001 - the store cannot be reached now: a new client at the next beat
+                self.failures += 1
+                if self.reconnect is None:
+                    return
+                store = None
             self._stop.wait(self.every_s)
 
     def counts(self) -> list[int] | None:
         """Every rank's counter (``add`` of 0 reads without a wait for a missing key), or None without a store."""
+        store = self.store  # the beating thread may be replacing it
+        if store is None:
+            return None
         try:
-            return [int(self.store.add(str(r), 0)) for r in range(self.world)]
+            return [int(store.add(str(r), 0)) for r in range(self.world)]
         except Exception:  # noqa: BLE001 - no store, no answer: nobody can be named
             return None
 
@@ -77,13 +98,17 @@ def start(addr: str, port: int, restarts: int, rank: int, world: int, every_s: f
     """Start this process's heartbeat in the store at ``addr:port`` (quietly none where it cannot be reached)."""
     global _beat
     stop()
-    try:
+
+    def connect() -> Any:
         client = tdist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=10))
+        return tdist.PrefixStore(f"{_PREFIX}/attempt_{restarts}", client)
+
+    try:
+        store = connect()
     except Exception:  # noqa: BLE001 - e.g. a store that is not a TCPStore: run without a heartbeat
         _beat = None
         return
-    store = tdist.PrefixStore(f"{_PREFIX}/attempt_{restarts}", client)
-    _beat = Heartbeat(store, rank, world, every_s).start()
+    _beat = Heartbeat(store, rank, world, every_s, reconnect=connect).start()
 
 
 def stop() -> None:

@@ -11,8 +11,10 @@ run with several nodes keeps a :class:`JobWatch`: a daemon thread that reads the
   count any node's end ends the run; with ``nnodes=MIN:MAX`` only node 0's does (the others may leave: the
   group re-forms without them).
 * A launcher that reads a reason, or cannot reach node 0's store for ``lost_after_s`` seconds (node 0's launcher
-  ended or its machine is gone), interrupts its own main thread (the agent then stops its workers, as on Ctrl-C)
-  and, ``kill_after_s`` later, SIGKILLs the workers still alive: a stopped process never acts on SIGTERM.
+  ended, or its machine or the network is gone; the run's ``dist_timeout``, so that a network drop the collectives
+  would ride out does not end a node either), interrupts its own main thread (the agent then stops its workers,
+  as on Ctrl-C) and, ``kill_after_s`` later, SIGKILLs the workers still alive: a stopped process never acts on
+  SIGTERM.
   The launcher then ends with :attr:`JobWatch.reason`.
 
 What the store holds came over the network: a reason is read as at most 300 bytes of UTF-8 (bad bytes replaced)
@@ -27,6 +29,8 @@ from __future__ import annotations
 import _thread
 import contextlib
 import multiprocessing
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -62,9 +66,11 @@ class JobWatch:
         poll_s: float = 0.5,
         lost_after_s: float = 10.0,
         kill_after_s: float = 2.0,
+        exit_after_s: float = 15.0,
     ) -> None:
         self.addr, self.port, self.node_rank, self.nnodes = addr, port, node_rank, nnodes
         self.poll_s, self.lost_after_s, self.kill_after_s = poll_s, lost_after_s, kill_after_s
+        self.exit_after_s = exit_after_s
         self.reason: str | None = None
         self._store: Any = None
         self._stop = threading.Event()
@@ -96,23 +102,38 @@ class JobWatch:
             store.add(SEEN_KEY, 1)
         return raw.decode("utf-8", "replace")
 
+    def _read_into(self, box: list[tuple[str, str | None]]) -> None:
+        """One read of the store, its outcome put in ``box``: ("end", reason or None) or ("error", None)."""
+        try:
+            box.append(("end", self._read_end()))
+        except Exception:  # noqa: BLE001 - any failure to read is no answer from node 0's store
+            box.append(("error", None))
+
     def _run(self) -> None:
-        unreachable_since: float | None = None
+        """Poll node 0's store. A read runs in a thread of its own: over a network that drops packets silently a
+        TCPStore call neither answers nor fails (it waits for TCP's next retransmission, whatever its timeout), so
+        "no answer for ``lost_after_s``" is measured here, from the last answer, not from a failure."""
+        answered = time.monotonic()
+        box: list[tuple[str, str | None]] = []
+        reader: threading.Thread | None = None
         while not self._stop.wait(self.poll_s):
-            try:
-                text = self._read_end()
-            except Exception:  # noqa: BLE001 - any failure to read is no answer from node 0's store
-                self._store = None
-                now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since >= self.lost_after_s:
+            if reader is None:
+                reader = threading.Thread(target=self._read_into, args=(box,), name="detrain-job-read", daemon=True)
+                reader.start()
+            reader.join(self.poll_s)
+            outcome = box.pop() if not reader.is_alive() and box else None
+            if outcome is None or outcome[0] == "error":
+                if outcome is not None:  # a failed read: a new client next time
+                    reader, self._store = None, None
+                if time.monotonic() - answered >= self.lost_after_s:
                     self._end(
                         f"lost node 0's launcher at {self.addr}:{self.port} for {self.lost_after_s:g}s (it "
                         "ended, or its machine or the network is gone)"
                     )
                     return
                 continue
-            unreachable_since = None
+            reader, answered = None, time.monotonic()
+            text = outcome[1]
             if text is not None:
                 if text and text != PREEMPTED:  # "" is a run that completed: nothing to stop; so is a preemption
                     self._end(f"the run ended on {text}")
@@ -120,7 +141,9 @@ class JobWatch:
 
     def _end(self, reason: str) -> None:
         """Stop this launcher: its main thread gets an interrupt (the agent stops the workers, as on Ctrl-C); the
-        workers still alive after ``kill_after_s`` (stopped ones never act on a signal) are SIGKILLed."""
+        workers still alive after ``kill_after_s`` (stopped ones never act on a signal) are SIGKILLed. A main thread
+        that still has not come out ``exit_after_s`` later is stuck inside a network call that will not return (the
+        agent's rendezvous over a link that drops every packet): the launcher then says why and ends itself."""
         self.reason = " ".join(reason.split())
         _thread.interrupt_main()
         if self._stop.wait(self.kill_after_s):
@@ -128,6 +151,12 @@ class JobWatch:
         for child in multiprocessing.active_children():
             with contextlib.suppress(Exception):
                 child.kill()
+        if self._stop.wait(self.exit_after_s):
+            return
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"error: {self.reason}\n")
+            sys.stderr.flush()
+        os._exit(2)  # as the CLI's exit for a DistributedError
 
     # ------------------------------------------------------------------ writing
 
@@ -148,11 +177,13 @@ class JobWatch:
 
 
 @contextlib.contextmanager
-def ended_together(addr: str, port: int, node_rank: int, lo: int, hi: int) -> Iterator[JobWatch | None]:
+def ended_together(
+    addr: str, port: int, node_rank: int, lo: int, hi: int, lost_after_s: float = 10.0
+) -> Iterator[JobWatch | None]:
     """Around a launch of ``lo:hi`` nodes (nothing to do for one): watch for the run's end; when this launch ends
     with a ``DistributedError`` or an interrupt, raise the other node's reason instead if that is what stopped it,
     else publish this node's (with ``nnodes=MIN:MAX``, node 0's only); a completed run says so for the others."""
-    watch = JobWatch(addr, port, node_rank, hi).start() if hi > 1 else None
+    watch = JobWatch(addr, port, node_rank, hi, lost_after_s=lost_after_s).start() if hi > 1 else None
     try:
         yield watch
     except Preempted:

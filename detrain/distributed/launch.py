@@ -84,6 +84,7 @@ def launch(
     connect_timeout: float = 60.0,
     world: World | None = None,
     grace_s: float = 0.0,
+    lost_after_s: float = 10.0,
 ) -> T | None:
     """Run ``entry(args, world)`` on every worker of ``plan`` (times ``nnodes``) and return rank 0's result;
     ``world`` is that worker's :class:`World`, its device the plan's for its local rank.
@@ -108,7 +109,9 @@ def launch(
     interface that reaches it; ``socket_ifname`` names the interface(s) gloo and NCCL use instead (checked to
     exist here). Failures raise ``DistributedError`` with one line naming the rank and the cause; Ctrl-C stops
     every worker and raises ``KeyboardInterrupt``. ``grace_s`` > 0: SIGTERM or SIGUSR1 to this launcher or a worker
-    ends the run as ``Preempted`` once every rank saved (:mod:`detrain.engine.train.preemption`).
+    ends the run as ``Preempted`` once every rank saved (:mod:`detrain.engine.train.preemption`). With several
+    nodes each launcher ends when node 0's store has not answered for ``lost_after_s`` seconds (the run's
+    ``dist_timeout``: a node waits for node 0 as long as a collective waits for a rank).
 
     Example:
         >>> from detrain.distributed.launch import launch, parse_device
@@ -127,7 +130,7 @@ def launch(
     rdzv = _meet_nodes(
         (lo, hi), node_rank, master_addr, master_port, rdzv_backend, run_id, run_args, start_timeout, connect_timeout
     )
-    timing = _Timing(monitor_interval, start_timeout, grace_s)  # grace_s > 0: SIGTERM / SIGUSR1 save and end
+    timing = _Timing(monitor_interval, start_timeout, grace_s, lost_after_s)  # grace_s > 0: SIGTERM / SIGUSR1 save
     return _launch_workers(entry, args, plan, rdzv, transport, run_id, max_restarts, timing)
 
 
@@ -139,6 +142,7 @@ class _Timing:
     monitor_interval: float
     start_timeout: float
     grace_s: float
+    lost_after_s: float = 10.0  # node 0's store silent this long ends this node (job_watch)
 
 
 @dataclass(frozen=True)
@@ -250,7 +254,7 @@ def _launch_workers(
         _restore_signal_handlers(),
         _environ(_workers_environ(transport, rdzv.backend, mark if timing.grace_s > 0 else None, log_dir.name)),
         _held_elastic_logs() as held,
-        ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi),
+        ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi, timing.lost_after_s),
         relayed_stderr(_nccl_workers(plan)) as watch,  # NCCL's watchdog ends a rank with a line there, and SIGABRT
     ):  # several nodes end as one
         if timing.grace_s > 0:

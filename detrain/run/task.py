@@ -86,6 +86,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
                 run_args=None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict()),
                 socket_ifname=cfg.distributed.socket_ifname,
                 grace_s=cfg.output.grace if task == "train" and cfg.output.save else 0.0,
+                lost_after_s=cfg.distributed.dist_timeout,  # node 0 silent as long as a collective may wait
             )
         )
 

@@ -1,12 +1,15 @@
 """scripts/chaos.py's fault matrix, each case at its smallest size (``chaos.SMALL``: 3 epochs of 16 images at 64 px,
 scale n, dist_timeout=10): a worker killed on node 1, a node leaving and one joining an elastic group, a stopped
-rank, a SIGTERMed node 0 launcher, a kill right after a mid-epoch checkpoint, a busy port and an unreachable master.
+rank, a SIGTERMed node 0 launcher, a kill right after a mid-epoch checkpoint, a busy port, an unreachable master, a
+preempted node 0, and two nodes on their own networks whose cable is cut for 20 s or for good.
 
-Every node is a real ``detrain train`` launcher on 127.0.0.1 with its own folder; faults are real signals. The only
-time bounds checked are the behaviour under test (a stopped rank: every node ends within dist_timeout + 30 s; a
-SIGTERM: every process gone within 10 s); the rest run under the case's hang guard (``Size.limit_s``). Two cases
-spend most of their minute waiting (the unreachable master: 60 s for the master; a node leaving: about 30 s of
-torch's c10d rendezvous), so they start at once in threads and run beside the others.
+Every node is a real ``detrain train`` launcher with its own folder (on 127.0.0.1, or in its own network namespace
+for j and k: skipped where namespaces cannot be made); faults are real signals and real link cuts. The only time
+bounds checked are the behaviour under test (a stopped rank: every node ends within dist_timeout + 30 s; a SIGTERM:
+every process gone within 10 s; a partition: node 0 resumes within dist_timeout + 60 s); the rest run under the
+case's hang guard (``Size.limit_s``). Four cases spend most of their minute waiting (the unreachable master: 60 s
+for the master; a node leaving or cut off: about 30 s of torch's c10d rendezvous; a cut cable: 20 s), so they
+start at once in threads and run beside the others.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 BACKGROUND = {
     "b": "test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish",
     "h": "test_h_an_unreachable_master_is_one_line_before_training",
+    "j": "test_j_a_network_drop_shorter_than_dist_timeout_is_ridden_out_with_no_restart",
+    "k": "test_k_a_network_partition_leaves_node_0_to_finish_alone_and_names_the_lost_node",
 }
 
 
@@ -144,8 +149,28 @@ def test_h_an_unreachable_master_is_one_line_before_training(background) -> None
     _ok(_collected(background, "h"))
 
 
+def _ran(result) -> None:
+    if getattr(result, "skipped", False):
+        pytest.skip(result.observed)
+    _ok(result)
+
+
+def test_j_a_network_drop_shorter_than_dist_timeout_is_ridden_out_with_no_restart(background) -> None:
+    """Each node in its own network namespace, the veth between them down for 20 s (packets dropped silently):
+    longer than a node used to wait for node 0's store, shorter than dist_timeout."""
+    result = _collected(background, "j")
+    _ran(result)
+    assert result.epochs == "1-3" and "no restart" in result.observed
+
+
+def test_k_a_network_partition_leaves_node_0_to_finish_alone_and_names_the_lost_node(background) -> None:
+    result = _collected(background, "k")
+    _ran(result)
+    assert result.epochs == "1-3" and "node 1: error: lost node 0's launcher" in result.observed
+
+
 def test_cases_are_picked_by_letter_or_name_and_anything_else_is_refused() -> None:
-    assert chaos.pick("a,f") == ["a", "f"] and chaos.pick("abcdefgh") == list("abcdefgh")
+    assert chaos.pick("a,f") == ["a", "f"] and chaos.pick("abcdefghijk") == list("abcdefghijk")
     assert chaos.pick("worker_kill, no_master") == ["a", "h"]
     with pytest.raises(SystemExit, match="'z' is not a case"):
         chaos.pick("a,z")

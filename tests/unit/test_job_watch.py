@@ -68,6 +68,55 @@ def test_without_a_store_nobody_is_named(server) -> None:
     assert beat.counts() is None and beat.silent(watch_s=0.01) == []
 
 
+class _Blip:
+    """A store client that fails while ``faults[0]`` > 0 (each call uses one up), as one cut off by a network drop
+    does (its calls time out and raise), then works; ``faults`` is shared with the clients made after it."""
+
+    def __init__(self, store, faults: list[int]) -> None:
+        self.store, self.faults = store, faults
+
+    def add(self, key: str, n: int) -> int:
+        if self.faults[0] > 0:
+            self.faults[0] -= 1
+            raise RuntimeError("Socket Timeout")
+        return self.store.add(key, n)
+
+
+def test_a_heartbeat_outlives_a_store_blip_with_a_new_client_and_nobody_is_named(server) -> None:
+    """Rank 1's client fails (its link dropped); its heartbeat makes a new client and beats on, so once the store
+    answers again rank 0 names nobody. Without a new client (the old behaviour) the thread ended at the first
+    error and rank 1 was named although it was alive."""
+    faults, fresh = [1], []
+
+    def reconnect() -> _Blip:
+        fresh.append(1)
+        return _Blip(tdist.PrefixStore("hb", _client(server)), faults)
+
+    beats = [
+        heartbeat.Heartbeat(tdist.PrefixStore("hb", _client(server)), 0, 2, every_s=0.02).start(),
+        heartbeat.Heartbeat(_Blip(tdist.PrefixStore("hb", _client(server)), faults), 1, 2, 0.02, reconnect).start(),
+    ]
+    try:
+        deadline = time.monotonic() + LIMIT_S
+        while not fresh and time.monotonic() < deadline:  # the blip happened and a new client was made
+            time.sleep(0.01)
+        assert fresh and beats[1].failures == 1
+        assert beats[0].silent(watch_s=0.3) == []
+        faults[0] = 5  # five more failed beats, each followed by a new client
+        while faults[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert beats[0].silent(watch_s=0.3) == [] and beats[1].failures == 6 and len(fresh) == 6
+    finally:
+        for b in beats:
+            b.stop()
+
+
+def test_a_heartbeat_without_a_way_to_reconnect_stops_at_the_first_error(server) -> None:
+    beat = heartbeat.Heartbeat(_Blip(tdist.PrefixStore("hb", _client(server)), [1]), 1, 2, every_s=0.02).start()
+    beat._thread.join(LIMIT_S)
+    assert not beat._thread.is_alive() and beat.failures == 1
+
+
 @pytest.mark.parametrize(
     ("message", "waited"),
     [
@@ -181,3 +230,35 @@ def test_losing_node_0_stops_a_node_and_kills_its_stopped_worker() -> None:
             worker.kill()
     assert watch.reason is not None and watch.reason.startswith("lost node 0's launcher at 127.0.0.1:")
     assert worker.exitcode == -signal.SIGKILL
+
+
+STUCK_LAUNCHER = """
+import time
+from datetime import timedelta
+from detrain.distributed.job_watch import JobWatch
+from detrain.distributed.master_store import host_store
+server = host_store("127.0.0.1", 0, bind="127.0.0.1", timeout=timedelta(seconds=5))
+watch = JobWatch("127.0.0.1", server.port, 1, poll_s=0.02, lost_after_s=0.3, kill_after_s=0.1, exit_after_s=0.5)
+watch.start()
+time.sleep(0.1)
+del server
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:  # a main thread that never comes out (a call over a dead link): ignores the
+    try:                            # interrupt, as a C++ call that does not return would
+        time.sleep(0.01)
+    except KeyboardInterrupt:
+        pass
+print("still here")
+"""
+
+
+def test_a_launcher_stuck_past_the_watchs_verdict_ends_itself_with_the_line() -> None:
+    """Over a link that drops every packet, torch's agent can sit in a store call that never returns, so the
+    interrupt never lands: the watch then prints the reason and ends the process itself (exit code 2)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", STUCK_LAUNCHER], capture_output=True, text=True, timeout=LIMIT_S)
+    assert proc.returncode == 2 and "still here" not in proc.stdout
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("error: lost node 0's launcher at 127.0.0.1:") and "for 0.3s" in last
