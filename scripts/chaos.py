@@ -55,6 +55,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -211,13 +212,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_DATA_LOCK = threading.Lock()  # cases run in threads (tests/integration/test_chaos.py): one writes the set
+
+
 def make_data(root: Path, n_train: int) -> Path:
-    """The synthetic shapes set (64 px), written once per size under ``root``."""
+    """The synthetic shapes set (64 px), written once per size under ``root``: whole, before any case copies it (a
+    case that copied a set another thread was still writing gave its nodes different datasets, which they now
+    refuse at start)."""
     from detrain.data.synthetic import generate_shapes
 
     folder = root / f"shapes{n_train}"
-    if not (folder / "data.yaml").is_file():
-        generate_shapes(folder, n_train=n_train, n_val=2, imgsz=64, seed=0)
+    with _DATA_LOCK:
+        if not (folder / "data.yaml").is_file():
+            generate_shapes(folder, n_train=n_train, n_val=2, imgsz=64, seed=0)
     return folder
 
 

@@ -1,15 +1,19 @@
 """scripts/chaos.py's fault matrix, each case at its smallest size (``chaos.SMALL``: 3 epochs of 16 images at 64 px,
 scale n, dist_timeout=10): a worker killed on node 1, a node leaving and one joining an elastic group, a stopped
-rank, a SIGTERMed node 0 launcher, a kill right after a mid-epoch checkpoint, a busy port, an unreachable master, a
-preempted node 0, and two nodes on their own networks whose cable is cut for 20 s or for good.
+rank, a SIGTERMed node 0 launcher, a busy port, an unreachable master, a preempted node 0, and two nodes on their
+own networks whose cable is cut for 20 s.
+
+Two cases of the script are left to it, to keep CI's time: f (a kill right after mid.pt; the stronger bitwise
+check of the same fault on two workers is tests/integration/test_resume_every_node.py's) and k (a cable cut for
+good: node 0 goes on as in b, and the lost node's one line is tests/unit/test_job_watch.py's); their measured rows
+are in docs/fault_matrix.md.
 
 Every node is a real ``detrain train`` launcher with its own folder (on 127.0.0.1, or in its own network namespace
-for j and k: skipped where namespaces cannot be made); faults are real signals and real link cuts. The only time
-bounds checked are the behaviour under test (a stopped rank: every node ends within dist_timeout + 30 s; a SIGTERM:
-every process gone within 10 s; a partition: node 0 resumes within dist_timeout + 60 s); the rest run under the
-case's hang guard (``Size.limit_s``). Four cases spend most of their minute waiting (the unreachable master: 60 s
-for the master; a node leaving or cut off: about 30 s of torch's c10d rendezvous; a cut cable: 20 s), so they
-start at once in threads and run beside the others.
+for j: skipped where namespaces cannot be made); faults are real signals and real link cuts. The only time bounds
+checked are the behaviour under test (a stopped rank: every node ends within dist_timeout + 30 s; a SIGTERM: every
+process gone within 10 s); the rest run under the case's hang guard (``Size.limit_s``). Three cases spend most of
+their minute waiting (the unreachable master: 60 s for the master; a node leaving: about 30 s of torch's c10d
+rendezvous; a cut cable: 20 s), so they start at once in threads and run beside the others.
 """
 
 from __future__ import annotations
@@ -51,7 +55,6 @@ BACKGROUND = {
     "b": "test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish",
     "h": "test_h_an_unreachable_master_is_one_line_before_training",
     "j": "test_j_a_network_drop_shorter_than_dist_timeout_is_ridden_out_with_no_restart",
-    "k": "test_k_a_network_partition_leaves_node_0_to_finish_alone_and_names_the_lost_node",
 }
 
 
@@ -135,12 +138,6 @@ def test_i_a_preempted_node_0_saves_on_every_rank_and_both_nodes_resume_there(wo
     assert result.epochs == "1-3" and "resumed there on both nodes" in result.observed
 
 
-def test_f_a_kill_after_a_mid_epoch_checkpoint_resumes_at_its_batch(work: Path) -> None:
-    result = chaos.run_case("f", work, chaos.SMALL)
-    _ok(result)
-    assert result.epochs == "1-3" and "resumed there" in result.observed
-
-
 def test_g_a_busy_master_port_is_one_line_before_training(work: Path) -> None:
     _ok(chaos.run_case("g", work, chaos.SMALL))
 
@@ -161,12 +158,6 @@ def test_j_a_network_drop_shorter_than_dist_timeout_is_ridden_out_with_no_restar
     result = _collected(background, "j")
     _ran(result)
     assert result.epochs == "1-3" and "no restart" in result.observed
-
-
-def test_k_a_network_partition_leaves_node_0_to_finish_alone_and_names_the_lost_node(background) -> None:
-    result = _collected(background, "k")
-    _ran(result)
-    assert result.epochs == "1-3" and "node 1: error: lost node 0's launcher" in result.observed
 
 
 def test_cases_are_picked_by_letter_or_name_and_anything_else_is_refused() -> None:
