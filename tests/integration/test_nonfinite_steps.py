@@ -112,7 +112,7 @@ def _damage(path: Path, how: str) -> None:
         path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("how", ["truncate", "flip"])
+@pytest.mark.parametrize("how", ["flip"])  # a truncated last.pt: tests/unit/test_nonfinite.py (CI time)
 def test_a_damaged_last_pt_resumes_from_the_generation_before(data: Path, tmp_path: Path, how: str) -> None:
     args = {**ARGS, "data": data, "project": tmp_path, "device": "cpu", "epochs": 2}
     assert _train(args).returncode == 0
