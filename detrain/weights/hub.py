@@ -135,6 +135,24 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
+def local_weights(name_or_path: str | os.PathLike[str]) -> Path | None:
+    """The file a path or a bare release name means on this machine, found as :func:`resolve_weights` finds it
+    (the path itself; for a release name, the current folder, then the weights cache), never downloaded or
+    checked; None when there is none.
+
+    Example:
+        >>> local_weights("missing.pt") is None
+        True
+    """
+    given = Path(name_or_path).expanduser()
+    if given.exists():
+        return given
+    canonical = canonical_name(str(name_or_path))
+    if canonical is None:
+        return None
+    return next((p for p in (Path.cwd() / canonical, weights_dir() / canonical) if p.is_file()), None)
+
+
 def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True, sha256: str | None = None) -> Path:
     """A weights file on disk for a path or a bare release name, downloading the release file if needed.
 
@@ -154,17 +172,14 @@ def resolve_weights(name_or_path: str | os.PathLike[str], progress: bool = True,
         detrain.errors.CheckpointError: weights file not found: missing.pt
     """
     expected = _checked_sha256(sha256)
-    given = Path(name_or_path).expanduser()
     canonical = canonical_name(str(name_or_path))
     release = RELEASE_FILES.get(canonical) if canonical is not None else None
-    if given.exists():
-        return _verified(given, expected, None if canonical is None else release)
+    found = local_weights(name_or_path)
+    if found is not None:
+        return _verified(found, expected, release)
     if canonical is None:
         raise CheckpointError(f"weights file not found: {name_or_path}")
     cached = weights_dir() / canonical
-    for found in (Path.cwd() / canonical, cached):
-        if found.is_file():
-            return _verified(found, expected, release)
     if expected is not None and (release is None or release.sha256 != expected):
         tag = _FAMILY_RELEASE.get(canonical[: -len("n.pt")], "v0.0.0")
         release = ReleaseFile(expected, size=0, release=tag)  # the caller's file: its size is not known

@@ -30,10 +30,11 @@ import torch
 
 import detrain
 from detrain.data.labels.verify import img2label_path
+from detrain.errors import CheckpointError
 from detrain.log import atomic_write_text
 from detrain.system.file_tail import read_regular
-from detrain.system.input_file import UnreadableFile, open_input
 from detrain.system.process_env import without_git_variables
+from detrain.weights.hub import file_sha256, local_weights
 
 MAX_MANIFEST_BYTES = 1 << 20  # an earlier manifest.json larger than this is not read back (a fresh one is written)
 GIT_TIMEOUT_S = 5.0
@@ -57,8 +58,11 @@ def dataset_fingerprint(
         files[(_relative(path, root), _size(path))] = str(path)
     h = hashlib.sha256()
     for rel, size in sorted(files):
-        digest = _content_sha256(files[(rel, size)]) if content and size >= 0 else ""
-        h.update(f"{rel}\0{size}\0{digest}\n".encode("utf-8", "surrogateescape") if content else _line(rel, size))
+        # the paths fingerprint's line is "rel\0size\n", as it always was; content adds each file's own sha256
+        line = f"{rel}\0{size}\n"
+        if content:
+            line = f"{rel}\0{size}\0{_content_sha256(files[(rel, size)]) if size >= 0 else ''}\n"
+        h.update(line.encode("utf-8", "surrogateescape"))
     return {
         "fingerprint": f"{'content-sha256' if content else 'sha256'}:{h.hexdigest()}",
         "files": len(files),
@@ -85,7 +89,7 @@ def starting_weights(args: dict[str, Any]) -> dict[str, Any] | None:
         value = args.get(key)
         if not isinstance(value, str) or not value.endswith((".pt", ".pth")):
             continue
-        path = _local_weights(value)
+        path = local_weights(value)
         record: dict[str, Any] = {"name": value, "path": None, "sha256": None, "bytes": None}
         if path is not None:
             record.update(path=str(path.absolute()), bytes=_size(path), sha256=_content_sha256(str(path)) or None)
@@ -93,32 +97,13 @@ def starting_weights(args: dict[str, Any]) -> dict[str, Any] | None:
     return out or None
 
 
-def _local_weights(value: str) -> Path | None:
-    from detrain.weights.hub import canonical_name, weights_dir
-
-    given = Path(value).expanduser()
-    if given.is_file():
-        return given
-    canonical = canonical_name(value)
-    if canonical is None:
-        return None
-    return next((p for p in (Path.cwd() / canonical, weights_dir() / canonical) if p.is_file()), None)
-
-
 def _content_sha256(path: str) -> str:
-    """A file's sha256, read as a regular file only ("" when it cannot be: gone, a FIFO, a device)."""
-    digest = hashlib.sha256()
+    """A file's sha256 (:func:`detrain.weights.hub.file_sha256`: a regular file only), "" when it cannot be read
+    (gone, a FIFO, a device)."""
     try:
-        with open_input(path, 1 << 40) as fh:
-            while chunk := fh.read(1 << 20):
-                digest.update(chunk)
-    except (OSError, UnreadableFile):
+        return file_sha256(path)
+    except (OSError, CheckpointError):
         return ""
-    return digest.hexdigest()
-
-
-def _line(rel: str, size: int) -> bytes:
-    return f"{rel}\0{size}\n".encode("utf-8", "surrogateescape")  # the paths fingerprint, as it always was
 
 
 def split_fingerprint(datasets: Iterable[Any], content: bool = False) -> dict[str, Any]:
