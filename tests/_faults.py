@@ -5,29 +5,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
-from _processes import REPO, child_env
+from _processes import child_env
+from _scripts import load_script
 
 INJECT = Path(__file__).resolve().parent / "_inject"
 
 
-def _load_chaos():
-    if "chaos" in sys.modules:
-        return sys.modules["chaos"]
-    spec = importlib.util.spec_from_file_location("chaos", REPO / "scripts" / "chaos.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["chaos"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-chaos = _load_chaos()
+chaos = load_script("chaos")
 workers_of = chaos.workers_of
 descendants = chaos.descendants
 send = chaos.send

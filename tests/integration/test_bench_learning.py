@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_learning.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_learning", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_learning"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-bl = _load()
+bl = load_script("bench_learning")
 
 
 def test_split_is_deterministic_disjoint_and_covers_the_set():

@@ -18,32 +18,18 @@ rendezvous; a cut cable: 20 s), so they start at once in threads and run beside 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import socket
-import sys
 import threading
 from pathlib import Path
 
 import pytest
+from _scripts import load_script
 
 pytestmark = pytest.mark.integration
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "chaos.py"
 
-
-def _load():
-    if "chaos" in sys.modules:
-        return sys.modules["chaos"]
-    spec = importlib.util.spec_from_file_location("chaos", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["chaos"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-chaos = _load()
+chaos = load_script("chaos")
 
 
 @pytest.fixture(scope="module")

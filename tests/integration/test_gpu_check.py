@@ -4,7 +4,6 @@ has the table and the comparison)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,22 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from _processes import child_env
+from _scripts import load_script
 from _ultralytics import offline_ultralytics
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 GPU_ONLY = ("fp16", "nccl-one-rank", "nccl-watchdog", "ultralytics-step", "compile")
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = load_script("gpu_check")
 
 
 def test_cpu_run_proves_the_cpu_paths_and_skips_the_gpu_ones(tmp_path: Path) -> None:

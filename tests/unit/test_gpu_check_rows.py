@@ -3,27 +3,14 @@ run to the machine's own run-to-run difference (fed synthetic checkpoints)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = load_script("gpu_check")
 
 
 def test_table_is_one_markdown_row_per_check_with_pipes_escaped() -> None:
