@@ -520,13 +520,20 @@ def _step_ms(
 
 
 def step_side_by_side(
-    device: torch.device, dtypes: dict[str, torch.dtype | None], imgsz: int, batch: int, iters: int
+    device: torch.device,
+    dtypes: dict[str, torch.dtype | None],
+    imgsz: int,
+    batch: int,
+    iters: int,
+    family: str = "yolov8",
 ) -> dict[str, Any]:
     """detrain's and Ultralytics' training steps (bench_train's: same batch, same family and scale) in each dtype:
-    median ms and whether the loss is finite. Raises Skip when Ultralytics is not importable."""
+    median ms and whether the loss is finite; the figures' names start with the family unless it is yolov8.
+    Raises Skip when Ultralytics is not importable."""
     bt = _bench_train()
-    args = bt.parse_args(["--imgsz", str(imgsz), "--batch", str(batch), "--device", str(device)])
+    args = bt.parse_args(["--imgsz", str(imgsz), "--batch", str(batch), "--device", str(device), "--family", family])
     data = bt.make_batch(batch, imgsz, args.nc, args.boxes, device, seed=0)
+    prefix = _prefix(family)
     figures: dict[str, Any] = {}
     for name, dtype in dtypes.items():
         steps = {"detrain": bt.detrain_step(args, data, device), "ultralytics": bt.ultralytics_step(args, data, device)}
@@ -534,22 +541,35 @@ def step_side_by_side(
             if step is None:
                 raise Skip("ultralytics is not importable (PYTHONPATH=/path/to/ulib to compare)")
             _, ms, loss = _step_ms(step, device, dtype, iters)
-            figures[f"{name}_{impl}_ms"] = ms
-            figures[f"{name}_{impl}_finite"] = bool(loss is not None and torch.isfinite(loss).all())
-        figures[f"{name}_ratio"] = figures[f"{name}_ultralytics_ms"] / figures[f"{name}_detrain_ms"]
+            figures[f"{prefix}{name}_{impl}_ms"] = ms
+            figures[f"{prefix}{name}_{impl}_finite"] = bool(loss is not None and torch.isfinite(loss).all())
+        figures[f"{prefix}{name}_ratio"] = figures[f"{prefix}{name}_ultralytics_ms"] / figures[f"{prefix}{name}_detrain_ms"]
     return figures
 
 
+FAMILIES = ("yolov8", "yolo11", "yolo26")
+
+
 def check_ultralytics_step(ctx: Context) -> tuple[str, dict[str, Any]]:
-    """One training step of detrain beside Ultralytics in bf16, fp16 and fp32 (640 px, batch 16)."""
+    """One training step of detrain beside Ultralytics in bf16, fp16 and fp32 (640 px, batch 16), for each family
+    (the n scale)."""
     if not ctx.cuda:
         raise Skip("no CUDA")
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
-    figures = step_side_by_side(torch.device("cuda", 0), dtypes, 640, 16, 5)
+    figures: dict[str, Any] = {}
+    for family in FAMILIES:
+        figures.update(step_side_by_side(torch.device("cuda", 0), dtypes, 640, 16, 10, family))
     bad = [k for k, v in figures.items() if k.endswith("_finite") and not v]
     assert not bad, f"a loss is not finite: {', '.join(bad)}"
-    speed = ", ".join(f"{n} {figures[f'{n}_ratio']:.2f}x" for n in dtypes)
+    speed = "; ".join(
+        f"{family} " + ", ".join(f"{n} {figures[f'{_prefix(family)}{n}_ratio']:.2f}x" for n in dtypes)
+        for family in FAMILIES
+    )
     return f"detrain's step vs Ultralytics' (their ms / ours): {speed}", figures
+
+
+def _prefix(family: str) -> str:
+    return "" if family == "yolov8" else f"{family}_"
 
 
 def compile_vs_eager(
@@ -598,18 +618,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="also write the rows to this file")
     p.add_argument("--work", type=Path, help="folder for the runs (default: a temporary one, removed after)")
     p.add_argument("--only", nargs="+", choices=[name for name, _ in CHECKS], help="run these checks only")
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        help="start no check after this many seconds (its row says so): a leased GPU's time is counted",
+    )
     p.add_argument("--_nccl-one-rank", dest="nccl_one_rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--_watchdog-rank", dest="watchdog_rank", nargs=2, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def run_all(ctx: Context, only: list[str] | None) -> list[Row]:
-    rows = []
+def run_all(
+    ctx: Context,
+    only: list[str] | None,
+    deadline_s: float | None = None,
+    report: Callable[[list[Row]], None] | None = None,
+) -> list[Row]:
+    """Each check (of ``only``) in turn; one that would start after ``deadline_s`` is a skipped row. ``report``
+    sees the rows after each one (the JSON written as the run goes, so a run cut off still leaves its rows)."""
+    rows: list[Row] = []
+    start = time.perf_counter()
     for name, check in CHECKS:
         if only and name not in only:
             continue
-        rows.append(run_check(name, check, ctx))
-        print(f"{rows[-1].check}: {rows[-1].status} ({rows[-1].seconds:.1f} s)", file=sys.stderr, flush=True)
+        elapsed = time.perf_counter() - start
+        if deadline_s is not None and elapsed > deadline_s:
+            rows.append(Row(name, "skipped", f"out of time: {elapsed:.0f} s gone of --deadline-s {deadline_s:g}"))
+        else:
+            rows.append(run_check(name, check, ctx))
+        row = rows[-1]
+        print(f"{row.check}: {row.status} ({row.seconds:.1f} s): {row.result}", file=sys.stderr, flush=True)
+        if report is not None:
+            report(rows)
     return rows
 
 
@@ -627,12 +667,18 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         ctx = Context(work=work, cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0)
         start = time.perf_counter()
-        rows = run_all(ctx, args.only)
+
+        def write(rows: list[Row]) -> None:
+            if args.json:
+                seconds = time.perf_counter() - start
+                report = {"cuda": cuda, "seconds": seconds, "rows": [asdict(r) for r in rows]}
+                args.json.write_text(json.dumps(report, indent=1))
+
+        rows = run_all(ctx, args.only, args.deadline_s, write)
     total = time.perf_counter() - start
     print(table(rows))
     print(f"\n{'CUDA' if cuda else 'CPU only (--cpu)'}: {total:.0f} s in all, {time.strftime('%Y-%m-%d %H:%M')}")
-    if args.json:
-        args.json.write_text(json.dumps({"cuda": cuda, "seconds": total, "rows": [asdict(r) for r in rows]}, indent=1))
+    write(rows)
     return 1 if any(r.status == "failed" for r in rows) else 0
 
 

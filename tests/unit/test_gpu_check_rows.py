@@ -4,6 +4,7 @@ run to the machine's own run-to-run difference (fed synthetic checkpoints)."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,24 @@ def test_a_check_becomes_a_row_ok_skipped_or_failed(tmp_path: Path) -> None:
     assert (gc.run_check("b", skips, ctx).status, gc.run_check("b", skips, ctx).result) == ("skipped", "needs 2 GPUs")
     failed = gc.run_check("c", fails, ctx)
     assert (failed.status, failed.result) == ("failed", "AssertionError: resumed weights differ")
+
+
+def test_checks_past_the_deadline_are_skipped_rows_and_each_row_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leased GPU's time is counted: a check that would start after --deadline-s is a row that says so, and the
+    rows so far are handed on after every check (the JSON of a run cut off still holds them)."""
+    ctx = gc.Context(work=tmp_path, cuda=False, gpus=0)
+    ran: list[str] = []
+
+    def slow(_):
+        ran.append("slow")
+        time.sleep(0.05)
+        return "done", {}
+
+    monkeypatch.setattr(gc, "CHECKS", [("slow", slow), ("late", lambda _: ran.append("late") or ("x", {}))])
+    seen: list[list[str]] = []
+    rows = gc.run_all(ctx, None, deadline_s=0.01, report=lambda rs: seen.append([r.status for r in rs]))
+    assert ran == ["slow"] and [r.status for r in rows] == ["ok", "skipped"]
+    assert rows[1].result.startswith("out of time") and seen == [["ok"], ["ok", "skipped"]]
+    assert [r.status for r in gc.run_all(ctx, ["late"], deadline_s=None)] == ["ok"]
