@@ -543,7 +543,8 @@ def step_side_by_side(
             _, ms, loss = _step_ms(step, device, dtype, iters)
             figures[f"{prefix}{name}_{impl}_ms"] = ms
             figures[f"{prefix}{name}_{impl}_finite"] = bool(loss is not None and torch.isfinite(loss).all())
-        figures[f"{prefix}{name}_ratio"] = figures[f"{prefix}{name}_ultralytics_ms"] / figures[f"{prefix}{name}_detrain_ms"]
+        theirs, ours = figures[f"{prefix}{name}_ultralytics_ms"], figures[f"{prefix}{name}_detrain_ms"]
+        figures[f"{prefix}{name}_ratio"] = theirs / ours
     return figures
 
 

@@ -29,10 +29,11 @@ def stat_fields(pid: int | str, proc: Path = PROC) -> list[str] | None:
     return rest.decode("ascii", "replace").split() if paren else None
 
 
-def status_value(pid: int | str, key: str, proc: Path = PROC) -> str | None:
-    """The first word after ``<key>:`` in ``/proc/<pid>/status`` (``"VmRSS"`` -> ``"1234"``, in kB)."""
+def status_value(pid: int | str, key: str, proc: Path = PROC, name: str = "status") -> str | None:
+    """The first word after ``<key>:`` in ``/proc/<pid>/status`` (``"VmRSS"`` -> ``"1234"``, in kB), or in another
+    file of the same ``Key: value`` form (``name="smaps_rollup"``: ``"Pss"``)."""
     try:
-        text = (proc / str(pid) / "status").read_text(errors="replace")
+        text = (proc / str(pid) / name).read_text(errors="replace")
     except OSError:
         return None
     for line in text.splitlines():

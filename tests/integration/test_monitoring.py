@@ -29,6 +29,7 @@ from detrain.distributed.world_layout import number_nodes
 from detrain.engine.telemetry import epoch_stats
 from detrain.engine.telemetry.proc_usage import ProcessUsage, child_pids, cpu_ticks, rss_bytes
 from detrain.engine.telemetry.step_clock import StepClock
+from detrain.system.procfs import status_value
 
 REPO = Path(__file__).resolve().parents[2]
 HELPER = Path(__file__).resolve().parents[1] / "_observe_workers.py"
@@ -291,12 +292,44 @@ def test_usage_counts_the_cpu_time_and_memory_of_live_children() -> None:
     assert after.rss_bytes - before.rss_bytes >= (64 << 20) * 0.9
 
 
+def _hold(ready, release) -> None:
+    ready.set()
+    release.wait(60)
+
+
+@_linux
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").is_file(), reason="no smaps_rollup (Linux < 4.14)")
+def test_pages_a_forked_worker_shares_with_its_parent_count_once() -> None:
+    """A loader worker forked from the training process maps its pages: their sum of RSS would count a 64 MB buffer
+    twice (nine times with eight workers on a GPU machine), their PSS once."""
+    n = 64 << 20
+    held = bytearray(b"\x01") * n  # written: resident, not zero pages
+    ctx = mp.get_context("fork")
+    ready, release = ctx.Event(), ctx.Event()
+    usage = ProcessUsage()
+    before = usage.sample().rss_bytes
+    child = ctx.Process(target=_hold, args=(ready, release))
+    child.start()
+    try:
+        assert ready.wait(60)
+        after = usage.sample().rss_bytes
+        child_rss = int(status_value(child.pid, "VmRSS")) * 1024
+    finally:
+        release.set()
+        child.join(60)
+    assert child_rss >= 0.9 * n  # the kernel shows the buffer resident in the child too
+    assert after - before < 0.25 * n, (before, after)  # yet the sum counts it once
+    assert held[-1] == 1
+
+
 def test_proc_files_that_lie_are_read_as_unknown(tmp_path: Path) -> None:
     proc = tmp_path / "proc"
     (proc / "7").mkdir(parents=True)
     (proc / "7" / "stat").write_text("7 (a) b) (c) S 1 2 3 4 5 6 7 8 9 10 11 12 13\n")  # ")" in the name
     (proc / "7" / "status").write_text("Name:\tx\nVmRSS:\t  2048 kB\n")
-    assert cpu_ticks("7", proc) == 11 + 12 and rss_bytes("7", proc) == 2048 * 1024
+    assert cpu_ticks("7", proc) == 11 + 12 and rss_bytes("7", proc) == 2048 * 1024  # no smaps_rollup: VmRSS
+    (proc / "7" / "smaps_rollup").write_text("00-ff ---p 0 00:00 0 [rollup]\nRss:\t2048 kB\nPss:\t512 kB\n")
+    assert rss_bytes("7", proc) == 512 * 1024
     (proc / "8").mkdir()
     (proc / "8" / "stat").write_text("8 (x) S 1 2\n")  # too short
     (proc / "8" / "status").write_text("VmRSS:\tlots kB\n")

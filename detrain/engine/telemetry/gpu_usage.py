@@ -22,11 +22,13 @@ class GpuUsage:
         self.device = device if device.type == "cuda" else None
         self.util_ok = self.device is not None
         self.utils: list[float] = []
-        self.last_poll = 0.0
+        self.last_poll = time.monotonic()
 
     def begin_epoch(self) -> None:
         self.utils = []
-        self.last_poll = 0.0
+        # the first sample a second in: NVML reports the last sampling period, which at the epoch's first step is
+        # the validation and loader start before it (0 % on an H200 in 1 s epochs, 2026-11-27)
+        self.last_poll = time.monotonic()
         if self.device is not None:
             torch.cuda.reset_peak_memory_stats(self.device)
 

@@ -33,7 +33,7 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") and "SC_CLK_TCK" i
 class UsageSample:
     """Since the previous sample: CPU time used (seconds, this process and its live children), that as a
     percentage of one core over the wall time (``top``'s convention: 200 = two cores busy), and the resident
-    memory now (bytes, summed over the same processes)."""
+    memory now (bytes, summed over the same processes, each shared page counted once: :func:`rss_bytes`)."""
 
     cpu_s: float
     cpu_pct: float
@@ -50,9 +50,19 @@ def cpu_ticks(pid: str, proc: Path = PROC) -> int | None:
 
 
 def rss_bytes(pid: str, proc: Path = PROC) -> int | None:
-    """Resident set size of process ``pid`` from its ``status`` (``VmRSS: N kB``), None when unreadable."""
-    kb = status_value(pid, "VmRSS", proc)
-    return int(kb) * 1024 if kb is not None and kb.isdigit() else None
+    """Resident memory of process ``pid``, with each page it shares counted in proportion (its PSS, from
+    ``smaps_rollup``), so that summing a process and its forked loader workers counts a shared page once; its
+    resident set size (``status``'s ``VmRSS``) where the kernel has no ``smaps_rollup`` (before Linux 4.14). None when
+    unreadable.
+
+    Why not RSS: a data-loader worker forked from a CUDA process maps the parent's pages, so eight workers' RSS
+    counted a 3.5 GB CUDA process nine times (29 GB on a 16-core GPU machine, 2026-11-27, ``scripts/gpu_check.py``).
+    """
+    for name, key in (("smaps_rollup", "Pss"), ("status", "VmRSS")):
+        kb = status_value(pid, key, proc, name)
+        if kb is not None:
+            return int(kb) * 1024 if kb.isdigit() else None
+    return None
 
 
 def child_pids(proc: Path = PROC) -> list[str]:
