@@ -451,6 +451,12 @@ class Output:
         low=0.0,
         high=WEEK_S / 60,
     )
+    save_replicas: int = key(
+        2,
+        "nodes that hold each last.pt and mid.pt (on a run of several nodes: node 0's, sent to the next nodes' own "
+        "disks, so losing node 0 loses no checkpoint; 1 = node 0 only)",
+        low=1,
+    )
     grace: float = key(
         25.0,
         "seconds a preempted run has: on SIGTERM or SIGUSR1 every rank saves weights/mid.pt at the same step and "

@@ -290,6 +290,36 @@ def agree(value: Any) -> Any:
     return broadcast_object(value, src=0)
 
 
+def send_bytes(data: bytes, dst: int) -> None:
+    """Send ``data`` to rank ``dst`` alone (point to point: only the two ranks take part; ``dst`` calls
+    :func:`recv_bytes`). Its length goes first. On NCCL the bytes travel through this rank's GPU."""
+    device = _p2p_device()
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    with _named(f"send_bytes(dst={dst})"):
+        tdist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst)
+        if data:
+            tdist.send(payload.to(device), dst)
+
+
+def recv_bytes(src: int) -> bytes:
+    """The bytes rank ``src`` sends with :func:`send_bytes` (point to point)."""
+    device = _p2p_device()
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    with _named(f"recv_bytes(src={src})"):
+        tdist.recv(size, src)
+        out = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        if out.numel():
+            tdist.recv(out, src)
+    return out.cpu().numpy().tobytes()
+
+
+def _p2p_device() -> torch.device:
+    """Where point-to-point tensors must live: this rank's GPU on NCCL, host memory on gloo."""
+    if tdist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def barrier(name: str, timeout_s: float | None = None) -> None:
     """Wait until every rank reaches the barrier called ``name``.
 

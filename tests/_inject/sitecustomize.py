@@ -4,8 +4,8 @@ Tests put this folder first on a child's PYTHONPATH (``tests/_faults.py``: ``fau
 this module at the start of that child and of every process it spawns (launcher, elastic workers, torchrun
 ranks). It does nothing unless ``TEST_FAULT`` holds a rule, a JSON object:
 
-* ``after``: ``"last.pt"`` or ``"mid.pt"``, the checkpoint whose atomic write is the point (only rank 0 writes
-  checkpoints, so the rule acts in rank 0's process);
+* ``after``: ``"last.pt"`` or ``"mid.pt"``, the checkpoint whose atomic write is the point (the rule acts in rank
+  0's process only, the one that writes checkpoints; other nodes' copies of them are not the point);
 * ``epoch``: the written checkpoint's ``epoch`` field (the last finished epoch, 0-based: a last.pt with epoch 0
   is written at the end of the first epoch, a mid.pt with epoch 0 within the second);
 * ``next_batch`` (mid.pt only): act at the first mid.pt of that epoch whose ``mid_epoch.next_batch`` is at least
@@ -29,7 +29,13 @@ from __future__ import annotations
 import json
 import os
 
-_RULE = json.loads(os.environ["TEST_FAULT"]) if os.environ.get("TEST_FAULT") else None
+# rank 0 alone: the other nodes' first processes write copies of its checkpoints (engine/train/replicas.py), which
+# are not the point a rule names
+_RULE = (
+    json.loads(os.environ["TEST_FAULT"])
+    if os.environ.get("TEST_FAULT") and os.environ.get("RANK", "0") == "0"
+    else None
+)
 _busy = False  # the hook's own file operations raise audit events too
 
 

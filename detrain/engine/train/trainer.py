@@ -43,6 +43,7 @@ from detrain.engine.train.mid_epoch import MidEpoch
 from detrain.engine.train.nonfinite import NonFinite, finite_items, gradient_norm
 from detrain.engine.train.precision import choose_precision, train_dtype
 from detrain.engine.train.preemption import Preemption
+from detrain.engine.train.replicas import Replicas
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
 from detrain.errors import Preempted
 from detrain.log import EpochProgress, ResultsCSV, console, save_yaml
@@ -117,6 +118,8 @@ class Trainer:
                 improved, stop = self._agree(trained)  # best fitness so far, early stop: rank 0's word on every rank
                 self._fit_to_time(epoch)  # time=: as many epochs as fit, the lr schedule refitted to them
                 self._save_and_log(epoch, trained, improved)  # results.csv, last.pt / best.pt, the epoch's line
+                if self.cfg.output.save:  # point to point: rank 0 and the nodes keeping a copy (replicas.py)
+                    self.replicas.copy(self.wdir / "last.pt", keep_previous=PREVIOUS, supersedes=self.mid.path.name)
                 dist.barrier("end of epoch")  # collective: every rank has finished the epoch
                 if self.preempt.agreed and not stop and epoch + 1 < self.cfg.train.epochs:
                     raise self._preempted(self.wdir / "last.pt", f"epoch {epoch + 2}")  # signalled at the last batch
@@ -156,6 +159,8 @@ class Trainer:
             datasets=(self.data, self.val_data),
             resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None,
         )
+        # last.pt and mid.pt also on the disks of the next save_replicas - 1 nodes (replicas.py)
+        self.replicas = Replicas(self.trace.world, cfg.output.save_replicas, self.rank)
         self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world)
         # non-finite losses or gradients: every rank skips the same updates (nonfinite.py)
         self.nonfinite = NonFinite(cfg.train.nonfinite_limit, self.trace.events if self.main else None)
@@ -563,6 +568,7 @@ class Trainer:
         self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)  # collective: per rank
         state = self.checkpoint_state(epoch - 1, {}, pending) if self.main else None
         self.mid.save(state, i, self.plan.step_images, mean_items, n_images)
+        self.replicas.copy(self.mid.path)  # point to point: rank 0 and the nodes keeping a copy (replicas.py)
 
     def _preempted(self, path: Path, where: str) -> Preempted:
         """The one line of a run stopped by a preemption signal once ``path`` holds ``where`` it stands (a
