@@ -192,6 +192,26 @@ def _span(covered: int, size: int, reversed_axis: bool) -> tuple[float, float]:
     return (-over, 1.0) if reversed_axis else (0.0, 1.0 + over)
 
 
+def reduced_jpeg_grid(
+    width: int, height: int, orientation: int, f: int
+) -> tuple[tuple[int, int], tuple[float, float, float, float]]:
+    """(h, w) and :func:`pixel_extent` of the pixels :func:`read_image` gives for a JPEG stored as ``width`` x
+    ``height`` with EXIF ``orientation`` at reduction ``f``, from the header alone (``augment_device=gpu``
+    decodes elsewhere and needs the same grid).
+
+    >>> reduced_jpeg_grid(301, 203, 1, 8)
+    ((26, 38), (0.0, 0.0, 1.0099667774086378, 1.0246305418719213))
+    """
+    if orientation >= 5:  # OpenCV swaps the axes
+        width, height = height, width
+    w, h = -(-width // f), -(-height // f)
+    if w * f == width and h * f == height:
+        return (h, w), FULL_EXTENT
+    rev_x, rev_y = _REVERSED_XY.get(orientation, (False, False))
+    (x0, x1), (y0, y1) = _span(w * f, width, rev_x), _span(h * f, height, rev_y)
+    return (h, w), (x0, y0, x1, y1)
+
+
 def jpeg_header(data: np.ndarray) -> tuple[int, int, int] | None:
     """(width, height, EXIF orientation 1-8) as stored in a JPEG's header, before any rotation; None when no frame
     header comes before the image data. A missing or unreadable orientation counts as 1 (as OpenCV reads it).

@@ -1,0 +1,246 @@
+"""``augment_device=gpu``: the pixels of training samples drawn on the training device, in torch.
+
+The loader's workers still do everything that needs no pixels (``train_sample.place_sample``: every random draw,
+the warps and the labels) and hand over the encoded JPEG bytes (or, for other formats and cached images, the
+decoded arrays) with each sample's :class:`~detrain.data.samples.train_sample.SampleLayout`. This module decodes
+the JPEGs with ``torchvision.io.decode_jpeg`` (nvJPEG on a GPU, one call for the batch; libjpeg-turbo on a CPU)
+and draws each layout as the numpy path does: each tile resampled bilinearly (``grid_sample``) through the same
+:class:`~detrain.data.samples.affine.WarpPlan` onto grey, the mixup blend, the cutmix patch, then HSV. The same
+code runs on CPU tensors, which is how the tests compare it with the numpy path.
+
+A JPEG the numpy path decodes at 1/f (libjpeg's DCT scaling) is decoded whole here and averaged over f x f blocks
+in its stored orientation (partial blocks at the stored end, as libjpeg's), then turned by its EXIF orientation:
+the same pixel grid, so the same warps and labels; the pixels differ by the two resamplings' rounding (about a
+level on average). torchvision is used rather than kornia or DALI: it is already a dependency, decodes a list of
+JPEGs on the GPU in one call, and ``grid_sample`` is all the warping needs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torchvision.io import ImageReadMode, decode_jpeg
+
+from detrain.data.memory.batch_memory import Batch
+from detrain.data.samples.affine import FILL, WarpPlan, is_perspective, transform_points, translation
+from detrain.data.samples.train_sample import LayerLayout, SampleLayout
+
+PixelKey = tuple[int, int]  # (image index, decode reduction)
+
+
+@dataclass
+class EncodedJpeg:
+    """A JPEG file's bytes (1-D uint8 tensor) and its EXIF orientation (1-8, ``image_io.jpeg_header``)."""
+
+    data: torch.Tensor
+    orientation: int
+
+
+def decode_all(jpegs: Mapping[int, EncodedJpeg], device: torch.device) -> dict[int, torch.Tensor]:
+    """Every JPEG decoded in one call on ``device``: (3, H, W) uint8 RGB in its stored orientation."""
+    if not jpegs:
+        return {}
+    keys = list(jpegs)
+    data = [jpegs[k].data for k in keys]
+    images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    return dict(zip(keys, images))
+
+
+def reduced(img: torch.Tensor, f: int) -> torch.Tensor:
+    """(3, H, W) float averaged over f x f blocks, the last block of a side partial (libjpeg's 1/f grid)."""
+    if f == 1:
+        return img
+    return F.avg_pool2d(img[None], f, f, ceil_mode=True)[0]
+
+
+def oriented(img: torch.Tensor, orientation: int) -> torch.Tensor:
+    """(C, H, W) turned as EXIF ``orientation`` says (as OpenCV shows the file)."""
+    if orientation >= 5:
+        img = img.transpose(-1, -2)
+    flips = {2: (-1,), 3: (-1, -2), 4: (-2,), 6: (-1,), 7: (-1, -2), 8: (-2,)}.get(orientation, ())
+    return img.flip(flips) if flips else img
+
+
+def source_pixels(
+    jpegs: Mapping[int, EncodedJpeg],
+    arrays: Mapping[PixelKey, torch.Tensor],
+    keys: Sequence[PixelKey],
+    device: torch.device,
+) -> dict[PixelKey, torch.Tensor]:
+    """The pixels of every (index, reduction) ``keys`` names as (3, H, W) float32 RGB on ``device``: from the JPEGs
+    (decoded once per image) or from ``arrays`` (HWC uint8 BGR, decoded by the workers)."""
+    decoded = decode_all({i: jpegs[i] for i in {i for i, _ in keys if i in jpegs}}, device)
+    out: dict[PixelKey, torch.Tensor] = {}
+    for key in keys:
+        if key in out:
+            continue
+        index, f = key
+        if key in arrays:
+            out[key] = arrays[key].to(device, non_blocking=True).permute(2, 0, 1).flip(0).float()
+        else:
+            out[key] = oriented(reduced(decoded[index].float(), f), jpegs[index].orientation)
+    return out
+
+
+def _destination(warp: WarpPlan, out_hw: tuple[int, int]) -> tuple[int, int, int, int] | None:
+    """The output pixels (x0, y0, x1, y1) the warp may write, as the numpy path bounds them."""
+    h, w = out_hw
+    if warp.dst is not None:
+        x0, y0, x1, y1 = warp.dst
+        x0, y0, x1, y1 = max(x0, 0), max(y0, 0), min(x1, w), min(y1, h)
+    else:
+        rx0, ry0, rx1, ry1 = warp.rect
+        m = warp.matrix
+        corners = np.array([[rx0, ry0], [rx1, ry0], [rx0, ry1], [rx1, ry1]], np.float64)
+        if is_perspective(m) and ((corners @ m[2, :2] + m[2, 2]) <= 1e-6).any():
+            x0, y0, x1, y1 = 0, 0, w, h  # beyond the horizon: no bound
+        else:
+            xy = transform_points(corners, m)
+            x0, y0 = max(math.floor(xy[:, 0].min()) - 1, 0), max(math.floor(xy[:, 1].min()) - 1, 0)
+            x1, y1 = min(math.ceil(xy[:, 0].max()) + 1, w), min(math.ceil(xy[:, 1].max()) + 1, h)
+    return (x0, y0, x1, y1) if x0 < x1 and y0 < y1 else None
+
+
+def draw_warp(canvas: torch.Tensor, src: torch.Tensor, warp: WarpPlan) -> None:
+    """Draw ``src`` (3, H, W) float into ``canvas`` (3, h, w) float in place as ``warp`` says: each output pixel
+    whose centre maps inside the source rectangle takes the bilinear sample there (align_corners=False, edges
+    replicated, as ``cv2.resize``), rounded to a whole level as the uint8 path stores it."""
+    box = _destination(warp, (canvas.shape[1], canvas.shape[2]))
+    if box is None:
+        return
+    x0, y0, x1, y1 = box
+    rx0, ry0, rx1, ry1 = warp.rect
+    crop = src[:, ry0:ry1, rx0:rx1]
+    # output pixel centres -> crop coordinates (continuous: the crop spans [0, cw] x [0, ch])
+    inverse = np.linalg.inv(warp.matrix)
+    inverse = translation(-rx0, -ry0) @ inverse
+    mat = torch.as_tensor(inverse, dtype=torch.float64, device=canvas.device)
+    ys = torch.arange(y0, y1, device=canvas.device, dtype=torch.float64) + 0.5
+    xs = torch.arange(x0, x1, device=canvas.device, dtype=torch.float64) + 0.5
+    gy, gx = torch.meshgrid(ys, xs, indexing="ij")
+    u = mat[0, 0] * gx + mat[0, 1] * gy + mat[0, 2]
+    v = mat[1, 0] * gx + mat[1, 1] * gy + mat[1, 2]
+    if is_perspective(warp.matrix):
+        d = mat[2, 0] * gx + mat[2, 1] * gy + mat[2, 2]
+        u, v = u / d, v / d
+    ch, cw = crop.shape[1:]
+    grid = torch.stack((2 * u / cw - 1, 2 * v / ch - 1), -1).float()[None]
+    sampled = F.grid_sample(crop[None], grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
+    region = canvas[:, y0:y1, x0:x1]
+    if warp.dst is None:  # a general warp leaves the pixels whose centre falls outside the source
+        inside = (u >= 0) & (u <= cw) & (v >= 0) & (v <= ch)
+        region.copy_(torch.where(inside[None], sampled.round(), region))
+    else:
+        region.copy_(sampled.round())
+
+
+def draw_layer(layout: LayerLayout, pixels: Mapping[PixelKey, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The layer's (3, h, w) float image: grey, then each tile drawn by its warp."""
+    w, h = layout.out_wh
+    canvas = torch.full((3, h, w), float(FILL), device=device)
+    for tile, warp in zip(layout.tiles, layout.warps):
+        if warp is not None:
+            draw_warp(canvas, pixels[(tile.index, tile.reduce)], warp)
+    return canvas
+
+
+def draw_sample(layout: SampleLayout, pixels: Mapping[PixelKey, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sample's (3, h, w) float RGB image before HSV: its layers blended, the cutmix patch pasted."""
+    images = [draw_layer(layer, pixels, device) for layer in layout.layers]
+    img = images[0]
+    if len(images) == 2:
+        img = (images[0] * layout.mix_ratio + images[1] * (1.0 - layout.mix_ratio)).round_()
+    if layout.patch is not None:
+        (x1, y1, x2, y2), patch = layout.patch
+        img[:, y1:y2, x1:x2] = draw_layer(patch, pixels, device)
+    return img
+
+
+def apply_hsv_torch(rgb: torch.Tensor, gains: Sequence[float]) -> torch.Tensor:
+    """``augment.apply_hsv`` in torch: (3, h, w) RGB levels (float, whole numbers) with hue shifted by ``gains[0]``
+    of the circle and saturation and value scaled by ``1 + gains[1:]``, through 8-bit full-range HSV as OpenCV's
+    conversion quantises it; RGB levels out."""
+    if not any(gains):
+        return rgb
+    r, g, b = rgb[0], rgb[1], rgb[2]
+    v = torch.maximum(torch.maximum(r, g), b)
+    diff = v - torch.minimum(torch.minimum(r, g), b)
+    s = torch.where(v > 0, (255 * diff / v.clamp(min=1)).round(), torch.zeros_like(v))
+    safe = diff.clamp(min=1e-6)
+    hue = torch.where(v == r, (g - b) / safe, torch.where(v == g, 2 + (b - r) / safe, 4 + (r - g) / safe))
+    hue = torch.where(diff > 0, hue, torch.zeros_like(hue))
+    h = (hue * (256 / 6)).round().remainder(256)
+    h = (h + gains[0] * 256).remainder(256).floor()
+    s = (s * (1 + gains[1])).clamp(0, 255).floor()
+    v = (v * (1 + gains[2])).clamp(0, 255).floor()
+    h6, sf, vf = h * (6 / 256), s / 255, v / 255
+    sector = h6.floor()
+    frac = h6 - sector
+    p, q, t = vf * (1 - sf), vf * (1 - sf * frac), vf * (1 - sf * (1 - frac))
+    sector = sector.long().remainder(6)
+    table = torch.stack(
+        (torch.stack((vf, q, p, p, t, vf)), torch.stack((t, vf, vf, q, p, p)), torch.stack((p, p, t, vf, vf, q)))
+    )  # (3 channels, 6 sectors, h, w)
+    out = table.gather(1, sector[None, None].expand(3, 1, *sector.shape))[:, 0]
+    return (out * 255).round()
+
+
+def render_batch(
+    layouts: Sequence[SampleLayout],
+    jpegs: Mapping[int, EncodedJpeg],
+    arrays: Mapping[PixelKey, torch.Tensor],
+    device: torch.device,
+) -> torch.Tensor:
+    """The batch's images (B, 3, h, w) uint8 RGB, channels-last, on ``device``: as the numpy path's batch."""
+    keys = [
+        (t.index, t.reduce)
+        for lay in layouts
+        for layer in [*lay.layers, *([lay.patch[1]] if lay.patch is not None else [])]
+        for t in layer.tiles
+    ]
+    pixels = source_pixels(jpegs, arrays, keys, device)
+    w, h = layouts[0].layers[0].out_wh
+    out = torch.empty((len(layouts), 3, h, w), dtype=torch.uint8, device=device).contiguous(
+        memory_format=torch.channels_last
+    )
+    for i, layout in enumerate(layouts):
+        img = apply_hsv_torch(draw_sample(layout, pixels, device), [float(g) for g in layout.hsv])
+        out[i] = img.clamp_(0, 255).to(torch.uint8)
+    return out
+
+
+@dataclass
+class DeviceBatch:
+    """A training batch whose pixels are still to be drawn (``augment_device=gpu``): what a loader worker hands
+    over instead of images. ``render(device)`` gives the batch the trainer reads (``img`` on ``device``)."""
+
+    layouts: list[SampleLayout]
+    jpegs: dict[int, EncodedJpeg]
+    arrays: dict[PixelKey, torch.Tensor]
+    cls: torch.Tensor
+    bboxes: torch.Tensor
+    batch_idx: torch.Tensor
+    im_file: list[str]
+    ori_shape: list[tuple[int, int]]
+    ratio_pad: list[tuple[tuple[float, float], tuple[float, float]]]
+
+    def __len__(self) -> int:
+        return len(self.layouts)
+
+    def render(self, device: torch.device | str) -> Batch:
+        """The collated batch (as ``DetectionDataset.collate`` makes it) with its images drawn on ``device``."""
+        img = render_batch(self.layouts, self.jpegs, self.arrays, torch.device(device))
+        return Batch(
+            img=img,
+            batch_idx=self.batch_idx,
+            cls=self.cls,
+            bboxes=self.bboxes,
+            im_file=self.im_file,
+            ori_shape=self.ori_shape,
+            ratio_pad=self.ratio_pad,
+        )
