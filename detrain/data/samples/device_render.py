@@ -107,9 +107,8 @@ def _destination(warp: WarpPlan, out_hw: tuple[int, int]) -> tuple[int, int, int
 
 
 def draw_warp(canvas: torch.Tensor, src: torch.Tensor, warp: WarpPlan) -> None:
-    """Draw ``src`` (3, H, W) float into ``canvas`` (3, h, w) float in place as ``warp`` says: each output pixel
-    whose centre maps inside the source rectangle takes the bilinear sample there (align_corners=False, edges
-    replicated, as ``cv2.resize``), rounded to a whole level as the uint8 path stores it."""
+    """Draw ``src`` (3, H, W) float into ``canvas`` (3, h, w) float in place as ``warp`` says (the numpy path's
+    ``affine.apply_warp``): bilinear samples (align_corners=False) rounded to whole levels as uint8 stores them."""
     box = _destination(warp, (canvas.shape[1], canvas.shape[2]))
     if box is None:
         return
@@ -130,13 +129,18 @@ def draw_warp(canvas: torch.Tensor, src: torch.Tensor, warp: WarpPlan) -> None:
         u, v = u / d, v / d
     ch, cw = crop.shape[1:]
     grid = torch.stack((2 * u / cw - 1, 2 * v / ch - 1), -1).float()[None]
-    sampled = F.grid_sample(crop[None], grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
     region = canvas[:, y0:y1, x0:x1]
-    if warp.dst is None:  # a general warp leaves the pixels whose centre falls outside the source
-        inside = (u >= 0) & (u <= cw) & (v >= 0) & (v <= ch)
-        region.copy_(torch.where(inside[None], sampled.round(), region))
-    else:
+    if warp.dst is not None:  # the fast path: cv2.resize of the crop, its edges replicated
+        sampled = F.grid_sample(crop[None], grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
         region.copy_(sampled.round())
+        return
+    # A general warp, as OpenCV's with a transparent border: a pixel whose centre maps within half a pixel of the
+    # source is written; its neighbours outside the source count with the value the canvas has there.
+    ones = torch.ones_like(crop[:1])
+    sampled = F.grid_sample(torch.cat((crop, ones))[None], grid, mode="bilinear", align_corners=False)[0]
+    blended = sampled[:3] + (1 - sampled[3:]) * region
+    inside = (u >= -0.5) & (u < cw + 0.5) & (v >= -0.5) & (v < ch + 0.5)
+    region.copy_(torch.where(inside[None], blended.round(), region))
 
 
 def draw_layer(layout: LayerLayout, pixels: Mapping[PixelKey, torch.Tensor], device: torch.device) -> torch.Tensor:
