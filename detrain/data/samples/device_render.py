@@ -18,6 +18,7 @@ JPEGs on the GPU in one call, and ``grid_sample`` is all the warping needs.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,7 +48,9 @@ def decode_all(jpegs: Mapping[int, EncodedJpeg], device: torch.device) -> dict[i
         return {}
     keys = list(jpegs)
     data = [jpegs[k].data for k in keys]
-    images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    with warnings.catch_warnings():  # torchvision 0.29 announces its decoders will move to TorchCodec one day
+        warnings.simplefilter("ignore", DeprecationWarning)
+        images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
     return dict(zip(keys, images))
 
 
@@ -182,7 +185,7 @@ def apply_hsv_torch(rgb: torch.Tensor, gains: Sequence[float]) -> torch.Tensor:
     h = (h + gains[0] * 256).remainder(256).floor()
     s = (s * (1 + gains[1])).clamp(0, 255).floor()
     v = (v * (1 + gains[2])).clamp(0, 255).floor()
-    h6, sf, vf = h * (6 / 256), s / 255, v / 255
+    h6, sf, vf = h * (6 / 255), s / 255, v / 255  # OpenCV's 8-bit conversion back reads full-range hue as /255
     sector = h6.floor()
     frac = h6 - sector
     p, q, t = vf * (1 - sf), vf * (1 - sf * frac), vf * (1 - sf * (1 - frac))
