@@ -38,9 +38,7 @@ def _with_orientation(jpeg: bytes, orientation: int) -> bytes:
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
-def test_a_reduced_jpeg_has_opencvs_grid_and_pixels_in_every_orientation(
-    tmp_path: Path, orientation: int
-) -> None:
+def test_a_reduced_jpeg_has_opencvs_grid_and_pixels_in_every_orientation(tmp_path: Path, orientation: int) -> None:
     ok, enc = cv2.imencode(".jpg", _smooth(45, 70), [cv2.IMWRITE_JPEG_QUALITY, 95])
     assert ok
     data = _with_orientation(enc.tobytes(), orientation)
