@@ -74,6 +74,12 @@ class Pick(NamedTuple):
     lane: int = -1
 
 
+def _augment_device(value: str) -> str:
+    if value not in AUGMENT_DEVICES:
+        raise ConfigError(f"augment_device={value!r} is not valid: use cpu or gpu")
+    return value
+
+
 def cache_mode(cache: str | bool | None) -> str | None:
     """``cache`` argument -> 'ram', 'disk' or None. ``cache_mode(True)`` -> 'ram'."""
     if cache in (None, False, "", "none", "None", "false", "False"):
@@ -177,16 +183,13 @@ class DetectionDataset(Dataset):
         max_pixels: int = MAX_PIXELS,
         augment_device: str = "cpu",
     ):
-        if augment_device not in AUGMENT_DEVICES:
-            raise ConfigError(f"augment_device={augment_device!r} is not valid: use cpu or gpu")
         if not records:
             raise DatasetError("the dataset has no images")
         self.imgsz, self.augment, self.rect = int(imgsz), bool(augment), bool(rect)
         self.batch_size, self.stride, self.pad = int(batch_size), int(stride), float(pad)
         self.seed = int(seed) % 2**32
         self.hyp = Augment() if hyp is None else hyp
-        self.close_mosaic_epoch = close_mosaic_epoch
-        self.augment_device = augment_device
+        self.close_mosaic_epoch, self.augment_device = close_mosaic_epoch, _augment_device(augment_device)
         records = list(records)
         self.batch_shapes: np.ndarray | None = None  # (nb, 2) h, w per rect batch
         self.batch_index: np.ndarray | None = None  # rect batch of each (sorted) image
