@@ -66,9 +66,11 @@ def test_hsv_follows_opencvs_8_bit_hsv() -> None:
     rgb = torch.from_numpy(img[..., ::-1].copy()).permute(2, 0, 1).float()
     for gains in ([0.015, 0.7, 0.4], [-0.015, -0.7, -0.4], [0.0, 0.5, -0.2], [0.01, 0.0, 0.0]):
         want = torch.from_numpy(apply_hsv(img, np.array(gains), to_rgb=True)).permute(2, 0, 1).float()
-        diff = (dr.apply_hsv_torch(rgb, gains) - want).abs()
+        diff = (dr.apply_hsv_torch(rgb[None], torch.tensor([gains]))[0] - want).abs()
         assert diff.mean() < 0.2 and diff.max() <= 8, (gains, diff.mean(), diff.max())  # hue rounding, now and then
-    assert torch.equal(dr.apply_hsv_torch(rgb, [0.0, 0.0, 0.0]), rgb)
+    assert torch.equal(dr.apply_hsv_torch(rgb[None], torch.zeros(1, 3))[0], rgb)
+    two = dr.apply_hsv_torch(torch.stack((rgb, rgb)), torch.tensor([[0.0, 0.0, 0.0], [0.01, 0.2, 0.3]]))
+    assert torch.equal(two[0], rgb) and not torch.equal(two[1], rgb)  # each image its own gains
 
 
 def _rotation(deg: float, s: float) -> np.ndarray:

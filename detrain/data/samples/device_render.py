@@ -118,20 +118,19 @@ def draw_warp(canvas: torch.Tensor, src: torch.Tensor, warp: WarpPlan) -> None:
     x0, y0, x1, y1 = box
     rx0, ry0, rx1, ry1 = warp.rect
     crop = src[:, ry0:ry1, rx0:rx1]
-    # output pixel centres -> crop coordinates (continuous: the crop spans [0, cw] x [0, ch])
-    inverse = np.linalg.inv(warp.matrix)
-    inverse = translation(-rx0, -ry0) @ inverse
-    mat = torch.as_tensor(inverse, dtype=torch.float64, device=canvas.device)
-    ys = torch.arange(y0, y1, device=canvas.device, dtype=torch.float64) + 0.5
-    xs = torch.arange(x0, x1, device=canvas.device, dtype=torch.float64) + 0.5
-    gy, gx = torch.meshgrid(ys, xs, indexing="ij")
-    u = mat[0, 0] * gx + mat[0, 1] * gy + mat[0, 2]
-    v = mat[1, 0] * gx + mat[1, 1] * gy + mat[1, 2]
+    # output pixel centres -> crop coordinates (continuous: the crop spans [0, cw] x [0, ch]); the matrix's entries
+    # go in as numbers, so nothing is copied to the device per tile
+    a = (translation(-rx0, -ry0) @ np.linalg.inv(warp.matrix)).tolist()
+    gy = torch.arange(y0, y1, device=canvas.device, dtype=torch.float32)[:, None] + 0.5
+    gx = torch.arange(x0, x1, device=canvas.device, dtype=torch.float32)[None, :] + 0.5
+    u = a[0][0] * gx + a[0][1] * gy + a[0][2]
+    v = a[1][0] * gx + a[1][1] * gy + a[1][2]
     if is_perspective(warp.matrix):
-        d = mat[2, 0] * gx + mat[2, 1] * gy + mat[2, 2]
+        d = a[2][0] * gx + a[2][1] * gy + a[2][2]
         u, v = u / d, v / d
     ch, cw = crop.shape[1:]
-    grid = torch.stack((2 * u / cw - 1, 2 * v / ch - 1), -1).float()[None]
+    u, v = u.expand(y1 - y0, x1 - x0), v.expand(y1 - y0, x1 - x0)
+    grid = torch.stack((2 * u / cw - 1, 2 * v / ch - 1), -1)[None]
     region = canvas[:, y0:y1, x0:x1]
     if warp.dst is not None:  # the fast path: cv2.resize of the crop, its edges replicated
         sampled = F.grid_sample(crop[None], grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
@@ -168,33 +167,29 @@ def draw_sample(layout: SampleLayout, pixels: Mapping[PixelKey, torch.Tensor], d
     return img
 
 
-def apply_hsv_torch(rgb: torch.Tensor, gains: Sequence[float]) -> torch.Tensor:
-    """``augment.apply_hsv`` in torch: (3, h, w) RGB levels (float, whole numbers) with hue shifted by ``gains[0]``
-    of the circle and saturation and value scaled by ``1 + gains[1:]``, through 8-bit full-range HSV as OpenCV's
-    conversion quantises it; RGB levels out."""
-    if not any(gains):
-        return rgb
-    r, g, b = rgb[0], rgb[1], rgb[2]
-    v = torch.maximum(torch.maximum(r, g), b)
-    diff = v - torch.minimum(torch.minimum(r, g), b)
+def apply_hsv_torch(rgb: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
+    """``augment.apply_hsv`` in torch for a batch: (B, 3, h, w) RGB levels (float, whole numbers), each image's hue
+    shifted by ``gains[i, 0]`` of the circle and saturation and value scaled by ``1 + gains[i, 1:]``, through 8-bit
+    full-range HSV as OpenCV's conversions quantise it; RGB levels out. An image whose gains are all zero is left
+    as it is (the numpy path skips its conversion too)."""
+    g = gains.to(rgb.device, torch.float32)[:, :, None, None]  # (B, 3, 1, 1)
+    r, gr, b = rgb[:, 0:1], rgb[:, 1:2], rgb[:, 2:3]
+    v = torch.maximum(torch.maximum(r, gr), b)
+    diff = v - torch.minimum(torch.minimum(r, gr), b)
     s = torch.where(v > 0, (255 * diff / v.clamp(min=1)).round(), torch.zeros_like(v))
     safe = diff.clamp(min=1e-6)
-    hue = torch.where(v == r, (g - b) / safe, torch.where(v == g, 2 + (b - r) / safe, 4 + (r - g) / safe))
+    hue = torch.where(v == r, (gr - b) / safe, torch.where(v == gr, 2 + (b - r) / safe, 4 + (r - gr) / safe))
     hue = torch.where(diff > 0, hue, torch.zeros_like(hue))
     h = (hue * (256 / 6)).round().remainder(256)
-    h = (h + gains[0] * 256).remainder(256).floor()
-    s = (s * (1 + gains[1])).clamp(0, 255).floor()
-    v = (v * (1 + gains[2])).clamp(0, 255).floor()
+    h = (h + g[:, 0:1] * 256).remainder(256).floor()
+    s = (s * (1 + g[:, 1:2])).clamp(0, 255).floor()
+    v = (v * (1 + g[:, 2:3])).clamp(0, 255).floor()
     h6, sf, vf = h * (6 / 255), s / 255, v / 255  # OpenCV's 8-bit conversion back reads full-range hue as /255
-    sector = h6.floor()
-    frac = h6 - sector
-    p, q, t = vf * (1 - sf), vf * (1 - sf * frac), vf * (1 - sf * (1 - frac))
-    sector = sector.long().remainder(6)
-    table = torch.stack(
-        (torch.stack((vf, q, p, p, t, vf)), torch.stack((t, vf, vf, q, p, p)), torch.stack((p, p, t, vf, vf, q)))
-    )  # (3 channels, 6 sectors, h, w)
-    out = table.gather(1, sector[None, None].expand(3, 1, *sector.shape))[:, 0]
-    return (out * 255).round()
+    # each channel n (R 5, G 3, B 1) by the sector formula in closed form: v - v s clip(min(k, 4 - k), 0, 1)
+    k = (torch.tensor([5.0, 3.0, 1.0], device=rgb.device)[None, :, None, None] + h6).remainder(6)
+    out = ((vf - vf * sf * torch.minimum(k, 4 - k).clamp(0, 1)) * 255).round()
+    unchanged = (gains == 0).all(1).to(rgb.device)[:, None, None, None]
+    return torch.where(unchanged, rgb, out)
 
 
 def render_batch(
@@ -211,14 +206,10 @@ def render_batch(
         for t in layer.tiles
     ]
     pixels = source_pixels(jpegs, arrays, keys, device)
-    w, h = layouts[0].layers[0].out_wh
-    out = torch.empty((len(layouts), 3, h, w), dtype=torch.uint8, device=device).contiguous(
-        memory_format=torch.channels_last
-    )
-    for i, layout in enumerate(layouts):
-        img = apply_hsv_torch(draw_sample(layout, pixels, device), [float(g) for g in layout.hsv])
-        out[i] = img.clamp_(0, 255).to(torch.uint8)
-    return out
+    images = torch.stack([draw_sample(layout, pixels, device) for layout in layouts])
+    gains = torch.as_tensor(np.stack([layout.hsv for layout in layouts]), dtype=torch.float32)
+    out = apply_hsv_torch(images, gains).clamp_(0, 255).to(torch.uint8)
+    return out.contiguous(memory_format=torch.channels_last)
 
 
 @dataclass
