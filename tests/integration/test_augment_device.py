@@ -60,16 +60,25 @@ def shapes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate_shapes(tmp_path_factory.mktemp("gpuaug") / "shapes", n_train=16, n_val=2, imgsz=96, seed=0)
 
 
-def _both(records: list[LabelRecord], hyp: Augment, imgsz: int, epoch: int) -> tuple[Any, Any]:
-    """The numpy loader's batch of every image and the gpu mode's, drawn on the CPU."""
-    cpu = DetectionDataset(records, imgsz=imgsz, augment=True, hyp=hyp, seed=3)
-    gpu = DetectionDataset(records, imgsz=imgsz, augment=True, hyp=hyp, seed=3, augment_device="gpu")
+def _both(
+    records: list[LabelRecord], hyp: Augment, imgsz: int, epoch: int, device: str = "cpu", **kwargs: Any
+) -> tuple[Any, Any]:
+    """The numpy loader's batch of every image (rect: of a batch that is not square) and the gpu mode's, drawn on
+    ``device``."""
+    cpu = DetectionDataset(records, imgsz=imgsz, augment=True, hyp=hyp, seed=3, **kwargs)
+    gpu = DetectionDataset(records, imgsz=imgsz, augment=True, hyp=hyp, seed=3, augment_device="gpu", **kwargs)
     keys = list(range(len(records)))
+    if cpu.batch_shapes is not None:  # rect: the first batch that is not square
+        wide = next(b for b, (h, w) in enumerate(cpu.batch_shapes) if h != w)
+        keys = [i for i in keys if cpu.batch_index[i] == wide]  # type: ignore[index]
     cpu.set_epoch(epoch)
     gpu.set_epoch(epoch)
     device_batch = gpu.collate(gpu.__getitems__(keys))
     assert isinstance(device_batch, DeviceBatch)
-    return cpu.collate(cpu.__getitems__(keys)), device_batch.render("cpu")
+    batch = device_batch.render(device)
+    assert batch["img"].device.type == device
+    batch["img"] = batch["img"].cpu()
+    return cpu.collate(cpu.__getitems__(keys)), batch
 
 
 def _assert_close(want: Any, got: Any) -> None:
@@ -93,6 +102,21 @@ def test_worker_decoded_batches_match_the_numpy_loader(shapes: Path, hyp: str) -
     records = _records(shapes, "images/train/*")
     for imgsz, epoch in ((64, 0), (96, 1)):
         _assert_close(*_both(records, HYPS[hyp], imgsz, epoch))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_jpeg_batches_match_the_numpy_loader(coco8: list[LabelRecord]) -> None:
+    """nvJPEG decodes here: its pixels differ a little more from libjpeg's than the CPU decoder's."""
+    for hyp in HYPS.values():
+        for imgsz, epoch in ((64, 0), (640, 1)):
+            _assert_close(*_both(coco8, hyp, imgsz, epoch, device="cuda"))
+
+
+def test_rect_batches_match_the_numpy_loader(shapes: Path) -> None:
+    records = _records(shapes, "images/train/*")
+    want, got = _both(records, Augment(), 96, 0, rect=True, batch_size=2)
+    assert want["img"].shape[2] != want["img"].shape[3]  # a rectangular batch
+    _assert_close(want, got)
 
 
 def _rendered(loader: Any) -> list[Any]:
