@@ -109,28 +109,57 @@ def _destination(warp: WarpPlan, out_hw: tuple[int, int]) -> tuple[int, int, int
     return (x0, y0, x1, y1) if x0 < x1 and y0 < y1 else None
 
 
-def draw_warp(canvas: torch.Tensor, src: torch.Tensor, warp: WarpPlan) -> None:
+def _crop_map(warp: WarpPlan) -> list[list[float]]:
+    """Output pixels -> pixels of the warp's source crop (continuous coordinates), as a 3x3 list."""
+    rx0, ry0 = warp.rect[:2]
+    return (translation(-rx0, -ry0) @ np.linalg.inv(warp.matrix)).tolist()
+
+
+def affine_theta(warp: WarpPlan, box: tuple[int, int, int, int]) -> np.ndarray:
+    """``F.affine_grid``'s (2, 3) matrix for an affine warp drawn into ``box`` of the output: normalised box
+    coordinates (align_corners=False) -> normalised coordinates of the source crop."""
+    a = _crop_map(warp)
+    x0, y0, x1, y1 = box
+    wr, hr = x1 - x0, y1 - y0
+    cw, ch = warp.rect[2] - warp.rect[0], warp.rect[3] - warp.rect[1]
+    cx, cy = x0 + wr / 2, y0 + hr / 2  # the box's centre: normalised 0
+    return np.array(
+        [
+            [a[0][0] * wr / cw, a[0][1] * hr / cw, 2 / cw * (a[0][0] * cx + a[0][1] * cy + a[0][2]) - 1],
+            [a[1][0] * wr / ch, a[1][1] * hr / ch, 2 / ch * (a[1][0] * cx + a[1][1] * cy + a[1][2]) - 1],
+        ]
+    )
+
+
+def _perspective_grid(warp: WarpPlan, box: tuple[int, int, int, int], device: torch.device) -> torch.Tensor:
+    """The sampling grid (1, h, w, 2) of a perspective warp drawn into ``box`` (normalised crop coordinates)."""
+    a = _crop_map(warp)
+    x0, y0, x1, y1 = box
+    gy = torch.arange(y0, y1, device=device, dtype=torch.float32)[:, None] + 0.5
+    gx = torch.arange(x0, x1, device=device, dtype=torch.float32)[None, :] + 0.5
+    d = a[2][0] * gx + a[2][1] * gy + a[2][2]
+    u = (a[0][0] * gx + a[0][1] * gy + a[0][2]) / d
+    v = (a[1][0] * gx + a[1][1] * gy + a[1][2]) / d
+    cw, ch = warp.rect[2] - warp.rect[0], warp.rect[3] - warp.rect[1]
+    return torch.stack((2 * u / cw - 1, 2 * v / ch - 1), -1)[None]
+
+
+def draw_warp(canvas: torch.Tensor, src: torch.Tensor, warp: WarpPlan, theta: torch.Tensor | None = None) -> None:
     """Draw ``src`` (3, H, W) float into ``canvas`` (3, h, w) float in place as ``warp`` says (the numpy path's
-    ``affine.apply_warp``): bilinear samples (align_corners=False) rounded to whole levels as uint8 stores them."""
+    ``affine.apply_warp``): bilinear samples (align_corners=False) rounded to whole levels as uint8 stores them.
+    ``theta``: the warp's :func:`affine_theta` already on the device (``render_batch`` copies a batch's at once)."""
     box = _destination(warp, (canvas.shape[1], canvas.shape[2]))
     if box is None:
         return
     x0, y0, x1, y1 = box
     rx0, ry0, rx1, ry1 = warp.rect
     crop = src[:, ry0:ry1, rx0:rx1]
-    # output pixel centres -> crop coordinates (continuous: the crop spans [0, cw] x [0, ch]); the matrix's entries
-    # go in as numbers, so nothing is copied to the device per tile
-    a = (translation(-rx0, -ry0) @ np.linalg.inv(warp.matrix)).tolist()
-    gy = torch.arange(y0, y1, device=canvas.device, dtype=torch.float32)[:, None] + 0.5
-    gx = torch.arange(x0, x1, device=canvas.device, dtype=torch.float32)[None, :] + 0.5
-    u = a[0][0] * gx + a[0][1] * gy + a[0][2]
-    v = a[1][0] * gx + a[1][1] * gy + a[1][2]
     if is_perspective(warp.matrix):
-        d = a[2][0] * gx + a[2][1] * gy + a[2][2]
-        u, v = u / d, v / d
-    ch, cw = crop.shape[1:]
-    u, v = u.expand(y1 - y0, x1 - x0), v.expand(y1 - y0, x1 - x0)
-    grid = torch.stack((2 * u / cw - 1, 2 * v / ch - 1), -1)[None]
+        grid = _perspective_grid(warp, box, canvas.device)
+    else:
+        if theta is None:
+            theta = torch.as_tensor(affine_theta(warp, box), dtype=torch.float32).to(canvas.device)
+        grid = F.affine_grid(theta[None], [1, 3, y1 - y0, x1 - x0], align_corners=False)
     region = canvas[:, y0:y1, x0:x1]
     if warp.dst is not None:  # the fast path: cv2.resize of the crop, its edges replicated
         sampled = F.grid_sample(crop[None], grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
@@ -141,29 +170,61 @@ def draw_warp(canvas: torch.Tensor, src: torch.Tensor, warp: WarpPlan) -> None:
     ones = torch.ones_like(crop[:1])
     sampled = F.grid_sample(torch.cat((crop, ones))[None], grid, mode="bilinear", align_corners=False)[0]
     blended = sampled[:3] + (1 - sampled[3:]) * region
-    inside = (u >= -0.5) & (u < cw + 0.5) & (v >= -0.5) & (v < ch + 0.5)
+    cw, ch = rx1 - rx0, ry1 - ry0
+    gx, gy = grid[0, ..., 0], grid[0, ..., 1]
+    inside = (gx >= -1 - 1 / cw) & (gx < 1 + 1 / cw) & (gy >= -1 - 1 / ch) & (gy < 1 + 1 / ch)
     region.copy_(torch.where(inside[None], blended.round(), region))
 
 
-def draw_layer(layout: LayerLayout, pixels: Mapping[PixelKey, torch.Tensor], device: torch.device) -> torch.Tensor:
+Thetas = Mapping[int, torch.Tensor]  # id of a WarpPlan -> its affine_theta on the device
+
+
+def batch_thetas(layouts: Sequence[SampleLayout], device: torch.device) -> dict[int, torch.Tensor]:
+    """The :func:`affine_theta` of every affine warp of the batch, copied to ``device`` at once (one copy, not
+    one per tile)."""
+    placed = [
+        (warp, _destination(warp, (layer.out_wh[1], layer.out_wh[0])))
+        for lay in layouts
+        for layer in _layers(lay)
+        for warp in layer.warps
+        if warp is not None and not is_perspective(warp.matrix)
+    ]
+    kept = [(warp, box) for warp, box in placed if box is not None]
+    if not kept:
+        return {}
+    thetas = torch.as_tensor(np.stack([affine_theta(w, b) for w, b in kept]), dtype=torch.float32).to(device)
+    return {id(w): thetas[k] for k, (w, _) in enumerate(kept)}
+
+
+def _layers(layout: SampleLayout) -> list[LayerLayout]:
+    """The layers a sample draws: the blended ones and the cutmix patch's."""
+    return [*layout.layers, *([layout.patch[1]] if layout.patch is not None else [])]
+
+
+def draw_layer(
+    layout: LayerLayout, pixels: Mapping[PixelKey, torch.Tensor], device: torch.device, thetas: Thetas | None = None
+) -> torch.Tensor:
     """The layer's (3, h, w) float image: grey, then each tile drawn by its warp."""
     w, h = layout.out_wh
     canvas = torch.full((3, h, w), float(FILL), device=device)
     for tile, warp in zip(layout.tiles, layout.warps):
         if warp is not None:
-            draw_warp(canvas, pixels[(tile.index, tile.reduce)], warp)
+            theta = thetas.get(id(warp)) if thetas is not None else None
+            draw_warp(canvas, pixels[(tile.index, tile.reduce)], warp, theta)
     return canvas
 
 
-def draw_sample(layout: SampleLayout, pixels: Mapping[PixelKey, torch.Tensor], device: torch.device) -> torch.Tensor:
+def draw_sample(
+    layout: SampleLayout, pixels: Mapping[PixelKey, torch.Tensor], device: torch.device, thetas: Thetas | None = None
+) -> torch.Tensor:
     """The sample's (3, h, w) float RGB image before HSV: its layers blended, the cutmix patch pasted."""
-    images = [draw_layer(layer, pixels, device) for layer in layout.layers]
+    images = [draw_layer(layer, pixels, device, thetas) for layer in layout.layers]
     img = images[0]
     if len(images) == 2:
         img = (images[0] * layout.mix_ratio + images[1] * (1.0 - layout.mix_ratio)).round_()
     if layout.patch is not None:
         (x1, y1, x2, y2), patch = layout.patch
-        img[:, y1:y2, x1:x2] = draw_layer(patch, pixels, device)
+        img[:, y1:y2, x1:x2] = draw_layer(patch, pixels, device, thetas)
     return img
 
 
@@ -199,14 +260,10 @@ def render_batch(
     device: torch.device,
 ) -> torch.Tensor:
     """The batch's images (B, 3, h, w) uint8 RGB, channels-last, on ``device``: as the numpy path's batch."""
-    keys = [
-        (t.index, t.reduce)
-        for lay in layouts
-        for layer in [*lay.layers, *([lay.patch[1]] if lay.patch is not None else [])]
-        for t in layer.tiles
-    ]
+    keys = [(t.index, t.reduce) for lay in layouts for layer in _layers(lay) for t in layer.tiles]
     pixels = source_pixels(jpegs, arrays, keys, device)
-    images = torch.stack([draw_sample(layout, pixels, device) for layout in layouts])
+    thetas = batch_thetas(layouts, device)
+    images = torch.stack([draw_sample(layout, pixels, device, thetas) for layout in layouts])
     gains = torch.as_tensor(np.stack([layout.hsv for layout in layouts]), dtype=torch.float32)
     out = apply_hsv_torch(images, gains).clamp_(0, 255).to(torch.uint8)
     return out.contiguous(memory_format=torch.channels_last)
