@@ -127,7 +127,7 @@ class _DeviceSource(NamedTuple):
     shape_hw: tuple[int, int]
     extent: tuple[float, float, float, float]
     jpeg: EncodedJpeg | None = None
-    array: torch.Tensor | None = None
+    array: np.ndarray | None = None
 
 
 class _Rendered(NamedTuple):
@@ -338,8 +338,7 @@ class DetectionDataset(Dataset):
         img = self._pixels(index, reduce)
         if img is None:
             return None
-        pixels = torch.from_numpy(np.ascontiguousarray(img))
-        return _DeviceSource((img.shape[0], img.shape[1]), pixel_extent(img), array=pixels)
+        return _DeviceSource((img.shape[0], img.shape[1]), pixel_extent(img), array=np.asarray(img))
 
     def _device_batch(self, plans: Sequence[SamplePlan], sources: Mapping[tuple[int, int], Any]) -> DeviceBatch:
         """The batch of ``plans`` for ``augment_device=gpu``: layouts and labels made here, pixels left to draw."""
@@ -353,19 +352,17 @@ class DetectionDataset(Dataset):
         arrays = {k: s.array for k, s in sources.items() if s is not None and s.array is not None}
         w, h = layouts[0].layers[0].out_wh
         counts = [len(lay.labels) for lay in layouts]
-        cls = np.concatenate([lay.labels.cls for lay in layouts]).astype(np.float32).reshape(-1, 1)
-        boxes = np.concatenate([lay.labels.to_xywhn(w, h) for lay in layouts]).reshape(-1, 4)
         ratio_pad = []
         for plan in plans:
             (h0, w0), (lh, lw) = self.shapes_hw[plan.index], self.load_sizes_hw[plan.index]
             ratio_pad.append(((lh / h0, lw / w0), (0.0, 0.0)))
-        return DeviceBatch(
+        return DeviceBatch.pack(
             layouts,
             jpegs,
             arrays,
-            cls=torch.from_numpy(cls),
-            bboxes=torch.from_numpy(boxes),
-            batch_idx=torch.repeat_interleave(torch.arange(len(plans), dtype=torch.float32), torch.tensor(counts)),
+            cls=np.concatenate([lay.labels.cls for lay in layouts]).astype(np.float32).reshape(-1, 1),
+            bboxes=np.concatenate([lay.labels.to_xywhn(w, h) for lay in layouts]).reshape(-1, 4),
+            batch_idx=np.repeat(np.arange(len(plans), dtype=np.float32), counts),
             im_file=[self.im_files[p.index] for p in plans],
             ori_shape=[self.shapes_hw[p.index] for p in plans],
             ratio_pad=ratio_pad,

@@ -21,6 +21,7 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -272,29 +273,66 @@ def render_batch(
 @dataclass
 class DeviceBatch:
     """A training batch whose pixels are still to be drawn (``augment_device=gpu``): what a loader worker hands
-    over instead of images. ``render(device)`` gives the batch the trainer reads (``img`` on ``device``)."""
+    over instead of images. ``render(device)`` gives the batch the trainer reads (``img`` on ``device``).
+
+    Every JPEG's bytes and every worker-decoded array lie end to end in one tensor (``data``), so a batch crosses
+    from a worker in one shared-memory segment (one file descriptor), not one per image; the labels travel as
+    numpy arrays, pickled with the rest."""
 
     layouts: list[SampleLayout]
-    jpegs: dict[int, EncodedJpeg]
-    arrays: dict[PixelKey, torch.Tensor]
-    cls: torch.Tensor
-    bboxes: torch.Tensor
-    batch_idx: torch.Tensor
+    data: torch.Tensor
+    jpeg_spans: dict[int, tuple[int, int, int]]  # image index -> (start, end, EXIF orientation) in data
+    array_spans: dict[PixelKey, tuple[int, int, int]]  # -> (start, h, w) in data of an (h, w, 3) BGR array
+    cls: np.ndarray
+    bboxes: np.ndarray
+    batch_idx: np.ndarray
     im_file: list[str]
     ori_shape: list[tuple[int, int]]
     ratio_pad: list[tuple[tuple[float, float], tuple[float, float]]]
 
+    @staticmethod
+    def pack(
+        layouts: list[SampleLayout],
+        jpegs: Mapping[int, EncodedJpeg],
+        arrays: Mapping[PixelKey, np.ndarray],
+        **rest: Any,
+    ) -> DeviceBatch:
+        """The batch of ``layouts`` drawing from ``jpegs`` and ``arrays`` (HWC uint8 BGR); ``rest``: the labels and
+        per-image lists of the other fields."""
+        parts: list[np.ndarray] = []
+        offset = 0
+        jpeg_spans: dict[int, tuple[int, int, int]] = {}
+        for index, jpeg in jpegs.items():
+            parts.append(jpeg.data.numpy())
+            jpeg_spans[index] = (offset, offset + jpeg.data.numel(), jpeg.orientation)
+            offset += jpeg.data.numel()
+        array_spans: dict[PixelKey, tuple[int, int, int]] = {}
+        for key, img in arrays.items():
+            parts.append(np.ascontiguousarray(img).reshape(-1))
+            array_spans[key] = (offset, img.shape[0], img.shape[1])
+            offset += img.size
+        data = torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.uint8))
+        return DeviceBatch(layouts, data, jpeg_spans, array_spans, **rest)
+
     def __len__(self) -> int:
         return len(self.layouts)
 
+    def jpegs(self) -> dict[int, EncodedJpeg]:
+        """The JPEGs to decode, by image index (views of ``data``)."""
+        return {i: EncodedJpeg(self.data[a:b], o) for i, (a, b, o) in self.jpeg_spans.items()}
+
+    def arrays(self) -> dict[PixelKey, torch.Tensor]:
+        """The worker-decoded images, (h, w, 3) uint8 BGR views of ``data``."""
+        return {k: self.data[a : a + h * w * 3].view(h, w, 3) for k, (a, h, w) in self.array_spans.items()}
+
     def render(self, device: torch.device | str) -> Batch:
         """The collated batch (as ``DetectionDataset.collate`` makes it) with its images drawn on ``device``."""
-        img = render_batch(self.layouts, self.jpegs, self.arrays, torch.device(device))
+        img = render_batch(self.layouts, self.jpegs(), self.arrays(), torch.device(device))
         return Batch(
             img=img,
-            batch_idx=self.batch_idx,
-            cls=self.cls,
-            bboxes=self.bboxes,
+            batch_idx=torch.from_numpy(self.batch_idx),
+            cls=torch.from_numpy(self.cls),
+            bboxes=torch.from_numpy(self.bboxes),
             im_file=self.im_file,
             ori_shape=self.ori_shape,
             ratio_pad=self.ratio_pad,
