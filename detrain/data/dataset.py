@@ -258,6 +258,11 @@ class DetectionDataset(Dataset):
     def __getitem__(self, key: int | Pick) -> dict[str, Any]:
         """The sample of ``key`` (an index, or a sampler's :class:`Pick`); ``img`` is a contiguous (3, H, W)."""
         sample = self.__getitems__([key])[0]
+        if isinstance(sample, DeviceBatch):  # augment_device=gpu: drawn here, on the CPU
+            batch = sample.render("cpu")
+            return {k: v[0] if isinstance(v, list) else v for k, v in batch.items() if k != "batch_idx"} | {
+                "img": batch["img"][0].contiguous()
+            }
         sample["img"] = sample["img"].contiguous()
         return sample
 

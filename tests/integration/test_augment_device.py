@@ -76,6 +76,9 @@ def _both(
     device_batch = gpu.collate(gpu.__getitems__(keys))
     assert isinstance(device_batch, DeviceBatch)
     batch = device_batch.render(device)
+    if device == "cpu":
+        one = gpu[keys[-1]]  # a single sample, drawn on the CPU
+        assert torch.equal(one["img"], batch["img"][-1]) and one["im_file"] == batch["im_file"][-1]
     assert batch["img"].device.type == device
     batch["img"] = batch["img"].cpu()
     return cpu.collate(cpu.__getitems__(keys)), batch
