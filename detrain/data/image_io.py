@@ -144,6 +144,15 @@ def read_image_why(path: str, reduce: int = 1, max_pixels: int = MAX_PIXELS) -> 
     problem = pixel_problem(data, max_pixels)
     if problem is not None:
         return None, problem
+    return _decoded(data, reduce)
+
+
+def read_image_bytes(data: np.ndarray, reduce: int = 1) -> np.ndarray | None:
+    """:func:`read_image` of a file's bytes already read (and checked against ``max_pixels``)."""
+    return _decoded(data, reduce)[0]
+
+
+def _decoded(data: np.ndarray, reduce: int) -> tuple[np.ndarray | None, str]:
     if reduce > 1 and not is_jpeg(data):
         reduce = 1
     try:

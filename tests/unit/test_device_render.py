@@ -53,7 +53,7 @@ def test_a_reduced_jpeg_has_opencvs_grid_and_pixels_in_every_orientation(tmp_pat
         assert want is not None
         shape, extent = reduced_jpeg_grid(width, height, orientation, f)
         assert shape == want.shape[:2] and np.allclose(extent, pixel_extent(want)), (f, shape, extent)
-        got = dr.source_pixels(jpegs, {}, [(0, f)], torch.device("cpu"))[(0, f)]
+        got = dr.source_pixels(jpegs, {}, {(0, f): shape}, torch.device("cpu"))[(0, f)]
         rgb = torch.from_numpy(want[..., ::-1].copy()).permute(2, 0, 1).float()
         diff = (got - rgb).abs()
         assert got.shape == rgb.shape and diff.mean() < 2.5 and diff.max() < 40, (f, diff.mean(), diff.max())
@@ -100,3 +100,19 @@ def test_a_warp_draws_what_warp_into_draws(name: str) -> None:
     diff = (got - want).abs()
     assert (want != 114).any(dim=0).float().mean() > 0.2  # the source covers a good part of the canvas
     assert diff.mean() < 0.5 and diff.max() <= 8, (diff.mean(), diff.max())
+
+
+def test_a_jpeg_torchvision_refuses_is_read_by_opencv_or_drawn_grey() -> None:
+    _, enc = cv2.imencode(".jpg", _smooth(40, 60))
+    good = enc.ravel()
+    garbled = good.copy()
+    garbled[len(good) // 2 : -2] = 0  # OpenCV still reads it (with its warnings), torchvision does not
+    truncated = good[: len(good) // 3].copy()  # neither reads it
+    jpegs = {i: dr.EncodedJpeg(torch.from_numpy(b.copy()), 1) for i, b in enumerate((good, garbled, truncated))}
+    shapes = {(0, 1): (40, 60), (1, 1): (40, 60), (2, 1): (40, 60)}
+    with pytest.warns(UserWarning, match="cannot be decoded: drawn grey"):
+        pixels = dr.source_pixels(jpegs, {}, shapes, torch.device("cpu"))
+    want = cv2.imdecode(garbled, cv2.IMREAD_COLOR)
+    assert torch.equal(pixels[(1, 1)], torch.from_numpy(want[..., ::-1].copy()).permute(2, 0, 1).float())
+    assert (pixels[(2, 1)] == 114).all() and pixels[(2, 1)].shape == (3, 40, 60)
+    assert (pixels[(0, 1)] - torch.from_numpy(_smooth(40, 60)[..., ::-1].copy()).permute(2, 0, 1)).abs().mean() < 3

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from detrain.data.image_io import read_image_bytes
 from detrain.data.memory.batch_memory import Batch
 from detrain.data.samples.affine import FILL, WarpPlan, is_perspective, transform_points, translation
 from detrain.data.samples.train_sample import LayerLayout, SampleLayout
@@ -43,16 +44,35 @@ class EncodedJpeg:
     orientation: int
 
 
-def decode_all(jpegs: Mapping[int, EncodedJpeg], device: torch.device) -> dict[int, torch.Tensor]:
-    """Every JPEG decoded in one call on ``device``: (3, H, W) uint8 RGB in its stored orientation."""
+def decode_all(jpegs: Mapping[int, EncodedJpeg], device: torch.device) -> dict[int, torch.Tensor | None]:
+    """Every JPEG decoded in one call on ``device``: (3, H, W) uint8 RGB in its stored orientation. When the call
+    fails, each is decoded alone, and one that cannot be is None (``source_pixels`` falls back to OpenCV)."""
     if not jpegs:
         return {}
     keys = list(jpegs)
-    data = [jpegs[k].data for k in keys]
     with warnings.catch_warnings():  # torchvision 0.29 announces its decoders will move to TorchCodec one day
         warnings.simplefilter("ignore", DeprecationWarning)
-        images = decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-    return dict(zip(keys, images))
+        try:
+            images = decode_jpeg([jpegs[k].data for k in keys], mode=ImageReadMode.RGB, device=device)
+            return dict(zip(keys, images))
+        except RuntimeError:
+            out: dict[int, torch.Tensor | None] = {}
+            for k in keys:
+                try:
+                    out[k] = decode_jpeg(jpegs[k].data, mode=ImageReadMode.RGB, device=device)
+                except RuntimeError:
+                    out[k] = None
+            return out
+
+
+def _host_decode(jpeg: EncodedJpeg, f: int, shape_hw: tuple[int, int], device: torch.device) -> torch.Tensor:
+    """A JPEG torchvision refused, as the numpy path reads it (OpenCV, EXIF applied, at 1/``f``), or grey where
+    OpenCV cannot read it either (the numpy path would have drawn another image: this one keeps its labels)."""
+    img = read_image_bytes(jpeg.data.numpy(), f)
+    if img is None or img.shape[:2] != shape_hw:
+        warnings.warn(f"a JPEG of this batch cannot be decoded: drawn grey ({shape_hw[1]}x{shape_hw[0]})", stacklevel=3)
+        return torch.full((3, *shape_hw), float(FILL), device=device)
+    return torch.from_numpy(np.ascontiguousarray(img[..., ::-1])).to(device).permute(2, 0, 1).float()
 
 
 def reduced(img: torch.Tensor, f: int) -> torch.Tensor:
@@ -73,21 +93,23 @@ def oriented(img: torch.Tensor, orientation: int) -> torch.Tensor:
 def source_pixels(
     jpegs: Mapping[int, EncodedJpeg],
     arrays: Mapping[PixelKey, torch.Tensor],
-    keys: Sequence[PixelKey],
+    shapes: Mapping[PixelKey, tuple[int, int]],
     device: torch.device,
 ) -> dict[PixelKey, torch.Tensor]:
-    """The pixels of every (index, reduction) ``keys`` names as (3, H, W) float32 RGB on ``device``: from the JPEGs
-    (decoded once per image) or from ``arrays`` (HWC uint8 BGR, decoded by the workers)."""
-    decoded = decode_all({i: jpegs[i] for i in {i for i, _ in keys if i in jpegs}}, device)
+    """The pixels of every (index, reduction) of ``shapes`` (their planned (h, w)) as (3, h, w) float32 RGB on
+    ``device``: from the JPEGs (decoded once per image) or from ``arrays`` (HWC uint8 BGR, decoded by the workers)."""
+    decoded = decode_all({i: jpegs[i] for i in {i for i, _ in shapes if i in jpegs}}, device)
     out: dict[PixelKey, torch.Tensor] = {}
-    for key in keys:
-        if key in out:
-            continue
+    for key, shape_hw in shapes.items():
         index, f = key
         if key in arrays:
             out[key] = arrays[key].to(device, non_blocking=True).permute(2, 0, 1).flip(0).float()
+            continue
+        img = decoded[index]
+        if img is None:
+            out[key] = _host_decode(jpegs[index], f, shape_hw, device)
         else:
-            out[key] = oriented(reduced(decoded[index].float(), f), jpegs[index].orientation)
+            out[key] = oriented(reduced(img.float(), f), jpegs[index].orientation)
     return out
 
 
@@ -261,8 +283,8 @@ def render_batch(
     device: torch.device,
 ) -> torch.Tensor:
     """The batch's images (B, 3, h, w) uint8 RGB, channels-last, on ``device``: as the numpy path's batch."""
-    keys = [(t.index, t.reduce) for lay in layouts for layer in _layers(lay) for t in layer.tiles]
-    pixels = source_pixels(jpegs, arrays, keys, device)
+    shapes = {(t.index, t.reduce): t.pixels_hw for lay in layouts for layer in _layers(lay) for t in layer.tiles}
+    pixels = source_pixels(jpegs, arrays, shapes, device)
     thetas = batch_thetas(layouts, device)
     images = torch.stack([draw_sample(layout, pixels, device, thetas) for layout in layouts])
     gains = torch.as_tensor(np.stack([layout.hsv for layout in layouts]), dtype=torch.float32)
