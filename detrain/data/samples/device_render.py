@@ -17,6 +17,7 @@ JPEGs on the GPU in one call, and ``grid_sample`` is all the warping needs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Mapping, Sequence
@@ -338,6 +339,11 @@ class DeviceBatch:
 
     def __len__(self) -> int:
         return len(self.layouts)
+
+    def pin_memory(self, device: Any = None) -> DeviceBatch:
+        """The batch with ``data`` in pinned memory (the DataLoader's pinning thread calls this with CUDA), so its
+        copies to the device do not wait for the host."""
+        return dataclasses.replace(self, data=self.data.pin_memory())
 
     def jpegs(self) -> dict[int, EncodedJpeg]:
         """The JPEGs to decode, by image index (views of ``data``)."""
