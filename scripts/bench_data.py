@@ -13,7 +13,7 @@ window of 4 batches on each of 8 sampler lanes, 32 batches on one worker), once 
 
 ``--augment-device gpu`` adds detrain with ``augment_device=gpu``: the workers plan and label, the images are
 decoded and drawn on ``--device`` (default the first GPU, else the CPU) as the trainer draws them, and timed up to
-a synchronised device.
+a synchronised device (``--device none``: not drawn, the rate of the workers alone).
 
     python scripts/bench_data.py                       # ../shared/data/coco8.yaml, workers 1 and 2
     PYTHONPATH=/opt/ulib python scripts/bench_data.py --workers 1 2 4 --batches 60
@@ -102,15 +102,18 @@ def images_per_second(
     t0, n = time.perf_counter(), 0
     for _ in range(batches):
         batch = draw(next(it))
-        n += len(batch["img"])
+        n += len(batch["img"]) if isinstance(batch, dict) else len(batch)  # a DeviceBatch left undrawn
         done(batch)
     return n / (time.perf_counter() - t0)
 
 
 def device_draw(device: str) -> Callable[[Any], Any]:
-    """``draw`` for ``augment_device=gpu``: the batch's images drawn on ``device``, waited for."""
+    """``draw`` for ``augment_device=gpu``: the batch's images drawn on ``device``, waited for; ``none``: left
+    undrawn (what the loader's workers alone hand over)."""
     import torch
 
+    if device == "none":
+        return lambda batch: batch
     dev = torch.device(device)
 
     def draw(batch: Any) -> Any:
@@ -265,7 +268,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=40, help="batches drawn before timing (buffers filling)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--augment-device", nargs="+", choices=["cpu", "gpu"], default=["cpu"], help="detrain's modes")
-    p.add_argument("--device", default="", help="where augment_device=gpu draws ('' = cuda if available, else cpu)")
+    p.add_argument(
+        "--device",
+        default="",
+        help="where augment_device=gpu draws ('' = cuda if available, else cpu; none: not drawn, the workers alone)",
+    )
     p.add_argument("--child", choices=["detrain", GPU, "ultralytics"], help=argparse.SUPPRESS)
     p.add_argument("--child-workers", type=int, help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
