@@ -210,7 +210,12 @@ def child(args: argparse.Namespace) -> None:
         from detrain.data.memory.batch_memory import release_batch
 
         draw = device_draw(args.device) if args.child == GPU else (lambda b: b)
-        ips = images_per_second(loader, args.warmup, args.batches, release_batch, draw)
+
+        def done(batch: Any) -> None:
+            if isinstance(batch, dict):  # not an undrawn DeviceBatch (--device none)
+                release_batch(batch)
+
+        ips = images_per_second(loader, args.warmup, args.batches, done, draw)
     else:
         ips = images_per_second(loader, args.warmup, args.batches)
     del loader  # stop the workers before reporting
