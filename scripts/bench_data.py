@@ -11,8 +11,13 @@ What is timed is the steady state of a long run: ``--warmup`` batches are drawn 
 to fill what it keeps between batches (Ultralytics' mosaic buffer: 8 batches; detrain's decode cache: a pool
 window of 4 batches on each of 8 sampler lanes, 32 batches on one worker), once per worker and run.
 
+``--augment-device gpu`` adds detrain with ``augment_device=gpu``: the workers plan and label, the images are
+decoded and drawn on ``--device`` (default the first GPU, else the CPU) as the trainer draws them, and timed up to
+a synchronised device (``--device none``: not drawn, the rate of the workers alone).
+
     python scripts/bench_data.py                       # ../shared/data/coco8.yaml, workers 1 and 2
     PYTHONPATH=/opt/ulib python scripts/bench_data.py --workers 1 2 4 --batches 60
+    python scripts/bench_data.py --augment-device cpu gpu --workers 2 4 8
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+GPU = "detrain-gpu"  # detrain with augment_device=gpu
 sys.path.insert(0, str(REPO))
 
 
@@ -80,27 +86,59 @@ def endless(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
-def images_per_second(loader: Any, warmup: int, batches: int, done: Callable[[Any], None] = lambda b: None) -> float:
-    """Batches per second drawn as a training loop draws them; ``done(batch)`` is what the loop does once a step
-    has finished with a batch (detrain's trainer releases it: its worker may fill the memory again)."""
+def images_per_second(
+    loader: Any,
+    warmup: int,
+    batches: int,
+    done: Callable[[Any], None] = lambda b: None,
+    draw: Callable[[Any], Any] = lambda b: b,
+) -> float:
+    """Images per second drawn as a training loop draws them; ``draw(batch)`` is what the loop does first with a
+    batch (``augment_device=gpu``: its images drawn on the device), ``done(batch)`` what it does once a step has
+    finished with it (detrain's trainer releases it: its worker may fill the memory again)."""
     it = endless(loader)
     for _ in range(warmup):  # worker start-up, the first prefetches, the buffers filling
-        done(next(it))
+        done(draw(next(it)))
     t0, n = time.perf_counter(), 0
     for _ in range(batches):
-        batch = next(it)
-        n += len(batch["img"])
+        batch = draw(next(it))
+        n += len(batch["img"]) if isinstance(batch, dict) else len(batch)  # a DeviceBatch left undrawn
         done(batch)
     return n / (time.perf_counter() - t0)
 
 
-def detrain_loader(files: list[str], names: dict[int, str], imgsz: int, batch: int) -> Callable[[int], Any]:
+def device_draw(device: str) -> Callable[[Any], Any]:
+    """``draw`` for ``augment_device=gpu``: the batch's images drawn on ``device``, waited for; ``none``: left
+    undrawn (what the loader's workers alone hand over)."""
+    import torch
+
+    if device == "none":
+        return lambda batch: batch
+    dev = torch.device(device)
+
+    def draw(batch: Any) -> Any:
+        out = batch.render(dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return out
+
+    return draw
+
+
+def detrain_loader(
+    files: list[str], names: dict[int, str], imgsz: int, batch: int, augment_device: str = "cpu"
+) -> Callable[[int], Any]:
     from detrain.config.keys import Augment
     from detrain.data.dataset import DetectionDataset
     from detrain.data.loader import build_dataloader
 
     dataset = DetectionDataset(
-        records_for(files, len(names)), imgsz=imgsz, augment=True, hyp=Augment(mosaic=1.0), batch_size=batch
+        records_for(files, len(names)),
+        imgsz=imgsz,
+        augment=True,
+        hyp=Augment(mosaic=1.0),
+        batch_size=batch,
+        augment_device=augment_device,
     )
     return lambda workers: build_dataloader(dataset, batch, shuffle=True, workers=workers)
 
@@ -160,18 +198,24 @@ def child(args: argparse.Namespace) -> None:
     folder = Path(args.folder)
     _, names = train_images(args.data)
     files = sorted(glob.glob(str(folder / "images" / "train" / "*")))
-    if args.child == "detrain":
-        build = detrain_loader(files, names, args.imgsz, args.batch)
+    if args.child.startswith("detrain"):
+        build = detrain_loader(files, names, args.imgsz, args.batch, "gpu" if args.child == GPU else "cpu")
     else:
         build = ultralytics_loader(folder, names, args.imgsz, args.batch)
         if build is None:
             print(json.dumps({"ips": None}))
             return
     loader = build(args.child_workers)
-    if args.child == "detrain":
+    if args.child.startswith("detrain"):
         from detrain.data.memory.batch_memory import release_batch
 
-        ips = images_per_second(loader, args.warmup, args.batches, release_batch)
+        draw = device_draw(args.device) if args.child == GPU else (lambda b: b)
+
+        def done(batch: Any) -> None:
+            if isinstance(batch, dict):  # not an undrawn DeviceBatch (--device none)
+                release_batch(batch)
+
+        ips = images_per_second(loader, args.warmup, args.batches, done, draw)
     else:
         ips = images_per_second(loader, args.warmup, args.batches)
     del loader  # stop the workers before reporting
@@ -201,6 +245,8 @@ def measure(args: argparse.Namespace, folder: Path, name: str, workers: int) -> 
         str(args.batches),
         "--warmup",
         str(args.warmup),
+        "--device",
+        args.device,
     ]
     # Output to a file, not a pipe: a pipe would also wait for any worker process that outlives the measurement.
     with tempfile.TemporaryFile("w+") as out:
@@ -226,16 +272,27 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=40, help="timed batches per run")
     p.add_argument("--warmup", type=int, default=40, help="batches drawn before timing (buffers filling)")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--child", choices=["detrain", "ultralytics"], help=argparse.SUPPRESS)
+    p.add_argument("--augment-device", nargs="+", choices=["cpu", "gpu"], default=["cpu"], help="detrain's modes")
+    p.add_argument(
+        "--device",
+        default="",
+        help="where augment_device=gpu draws ('' = cuda if available, else cpu; none: not drawn, the workers alone)",
+    )
+    p.add_argument("--child", choices=["detrain", GPU, "ultralytics"], help=argparse.SUPPRESS)
     p.add_argument("--child-workers", type=int, help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not args.device:
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.child:
         child(args)
         return
 
     images, _ = train_images(args.data)
-    names = ["detrain", "ultralytics"] if ultralytics_importable() else ["detrain"]
+    names = [{"cpu": "detrain", "gpu": GPU}[mode] for mode in args.augment_device]
+    names += ["ultralytics"] if ultralytics_importable() else []
     best: dict[tuple[str, int], float] = {}
     with tempfile.TemporaryDirectory(prefix="bench_data_") as tmp:
         folder = Path(tmp)
@@ -253,12 +310,15 @@ def main() -> None:
         f"best of {args.rounds} rounds of {args.batches} batches after {args.warmup}; {os.cpu_count()} CPUs, "
         f"load average {load0:.1f} -> {load1:.1f}"
     )
-    print("| workers | detrain img/s | ultralytics img/s | ratio |")
-    print("|---|---|---|---|")
+    ours = [name for name in names if name != "ultralytics"]
+    print(f"{GPU}: drawn on {args.device}" if GPU in ours else "")
+    print(f"| workers | {' | '.join(f'{name} img/s' for name in ours)} | ultralytics img/s | ratio |")
+    print("|---|" + "---|" * (len(ours) + 2))
     for workers in args.workers:
-        ours, theirs = best[("detrain", workers)], best.get(("ultralytics", workers))
-        ratio = f"{ours / theirs:.2f}x" if theirs else "-"
-        print(f"| {workers} | {ours:.1f} | {f'{theirs:.1f}' if theirs else 'not importable'} | {ratio} |")
+        theirs = best.get(("ultralytics", workers))
+        cells = [f"{best[(name, workers)]:.1f}" for name in ours]
+        ratio = " / ".join(f"{best[(name, workers)] / theirs:.2f}x" for name in ours) if theirs else "-"
+        print(f"| {workers} | {' | '.join(cells)} | {f'{theirs:.1f}' if theirs else 'not importable'} | {ratio} |")
 
 
 if __name__ == "__main__":

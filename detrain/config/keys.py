@@ -181,6 +181,12 @@ class Inputs:
         choices=(False, "ram", "disk"),
         parse=cache_mode,
     )
+    augment_device: str = key(
+        "cpu",
+        "where training images are decoded and augmented: cpu (the loader's workers) or gpu (JPEG decode, mosaic, "
+        "affine, mixup, cutmix and HSV on the training device from the same draws; on a CPU device, in torch there)",
+        choices=("cpu", "gpu"),
+    )
     fingerprint: str = key(
         "paths",
         "manifest.json's dataset fingerprint: paths (relative paths and sizes, reads no file) or content (also "

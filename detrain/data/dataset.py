@@ -30,15 +30,29 @@ import torch
 from torch.utils.data import Dataset, default_collate
 
 from detrain.config.keys import MAX_PIXELS, Augment
-from detrain.data.image_io import check_disk_cache_fits, load_size, read_image, read_npy, resize_long_side
+from detrain.data.image_header import image_byte_limit, pixel_problem
+from detrain.data.image_io import (
+    check_disk_cache_fits,
+    is_jpeg,
+    jpeg_header,
+    load_size,
+    pixel_extent,
+    read_image,
+    read_npy,
+    reduced_jpeg_grid,
+    resize_long_side,
+)
 from detrain.data.memory.batch_memory import Batch, BatchBlock, whole_block
 from detrain.data.memory.decode_cache import LANES, DecodeCache
 from detrain.data.memory.ram_cache import DEFAULT_TIMEOUT_S, RamCache, cache_key, run_tag
 from detrain.data.samples.augment import apply_hsv, letterbox
+from detrain.data.samples.device_render import DeviceBatch, EncodedJpeg
 from detrain.data.samples.instances import Labels
-from detrain.data.samples.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
+from detrain.data.samples.train_sample import SamplePlan, SampleSource, place_sample, plan_sample, render_geometry
 from detrain.errors import ConfigError, DatasetError
+from detrain.system.input_file import read_input_array
 
+AUGMENT_DEVICES = ("cpu", "gpu")  # where training samples' pixels are drawn (device_render.py)
 MAX_SUBSTITUTIONS = 16  # unreadable images in a row before giving up on a sample
 _EPOCH, _CLOSED, _SKIPPED = 0, 1, 2  # slots of the shared state tensor
 
@@ -58,6 +72,12 @@ class Pick(NamedTuple):
     index: int  # type: ignore[assignment]
     pool: tuple[int, ...]
     lane: int = -1
+
+
+def _augment_device(value: str) -> str:
+    if value not in AUGMENT_DEVICES:
+        raise ConfigError(f"augment_device={value!r} is not valid: use cpu or gpu")
+    return value
 
 
 def cache_mode(cache: str | bool | None) -> str | None:
@@ -98,6 +118,16 @@ def rect_batch_shapes(
         elif mini > 1:
             shapes[i] = [1, 1 / mini]
     return order, bi, np.ceil(np.array(shapes) * imgsz / stride + pad).astype(int) * stride
+
+
+class _DeviceSource(NamedTuple):
+    """Image pixels for ``augment_device=gpu``: their (h, w) and extent as the numpy path would decode them, and
+    the JPEG to decode on the device or the decoded array (HWC uint8 BGR)."""
+
+    shape_hw: tuple[int, int]
+    extent: tuple[float, float, float, float]
+    jpeg: EncodedJpeg | None = None
+    array: np.ndarray | None = None
 
 
 class _Rendered(NamedTuple):
@@ -151,6 +181,7 @@ class DetectionDataset(Dataset):
         local_rank: int = 0,
         launched: bool = False,
         max_pixels: int = MAX_PIXELS,
+        augment_device: str = "cpu",
     ):
         if not records:
             raise DatasetError("the dataset has no images")
@@ -158,7 +189,7 @@ class DetectionDataset(Dataset):
         self.batch_size, self.stride, self.pad = int(batch_size), int(stride), float(pad)
         self.seed = int(seed) % 2**32
         self.hyp = Augment() if hyp is None else hyp
-        self.close_mosaic_epoch = close_mosaic_epoch
+        self.close_mosaic_epoch, self.augment_device = close_mosaic_epoch, _augment_device(augment_device)
         records = list(records)
         self.batch_shapes: np.ndarray | None = None  # (nb, 2) h, w per rect batch
         self.batch_index: np.ndarray | None = None  # rect batch of each (sorted) image
@@ -227,6 +258,11 @@ class DetectionDataset(Dataset):
     def __getitem__(self, key: int | Pick) -> dict[str, Any]:
         """The sample of ``key`` (an index, or a sampler's :class:`Pick`); ``img`` is a contiguous (3, H, W)."""
         sample = self.__getitems__([key])[0]
+        if isinstance(sample, DeviceBatch):  # augment_device=gpu: drawn here, on the CPU
+            batch = sample.render("cpu")
+            return {k: v[0] if isinstance(v, list) else v for k, v in batch.items() if k != "batch_idx"} | {
+                "img": batch["img"][0].contiguous()
+            }
         sample["img"] = sample["img"].contiguous()
         return sample
 
@@ -241,36 +277,101 @@ class DetectionDataset(Dataset):
             return self._finish([self._val_sample(p.index, out_hw) for p in picks])
         epoch, mosaic_on = self.epoch, self.mosaic_active
         plans = [self._plan(p, epoch, 0, mosaic_on, out_hw) for p in picks]
-        decoded: dict[tuple[int, int], np.ndarray | None] = {}  # this batch's pixels, whatever the cache evicts
-        self._decode_cache.set_budget(self._decode_budget(picks))
-        for lane, pool in {p.lane: p.pool for p in picks if p.lane >= 0}.items():
-            self._decode_cache.retire(lane, pool)  # what this lane's pools no longer hold is never drawn again
+        decoded: dict[tuple[int, int], Any] = {}  # this batch's pixels (or sources), whatever the cache evicts
+        on_device = self.augment_device == "gpu"
+        if not on_device:
+            self._decode_cache.set_budget(self._decode_budget(picks))
+            for lane, pool in {p.lane: p.pool for p in picks if p.lane >= 0}.items():
+                self._decode_cache.retire(lane, pool)  # what this lane's pools no longer hold is never drawn again
+        plans = [self._readable(pick, plan, epoch, mosaic_on, out_hw, decoded) for pick, plan in zip(picks, plans)]
+        if on_device:
+            return [self._device_batch(plans, decoded)]  # type: ignore[list-item]
         samples = []
-        for pick, plan in zip(picks, plans):
-            for attempt in range(1, MAX_SUBSTITUTIONS + 1):
-                needed = [(t.index, t.reduce) for layer in plan.layers for t in layer.tiles]
-                for k in needed:
-                    if k not in decoded:
-                        decoded[k] = (
-                            self._decode_cache.get(k, self._decode, pick.lane)
-                            if self._ram is None
-                            else self._pixels(*k)
-                        )
-                bad = [i for i, r in needed if decoded[(i, r)] is None]
-                if not bad:
-                    break
-                self._skip(bad, "another image is used in its place")
-                plan = self._plan(pick, epoch, attempt, mosaic_on, out_hw)
-            else:
-                raise DatasetError(
-                    f"{MAX_SUBSTITUTIONS} unreadable images in a row around "
-                    f"{self.im_files[pick.index]}: were the images moved or deleted?"
-                )
+        for plan in plans:
             img, labels = render_geometry(plan, lambda i, r: _decoded(decoded, i, r), self._labels_at_load_size)
             h0, w0 = self.shapes_hw[plan.index]
             lh, lw = self.load_sizes_hw[plan.index]
             samples.append(_Rendered(img, labels, plan.index, ((lh / h0, lw / w0), (0, 0)), plan.hsv))
         return self._finish(samples)
+
+    def _readable(
+        self,
+        pick: Pick,
+        plan: SamplePlan,
+        epoch: int,
+        mosaic_on: bool,
+        out_hw: tuple[int, int] | None,
+        decoded: dict[tuple[int, int], Any],
+    ) -> SamplePlan:
+        """``plan``, or the plan of a replacement when one of its images cannot be read; the pixels (or, for
+        ``augment_device=gpu``, the sources) of every image it shows added to ``decoded``."""
+        for attempt in range(1, MAX_SUBSTITUTIONS + 1):
+            needed = [(t.index, t.reduce) for layer in plan.layers for t in layer.tiles]
+            for k in needed:
+                if k not in decoded:
+                    if self.augment_device == "gpu":
+                        decoded[k] = self._device_source(*k)
+                    elif self._ram is None:
+                        decoded[k] = self._decode_cache.get(k, self._decode, pick.lane)
+                    else:
+                        decoded[k] = self._pixels(*k)
+            bad = [i for i, r in needed if decoded[(i, r)] is None]
+            if not bad:
+                return plan
+            self._skip(bad, "another image is used in its place")
+            plan = self._plan(pick, epoch, attempt, mosaic_on, out_hw)
+        raise DatasetError(
+            f"{MAX_SUBSTITUTIONS} unreadable images in a row around "
+            f"{self.im_files[pick.index]}: were the images moved or deleted?"
+        )
+
+    def _device_source(self, index: int, reduce: int) -> _DeviceSource | None:
+        """What the training device draws image ``index`` at 1/``reduce`` from: the JPEG file's bytes (decoded
+        there), else (other formats, caches, a header that cannot be read) the pixels decoded here."""
+        if self._ram is None and self.cache != "disk":
+            try:
+                data = read_input_array(self.im_files[index], image_byte_limit(self.max_pixels))
+            except OSError:
+                return None
+            if not data.size or pixel_problem(data, self.max_pixels) is not None:
+                return None
+            header = jpeg_header(data) if is_jpeg(data) else None
+            if header is not None:
+                width, height, orientation = header
+                shape, extent = reduced_jpeg_grid(width, height, orientation, reduce)
+                return _DeviceSource(shape, extent, jpeg=EncodedJpeg(torch.from_numpy(data), orientation))
+        img = self._pixels(index, reduce)
+        if img is None:
+            return None
+        return _DeviceSource((img.shape[0], img.shape[1]), pixel_extent(img), array=np.asarray(img))
+
+    def _device_batch(self, plans: Sequence[SamplePlan], sources: Mapping[tuple[int, int], Any]) -> DeviceBatch:
+        """The batch of ``plans`` for ``augment_device=gpu``: layouts and labels made here, pixels left to draw."""
+
+        def shape(i: int, r: int) -> tuple[tuple[int, int], tuple[float, float, float, float]]:
+            src = sources[(i, r)]
+            return src.shape_hw, src.extent
+
+        layouts = [place_sample(plan, shape, self._labels_at_load_size) for plan in plans]
+        jpegs = {k[0]: s.jpeg for k, s in sources.items() if s is not None and s.jpeg is not None}
+        arrays = {k: s.array for k, s in sources.items() if s is not None and s.array is not None}
+        w, h = layouts[0].layers[0].out_wh
+        counts = [len(lay.labels) for lay in layouts]
+        ratio_pad = []
+        for plan in plans:
+            (h0, w0), (lh, lw) = self.shapes_hw[plan.index], self.load_sizes_hw[plan.index]
+            ratio_pad.append(((lh / h0, lw / w0), (0.0, 0.0)))
+        return DeviceBatch.pack(
+            layouts,
+            jpegs,
+            arrays,
+            cls=np.concatenate([lay.labels.cls for lay in layouts]).astype(np.float32).reshape(-1, 1),
+            bboxes=np.concatenate([lay.labels.to_xywhn(w, h) for lay in layouts]).reshape(-1, 4),
+            batch_idx=np.repeat(np.arange(len(plans), dtype=np.float32), counts),
+            im_file=[self.im_files[p.index] for p in plans],
+            ori_shape=[self.shapes_hw[p.index] for p in plans],
+            ratio_pad=ratio_pad,
+        )
 
     def batch_shape(self, index: int) -> tuple[int, int]:
         """(h, w) of the rectangular batch of ``index`` (``rect`` only)."""
@@ -408,6 +509,8 @@ class DetectionDataset(Dataset):
         ``bboxes`` (M, 4); ``im_file``, ``ori_shape``, ``ratio_pad`` as lists. A batch made by one
         ``__getitems__`` call already lies in one block: it is returned as views, without copying (training
         batches channels-last, see ``_finish``)."""
+        if len(batch) == 1 and isinstance(batch[0], DeviceBatch):
+            return batch[0]  # type: ignore[return-value]  # augment_device=gpu: drawn by the trainer
         imgs = [b["img"] for b in batch]
         if len({tuple(t.shape) for t in imgs}) != 1:
             raise ValueError(f"images of one batch differ in size: {sorted({tuple(t.shape) for t in imgs})}")

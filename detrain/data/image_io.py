@@ -144,6 +144,15 @@ def read_image_why(path: str, reduce: int = 1, max_pixels: int = MAX_PIXELS) -> 
     problem = pixel_problem(data, max_pixels)
     if problem is not None:
         return None, problem
+    return _decoded(data, reduce)
+
+
+def read_image_bytes(data: np.ndarray, reduce: int = 1) -> np.ndarray | None:
+    """:func:`read_image` of a file's bytes already read (and checked against ``max_pixels``)."""
+    return _decoded(data, reduce)[0]
+
+
+def _decoded(data: np.ndarray, reduce: int) -> tuple[np.ndarray | None, str]:
     if reduce > 1 and not is_jpeg(data):
         reduce = 1
     try:
@@ -190,6 +199,26 @@ def _span(covered: int, size: int, reversed_axis: bool) -> tuple[float, float]:
     start, or (reversed axis) ending at the far edge."""
     over = (covered - size) / size
     return (-over, 1.0) if reversed_axis else (0.0, 1.0 + over)
+
+
+def reduced_jpeg_grid(
+    width: int, height: int, orientation: int, f: int
+) -> tuple[tuple[int, int], tuple[float, float, float, float]]:
+    """(h, w) and :func:`pixel_extent` of the pixels :func:`read_image` gives for a JPEG stored as ``width`` x
+    ``height`` with EXIF ``orientation`` at reduction ``f``, from the header alone (``augment_device=gpu``
+    decodes elsewhere and needs the same grid).
+
+    >>> reduced_jpeg_grid(301, 203, 1, 8)
+    ((26, 38), (0.0, 0.0, 1.0099667774086378, 1.0246305418719213))
+    """
+    if orientation >= 5:  # OpenCV swaps the axes
+        width, height = height, width
+    w, h = -(-width // f), -(-height // f)
+    if w * f == width and h * f == height:
+        return (h, w), FULL_EXTENT
+    rev_x, rev_y = _REVERSED_XY.get(orientation, (False, False))
+    (x0, x1), (y0, y1) = _span(w * f, width, rev_x), _span(h * f, height, rev_y)
+    return (h, w), (x0, y0, x1, y1)
 
 
 def jpeg_header(data: np.ndarray) -> tuple[int, int, int] | None:

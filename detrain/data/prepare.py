@@ -122,6 +122,7 @@ def build_train_loader(
         seed=cfg.train.seed,
         cache=cfg.inputs.cache or None,
         max_pixels=cfg.inputs.max_pixels,
+        augment_device=cfg.inputs.augment_device,
         # time= moves the last epochs: the trainer closes mosaic then (time_budget.py)
         close_mosaic_epoch=cfg.train.epochs - cfg.train.close_mosaic
         if cfg.train.close_mosaic and not cfg.train.time

@@ -16,7 +16,7 @@ def plot_train_batch(batch: dict[str, Any], names: dict[int, str], path: Path) -
     from detrain.nn.boxes import xywh2xyxy
     from detrain.plots.val import plot_images
 
-    imgs = batch["img"].contiguous().numpy()
+    imgs = batch["img"].contiguous().cpu().numpy()  # on the device with augment_device=gpu
     h, w = imgs.shape[2:]
     scale = torch.tensor([w, h, w, h], dtype=torch.float32)
     boxes = []

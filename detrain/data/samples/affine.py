@@ -14,6 +14,7 @@ random scale, so zooming out does not count as a loss) and its aspect ratio stay
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cv2
 import numpy as np
@@ -151,6 +152,34 @@ def box_candidates(
     return (w2 > wh_thr) & (h2 > wh_thr) & (w2 * h2 / (w1 * h1 + eps) > area_thr) & (ar < ar_thr)
 
 
+@dataclass(frozen=True)
+class WarpPlan:
+    """How :func:`warp_into` moves a source into a canvas, worked out from shapes alone (no pixels), so the labels
+    and a renderer elsewhere (``device_render.py``) follow the very same geometry.
+
+    ``matrix``: source pixels -> canvas as applied; ``rect``: the source pixels read (x1, y1, x2, y2); ``dst``:
+    for the scale + shift fast path, the whole destination pixels (x1, y1, x2, y2, before clipping to the canvas)
+    that ``rect`` is resized onto; None for the general (bilinear, transparent border) warp."""
+
+    matrix: np.ndarray
+    rect: tuple[int, int, int, int]
+    dst: tuple[int, int, int, int] | None = None
+
+
+def plan_warp(
+    src_hw: tuple[int, int], canvas_hw: tuple[int, int], m: np.ndarray, src_rect: tuple[int, int, int, int] | None
+) -> WarpPlan | None:
+    """The :class:`WarpPlan` of :func:`warp_into` for a source of ``src_hw`` pixels; None when nothing is drawn
+    (then the matrix applied counts as ``m``)."""
+    h, w = src_hw
+    x1, y1, x2, y2 = src_rect if src_rect is not None else (0, 0, w, h)
+    if x1 >= x2 or y1 >= y2:
+        return None
+    if not is_perspective(m) and m[0, 1] == 0.0 and m[1, 0] == 0.0 and m[0, 0] != 0.0 and m[1, 1] != 0.0:
+        return _plan_scaled(canvas_hw, m, (x1, y1, x2, y2))
+    return WarpPlan(m, (x1, y1, x2, y2))
+
+
 def warp_into(
     canvas: np.ndarray, src: np.ndarray, m: np.ndarray, src_rect: tuple[int, int, int, int] | None = None
 ) -> np.ndarray:
@@ -171,14 +200,20 @@ def warp_into(
     >>> canvas[..., 0].tolist()
     [[0, 0, 0, 0], [0, 9, 9, 0], [0, 9, 9, 0], [0, 0, 0, 0]]
     """
-    h, w = src.shape[:2]
-    x1, y1, x2, y2 = src_rect if src_rect is not None else (0, 0, w, h)
-    if x1 >= x2 or y1 >= y2:
+    plan = plan_warp(src.shape[:2], canvas.shape[:2], m, src_rect)
+    if plan is None:
         return m
-    if not is_perspective(m) and m[0, 1] == 0.0 and m[1, 0] == 0.0 and m[0, 0] != 0.0 and m[1, 1] != 0.0:
-        return _paste_scaled(canvas, src, m, (x1, y1, x2, y2))
-    _warp_general(canvas, src[y1:y2, x1:x2], m @ translation(x1, y1))
-    return m
+    apply_warp(canvas, src, plan)
+    return plan.matrix
+
+
+def apply_warp(canvas: np.ndarray, src: np.ndarray, plan: WarpPlan) -> None:
+    """Draw ``src`` into ``canvas`` as ``plan`` (from :func:`plan_warp`) says."""
+    x1, y1, x2, y2 = plan.rect
+    if plan.dst is None:
+        _warp_general(canvas, src[y1:y2, x1:x2], plan.matrix @ translation(x1, y1))
+    else:
+        _paste_scaled(canvas, src, plan)
 
 
 def _scaled_span(s: float, t: float, a: int, b: int, n: int) -> tuple[int, int, int, int] | None:
@@ -196,14 +231,27 @@ def _scaled_span(s: float, t: float, a: int, b: int, n: int) -> tuple[int, int, 
     return (sa, sb, da, db) if da < db else None
 
 
-def _paste_scaled(canvas: np.ndarray, src: np.ndarray, m: np.ndarray, rect: tuple[int, int, int, int]) -> np.ndarray:
-    ch, cw = canvas.shape[:2]
+def _plan_scaled(canvas_hw: tuple[int, int], m: np.ndarray, rect: tuple[int, int, int, int]) -> WarpPlan | None:
+    ch, cw = canvas_hw
     sx, tx, sy, ty = m[0, 0], m[0, 2], m[1, 1], m[1, 2]
     span_x = _scaled_span(sx, tx, rect[0], rect[2], cw)
     span_y = _scaled_span(sy, ty, rect[1], rect[3], ch)
     if span_x is None or span_y is None:
-        return m
+        return None
     (sax, sbx, dax, dbx), (say, sby, day, dby) = span_x, span_y
+    # What is applied: source [sa, sb] onto destination [da, db], reversed where flipped.
+    ex, ey = (dbx - dax) / (sbx - sax), (dby - day) / (sby - say)
+    fx = (ex, dax - ex * sax) if sx > 0 else (-ex, dbx + ex * sax)
+    fy = (ey, day - ey * say) if sy > 0 else (-ey, dby + ey * say)
+    applied = np.array([[fx[0], 0.0, fx[1]], [0.0, fy[0], fy[1]], [0.0, 0.0, 1.0]])
+    return WarpPlan(applied, (sax, say, sbx, sby), (dax, day, dbx, dby))
+
+
+def _paste_scaled(canvas: np.ndarray, src: np.ndarray, plan: WarpPlan) -> None:
+    assert plan.dst is not None
+    ch, cw = canvas.shape[:2]
+    sx, sy = plan.matrix[0, 0], plan.matrix[1, 1]
+    (sax, say, sbx, sby), (dax, day, dbx, dby) = plan.rect, plan.dst
     crop = src[say:sby, sax:sbx]
     size = (dbx - dax, dby - day)
     out = crop if size == (sbx - sax, sby - say) else cv2.resize(crop, size, interpolation=cv2.INTER_LINEAR)
@@ -216,11 +264,6 @@ def _paste_scaled(canvas: np.ndarray, src: np.ndarray, m: np.ndarray, rect: tupl
         dst[...] = part
     else:  # cv2.flip writes into the view; a negative-stride numpy copy is ten times slower
         cv2.flip(part, 1 if sy > 0 else 0 if sx > 0 else -1, dst=dst)
-    # What was applied: source [sa, sb] onto destination [da, db], reversed where flipped.
-    ex, ey = (dbx - dax) / (sbx - sax), (dby - day) / (sby - say)
-    fx = (ex, dax - ex * sax) if sx > 0 else (-ex, dbx + ex * sax)
-    fy = (ey, day - ey * say) if sy > 0 else (-ey, dby + ey * say)
-    return np.array([[fx[0], 0.0, fx[1]], [0.0, fy[0], fy[1]], [0.0, 0.0, 1.0]])
 
 
 def _warp_general(canvas: np.ndarray, src: np.ndarray, m: np.ndarray) -> None:

@@ -12,18 +12,21 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from detrain.data.image_io import pixel_extent
 from detrain.data.samples.affine import (
     FILL,
+    WarpPlan,
+    apply_warp,
     box_candidates,
     clip_boxes,
+    plan_warp,
     scaling,
     transform_boxes,
     translation,
-    warp_into,
 )
 from detrain.data.samples.instances import Labels
 
@@ -38,6 +41,32 @@ class Tile:
     size_wh: tuple[int, int]
     origin_xy: tuple[float, float]
     labels: Labels
+
+    @property
+    def pixels_hw(self) -> tuple[int, int]:
+        """The pixels' (H, W)."""
+        h, w = self.pixels.shape[:2]
+        return h, w
+
+    @property
+    def extent(self) -> tuple[float, float, float, float]:
+        """The part of the image the pixels span (``image_io.pixel_extent``)."""
+        return pixel_extent(self.pixels)
+
+
+class TileShape(Protocol):
+    """What placing a tile needs: a :class:`Tile` without its pixels (only their size and extent)."""
+
+    @property
+    def size_wh(self) -> tuple[int, int]: ...
+    @property
+    def origin_xy(self) -> tuple[float, float]: ...
+    @property
+    def labels(self) -> Labels: ...
+    @property
+    def pixels_hw(self) -> tuple[int, int]: ...
+    @property
+    def extent(self) -> tuple[float, float, float, float]: ...
 
 
 def render(
@@ -57,16 +86,35 @@ def render(
     ([9, 9, 9], [114, 114, 114], [[3.0, 3.0, 9.0, 9.0]])
     """
     out_w, out_h = out_wh
-    canvas_w, canvas_h = canvas_wh
     out = np.full((out_h, out_w, 3), fill, dtype=np.uint8)
+    warps, labels = place_tiles(tiles, canvas_wh, m, out_wh, scale)
+    for tile, warp in zip(tiles, warps):
+        if warp is not None:
+            apply_warp(out, tile.pixels, warp)
+    return out, labels
+
+
+def place_tiles(
+    tiles: Sequence[TileShape],
+    canvas_wh: tuple[int, int],
+    m: np.ndarray,
+    out_wh: tuple[int, int],
+    scale: float = 1.0,
+) -> tuple[list[WarpPlan | None], Labels]:
+    """:func:`render` without pixels: each tile's :class:`~affine.WarpPlan` (None: nothing of it is drawn) and
+    the surviving labels, from the pixels' sizes and extents alone."""
+    out_w, out_h = out_wh
+    canvas_w, canvas_h = canvas_wh
+    warps: list[WarpPlan | None] = []
     kept: list[Labels] = []
     for tile in tiles:
         (tw, th), (ox, oy) = tile.size_wh, tile.origin_xy
         vx1, vy1, vx2, vy2 = max(ox, 0), max(oy, 0), min(ox + tw, canvas_w), min(oy + th, canvas_h)
         if vx1 >= vx2 or vy1 >= vy2:
+            warps.append(None)
             continue
-        ph, pw = tile.pixels.shape[:2]
-        ex0, ey0, ex1, ey1 = pixel_extent(tile.pixels)
+        ph, pw = tile.pixels_hw
+        ex0, ey0, ex1, ey1 = tile.extent
         # Tile pixels -> canvas: pixel (0, 0)'s corner lands at (px, py), each pixel is sx x sy canvas pixels.
         sx, sy = tw * (ex1 - ex0) / pw, th * (ey1 - ey0) / ph
         px, py = ox + tw * ex0, oy + th * ey0
@@ -79,12 +127,15 @@ def render(
             min(math.ceil((vy2 - py) / sy), ph),
         )
         wanted = m @ translation(px, py) @ scaling(sx, sy)  # tile pixels -> output
-        applied = warp_into(out, tile.pixels, wanted, rect)
+        warp = plan_warp((ph, pw), (out_h, out_w), wanted, rect)
+        warps.append(warp)
         if len(tile.labels):
             # canvas -> output as the pixels actually moved (the fast path may round the shift)
-            m_tile = m if applied is wanted else applied @ scaling(1 / sx, 1 / sy) @ translation(-px, -py)
+            m_tile = m
+            if warp is not None and warp.dst is not None:
+                m_tile = warp.matrix @ scaling(1 / sx, 1 / sy) @ translation(-px, -py)
             before = clip_boxes(tile.labels.boxes_xyxy + np.array((ox, oy, ox, oy), np.float32), vx1, vy1, vx2, vy2)
             after = clip_boxes(transform_boxes(before, m_tile), 0, 0, out_w, out_h)
             keep = box_candidates(before, after, scale)
             kept.append(Labels(tile.labels.cls[keep], after[keep]))
-    return out, Labels.concat(kept)
+    return warps, Labels.concat(kept)

@@ -19,11 +19,19 @@ import cv2
 import numpy as np
 
 from detrain.config.keys import Augment
-from detrain.data.image_io import reduce_factor
-from detrain.data.samples.affine import flip_matrix, is_perspective, random_affine_matrix, translation
+from detrain.data.image_io import pixel_extent, reduce_factor
+from detrain.data.samples.affine import (
+    FILL,
+    WarpPlan,
+    apply_warp,
+    flip_matrix,
+    is_perspective,
+    random_affine_matrix,
+    translation,
+)
 from detrain.data.samples.augment import MIXUP_BETA, hsv_gains
-from detrain.data.samples.compose import Tile, render
-from detrain.data.samples.cutmix import choose_area, cutmix_areas, paste
+from detrain.data.samples.compose import place_tiles
+from detrain.data.samples.cutmix import choose_area, cutmix_areas
 from detrain.data.samples.instances import Labels
 
 
@@ -187,6 +195,88 @@ def _choose_reductions(layer: LayerPlan, source: SampleSource) -> None:
         tile.reduce = reduce_factor(source.file_long_sides[tile.index], max(tile.size_wh) * stretch)
 
 
+@dataclass
+class PlacedTile:
+    """A tile of a plan without pixels (a :class:`compose.TileShape`): where image ``index`` decoded at 1/``reduce``
+    goes, with its pixels' size ``pixels_hw`` and ``extent`` (``image_io.pixel_extent``)."""
+
+    index: int
+    reduce: int
+    size_wh: tuple[int, int]
+    origin_xy: tuple[float, float]
+    labels: Labels
+    pixels_hw: tuple[int, int]
+    extent: tuple[float, float, float, float]
+
+
+@dataclass
+class LayerLayout:
+    """One rendered layer: an ``out_wh`` image of grey on which each of ``tiles`` is drawn by its ``warps`` entry
+    (None: nothing of it shows)."""
+
+    tiles: list[PlacedTile]
+    warps: list[WarpPlan | None]
+    out_wh: tuple[int, int]
+
+
+@dataclass
+class SampleLayout:
+    """A planned sample with its geometry worked out and no pixels: the blended ``layers`` (one, or two mixed with
+    ``mix_ratio``), the cutmix ``patch`` (its rectangle and layer) if one is pasted, the final ``labels`` (output
+    pixels) and the ``hsv`` gains. ``render_layout`` (numpy) and ``device_render`` (torch) draw it."""
+
+    layers: list[LayerLayout]
+    mix_ratio: float
+    patch: tuple[tuple[int, int, int, int], LayerLayout] | None
+    labels: Labels
+    hsv: np.ndarray
+
+
+PixelShape = Callable[[int, int], tuple[tuple[int, int], tuple[float, float, float, float]]]
+
+
+def place_sample(
+    plan: SamplePlan, pixel_shape: PixelShape, labels_at_load_size: Callable[[int], Labels]
+) -> SampleLayout:
+    """The :class:`SampleLayout` of ``plan``: ``pixel_shape(index, reduce)`` gives the (H, W) and extent of the
+    pixels image ``index`` will be drawn from, ``labels_at_load_size(index)`` its labels in load-size pixels."""
+
+    def place(layer: LayerPlan, m: np.ndarray, out_wh: tuple[int, int]) -> tuple[LayerLayout, Labels]:
+        tiles = [
+            PlacedTile(
+                t.index, t.reduce, t.size_wh, t.origin_xy, labels_at_load_size(t.index), *pixel_shape(t.index, t.reduce)
+            )
+            for t in layer.tiles
+        ]
+        warps, labels = place_tiles(tiles, layer.canvas_wh, m, out_wh, layer.scale)
+        return LayerLayout(tiles, warps, out_wh), labels
+
+    blended = plan.layers[:-1] if plan.cutmix is not None else plan.layers
+    placed = [place(layer, layer.m, plan.out_wh) for layer in blended]
+    out_labels = Labels.concat([labels for _, labels in placed])
+    patch = None
+    if plan.cutmix is not None:
+        area = choose_area(plan.cutmix.areas, out_labels.boxes_xyxy, plan.cutmix.pick)
+        if area is not None:  # only the rectangle of the pasted layer is rendered, straight into its own canvas
+            x1, y1, x2, y2 = area
+            layer = plan.layers[-1]
+            patch_layout, patch_labels = place(layer, translation(-x1, -y1) @ layer.m, (x2 - x1, y2 - y1))
+            if len(patch_labels):  # a patch without boxes is not pasted (cutmix.paste)
+                patch = (area, patch_layout)
+                out_labels = Labels.concat([out_labels, patch_labels.scaled(1.0, 1.0, x1, y1)])
+    return SampleLayout([layout for layout, _ in placed], plan.mix_ratio, patch, out_labels, plan.hsv)
+
+
+def render_layer(layout: LayerLayout, pixels: Callable[[int, int], np.ndarray]) -> np.ndarray:
+    """The layer's (h, w, 3) uint8 image: grey, then each tile's pixels drawn by its warp."""
+    out_w, out_h = layout.out_wh
+    out = np.full((out_h, out_w, 3), FILL, dtype=np.uint8)
+    for tile, warp in zip(layout.tiles, layout.warps):
+        if warp is not None:
+            apply_warp(out, pixels(tile.index, tile.reduce), warp)
+    return out
+
+
 def render_geometry(
     plan: SamplePlan,
     pixels: Callable[[int, int], np.ndarray],
@@ -198,28 +288,16 @@ def render_geometry(
     same warp), ``labels_at_load_size(index)`` its labels in load-size pixels.
     """
 
-    def tiles(layer: LayerPlan) -> list[Tile]:
-        return [
-            Tile(pixels(t.index, t.reduce), t.size_wh, t.origin_xy, labels_at_load_size(t.index)) for t in layer.tiles
-        ]
+    def shape(index: int, reduce: int) -> tuple[tuple[int, int], tuple[float, float, float, float]]:
+        img = pixels(index, reduce)
+        return (img.shape[0], img.shape[1]), pixel_extent(img)
 
-    blended = plan.layers[:-1] if plan.cutmix is not None else plan.layers
-    images, labels = [], []
-    for layer in blended:
-        img, lab = render(tiles(layer), layer.canvas_wh, layer.m, plan.out_wh, layer.scale)
-        images.append(img)
-        labels.append(lab)
+    layout = place_sample(plan, shape, labels_at_load_size)
+    images = [render_layer(layer, pixels) for layer in layout.layers]
     img = images[0]
     if len(images) == 2:
         img = cv2.addWeighted(images[0], plan.mix_ratio, images[1], 1.0 - plan.mix_ratio, 0.0)
-    out_labels = Labels.concat(labels)
-    if plan.cutmix is not None:
-        area = choose_area(plan.cutmix.areas, out_labels.boxes_xyxy, plan.cutmix.pick)
-        if area is not None:  # only the rectangle of the pasted layer is rendered, straight into its own canvas
-            x1, y1, x2, y2 = area
-            layer = plan.layers[-1]
-            patch, inside = render(
-                tiles(layer), layer.canvas_wh, translation(-x1, -y1) @ layer.m, (x2 - x1, y2 - y1), layer.scale
-            )
-            img, out_labels = paste(img, out_labels, area, patch, inside)
-    return img, out_labels
+    if layout.patch is not None:
+        (x1, y1, x2, y2), patch = layout.patch
+        img[y1:y2, x1:x2] = render_layer(patch, pixels)
+    return img, layout.labels

@@ -23,6 +23,7 @@ from detrain.config.cfg import Cfg, replace_cfg
 from detrain.config.values import is_auto_batch
 from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
+from detrain.data.samples.device_render import DeviceBatch
 from detrain.distributed import dist, node_consistency, parallel, restart_policy
 from detrain.distributed.parallel import unwrap
 from detrain.distributed.preempt_mark import exit_when_launcher_stops, leave_mark
@@ -413,6 +414,8 @@ class Trainer:
         step_times: list[float] = []
         for i, batch in enumerate(self.monitor.timed(self.train_loader), first):
             ts = time.perf_counter()
+            if isinstance(batch, DeviceBatch):  # augment_device=gpu: the images are drawn here, on the device
+                batch = batch.render(self.device)
             items, imgsz = self._train_batch(epoch, i, batch, n_warmup)
             items = finite_items(items, mean_items)  # a skipped batch's NaN stays out of the epoch's mean
             mean_items = (mean_items * i + items) / (i + 1)
