@@ -65,13 +65,16 @@ def _decoded(decoded: Mapping[tuple[int, int], np.ndarray | None], i: int, r: in
 
 
 class Pick(NamedTuple):
-    """A sampler's key for the dataset: ``index``, its mosaic ``pool`` (the indices partners are drawn from) and the
-    pool's ``lane`` (pools of one lane slide over the same batches, see ``decode_cache.py``; -1: none)."""
+    """A sampler's key for the dataset: ``index``, its mosaic ``pool`` (the indices partners are drawn from), the
+    pool's ``lane`` (pools of one lane slide over the same batches, see ``decode_cache.py``; -1: none) and the
+    ``epoch`` it belongs to (its draws are (seed, epoch, index)'s; -1: the epoch ``set_epoch`` gave). A loader that
+    runs on into the next epoch before the trainer has begun it hands out keys of that epoch (``loader.py``)."""
 
     # shadows tuple.index (which mypy reports); the samplers, the loader and the tests all read pick.index
     index: int  # type: ignore[assignment]
     pool: tuple[int, ...]
     lane: int = -1
+    epoch: int = -1
 
 
 def _augment_device(value: str) -> str:
@@ -242,9 +245,13 @@ class DetectionDataset(Dataset):
     @property
     def mosaic_active(self) -> bool:
         """Whether mosaic (and mixup and cutmix) can still be drawn this epoch."""
+        return self.mosaic_active_at(self.epoch)
+
+    def mosaic_active_at(self, epoch: int) -> bool:
+        """Whether mosaic (and mixup and cutmix) can be drawn in ``epoch``."""
         if int(self._state[_CLOSED]):
             return False
-        return self.close_mosaic_epoch is None or self.epoch < self.close_mosaic_epoch
+        return self.close_mosaic_epoch is None or epoch < self.close_mosaic_epoch
 
     @property
     def skipped_images(self) -> int:
@@ -275,7 +282,8 @@ class DetectionDataset(Dataset):
         out_hw = self.batch_shape(picks[0].index) if self.rect and picks else None
         if not self.augment:
             return self._finish([self._val_sample(p.index, out_hw) for p in picks])
-        epoch, mosaic_on = self.epoch, self.mosaic_active
+        epoch = picks[0].epoch if picks and picks[0].epoch >= 0 else self.epoch  # a batch is of one epoch
+        mosaic_on = self.mosaic_active_at(epoch)
         plans = [self._plan(p, epoch, 0, mosaic_on, out_hw) for p in picks]
         decoded: dict[tuple[int, int], Any] = {}  # this batch's pixels (or sources), whatever the cache evicts
         on_device = self.augment_device == "gpu"

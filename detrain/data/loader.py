@@ -92,6 +92,21 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
         self.epoch = 0
         self._start: tuple[int, int] | None = None  # (epoch, batch) where a run resumed mid-epoch goes on
         self._orders: dict[int, np.ndarray] = {}
+        self._run_to: int | None = None  # run_to(): an iteration goes on into the next epochs up to this one
+
+    def run_to(self, epochs: int | None) -> None:
+        """Let an iteration go on past this epoch's last batch into the next epochs, up to (not including)
+        ``epochs`` (None: one epoch per iteration). The trainer then takes each epoch's batches from one iterator,
+        and the loader's workers prepare the next epoch's first batches while it validates and saves, as they do
+        within an epoch: nothing waits at an epoch's start. Every key carries its epoch (:class:`Pick`), so the
+        draws are those of a pass per epoch.
+
+        >>> s = GlobalBatchSampler(32, 16, seed=1)
+        >>> s.run_to(2); run = [[(p.epoch, p.index) for p in b] for b in s]
+        >>> s.run_to(None); s.set_epoch(1); run[2:] == [[(p.epoch, p.index) for p in b] for b in s]
+        True
+        """
+        self._run_to = epochs
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation for the next iteration."""
@@ -135,7 +150,16 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
     def __iter__(self) -> Iterator[list[Pick]]:
         resumed = self._start if self._start is not None and self._start[0] == self.epoch else None
         first = resumed[1] if resumed is not None else 0
-        order = self.order()
+        start = self.epoch  # set_epoch may move on while this iteration runs into the next epochs
+        last = max(self._run_to, start + 1) if self._run_to is not None else start + 1
+        for epoch in range(start, last):
+            yield from self._epoch_batches(epoch, first if epoch == start else 0)
+            if epoch == start and resumed is not None and self._start == resumed:
+                self._start = None  # this epoch's resumed pass is over: the next starts at batch 0
+
+    def _epoch_batches(self, epoch: int, first: int) -> Iterator[list[Pick]]:
+        """This rank's batches of ``epoch`` from batch ``first`` on."""
+        order = self.order(epoch)
         g = self.batch_size * self.world_size
         pools: dict[tuple[int, int], tuple[int, ...]] = {}
         groups = math.ceil(self.pool_batch / self.pool_size)
@@ -147,12 +171,10 @@ class GlobalBatchSampler(Sampler[list[Pick]]):
                 b, slot = divmod(p, self.pool_batch)  # the planned batch and slot of this position
                 key = (b, slot // self.pool_size)
                 if key not in pools:
-                    pools[key] = self.pool(self.epoch, b, slot)
+                    pools[key] = self.pool(epoch, b, slot)
                 lane = b % self.pool_lanes * groups + slot // self.pool_size  # the pool's lane: its slot group
-                picks.append(Pick(int(order[p]), pools[key], lane))
+                picks.append(Pick(int(order[p]), pools[key], lane, epoch))
             yield picks
-        if resumed is not None and self._start == resumed:
-            self._start = None  # this epoch's resumed pass is over: the next starts at batch 0
 
     def pool(self, epoch: int, batch: int, slot: int) -> tuple[int, ...]:
         """The mosaic pool of ``slot`` of planned global batch ``batch`` of ``epoch``: its slot group in the lane's

@@ -230,3 +230,67 @@ def test_rect_training_batches_keep_one_shape_even_when_padded(records: list[Rec
         sampler_batches = list(loader.batch_sampler)
         for keys, batch in zip(sampler_batches, loader):
             assert tuple(batch["img"].shape[2:]) == ds.batch_shape(keys[0].index)
+
+
+def test_a_loader_run_on_across_epochs_gives_each_epochs_batches_and_close_mosaic(records: list[Rec]) -> None:
+    """run_to: one iteration, the trainer taking each epoch's batches in turn, gives exactly what a pass per epoch
+    gives (the keys carry their epoch: the shared epoch is never set here), close_mosaic included."""
+    per_epoch_ds = DetectionDataset(records, imgsz=64, augment=True, hyp=NO_HSV, close_mosaic_epoch=2, seed=3)
+    loader = build_dataloader(per_epoch_ds, 4, shuffle=True, workers=0, seed=3)
+    expected = []
+    for epoch in range(3):
+        per_epoch_ds.set_epoch(epoch)
+        loader.batch_sampler.set_epoch(epoch)
+        expected.append([b["img"] for b in loader])
+    ds = DetectionDataset(records, imgsz=64, augment=True, hyp=NO_HSV, close_mosaic_epoch=2, seed=3)
+    run_on = build_dataloader(ds, 4, shuffle=True, workers=1, seed=3)
+    run_on.batch_sampler.run_to(3)
+    batches = iter(run_on)
+    for epoch in range(3):
+        got = [b["img"] for b in itertools.islice(batches, len(run_on))]
+        assert len(got) == len(expected[epoch]) and all(map(torch.equal, got, expected[epoch])), epoch
+    assert next(batches, None) is None  # the iteration ends with the run's last epoch
+    assert max(_background_count(img) for b in expected[1] for img in b) >= 2  # mosaics before close_mosaic
+    assert {_background_count(img) for b in expected[2] for img in b} == {1}  # none after
+
+
+class _Requests(torch.utils.data.Dataset):
+    """Logs the epoch of every batch a loader worker is asked for (a line in ``log``)."""
+
+    def __init__(self, log) -> None:
+        self.log = log
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitems__(self, keys):
+        with open(self.log, "a") as f:
+            f.write(f"{keys[0].epoch}\n")
+        return [torch.tensor(k.index) for k in keys]
+
+
+def test_the_workers_prepare_the_next_epoch_before_it_begins(tmp_path) -> None:
+    """What run_to is for: while the trainer is still at the end of an epoch (validating, saving), the workers are
+    already at work on the next epoch's first batches, instead of standing idle until it begins."""
+    log = tmp_path / "requests"
+    loader = build_dataloader(_Requests(log), 4, shuffle=True, workers=1, seed=0)
+    loader.batch_sampler.run_to(2)
+    batches = iter(loader)
+    first = list(itertools.islice(batches, len(loader)))  # epoch 0 taken; epoch 1 not asked for yet
+    assert len(first) == 4
+    asked = wait_for_lines(log, 4 + 1)  # the worker goes on (prefetch) into epoch 1 by itself
+    assert asked[:4] == ["0"] * 4 and "1" in asked[4:]
+    assert len(list(itertools.islice(batches, len(loader)))) == 4 and next(batches, None) is None
+
+
+def wait_for_lines(path, n: int, limit_s: float = 60.0) -> list[str]:
+    """The lines of ``path`` once it has at least ``n`` (a bounded wait for an event, not a timing)."""
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        lines = path.read_text().split() if path.exists() else []
+        if len(lines) >= n:
+            return lines
+        time.sleep(0.02)
+    return path.read_text().split() if path.exists() else []
