@@ -8,7 +8,7 @@ Cases (``--cases`` picks some, by letter or name):
 
 a worker_kill      nnodes=2 max_restarts=1: SIGKILL of node 1's worker after epoch 1 (the fault-tolerance issue's
                    two-node command, with its keys only): both nodes finish every epoch, each epoch once in node 0's
-                   results.csv, and node 1 never holds a checkpoint
+                   results.csv, and node 1 holds only copies of node 0's checkpoints (save_replicas)
 b node_leaves      nnodes=1:2 rdzv_backend=c10d max_restarts=1: SIGKILL of node 1's launcher and its workers at
                    once (a machine that dies) after epoch 1: node 0 goes on alone and finishes
 c node_joins       nnodes=1:2 rdzv_backend=c10d: node 1 starts after node 0's first epoch: the group grows to two
@@ -31,6 +31,11 @@ j net_blip         nnodes=2, each node in its own network namespace (scripts/_ne
                    them cut for 20 s after epoch 1 (dist_timeout 45), then mended: both finish, no restart
 k net_partition    nnodes=1:2 rdzv_backend=c10d max_restarts=1, own namespaces: the cable cut for good after epoch
                    1: node 0 resumes alone within dist_timeout + 60 s and finishes; node 1 ends with one line
+l node0_lost       nnodes=2: SIGKILL of node 0's launcher and workers (its machine) after epoch 1: node 1 ends with
+                   one line; started again alone with resume= its own copy of last.pt (save_replicas) it finishes
+m nodes_differ     nnodes=2, node 1's dataset one image short: both refuse before training, one line, exit code 2
+n repeated_failure nnodes=2 max_restarts=5, every attempt's first save fails (tests/_inject's I/O error): the
+                   third attempt stops the run with 'the same failure repeated 2 times' instead of restarting on
 
 Every case returns a :class:`Result` (a row of the printed table); the exit code is 1 when any case failed. Every
 process a case started is killed when it ends, however it ends (Ctrl-C included): each node runs in its own session
@@ -47,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
+import json
 import os
 import re
 import shutil
@@ -358,12 +364,22 @@ class Cluster:
             **extra,
         }
 
-    def start(self, index: int, args: dict[str, object], prefix: list[str] = ()) -> Node:
+    def start(
+        self,
+        index: int,
+        args: dict[str, object],
+        prefix: list[str] = (),
+        alter: Callable[[Path], None] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Node:
         """Node ``index`` in ``work/<case>/node<index>``, with its own copy of the dataset (``prefix``: the command
-        that puts it on its own network)."""
+        that puts it on its own network; ``alter``: a change to that copy before it starts; ``env``: variables
+        added to its environment, e.g. tests/_inject's fault rule)."""
         home = self.work / f"node{index}"
         shutil.copytree(self.data, home / "data")
-        node = Node(home, args, child_env(self.tag), prefix=prefix)
+        if alter is not None:
+            alter(home / "data")
+        node = Node(home, args, {**child_env(self.tag), **(env or {})}, prefix=prefix)
         self.nodes.append(node)
         return node
 
@@ -462,7 +478,7 @@ def case_worker_kill(work: Path, size: Size = FULL) -> Result:
     """(a) SIGKILL of node 1's worker after epoch 1, nnodes=2 max_restarts=1: both nodes resume and finish."""
     result = Result(
         "a worker_kill",
-        f"both nodes exit 0; node 0 resumes ('restart 1'); epochs 1-{size.epochs} once; node 1 holds no .pt",
+        f"both nodes exit 0; node 0 resumes ('restart 1'); epochs 1-{size.epochs} once; node 1 holds only copies",
     )
     t0 = time.monotonic()
     with Cluster(work, size, "worker_kill") as c:
@@ -884,6 +900,107 @@ def case_net_partition(work: Path, size: Size = FULL) -> Result:
         )
 
 
+def _fault_env(rule: dict[str, object]) -> dict[str, str]:
+    """A node's extra environment for tests/_inject's rule (it acts in rank 0's process, from outside detrain)."""
+    return {"TEST_FAULT": json.dumps(rule), "PYTHONPATH": f"{REPO / 'tests' / '_inject'}{os.pathsep}{REPO}"}
+
+
+def case_node0_lost(work: Path, size: Size = FULL) -> Result:
+    """(l) nnodes=2: node 0's rank 0 is held right after it wrote epoch 2's last.pt (before it could send the file
+    on), then node 0's launcher and workers are SIGKILLed at once (its machine dies): node 1 ends with one line, and
+    started again alone with ``resume=`` naming its own copy of last.pt (save_replicas=2, the default) it resumes at
+    epoch 2 (the newest checkpoint it received) and finishes."""
+    result = Result(
+        "l node0_lost",
+        "node 1 ends with one line; alone, with resume= its copy of last.pt, it resumes at epoch 2 and exits 0; "
+        "its results.csv has epochs 2 on, once",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "node0_lost") as c:
+        until = c.work / "release"  # never made: node 0 dies while held
+        hold = _fault_env({"after": "last.pt", "epoch": 1, "then": "hold", "until": str(until)})
+        args = c.common(nnodes=2)
+        n0 = c.start(0, {**args, "node_rank": 0}, env=hold)
+        n1 = c.start(1, {**args, "node_rank": 1})
+        held = Path(f"{until}.held")
+        if not wait_until(lambda: held.exists() or n0.ended() or n1.ended(), size.limit_s, 0.1) or not held.exists():
+            result.problems.append(f"node 0 never wrote epoch 2's last.pt: {_describe(n0, 3)}")
+            return _close(_finish(result, c, n0, t0, None), "")
+        send([n0.pid, *descendants(n0.pid)], signal.SIGKILL)  # the whole machine at once
+        killed = time.monotonic()
+        result.check(bool(wait_until(n1.ended, size.limit_s, 0.2)), "node 1 did not end")
+        ended_s, line = time.monotonic() - killed, n1.last_line()
+        result.check(n1.proc.poll() != 0 and line.startswith("error: "), f"node 1 {_describe(n1, 3)}")
+        again = c.restart(1, {"resume": "runs/x/weights/last.pt", "device": "cpu"})
+        result.check(bool(wait_until(again.ended, size.limit_s, 0.2)), "node 1 alone did not end")
+        resumed = re.search(r"resuming from runs/x/weights/last\.pt at epoch (\d+)", again.out())
+        result.check(again.proc.poll() == 0, f"node 1 alone {_describe(again, 3)}")
+        result.check(resumed is not None and resumed.group(1) == "2", f"node 1 alone: {_describe(again, 3)}")
+        rows = again.rows()
+        result.check(rows == [str(e) for e in range(2, size.epochs + 1)], f"node 1's results.csv epochs {rows}")
+        loads, result.checkpoint, ckpt = checkpoint_text(again.run / "weights" / "last.pt")
+        result.check(loads and ckpt is not None and int(ckpt["epoch"]) == size.epochs - 1, result.checkpoint)
+        result.epochs = f"{rows[0]}-{rows[-1]} (node 1)" if rows else "-"
+        result.seconds = time.monotonic() - t0
+        return _close(
+            result, f"node 0 SIGKILLed after writing epoch 2's last.pt; node 1 ended {ended_s:.1f} s later: "
+            f"{line[:120]}; alone it resumed from its copy at epoch 2 and exits 0",
+        )  # fmt: skip
+
+
+def _one_image_fewer(data: Path) -> None:
+    gone = sorted((data / "images" / "train").iterdir())[-1]
+    gone.unlink()
+    (data / "labels" / "train" / f"{gone.stem}.txt").unlink(missing_ok=True)
+
+
+def case_nodes_differ(work: Path, size: Size = FULL) -> Result:
+    """(m) nnodes=2, node 1's copy of the dataset one image short: both nodes refuse before training, with one
+    line naming node_rank=1 and the counts, exit code 2."""
+    result = Result("m nodes_differ", "both exit 2 before training; one line naming node_rank=1 and the image counts")
+    t0 = time.monotonic()
+    with Cluster(work, size, "nodes_differ") as c:
+        args = c.common(nnodes=2)
+        n0 = c.start(0, {**args, "node_rank": 0})
+        n1 = c.start(1, {**args, "node_rank": 1}, alter=_one_image_fewer)
+        result.check(c.wait_all(size.limit_s), "the nodes did not end")
+        _finish(result, c, n0, t0, None)
+        want = f"train images {size.n_train - 1} there, {size.n_train} on node 0"
+        for i, node in enumerate((n0, n1)):
+            out = node.out()
+            result.check(node.proc.poll() == 2, f"node {i} {_describe(node, 3)}")
+            result.check("node_rank=1 (host " in node.last_line() and want in node.last_line(), f"node {i} line")
+            result.check(out.count("error: ") == 1 and "Traceback" not in out, f"node {i}: not one line")
+        result.check(not list(c.work.rglob("last.pt")), "a checkpoint was written")
+        return _close(result, f"node 0: {n0.last_line()[:200]}; node 1 exit {n1.proc.poll()}")
+
+
+def case_repeated_failure(work: Path, size: Size = FULL) -> Result:
+    """(n) nnodes=2 max_restarts=5: every attempt's first last.pt write fails (an I/O error injected into rank 0's
+    rename by tests/_inject, on every attempt): one line naming the file each time, restarts that wait longer each
+    time, and the third attempt stops the run with 'the same failure repeated' instead of using up the restarts."""
+    result = Result(
+        "n repeated_failure",
+        "each failed save is one line naming last.pt; the run stops at attempt 3 with 'the same failure repeated "
+        "2 times'; not 5 restarts",
+    )
+    t0 = time.monotonic()
+    fault = _fault_env({"after": "last.pt", "epoch": 0, "then": "raise", "every_attempt": True})
+    with Cluster(work, size, "repeated_failure") as c:
+        args = c.common(nnodes=2, max_restarts=5)
+        n0 = c.start(0, {**args, "node_rank": 0}, env=fault)
+        c.start(1, {**args, "node_rank": 1})
+        result.check(c.wait_all(size.limit_s), "the nodes did not end")
+        _finish(result, c, n0, t0, None)
+        out = n0.out()
+        stop = re.search(r"the same failure repeated (\d+) times with no progress[^\n]*", out)
+        result.check(stop is not None and stop.group(1) == "2", f"node 0 {_describe(n0, 3)}")
+        result.check(n0.proc.poll() not in (0, None), f"node 0 {_describe(n0)}")
+        result.check("restart 3" not in out, "the restarts were used up past the third attempt")
+        result.check("injected failure" in out and "last.pt" in out, "the failed save was not named")
+        return _close(result, f"node 0: {stop.group(0)[:220] if stop else _describe(n0, 2)}")
+
+
 CASES: dict[str, Callable[[Path, Size], Result]] = {
     "a": case_worker_kill,
     "b": case_node_leaves,
@@ -896,6 +1013,9 @@ CASES: dict[str, Callable[[Path, Size], Result]] = {
     "i": case_preempted,
     "j": case_net_blip,
     "k": case_net_partition,
+    "l": case_node0_lost,
+    "m": case_nodes_differ,
+    "n": case_repeated_failure,
 }
 NAMES = {
     "worker_kill": "a",
@@ -909,6 +1029,9 @@ NAMES = {
     "preempted": "i",
     "net_blip": "j",
     "net_partition": "k",
+    "node0_lost": "l",
+    "nodes_differ": "m",
+    "repeated_failure": "n",
 }
 
 
@@ -944,7 +1067,7 @@ def pick(text: str) -> list[str]:
         elif all(ch in CASES for ch in part):
             picked += list(part)
         else:
-            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-k or the names {', '.join(NAMES)}")
+            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-n or the names {', '.join(NAMES)}")
     return picked
 
 
@@ -956,7 +1079,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cases", default="abcdefghijk", help="letters or names, comma-separated (default: all)")
+    parser.add_argument("--cases", default="abcdefghijklmn", help="letters or names, comma-separated (default: all)")
     parser.add_argument("--small", action="store_true", help="the smallest runs that exercise each case")
     parser.add_argument("--work", type=Path, default=None, help="folder for the nodes (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the nodes' folders (with --work, always kept)")

@@ -402,7 +402,8 @@ def lost_master(endpoint: str, node_rank: int, cause: str) -> str:
     return (
         f"lost the rendezvous at {endpoint} (node_rank={node_rank}): node_rank=0, which hosts it, has stopped "
         f"or cannot be reached, and the group cannot go on without node 0 (other nodes may leave); start the "
-        f"nodes again with resume= naming node 0's weights/last.pt [{cause}]"
+        f"nodes again with resume= naming node 0's weights/last.pt, or, without node 0, the copy of it in this "
+        f"node's run folder (save_replicas) [{cause}]"
     )
 
 
