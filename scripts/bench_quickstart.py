@@ -3,7 +3,10 @@
 The built-in shapes set is generated into an empty datasets folder (``DETRAIN_DATASETS_DIR``), as on a machine
 that never ran detrain, and the run goes into an empty project folder. The table gives mAP50 and mAP50-95 of
 every 5th epoch and the last (detrain's own validation of the EMA weights, ``results.csv``), over ``--seeds``
-(the quick start uses the default seed 0), and the wall time.
+(the quick start uses the default seed 0), and the wall time. The header names the host (CPU model, the
+instruction set torch's kernels use, torch's version, the load): the same commit and seed give other figures on
+another CPU (oneDNN picks its convolution kernels by instruction set, so the rounding differs, and 25 epochs on 256
+images carry that into the final mAP as a change of seed does), and a shared machine's load stretches the wall time.
 
     python scripts/bench_quickstart.py                 # the quick start as written: imgsz=160 epochs=25
     python scripts/bench_quickstart.py --seeds 0,1,2   # how much the figure moves with the seed
@@ -59,6 +62,32 @@ def run(seed: int, work: Path, extra: list[str]) -> tuple[list[dict[str, float]]
     return rows, wall, shlex.join(["detrain", "train", *QUICK_START, f"seed={seed}", *extra])
 
 
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (or ``cpuinfo``, its text), else what platform knows."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def host() -> str:
+    """Where a figure was measured, for the table's header: the figures depend on the CPU's kernels and the wall
+    time on the machine's load, so two tables compare only where this line agrees (see the module docstring)."""
+    import torch
+
+    load = f", load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
+    return (
+        f"{cpu_model()} ({os.cpu_count()} CPUs, torch kernels {torch.backends.cpu.get_cpu_capability()}), "
+        f"torch {torch.__version__}{load}"
+    )
+
+
 def commit() -> str:
     """The checkout's commit, marked ``+dirty`` when tracked files differ from it ('unknown' outside git)."""
     try:
@@ -84,6 +113,7 @@ def main() -> None:
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     results = []
+    where = host()  # before training: the load the runs start under
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             rows, wall, cmd = run(seed, Path(tmp) / f"s{seed}", args.extra)
@@ -94,7 +124,7 @@ def main() -> None:
     extra = " " + " ".join(args.extra) if args.extra else ""
     print(
         f"\n`python scripts/bench_quickstart.py --seeds {args.seeds}{extra}`"
-        f" — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs, commit {commit()}, command: "
+        f" — {time.strftime('%Y-%m-%d')}, {platform.machine()}, {where}, commit {commit()}, command: "
         f"`{results[0][3]}`\n"
     )
     print("| seed | " + " | ".join(f"epoch {e}" for e in shown) + " | wall s |")
