@@ -1,9 +1,17 @@
 """scripts/gpu_check.py: its CPU-safe checks as a real command (rows, figures, skipped GPU checks and one table),
 the one-rank group's worker on gloo, and the Ultralytics side-by-side step on a CPU (tests/unit/test_gpu_check_rows.py
-has the table and the comparison)."""
+has the table and the comparison).
+
+The command's resume check on a CPU is two gloo workers, rank 0 SIGKILLed right after mid.pt at batch 2 of epoch 2
+and restarted by the launcher, against the same run uninterrupted: the runs that
+tests/integration/test_resume_every_node.py trained for itself until the two were found to be the same (16 images
+at 64 px, batch 4, nbs 4, SGD, seed 0). They are trained once, here, and the product's stronger claims (bitwise
+model and EMA, the restart that resumed from mid.pt) are read from the folders the command leaves.
+"""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -22,17 +30,24 @@ GPU_ONLY = ("fp16", "nccl-one-rank", "nccl-watchdog", "ultralytics-step", "compi
 gc = load_script("gpu_check")
 
 
-def test_cpu_run_proves_the_cpu_paths_and_skips_the_gpu_ones(tmp_path: Path) -> None:
-    out = tmp_path / "rows.json"
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    """``gpu_check.py --cpu`` run once: (the process, its JSON report, its work folder)."""
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    out, work = tmp / "rows.json", tmp / "work"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu", "--json", str(out), "--work", str(tmp_path / "work")],
+        [sys.executable, str(SCRIPT), "--cpu", "--json", str(out), "--work", str(work)],
         env=child_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return proc, json.loads(out.read_text()), work
+
+
+def test_cpu_run_proves_the_cpu_paths_and_skips_the_gpu_ones(cpu_run) -> None:
+    proc, report, _ = cpu_run
     rows = {r["check"]: r for r in report["rows"]}
     assert report["cuda"] is False and list(rows) == [name for name, _ in gc.CHECKS]
     for name in ("versions", "train", "resume"):
@@ -48,6 +63,34 @@ def test_cpu_run_proves_the_cpu_paths_and_skips_the_gpu_ones(tmp_path: Path) -> 
     # one table at the end: a header and a line per check
     table = [line for line in proc.stdout.splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(gc.CHECKS) and table[0].startswith("| check | status |")
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_two_workers_restarted_mid_epoch_resume_at_the_step_with_the_uninterrupted_weights(cpu_run) -> None:
+    """mid.pt is saved after every step (save_interval of a few nanoseconds); rank 0 is killed after the one of
+    batch 2 of epoch 2, the launcher restarts both, and they go on from batch 3 to the weights (model and EMA, with
+    each rank's own BatchNorm statistics) of a run that never saved mid.pt nor stopped. (Moved here from
+    tests/integration/test_resume_every_node.py, whose runs were the command's resume check's.)"""
+    _, _, work = cpu_run
+    args = gc._resume_args(gc.Context(work=work, cuda=False, gpus=0), "cpu,cpu")
+    assert (args["epochs"], args["batch"], args["nbs"], args["device"]) == (2, 4, 4, "cpu,cpu")
+    straight, run = work / "resume-straight0" / "run", work / "resume-killed" / "run"
+    one, two = _load(straight / "weights" / "last.pt"), _load(run / "weights" / "last.pt")
+    for key in ("model", "ema"):
+        assert one[key]["state_dict"].keys() == two[key]["state_dict"].keys()
+        for name, tensor in one[key]["state_dict"].items():
+            assert torch.equal(tensor, two[key]["state_dict"][name]), (key, name)
+    assert one["ema"]["updates"] == two["ema"]["updates"] and one["last_update"] == two["last_update"]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    (restart,) = [e for e in events if e["kind"] == "restart"]
+    assert restart["launcher_restart_count"] == 1 and restart["epoch"] == 2
+    assert restart["resumed_from"] == str(run / "weights" / "mid.pt")
+    with open(run / "results.csv") as f:
+        assert [r["epoch"].strip() for r in csv.DictReader(f)] == ["1", "2"]
+    assert not (run / "weights" / "mid.pt").exists()
 
 
 def test_one_rank_group_runs_ddp_and_every_collective_on_gloo() -> None:
