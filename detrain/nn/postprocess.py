@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-import torchvision
 from torch import Tensor
 
 from detrain.nn.boxes import xywh2xyxy
@@ -66,6 +67,14 @@ def non_max_suppression(
             continue
         offsets = 0.0 if agnostic else dets[:, 5:6] * max_wh
         # torchvision's CPU kernel has no half support; NMS only needs the ordering and IoUs
-        keep = torchvision.ops.nms((dets[:, :4] + offsets).float(), dets[:, 4].float(), iou_thres)
+        keep = _nms()((dets[:, :4] + offsets).float(), dets[:, 4].float(), iou_thres)
         out.append(dets[keep[:max_det]])
     return out
+
+
+def _nms() -> Callable[[Tensor, Tensor, float], Tensor]:
+    """torchvision's NMS kernel, imported on first use: importing torchvision costs a process ~2 s of CPU (it loads
+    torch._dynamo), and the launcher and the ranks that never score a batch do not need it."""
+    from torchvision.ops import nms
+
+    return nms

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from detrain.data.image_io import read_image_bytes
 from detrain.data.memory.batch_memory import Batch
@@ -50,6 +49,10 @@ def decode_all(jpegs: Mapping[int, EncodedJpeg], device: torch.device) -> dict[i
     fails, each is decoded alone, and one that cannot be is None (``source_pixels`` falls back to OpenCV)."""
     if not jpegs:
         return {}
+    # here, not at the top: importing torchvision costs every process ~2 s of CPU (it loads torch._dynamo), and most
+    # never decode on the device (the launcher, the loader's workers, a run with augment_device=cpu)
+    from torchvision.io import ImageReadMode, decode_jpeg
+
     keys = list(jpegs)
     with warnings.catch_warnings():  # torchvision 0.29 announces its decoders will move to TorchCodec one day
         warnings.simplefilter("ignore", DeprecationWarning)
