@@ -36,6 +36,10 @@ l node0_lost       nnodes=2: SIGKILL of node 0's launcher and workers (its machi
 m nodes_differ     nnodes=2, node 1's dataset one image short: both refuse before training, one line, exit code 2
 n repeated_failure nnodes=2 max_restarts=5, every attempt's first save fails (tests/_inject's I/O error): the
                    third attempt stops the run with 'the same failure repeated 2 times' instead of restarting on
+o save_fails       nnodes=2, rank 0's write of epoch 2's last.pt fails (an injected I/O error): one line, epoch 1's
+                   last.pt intact; last.pt then damaged on disk: resumed, both nodes fall back to last.prev.pt
+p nan_steps        nnodes=2 nonfinite_limit=2, node 1's losses NaN from epoch 2 on (tests/_inject): both ranks skip
+                   those updates and stop after two in a row with one line, exit 2; last.pt stays epoch 1's
 
 Every case returns a :class:`Result` (a row of the printed table); the exit code is 1 when any case failed. Every
 process a case started is killed when it ends, however it ends (Ctrl-C included): each node runs in its own session
@@ -1001,6 +1005,97 @@ def case_repeated_failure(work: Path, size: Size = FULL) -> Result:
         return _close(result, f"node 0: {stop.group(0)[:220] if stop else _describe(n0, 2)}")
 
 
+def _damaged_copy(path: Path) -> None:
+    """``path`` replaced by a copy with 64 bytes flipped mid-file (a new file: its previous generation, a hard link
+    to the old one, stays whole), as a disk that returns bad blocks would give it."""
+    data = bytearray(path.read_bytes())
+    for k in range(len(data) // 2, len(data) // 2 + 64):
+        data[k] ^= 0xFF
+    tmp = path.with_name(f"{path.name}.damaged")
+    tmp.write_bytes(bytes(data))
+    os.replace(tmp, path)
+
+
+def case_save_fails(work: Path, size: Size = FULL) -> Result:
+    """(o) nnodes=2: rank 0's write of epoch 2's last.pt fails (an I/O error injected into its rename: a full disk
+    or a dying one): one line naming the file, epoch 1's last.pt intact, no temporary file left. Then last.pt is
+    damaged on disk and both nodes are started again with resume= naming it: they fall back to last.prev.pt with a
+    warning and a checkpoint_fallback event, and finish with each epoch once."""
+    result = Result(
+        "o save_fails",
+        "one line 'cannot write ...last.pt'; epoch 1's last.pt loads, no temporary file; resumed on a damaged "
+        "last.pt, both nodes fall back to last.prev.pt and finish; epochs once",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "save_fails") as c:
+        args = c.common(nnodes=2)
+        n0 = c.start(0, {**args, "node_rank": 0}, env=_fault_env({"after": "last.pt", "epoch": 1, "then": "raise"}))
+        n1 = c.start(1, {**args, "node_rank": 1})
+        result.check(c.wait_all(size.limit_s), "the nodes did not end")
+        line = n0.last_line()
+        result.check(n0.proc.poll() not in (0, None), f"node 0 {_describe(n0)}")
+        ended_badly = n1.proc.poll() not in (0, None) and n1.last_line().startswith("error: ")
+        result.check(ended_badly, f"node 1 {_describe(n1)}")
+        want = "cannot write runs/x/weights/last.pt: injected failure; the previous last.pt is intact"
+        result.check(want in line and line.startswith("error: "), f"node 0's line: {line[:200]}")
+        weights = n0.run / "weights"
+        loads, text, ckpt = checkpoint_text(weights / "last.pt")
+        result.check(loads and ckpt is not None and int(ckpt["epoch"]) == 0, f"last.pt after the failed save: {text}")
+        left = sorted(p.name for p in weights.iterdir() if p.name.endswith(".tmp"))
+        result.check(not left, f"temporary files left: {left}")
+        if result.problems:
+            return _close(_finish(result, c, n0, t0, None), "")
+        _damaged_copy(weights / "last.pt")
+        again = {**args, "resume": "runs/x/weights/last.pt"}
+        m0, m1 = c.restart(0, {**again, "node_rank": 0}), c.restart(1, {**again, "node_rank": 1})
+        result.check(c.wait_all(size.limit_s), "the nodes started again did not end")
+        out = m0.out()
+        fell_back = re.search(r"resuming from \S*last\.prev\.pt at epoch (\d+)", out)
+        result.check(fell_back is not None and fell_back.group(1) == "2", f"node 0 again: {_describe(m0, 3)}")
+        result.check(m0.proc.poll() == 0 and m1.proc.poll() == 0, f"again: {_describe(m0)} / {_describe(m1)}")
+        events = (n0.run / "events.jsonl").read_text() if (n0.run / "events.jsonl").exists() else ""
+        result.check('"checkpoint_fallback"' in events, "no checkpoint_fallback event")
+        rows = n0.rows()
+        result.check(rows == [str(e) for e in range(1, size.epochs + 1)], f"results.csv epochs {rows}")
+        result.epochs = epochs_text(rows)
+        _, result.checkpoint, _ = checkpoint_text(weights / "last.pt")
+        result.seconds = time.monotonic() - t0
+        return _close(
+            result, f"{line[7:120]}; epoch 1's last.pt loads; damaged, then {fell_back.group(0) if fell_back else ''}"
+            "; both exit 0",
+        )  # fmt: skip
+
+
+def case_nan_steps(work: Path, size: Size = FULL) -> Result:
+    """(p) nnodes=2 nonfinite_limit=2: node 1's rank makes every loss NaN from epoch 2 on (tests/_inject, in that
+    process only): both ranks skip those updates together and stop after two in a row with one line, exit 2;
+    last.pt stays epoch 1's and finite."""
+    result = Result(
+        "p nan_steps",
+        "both nodes end with one line '2 updates in a row had a non-finite loss', exit 2; last.pt epoch 1, finite",
+    )
+    t0 = time.monotonic()
+    with Cluster(work, size, "nan_steps") as c:
+        args = c.common(nnodes=2, nonfinite_limit=2)
+        nb = max(1, -(-size.n_train // size.batch))  # batches per epoch of each rank
+        nan = {
+            "TEST_NONFINITE": json.dumps({"rank": 1, "from": nb}),
+            "PYTHONPATH": f"{REPO / 'tests' / '_inject'}{os.pathsep}{REPO}",
+        }
+        n0 = c.start(0, {**args, "node_rank": 0})
+        n1 = c.start(1, {**args, "node_rank": 1}, env=nan)
+        result.check(c.wait_all(size.limit_s), "the nodes did not end")
+        _finish(result, c, n0, t0, None)
+        for i, node in enumerate((n0, n1)):
+            line = node.last_line()
+            result.check(node.proc.poll() == 2, f"node {i} {_describe(node)}")
+            result.check("2 updates in a row had a non-finite loss" in line, f"node {i}'s line: {line[:200]}")
+        loads, _, ckpt = checkpoint_text(n0.run / "weights" / "last.pt")
+        result.check(loads and ckpt is not None and int(ckpt["epoch"]) == 0, "last.pt is not epoch 1's")
+        result.check(n0.rows() == ["1"], f"results.csv epochs {n0.rows()}")
+        return _close(result, f"node 0: {n0.last_line()[:220]}; node 1 exit {n1.proc.poll()}")
+
+
 CASES: dict[str, Callable[[Path, Size], Result]] = {
     "a": case_worker_kill,
     "b": case_node_leaves,
@@ -1016,6 +1111,8 @@ CASES: dict[str, Callable[[Path, Size], Result]] = {
     "l": case_node0_lost,
     "m": case_nodes_differ,
     "n": case_repeated_failure,
+    "o": case_save_fails,
+    "p": case_nan_steps,
 }
 NAMES = {
     "worker_kill": "a",
@@ -1032,6 +1129,8 @@ NAMES = {
     "node0_lost": "l",
     "nodes_differ": "m",
     "repeated_failure": "n",
+    "save_fails": "o",
+    "nan_steps": "p",
 }
 
 
@@ -1067,7 +1166,7 @@ def pick(text: str) -> list[str]:
         elif all(ch in CASES for ch in part):
             picked += list(part)
         else:
-            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-n or the names {', '.join(NAMES)}")
+            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-p or the names {', '.join(NAMES)}")
     return picked
 
 
@@ -1079,7 +1178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cases", default="abcdefghijklmn", help="letters or names, comma-separated (default: all)")
+    parser.add_argument("--cases", default="abcdefghijklmnop", help="letters or names, comma-separated (default: all)")
     parser.add_argument("--small", action="store_true", help="the smallest runs that exercise each case")
     parser.add_argument("--work", type=Path, default=None, help="folder for the nodes (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the nodes' folders (with --work, always kept)")

@@ -292,25 +292,34 @@ def agree(value: Any) -> Any:
 
 def send_bytes(data: bytes, dst: int) -> None:
     """Send ``data`` to rank ``dst`` alone (point to point: only the two ranks take part; ``dst`` calls
-    :func:`recv_bytes`). Its length goes first. On NCCL the bytes travel through this rank's GPU."""
+    :func:`recv_bytes`). Its length goes first. On NCCL the bytes travel through this rank's GPU. Each transfer
+    waits at most the training timeout: gloo's point-to-point waits have no bound of their own, so a peer stopped
+    mid-transfer (SIGSTOP, a hung host) would hold this rank forever instead of ending it with one line."""
     device = _p2p_device()
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     with _named(f"send_bytes(dst={dst})"):
-        tdist.send(torch.tensor([len(data)], dtype=torch.int64, device=device), dst)
+        _p2p_wait(tdist.isend(torch.tensor([len(data)], dtype=torch.int64, device=device), dst))
         if data:
-            tdist.send(payload.to(device), dst)
+            _p2p_wait(tdist.isend(payload.to(device), dst))
 
 
 def recv_bytes(src: int) -> bytes:
-    """The bytes rank ``src`` sends with :func:`send_bytes` (point to point)."""
+    """The bytes rank ``src`` sends with :func:`send_bytes` (point to point, bounded as it is)."""
     device = _p2p_device()
     size = torch.zeros(1, dtype=torch.int64, device=device)
     with _named(f"recv_bytes(src={src})"):
-        tdist.recv(size, src)
+        _p2p_wait(tdist.irecv(size, src))
         out = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         if out.numel():
-            tdist.recv(out, src)
+            _p2p_wait(tdist.irecv(out, src))
     return out.cpu().numpy().tobytes()
+
+
+def _p2p_wait(work: Any) -> None:
+    """Wait for a point-to-point transfer at most the training timeout; a transfer not done by then raises."""
+    timeout = _info.timeout_s if _info is not None else DEFAULT_TIMEOUT_S
+    if work is not None and not work.wait(timeout=timedelta(seconds=timeout)):
+        raise TimeoutError(f"timed out after {timeout:g}s waiting for a point-to-point transfer")
 
 
 def _p2p_device() -> torch.device:
