@@ -904,9 +904,14 @@ def case_net_partition(work: Path, size: Size = FULL) -> Result:
         )
 
 
+def _inject_env(variable: str, rule: dict[str, object]) -> dict[str, str]:
+    """A node's extra environment for one of tests/_inject's rules (``TEST_FAULT``: a checkpoint write in rank 0's
+    process; ``TEST_NONFINITE``: NaN losses on a rank), acting from outside detrain."""
+    return {variable: json.dumps(rule), "PYTHONPATH": f"{REPO / 'tests' / '_inject'}{os.pathsep}{REPO}"}
+
+
 def _fault_env(rule: dict[str, object]) -> dict[str, str]:
-    """A node's extra environment for tests/_inject's rule (it acts in rank 0's process, from outside detrain)."""
-    return {"TEST_FAULT": json.dumps(rule), "PYTHONPATH": f"{REPO / 'tests' / '_inject'}{os.pathsep}{REPO}"}
+    return _inject_env("TEST_FAULT", rule)
 
 
 def case_node0_lost(work: Path, size: Size = FULL) -> Result:
@@ -1078,10 +1083,7 @@ def case_nan_steps(work: Path, size: Size = FULL) -> Result:
     with Cluster(work, size, "nan_steps") as c:
         args = c.common(nnodes=2, nonfinite_limit=2)
         nb = max(1, -(-size.n_train // size.batch))  # batches per epoch of each rank
-        nan = {
-            "TEST_NONFINITE": json.dumps({"rank": 1, "from": nb}),
-            "PYTHONPATH": f"{REPO / 'tests' / '_inject'}{os.pathsep}{REPO}",
-        }
+        nan = _inject_env("TEST_NONFINITE", {"rank": 1, "from": nb})
         n0 = c.start(0, {**args, "node_rank": 0})
         n1 = c.start(1, {**args, "node_rank": 1}, env=nan)
         result.check(c.wait_all(size.limit_s), "the nodes did not end")
@@ -1114,24 +1116,7 @@ CASES: dict[str, Callable[[Path, Size], Result]] = {
     "o": case_save_fails,
     "p": case_nan_steps,
 }
-NAMES = {
-    "worker_kill": "a",
-    "node_leaves": "b",
-    "node_joins": "c",
-    "rank_stopped": "d",
-    "launcher_sigterm": "e",
-    "mid_epoch_kill": "f",
-    "busy_port": "g",
-    "no_master": "h",
-    "preempted": "i",
-    "net_blip": "j",
-    "net_partition": "k",
-    "node0_lost": "l",
-    "nodes_differ": "m",
-    "repeated_failure": "n",
-    "save_fails": "o",
-    "nan_steps": "p",
-}
+NAMES = {case.__name__.removeprefix("case_"): letter for letter, case in CASES.items()}  # worker_kill -> a ...
 
 
 def run_case(letter: str, work: Path, size: Size) -> Result:
@@ -1166,7 +1151,8 @@ def pick(text: str) -> list[str]:
         elif all(ch in CASES for ch in part):
             picked += list(part)
         else:
-            raise SystemExit(f"error: --cases: {part!r} is not a case; use letters a-p or the names {', '.join(NAMES)}")
+            choices = f"letters {min(CASES)}-{max(CASES)} or the names {', '.join(NAMES)}"
+            raise SystemExit(f"error: --cases: {part!r} is not a case; use {choices}")
     return picked
 
 
@@ -1178,7 +1164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--cases", default="abcdefghijklmnop", help="letters or names, comma-separated (default: all)")
+    parser.add_argument("--cases", default="".join(CASES), help="letters or names, comma-separated (default: all)")
     parser.add_argument("--small", action="store_true", help="the smallest runs that exercise each case")
     parser.add_argument("--work", type=Path, default=None, help="folder for the nodes (default: a temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the nodes' folders (with --work, always kept)")

@@ -29,17 +29,18 @@ from detrain.distributed import dist
 from detrain.engine.build import run_dir_problem
 from detrain.errors import CheckpointError
 from detrain.system.tempfiles import atomic_file, keep_generation
+from detrain.weights.hub import file_sha256
 
 
 def targets(layout: list[dict[str, Any]], copies: int) -> list[int]:
     """The ranks that keep a copy: the lowest rank of each node other than rank 0's, in node order, for
     ``copies`` - 1 nodes (``copies`` counts node 0's own file). ``layout``: every rank's ``rank`` and ``node``."""
     home = next(p["node"] for p in layout if p["rank"] == 0)
-    firsts: dict[int, int] = {}
+    firsts: dict[int, int] = {}  # node -> its lowest rank, in the order of those ranks (insertion order)
     for p in sorted(layout, key=lambda p: p["rank"]):
         if p["node"] != home:
             firsts.setdefault(p["node"], p["rank"])
-    return [firsts[node] for node in sorted(firsts, key=firsts.__getitem__)][: max(copies - 1, 0)]
+    return list(firsts.values())[: max(copies - 1, 0)]
 
 
 class Replicas:
@@ -54,6 +55,8 @@ class Replicas:
         own disk (the file there before kept as ``keep_previous``; ``supersedes``, a file beside it that the new one
         makes obsolete, removed: the epoch's ``mid.pt`` once ``last.pt`` holds the epoch). Call on every rank after
         rank 0 has written ``path``: ranks that keep no copy return at once."""
+        if not self.to:  # one node, or save_replicas=1: rank 0 need not read the file it has just written
+            return
         if self.rank == 0:
             data = path.read_bytes()
             for dst in self.to:
@@ -69,7 +72,7 @@ def write_copy(path: Path, data: bytes, keep_previous: str | None) -> bool:
     the file there before kept as ``keep_previous``); False, and nothing written, where ``path`` already holds
     exactly ``data`` (a disk shared with node 0). A folder that cannot take it is one line (CheckpointError)."""
     try:
-        if path.is_file() and _sha256_file(path) == hashlib.sha256(data).hexdigest():
+        if path.is_file() and file_sha256(path) == hashlib.sha256(data).hexdigest():
             return False
         problem = run_dir_problem(path.parent.parent)
         if problem is not None:
@@ -82,11 +85,3 @@ def write_copy(path: Path, data: bytes, keep_previous: str | None) -> bool:
     except OSError as e:
         raise CheckpointError(f"cannot write this node's copy of {path}: {e.strerror or e}") from None
     return True
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
