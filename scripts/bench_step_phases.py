@@ -26,10 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_train as bt
 
-from detrain.engine.train.optim import kernel_options
-from detrain.nn.head import LossGains
-from detrain.nn.model import DetectionModel
-
 PHASES = ("forward", "assign", "score", "backward", "optimizer")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
@@ -38,12 +34,8 @@ def phases(family: str, args: argparse.Namespace) -> dict[str, float]:
     """Median ms per phase of detrain's step for ``family``."""
     device = torch.device(args.device)
     batch = bt.make_batch(args.batch, args.imgsz, 80, 4, device, seed=0)
-    torch.manual_seed(0)
-    model = DetectionModel(f"{family}n.yaml", nc=80).to(device).train().to(memory_format=torch.channels_last)
-    imgs = batch.imgs.contiguous(memory_format=torch.channels_last)
-    criterion = model.criterion(LossGains(), epochs=bt.EPOCHS)
-    criterion.set_epoch(0)
-    optimizer = bt._sgd(model, **kernel_options(list(model.parameters())))
+    parts = bt.detrain_parts(bt.parse_args(["--family", family, "--scale", "n", "--nc", "80"]), batch, device)
+    model, imgs, criterion, optimizer = parts.model, parts.imgs, parts.criterion, parts.optimizer
     dtype = DTYPES[args.dtype]
     times: dict[str, list[float]] = {p: [] for p in PHASES}
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -75,11 +76,23 @@ def _sgd(model: torch.nn.Module, **kernel: bool) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.937, nesterov=True, weight_decay=5e-4, **kernel)
 
 
-def detrain_step(
+@dataclass
+class DetrainParts:
+    """What a detrain training step is made of: the model, its input batch in the model's memory format, its loss
+    and its optimizer."""
+
+    model: DetectionModel
+    imgs: torch.Tensor
+    criterion: Any
+    optimizer: torch.optim.Optimizer
+
+
+def detrain_parts(
     args: argparse.Namespace, batch: Batch, device: torch.device, compile_mode: str | None = None
-) -> Callable[[], torch.Tensor]:
-    """One detrain training step (it returns its loss) as a closure over its model, loss and optimizer; with
-    ``compile_mode``, the model compiled in place as the trainer's ``compile=`` does."""
+) -> DetrainParts:
+    """detrain's model of ``args.family`` and ``args.scale`` (seeded: every call starts from the same weights), its
+    loss at the schedule's first epoch and the SGD the trainer would build; with ``compile_mode``, the model
+    compiled in place as the trainer's ``compile=`` does."""
     torch.manual_seed(0)  # the eager and the compiled model start from the same weights
     model = DetectionModel(f"{args.family}{args.scale}.yaml", nc=args.nc).to(device).train()
     imgs = batch.imgs
@@ -94,6 +107,15 @@ def detrain_step(
     criterion.set_epoch(0)
     # the update kernel detrain's trainer picks (engine/optim.py: fused where torch has one)
     optimizer = _sgd(model, **kernel_options(list(model.parameters())))
+    return DetrainParts(model, imgs, criterion, optimizer)
+
+
+def detrain_step(
+    args: argparse.Namespace, batch: Batch, device: torch.device, compile_mode: str | None = None
+) -> Callable[[], torch.Tensor]:
+    """One detrain training step (it returns its loss) as a closure over :func:`detrain_parts`."""
+    parts = detrain_parts(args, batch, device, compile_mode)
+    model, imgs, criterion, optimizer = parts.model, parts.imgs, parts.criterion, parts.optimizer
 
     def step() -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
