@@ -11,10 +11,10 @@ are in docs/fault_matrix.md.
 Every node is a real ``detrain train`` launcher with its own folder (on 127.0.0.1, or in its own network namespace
 for j: skipped where namespaces cannot be made); faults are real signals and real link cuts. The only time bounds
 checked are the behaviour under test (a stopped rank: every node ends within dist_timeout + 30 s; a SIGTERM: every
-process gone within 10 s); the rest run under the case's hang guard (``Size.limit_s``). Four cases spend most of
+process gone within 10 s); the rest run under the case's hang guard (``Size.limit_s``). Five cases spend most of
 their minute waiting (the unreachable master: 60 s for the master; a node leaving, and a node 0 that starts alone
-before another joins: about 30 s each of torch's c10d rendezvous waiting for more nodes; a cut cable: 20 s), so
-they start at once in threads and run beside the others.
+before another joins: about 30 s each of torch's c10d rendezvous waiting for more nodes; a cut cable: 20 s; a
+stopped rank: dist_timeout for the heartbeat), so they start at once in threads and run beside the others.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
 BACKGROUND = {
     "b": "test_b_a_node_whose_machine_dies_leaves_and_the_rest_finish",
     "c": "test_c_a_node_joining_mid_run_grows_the_group_which_finishes",
+    "d": "test_d_a_stopped_rank_ends_every_node_with_a_line_naming_it",
     "h": "test_h_an_unreachable_master_is_one_line_before_training",
     "j": "test_j_a_network_drop_shorter_than_dist_timeout_is_ridden_out_with_no_restart",
 }
@@ -108,8 +109,8 @@ def test_c_a_node_joining_mid_run_grows_the_group_which_finishes(background) -> 
     assert result.epochs == "1-3" and "group restarted: resuming from" in result.observed
 
 
-def test_d_a_stopped_rank_ends_every_node_with_a_line_naming_it(work: Path) -> None:
-    result = chaos.run_case("d", work, chaos.SMALL)
+def test_d_a_stopped_rank_ends_every_node_with_a_line_naming_it(background) -> None:
+    result = _collected(background, "d")
     _ok(result)
     assert "rank 1 stopped responding" in result.observed
 
