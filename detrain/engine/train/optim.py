@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from detrain.config.cfg import Cfg
 from detrain.engine.train.musgd import MuSGD, apply_group_warmup, build_musgd
@@ -123,11 +124,14 @@ def kernel_options(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     on one device type with fused SGD/Adam/AdamW kernels (CPU, CUDA), else ``{}`` (torch's default).
 
     The fused kernels update every tensor of a group in one pass (on CPU about twice as fast as the
-    per-tensor loop that torch uses there by default) and compute the same update.
+    per-tensor loop that torch uses there by default) and compute the same update. Sharded parameters
+    (``parallel=fsdp``) take the foreach kernel: torch 2.14 has no DTensor rule for fused SGD.
 
     >>> kernel_options([torch.zeros(2)]), kernel_options([])
     ({'fused': True}, {})
     """
+    if any(isinstance(p, DTensor) for p in params):
+        return {"foreach": True}  # parallel=fsdp: the fused SGD kernel has no DTensor rule (torch 2.14)
     types = {p.device.type for p in params}
     if len(types) == 1 and types <= set(_FUSED_DEVICES) and all(p.is_floating_point() for p in params):
         return {"fused": True}
