@@ -152,6 +152,34 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
             else:
                 saved.pop(key, None)
     optimizer.load_state_dict(state)
+    _match_layouts(optimizer)
+
+
+def _match_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Each state tensor (momentum, moments) in the memory layout of its parameter. A checkpoint written by a
+    sharded run (``parallel=fsdp``, contiguous tensors) holds plain layouts where this run's parameters are
+    channels-last, and the fused kernels read a parameter and its state with the parameter's strides: a
+    contiguous momentum beside a channels-last weight would be read scrambled (measured: the resumed weights
+    0.002 off). A state already in its parameter's layout is left as it is.
+
+    >>> net = nn.Conv2d(2, 4, 3).to(memory_format=torch.channels_last)
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    >>> groups = opt.state_dict()["param_groups"]
+    >>> state = {"state": {0: {"momentum_buffer": torch.ones(4, 2, 3, 3)}}, "param_groups": groups}
+    >>> load_optimizer_state(opt, state); opt.state[net.weight]["momentum_buffer"].stride() == net.weight.stride()
+    True
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for name, value in state.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not isinstance(value, DTensor)
+                    and value.shape == p.shape
+                    and value.stride() != p.stride()
+                ):
+                    state[name] = torch.empty_like(p, dtype=value.dtype).copy_(value)
 
 
 def lr_lambda(cfg: Cfg) -> Callable[[float], float]:
