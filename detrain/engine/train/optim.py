@@ -160,7 +160,7 @@ def _match_layouts(optimizer: torch.optim.Optimizer) -> None:
     sharded run (``parallel=fsdp``, contiguous tensors) holds plain layouts where this run's parameters are
     channels-last, and the fused kernels read a parameter and its state with the parameter's strides: a
     contiguous momentum beside a channels-last weight would be read scrambled (measured: the resumed weights
-    0.002 off). A state already in its parameter's layout is left as it is.
+    0.002 off). A state already in its parameter's memory order is left as it is (a DDP run's own).
 
     >>> net = nn.Conv2d(2, 4, 3).to(memory_format=torch.channels_last)
     >>> opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -177,9 +177,15 @@ def _match_layouts(optimizer: torch.optim.Optimizer) -> None:
                     isinstance(value, torch.Tensor)
                     and not isinstance(value, DTensor)
                     and value.shape == p.shape
-                    and value.stride() != p.stride()
+                    and _order(value) != _order(p)
                 ):
                     state[name] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
+def _order(t: torch.Tensor) -> list[int]:
+    """The strides of ``t``'s dimensions longer than 1 (a dimension of one element has any stride: a 1x1 kernel
+    is laid out alike whether its strides say channels-last or not)."""
+    return [s for s, n in zip(t.stride(), t.shape) if n > 1]
 
 
 def lr_lambda(cfg: Cfg) -> Callable[[float], float]:
