@@ -100,7 +100,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The bare model's state dict, whole: where sharded, a collective (call on every rank)."""
+    """The bare model's state dict, whole: where sharded, a collective (call on every rank) giving CPU copies."""
     bare = unwrap(model)
     return sharded.full_state_dict(bare) if sharded.is_sharded(bare) else bare.state_dict()
 
@@ -112,10 +112,8 @@ def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: 
     bare = unwrap(model)
     if not sharded.is_sharded(bare):
         return None
-    # collective: one all-gather per sharded tensor, every rank in the same order
-    state = {k: v.to("cpu", copy=True) for k, v in sharded.full_state_dict(bare).items()}
     return {
-        "model": state,
+        "model": sharded.full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
         "optimizer": sharded.full_optimizer_state(optimizer),  # collective: per tensor of the state
         "pending_grads": sharded.full_gradients(bare) if pending else None,  # collective: per gradient
     }

@@ -155,9 +155,9 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with every sharded tensor whole, on its device. Collective: every rank, in the same
-    order (the state dict's)."""
-    return {k: full(v).detach() for k, v in model.state_dict().items()}
+    """``model.state_dict()`` with every sharded tensor whole, on the CPU (one whole tensor at a time on the
+    device). Collective: every rank, in the same order (the state dict's)."""
+    return {k: full(v).detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

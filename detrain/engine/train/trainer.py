@@ -749,7 +749,8 @@ class Trainer:
         """parallel=fsdp: the whole weights, optimizer state and waiting gradients for the checkpoint rank 0 writes
         next (:func:`parallel.gathered_state`), and the EMA's rows. A collective where sharded: every rank."""
         self.ema.gather(self.model)  # collective where sharded: one all-gather per weight
-        self.gathered = parallel.gathered_state(self.model, self.optimizer, pending)  # collective where sharded
+        whole = parallel.gathered_state(self.model, self.optimizer, pending)  # collective where sharded
+        self.gathered = whole if self.main else None  # the other ranks keep only their shards
 
     def checkpoint_state(self, epoch: int, metrics: dict[str, Any], pending: bool) -> dict[str, Any]:
         """Everything a resumed run needs, after epoch ``epoch`` (0-based); ``pending``: gradients wait for an
@@ -758,6 +759,7 @@ class Trainer:
         bare = self._bare()
         meta = model_meta(bare, self.cfg.inputs.imgsz)
         whole = getattr(self, "gathered", None) if parallel.is_sharded(bare) else None
+        self.gathered = None  # used once: the next checkpoint gathers its own
         grads = whole["pending_grads"] if whole is not None else (accumulation.saved(bare) if pending else None)
         return {
             "model": {**meta, "state_dict": whole["model"] if whole is not None else _cpu_state(bare)},
