@@ -419,6 +419,13 @@ class Distributed:
         launch=True,
     )
     sync_bn: bool = key(False, "convert BatchNorm to SyncBatchNorm when training on several workers")
+    parallel: str = key(
+        "ddp",
+        "several workers: ddp = every worker holds the whole model (DistributedDataParallel); fsdp = parameters, "
+        "gradients and optimizer state sharded over the workers (torch's fully_shard)",
+        choices=("ddp", "fsdp"),
+        launch=True,
+    )
 
     @property
     def node_range(self) -> tuple[int, int]:

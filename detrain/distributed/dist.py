@@ -250,6 +250,19 @@ def reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return out / world_size() if is_distributed() else out
 
 
+def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank ``src``'s values in ``t`` on every rank, in place; returns ``t``.
+
+    Example:
+        >>> broadcast_(torch.tensor([3.0]))   # single process: unchanged
+        tensor([3.])
+    """
+    if is_distributed():
+        with _named(f"broadcast(src={src})"):
+            tdist.broadcast(t, src=src)
+    return t
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order, on every rank.
 

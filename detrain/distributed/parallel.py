@@ -1,13 +1,20 @@
 """Data parallelism across ranks: the one place that wraps a model so that every rank trains the same weights.
 
-Today that is torch's ``DistributedDataParallel`` (with BatchNorm synchronised over the ranks when ``sync_bn``);
-a sharded choice (torch FSDP's ``fully_shard``) would be another branch of :func:`wrap` and of the helpers below,
-and the trainer would not change. The trainer asks this module, never the wrapper's class, for:
+``parallel=ddp`` (the default) is torch's ``DistributedDataParallel``: every rank holds the whole model, its
+gradients and its optimizer state. ``parallel=fsdp`` shards them over the ranks (torch's ``fully_shard``, see
+:mod:`detrain.distributed.sharded`). Either may have BatchNorm synchronised over the ranks (``sync_bn``). The
+trainer asks this module, never the wrapper's class, for:
 
-* :func:`wrap` the model once it is on its device (a collective: DDP broadcasts rank 0's weights and buffers);
-* :func:`unwrap` the bare model, for the optimizer, the EMA, checkpoints and hooks;
+* :func:`wrap` the model once it is on its device (a collective: every rank starts from rank 0's weights and
+  buffers);
+* :func:`unwrap` the bare model, for the optimizer, the EMA, checkpoints and hooks (a sharded model is its own
+  bare model: its parameters are DTensors);
 * :func:`gradient_sync` around a backward pass, off for the batches that only accumulate before an update;
-* :func:`sync_buffers_next_forward` on resume: whether the next forward sends rank 0's buffers, as it stood.
+* :func:`sync_buffers_next_forward` on resume: whether the next forward sends rank 0's buffers, as it stood;
+* :func:`full_state_dict`, :func:`gathered_state` and :func:`local_optimizer_state`: whole tensors for the EMA and
+  for checkpoints (collectives when sharded), and a whole optimizer state cut back to this rank's rows; so a
+  checkpoint has one format whatever wrote it, and a DDP run resumes a sharded one and the other way round;
+* :func:`check_optimizer`: MuSGD is refused when sharded (its Newton-Schulz step needs whole matrices).
 
 >>> from torch import nn
 >>> from detrain.distributed.world import World
@@ -21,20 +28,24 @@ True
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch import nn
 
+from detrain.distributed import sharded
 from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
 from detrain.distributed.world import World
+from detrain.errors import ConfigError
 
 
-def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool) -> nn.Module:
-    """``model`` (on ``device``) made data-parallel over ``world``'s ranks, or ``model`` itself in one process.
+def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool, kind: str = "ddp") -> nn.Module:
+    """``model`` (on ``device``) made data-parallel over ``world``'s ranks (``kind``: ``ddp`` or ``fsdp``), or
+    ``model`` itself in one process.
 
     ``sync_bn``: BatchNorm normalises with the statistics of the global batch (torch's ``SyncBatchNorm`` on GPUs;
-    on CPU, where torch's runs on no device, :mod:`detrain.distributed.sync_bn`'s). Collective: DDP gives every
-    rank rank 0's weights and buffers here, and the sync BatchNorms all-reduce at every training forward."""
+    on CPU, where torch's runs on no device, :mod:`detrain.distributed.sync_bn`'s). Collective: every rank gets
+    rank 0's weights and buffers here, and the sync BatchNorms all-reduce at every training forward."""
     if not world.distributed:
         return model
     if sync_bn and device.type == "cpu":
@@ -42,6 +53,9 @@ def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool)
         model = convert_sync_batchnorm_cpu(model)  # collective: an all-reduce per BatchNorm
     elif sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # collective: torch's, per BatchNorm
+    if kind == "fsdp":
+        # collective: rank 0's weights and buffers; then each layer all-gathers its weights where it runs
+        return sharded.shard(model, device, world.world_size)
     ids = [device.index] if device.type == "cuda" else None
     # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights; DDP
     # all-reduces the gradients in the backward pass of every batch that ends with an update (gradient_sync)
@@ -66,6 +80,8 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
     to be all-reduced with those of the backward that ends the accumulation. A bare model has nothing to sync."""
     if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
         return model.no_sync()
+    if sharded.is_sharded(model):  # gradients reduce-scattered in every backward (sharded.py says why)
+        return sharded.buffer_sync(model).backward(enabled)
     return contextlib.nullcontext()
 
 
@@ -74,3 +90,46 @@ def sync_buffers_next_forward(model: nn.Module, due: bool) -> None:
     follows an update): on resume, as it stood when the checkpoint was saved."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model.require_forward_param_sync = due
+    elif sharded.is_sharded(model):
+        sharded.buffer_sync(model).due = due
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (wrapped or bare) is sharded over the ranks (``parallel=fsdp`` in a group)."""
+    return sharded.is_sharded(unwrap(model))
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The bare model's state dict, whole: where sharded, a collective (call on every rank) giving CPU copies."""
+    bare = unwrap(model)
+    return sharded.full_state_dict(bare) if sharded.is_sharded(bare) else bare.state_dict()
+
+
+def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: bool) -> dict[str, Any] | None:
+    """Where sharded, what a checkpoint holds of the model, the optimizer and (``pending``) the gradients waiting
+    for an update, whole and on the CPU, in the format of a DDP run's (a collective: call on every rank; only
+    rank 0 writes it). None otherwise: rank 0 reads them from its own whole copies as it writes."""
+    bare = unwrap(model)
+    if not sharded.is_sharded(bare):
+        return None
+    return {
+        "model": sharded.full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
+        "optimizer": sharded.full_optimizer_state(optimizer),  # collective: per tensor of the state
+        "pending_grads": sharded.full_gradients(bare) if pending else None,  # collective: per gradient
+    }
+
+
+def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
+    """A checkpoint's (whole) optimizer state for ``optimizer``: where sharded, each tensor cut to this rank's rows
+    of its parameter (no communication); otherwise ``state`` itself."""
+    return sharded.local_optimizer_state(optimizer, state) if is_sharded(model) else state
+
+
+def check_optimizer(model: nn.Module, name: str) -> None:
+    """MuSGD orthogonalises whole weight matrices (Newton-Schulz), which no rank of a sharded model holds: refused
+    with one line before training starts."""
+    if name == "MuSGD" and is_sharded(model):
+        raise ConfigError(
+            "parallel=fsdp cannot train with MuSGD (its Newton-Schulz step needs whole weight matrices; "
+            "optimizer=auto picks it for runs of over 10000 updates): give optimizer=SGD or AdamW, or parallel=ddp"
+        )

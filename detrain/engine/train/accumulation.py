@@ -13,14 +13,20 @@ epoch (and before a mid-epoch checkpoint) the trainer first averages them over t
 every rank then holds the same partial sum, and the update's all-reduce later averages ``partial + local`` to the
 same result. A resumed run adds them to its first batch's gradients (:func:`add_saved`), wherever DDP keeps its
 gradient buckets.
+
+Under ``parallel=fsdp`` every backward reduce-scatters (:mod:`detrain.distributed.sharded`): the waiting
+gradients are each rank's rows of the mean already, nothing is averaged at an epoch's end, and the checkpoint's
+whole gradients are gathered for it (:func:`detrain.distributed.sharded.full_gradients`); a resumed run adds its
+own rows of them.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from detrain.distributed import dist
+from detrain.distributed import dist, sharded
 
 
 def pending_batches(last_batch: int, last_update: int) -> int:
@@ -70,6 +76,8 @@ def average_over_ranks(model: nn.Module) -> None:
     """Make the waiting gradients of ``model`` (the bare model, not its DDP wrapper) their mean over the ranks, the
     same on every rank: one all-reduce of :func:`flat_gradients`, put back by :func:`load_flat_gradients`. Done at an
     epoch's end and before a mid-epoch checkpoint (see the module). A collective: call it on every rank."""
+    if sharded.is_sharded(model):
+        return  # reduce-scattered in every backward: each rank holds its rows of the mean (see the module)
     load_flat_gradients(model, dist.reduce_mean(flat_gradients(model)))  # collective: one all-reduce
 
 
@@ -97,6 +105,8 @@ def add_saved(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, g in grads.items():
             p = params[name]
+            if isinstance(p, DTensor):  # parallel=fsdp: this rank's rows of the whole gradient
+                g = sharded.local_part(g, p)
             if p.grad is None:
                 p.grad = g.to(p.device, p.dtype).clone()
             else:

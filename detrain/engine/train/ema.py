@@ -1,4 +1,10 @@
-"""Exponential moving average of the model weights, used for validation and checkpoints."""
+"""Exponential moving average of the model weights, used for validation and checkpoints.
+
+Under ``parallel=fsdp`` the EMA stays a whole model on every rank (as under DDP), but each rank averages only
+the rows of each weight that its shard holds: no communication per update, the same arithmetic element by
+element. :meth:`ModelEMA.gather` puts every rank's rows together before the EMA is validated or saved (one
+all-gather per weight, once an epoch). A sharded EMA would save one model's worth of memory per rank, which beside
+a detector's activations is little (docs/benchmarks.md, "Sharding"), and validation would gather it anyway."""
 
 from __future__ import annotations
 
@@ -8,7 +14,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from detrain.distributed import sharded
 from detrain.distributed.parallel import unwrap
 
 
@@ -45,4 +53,20 @@ class ModelEMA:
         model_state = unwrap(model).state_dict()
         for name, value in self.ema.state_dict().items():
             if value.dtype.is_floating_point and name not in self.fixed:
-                value.mul_(d).add_(model_state[name].detach(), alpha=1 - d)
+                source = model_state[name].detach()
+                if isinstance(source, DTensor):  # parallel=fsdp: this rank's rows (see the module)
+                    value, source = sharded.own_rows(value, source)
+                value.mul_(d).add_(source, alpha=1 - d)
+
+    @torch.no_grad()
+    def gather(self, model: nn.Module) -> None:
+        """Under ``parallel=fsdp``, every rank's averaged rows on every rank (a collective: call on every rank);
+        otherwise nothing to do. Before the EMA is validated or saved."""
+        bare = unwrap(model)
+        if not sharded.is_sharded(bare):
+            return
+        model_state = bare.state_dict()
+        for name, value in self.ema.state_dict().items():
+            source = model_state[name]
+            if isinstance(source, DTensor) and value.dtype.is_floating_point and name not in self.fixed:
+                sharded.gather_rows(value, source)  # collective: one all-gather

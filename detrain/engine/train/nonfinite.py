@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from detrain.errors import DetrainError
 from detrain.log import console
@@ -104,13 +105,17 @@ class NonFinite:
 
 def gradient_norm(parameters: Iterable[torch.Tensor], clip: float) -> torch.Tensor:
     """The total 2-norm of the gradients (one fused pass), clipping them to ``clip`` when > 0 (as
-    ``clip_grad_norm_`` does, which returns the same norm): the check costs nothing where clipping is on."""
+    ``clip_grad_norm_`` does, which returns the same norm): the check costs nothing where clipping is on.
+    ``fully_shard``'s gradients (``parallel=fsdp``) give the norm over every rank's shard as a replicated DTensor:
+    its plain value is returned (the same on every rank)."""
     params = [p for p in parameters if p.grad is not None]
     if clip > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm=clip)
-    if not params:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=clip)
+    elif not params:
         return torch.zeros(())
-    return torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
+    return norm.to_local() if isinstance(norm, DTensor) else norm
 
 
 def finite_items(items: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from detrain.config.cfg import Cfg
 from detrain.engine.train.musgd import MuSGD, apply_group_warmup, build_musgd
@@ -123,11 +124,14 @@ def kernel_options(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     on one device type with fused SGD/Adam/AdamW kernels (CPU, CUDA), else ``{}`` (torch's default).
 
     The fused kernels update every tensor of a group in one pass (on CPU about twice as fast as the
-    per-tensor loop that torch uses there by default) and compute the same update.
+    per-tensor loop that torch uses there by default) and compute the same update. Sharded parameters
+    (``parallel=fsdp``) take the foreach kernel: torch 2.14 has no DTensor rule for fused SGD.
 
     >>> kernel_options([torch.zeros(2)]), kernel_options([])
     ({'fused': True}, {})
     """
+    if any(isinstance(p, DTensor) for p in params):
+        return {"foreach": True}  # parallel=fsdp: the fused SGD kernel has no DTensor rule (torch 2.14)
     types = {p.device.type for p in params}
     if len(types) == 1 and types <= set(_FUSED_DEVICES) and all(p.is_floating_point() for p in params):
         return {"fused": True}
@@ -148,6 +152,40 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
             else:
                 saved.pop(key, None)
     optimizer.load_state_dict(state)
+    _match_layouts(optimizer)
+
+
+def _match_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """Each state tensor (momentum, moments) in the memory layout of its parameter. A checkpoint written by a
+    sharded run (``parallel=fsdp``, contiguous tensors) holds plain layouts where this run's parameters are
+    channels-last, and the fused kernels read a parameter and its state with the parameter's strides: a
+    contiguous momentum beside a channels-last weight would be read scrambled (measured: the resumed weights
+    0.002 off). A state already in its parameter's memory order is left as it is (a DDP run's own).
+
+    >>> net = nn.Conv2d(2, 4, 3).to(memory_format=torch.channels_last)
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    >>> groups = opt.state_dict()["param_groups"]
+    >>> state = {"state": {0: {"momentum_buffer": torch.ones(4, 2, 3, 3)}}, "param_groups": groups}
+    >>> load_optimizer_state(opt, state); opt.state[net.weight]["momentum_buffer"].stride() == net.weight.stride()
+    True
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            for name, value in state.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and not isinstance(value, DTensor)
+                    and value.shape == p.shape
+                    and _order(value) != _order(p)
+                ):
+                    state[name] = torch.empty_like(p, dtype=value.dtype).copy_(value)
+
+
+def _order(t: torch.Tensor) -> list[int]:
+    """The strides of ``t``'s dimensions longer than 1 (a dimension of one element has any stride: a 1x1 kernel
+    is laid out alike whether its strides say channels-last or not)."""
+    return [s for s, n in zip(t.stride(), t.shape) if n > 1]
 
 
 def lr_lambda(cfg: Cfg) -> Callable[[float], float]:

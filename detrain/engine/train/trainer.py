@@ -273,13 +273,14 @@ class Trainer:
         """In a group: the model wrapped for data parallelism (:func:`detrain.distributed.parallel.wrap`), which
         gives every rank rank 0's weights; the EMA then follows them, and a resumed run gives each rank its own
         BatchNorm statistics back."""
-        self.model = parallel.wrap(self.model, self.world, self.device, sync_bn=self.cfg.distributed.sync_bn)
+        d = self.cfg.distributed
+        self.model = parallel.wrap(self.model, self.world, self.device, sync_bn=d.sync_bn, kind=d.parallel)
         if not self.world.distributed:
             return
         if self.resume_ckpt is None or not self.resume_ckpt.get("ema"):
             # the EMA was copied earlier from this rank's own (seed + rank) init, so ranks > 0 would validate a
-            # slightly different model
-            self.ema.ema.load_state_dict(unwrap(self.model).state_dict())
+            # slightly different model; collective where sharded (the whole weights)
+            self.ema.ema.load_state_dict(parallel.full_state_dict(self.model))
         if self.resume_ckpt is not None:  # each rank's own BatchNorm statistics, as they were
             resume_state.restore_rank_state(self.model, self.ema.ema, self.resume_ckpt, self.rank)
 
@@ -305,6 +306,7 @@ class Trainer:
         cfg = self.cfg
         # as planned, whatever the world now; per image as given for nbs images
         weight_decay = cfg.train.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
+        parallel.check_optimizer(self.model, optim.auto_choice(cfg, self.nc, total_iters)[0])  # fsdp: no MuSGD
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
             unwrap(self.model), cfg, self.nc, total_iters, weight_decay
         )
@@ -381,7 +383,10 @@ class Trainer:
             )
 
     def _restore(self, ckpt: dict[str, Any]) -> None:
-        optim.load_optimizer_state(self.optimizer, ckpt["optimizer"])  # keeps this run's kernel choice
+        # keeps this run's kernel choice; fsdp: this rank's rows of the whole state
+        optim.load_optimizer_state(
+            self.optimizer, parallel.local_optimizer_state(self.model, self.optimizer, ckpt["optimizer"])
+        )
         self.scheduler.load_state_dict(ckpt["scheduler"])
         if ckpt.get("scaler"):
             self.scaler.load_state_dict(ckpt["scaler"])
@@ -586,6 +591,7 @@ class Trainer:
             # collective: one all-reduce of the waiting gradients, as at an epoch's end
             accumulation.average_over_ranks(unwrap(self.model))
         self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)  # collective: per rank
+        self._gather_whole(pending)  # collective where sharded: whole weights, EMA and optimizer state
         state = self.checkpoint_state(epoch - 1, {}, pending) if self.main else None
         self.mid.save(state, i, self.plan.step_images, mean_items, n_images)
         self.replicas.copy(self.mid.path)  # point to point: rank 0 and the nodes keeping a copy (replicas.py)
@@ -614,6 +620,7 @@ class Trainer:
             self.metrics = self._validate(epoch)
 
     def _validate(self, epoch: int) -> dict[str, Any]:
+        self.ema.gather(self.model)  # collective where sharded: every rank's averaged rows (ema.py)
         ema = self.ema.ema
         if self.world.distributed:  # BatchNorm running stats differ per rank unless sync_bn: validate one model
             for buf in ema.buffers():
@@ -679,6 +686,7 @@ class Trainer:
         }
         if cfg.output.save:  # collective: what differs between ranks goes in last.pt too (an all_gather_object)
             self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)
+            self._gather_whole(self._gradients_wait(epoch))  # collective where sharded
         if not self.main:
             return
         self.csv.add(row)
@@ -737,15 +745,26 @@ class Trainer:
         """Whether batches of ``epoch`` (at its end) hold gradients for an update still to come."""
         return accumulation.pending_batches(self.nb * (epoch + 1) - 1, self.last_update) > 0
 
+    def _gather_whole(self, pending: bool) -> None:
+        """parallel=fsdp: the whole weights, optimizer state and waiting gradients for the checkpoint rank 0 writes
+        next (:func:`parallel.gathered_state`), and the EMA's rows. A collective where sharded: every rank."""
+        self.ema.gather(self.model)  # collective where sharded: one all-gather per weight
+        whole = parallel.gathered_state(self.model, self.optimizer, pending)  # collective where sharded
+        self.gathered = whole if self.main else None  # the other ranks keep only their shards
+
     def checkpoint_state(self, epoch: int, metrics: dict[str, Any], pending: bool) -> dict[str, Any]:
         """Everything a resumed run needs, after epoch ``epoch`` (0-based); ``pending``: gradients wait for an
-        update (averaged over the ranks already) and are saved too."""
+        update (averaged over the ranks already) and are saved too. Sharded (parallel=fsdp), the whole tensors
+        come from :meth:`_gather_whole`, which every rank ran just before: the same format as DDP's."""
         bare = self._bare()
         meta = model_meta(bare, self.cfg.inputs.imgsz)
+        whole = getattr(self, "gathered", None) if parallel.is_sharded(bare) else None
+        self.gathered = None  # used once: the next checkpoint gathers its own
+        grads = whole["pending_grads"] if whole is not None else (accumulation.saved(bare) if pending else None)
         return {
-            "model": {**meta, "state_dict": _cpu_state(bare)},
+            "model": {**meta, "state_dict": whole["model"] if whole is not None else _cpu_state(bare)},
             "ema": {"state_dict": _cpu_state(self.ema.ema), "updates": self.ema.updates},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": whole["optimizer"] if whole is not None else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "epoch": epoch,
@@ -754,7 +773,7 @@ class Trainer:
             "last_update": self.last_update,
             "batches_per_epoch": self.nb,
             "accumulate": self.accumulate_target,
-            "pending_grads": accumulation.saved(bare) if pending else None,
+            "pending_grads": grads if pending else None,
             "train_args": self.cfg.to_dict(),
             "train_time_s": self.budget.spent_s if self.budget is not None else None,  # time=: what resume has left
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
