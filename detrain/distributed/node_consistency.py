@@ -12,8 +12,10 @@ A record (:func:`node_record`) holds what must match, in the order the line name
 version apart, and a git commit is shown beside it where the package is a git checkout), ``devices per node`` (the
 workers on the node: compared only for elastic nodes, ``nnodes=MIN:MAX``, whose batch is planned for MAX nodes of
 this node's size; a fixed node count plans the batch over the world as it is, and SLURM may give nodes different
-task counts) and the dataset (``train images``, ``val images``, then ``dataset files``: the run manifest's
-fingerprint of every image's and label's path and size, from the caller).
+task counts), the dataset (``train images``, ``val images``, then ``dataset files``: the run manifest's
+fingerprint of every image's and label's path and size, from the caller) and ``settings``: the arguments every
+rank's steps follow, from the caller (:mod:`detrain.engine.train.shared_settings`; ``parallel=fsdp`` on one node
+and ``ddp`` on another would call different collectives), of which the line names the first that differs.
 
 >>> mine = {"detrain": "0.1", "torch": "2.4", "code": "abc", "devices per node": 2}
 >>> first_difference([(0, "a", mine), (1, "b", {**mine, "torch": "2.5"})], elastic=False)
@@ -39,7 +41,16 @@ from detrain.distributed.world import World
 from detrain.system.process_env import without_git_variables
 
 # what must match, in the order a difference is named; "devices per node" only for elastic nodes
-COMPARED = ("detrain", "torch", "code", "devices per node", "train images", "val images", "dataset files")
+COMPARED = (
+    "detrain",
+    "torch",
+    "code",
+    "devices per node",
+    "train images",
+    "val images",
+    "dataset files",
+    "settings",
+)
 _SHOWN = 120  # characters of a value the line shows
 _SOURCE_SUFFIXES = (".py", ".yaml")
 _GIT_TIMEOUT_S = 5.0
@@ -84,33 +95,41 @@ def git_commit() -> str | None:
     return lines[1][:12]
 
 
-def node_record(world: World, dataset: Mapping[str, Any]) -> dict[str, Any]:
-    """This node's record: versions, code, the workers on this node and ``dataset`` (``train images``, ``val
-    images``, ``dataset files``), with the host and the git commit (shown, not compared)."""
+def node_record(world: World, dataset: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """This node's record: versions, code, the workers on this node, ``dataset`` (``train images``, ``val
+    images``, ``dataset files``) and ``settings`` (the arguments every rank's steps follow, by key), with the host
+    and the git commit (shown, not compared)."""
     return {
         "detrain": detrain.__version__,
         "torch": torch.__version__,
         "code": code_hash(),
         "devices per node": world.local_world_size,
         **dataset,
+        "settings": dict(settings or {}),
         "host": socket.gethostname(),
         "git": git_commit(),
     }
 
 
-def check_nodes(world: World, dataset: Callable[[], Mapping[str, Any]], *, elastic: bool) -> None:
+def check_nodes(
+    world: World,
+    dataset: Callable[[], Mapping[str, Any]],
+    *,
+    elastic: bool,
+    settings: Mapping[str, Any] | None = None,
+) -> None:
     """Compare every node's record with node 0's (a collective: call on every rank; ``dataset`` is called on each
     node's first process only). Raises :class:`NodesDiffer` with one line on every rank when one differs."""
     if not world.distributed:
         return
-    mine = node_record(world, dataset()) if world.local_rank == 0 else None
+    mine = node_record(world, dataset(), settings) if world.local_rank == 0 else None
     # collective: one all_gather_object of each node's record (None from the other ranks), once at start
     gathered = dist.all_gather_object((world.node_rank, mine))
     records = [(node if node is not None else i, r["host"], r) for i, (node, r) in enumerate(gathered) if r]
     line = first_difference(records, elastic=elastic)
     if line is not None:
         raise NodesDiffer(
-            f"{line}; every node of one run needs the same detrain code, torch and dataset"
+            f"{line}; every node of one run needs the same detrain code, torch, dataset and training arguments"
             + (" and the same number of devices (nnodes=MIN:MAX)" if elastic else "")
         )
 
@@ -126,12 +145,27 @@ def first_difference(records: list[tuple[int, str, Mapping[str, Any]]], *, elast
     for node, host, record in records[1:]:
         for key in keys:
             if record.get(key) != first.get(key):
+                if key == "settings":  # the first argument that differs, by name
+                    return _settings_difference(node, host, record, (node0, host0, first))
                 theirs, ours = _shown(record, key), _shown(first, key)
                 return (
                     f"node_rank={node} (host {host}) differs from node {node0} (host {host0}): "
                     f"{key} {theirs} there, {ours} on node {node0}"
                 )
     return None
+
+
+def _settings_difference(
+    node: int, host: str, record: Mapping[str, Any], reference: tuple[int, str, Mapping[str, Any]]
+) -> str:
+    """The line for a node whose arguments differ from node 0's: the first key that differs, both values."""
+    node0, host0, first = reference
+    theirs, ours = record.get("settings") or {}, first.get("settings") or {}
+    name = next(k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k))
+    return (
+        f"node_rank={node} (host {host}) differs from node {node0} (host {host0}): "
+        f"{name}={str(theirs.get(name))[:_SHOWN]} there, {name}={str(ours.get(name))[:_SHOWN]} on node {node0}"
+    )
 
 
 def _shown(record: Mapping[str, Any], key: str) -> str:

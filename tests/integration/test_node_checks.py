@@ -46,12 +46,16 @@ def _shapes(where: Path) -> Path:
     return generate_shapes(where, n_train=16, n_val=2, imgsz=64, seed=0) / "data.yaml"
 
 
-def _two_nodes(tmp_path: Path, data: tuple[Path, Path], envs: tuple[dict, dict]) -> list[tuple[int, str]]:
-    """Node 0 and node 1 of one run, each with its own dataset, run folder and environment: (exit code, output)."""
+def _two_nodes(
+    tmp_path: Path, data: tuple[Path, Path], envs: tuple[dict, dict], node1: dict | None = None
+) -> list[tuple[int, str]]:
+    """Node 0 and node 1 of one run, each with its own dataset, run folder and environment (``node1``: arguments
+    node 1 adds to its command line): (exit code, output)."""
     port = free_port()
     procs = []
     for r in (0, 1):
         args = {**FAST, "data": data[r], "epochs": 1, "device": "cpu", "nnodes": 2, "node_rank": r, "run_id": "t"}
+        args |= (node1 or {}) if r == 1 else {}
         args |= {"master_addr": "127.0.0.1", "master_port": port, "project": tmp_path / f"node{r}" / "runs"}
         out = open(tmp_path / f"node{r}.txt", "w")  # noqa: SIM115 - the child keeps it
         # not run in the checkout: python -m would import its detrain first, whatever PYTHONPATH says
@@ -89,6 +93,19 @@ def test_a_node_whose_dataset_has_one_image_fewer_is_refused_on_both_nodes(tmp_p
             f"node_rank=1 (host {host}) differs from node 0 (host {host}): train images 15 there, 16 on node 0"
         ) in line, out[-3000:]
         assert out.count("error: ") == 1, out[-3000:]  # one line, and no traceback
+    assert not list((tmp_path / "node0").rglob("last.pt"))  # refused before training
+
+
+def test_a_node_started_with_other_arguments_is_refused_on_both_nodes(tmp_path: Path) -> None:
+    """Node 1's command line says parallel=fsdp: its ranks would call other collectives than node 0's."""
+    data = _shapes(tmp_path / "data0"), _shapes(tmp_path / "data1")
+    ends = _two_nodes(tmp_path, data, (child_env(), child_env()), node1={"parallel": "fsdp"})
+    host = socket.gethostname()
+    for r, (code, out) in enumerate(ends):
+        assert code == 2, f"node {r} exit {code}\n{out[-3000:]}"
+        assert (
+            f"node_rank=1 (host {host}) differs from node 0 (host {host}): parallel=fsdp there, parallel=ddp on node 0"
+        ) in _last_line(out), out[-3000:]
     assert not list((tmp_path / "node0").rglob("last.pt"))  # refused before training
 
 

@@ -12,6 +12,7 @@ import pytest
 from detrain.config.cfg import make_cfg
 from detrain.distributed import node_consistency, restart_policy, slurm
 from detrain.distributed.world import World
+from detrain.engine.train.shared_settings import shared_settings
 from detrain.errors import ConfigError, DistributedError
 
 CRASH = ["CheckpointError: could not save weights/last.pt: [Errno 5] injected failure"]
@@ -170,3 +171,16 @@ def test_a_job_preempted_again_at_the_same_checkpoint_is_requeued_at_most_the_li
     assert slurm.requeue_unless_stuck("42", tmp_path, "epoch 3", 2) == "requeued SLURM job 42"
     assert json.loads((tmp_path / slurm.REQUEUES_FILE).read_text()) == {"job": "42", "point": "epoch 3", "count": 1}
     assert all(slurm.requeue_unless_stuck("42", tmp_path, "epoch 3", 0).startswith("requeued") for _ in range(4))
+
+
+def test_a_node_started_with_other_arguments_is_named_with_the_first_that_differs() -> None:
+    ours = shared_settings(make_cfg({"data": "coco8.yaml", "device": "0,1", "project": "a"}))
+    # its own paths, devices and run folder may differ; parallel= may not (other collectives), nor epochs
+    alike = shared_settings(make_cfg({"data": "/mnt/coco8.yaml", "device": "0", "project": "b", "workers": 2}))
+    theirs = shared_settings(make_cfg({"parallel": "fsdp", "epochs": 3}))
+    records = [(0, "a", {**NODE, "settings": ours}), (1, "b", {**NODE, "settings": alike})]
+    assert node_consistency.first_difference(records, elastic=False) is None
+    records.append((2, "c", {**NODE, "settings": theirs}))
+    assert node_consistency.first_difference(records, elastic=False) == (
+        "node_rank=2 (host c) differs from node 0 (host a): epochs=3 there, epochs=100 on node 0"
+    )

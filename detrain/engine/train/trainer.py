@@ -48,6 +48,7 @@ from detrain.engine.train.precision import choose_precision, train_dtype
 from detrain.engine.train.preemption import Preemption
 from detrain.engine.train.replicas import Replicas
 from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
+from detrain.engine.train.shared_settings import shared_settings
 from detrain.errors import Preempted
 from detrain.log import EpochProgress, ResultsCSV, console, save_yaml
 from detrain.nn.head import LossGains
@@ -191,7 +192,9 @@ class Trainer:
         self._load_data()  # the splits, their classes
         # collective: every node's code, versions and dataset (and elastic nodes' devices) are node 0's, or all stop
         data = (self.data, self.val_data)
-        node_consistency.check_nodes(self.world, lambda: dataset_identity(data), elastic=self.elastic)
+        node_consistency.check_nodes(
+            self.world, lambda: dataset_identity(data), elastic=self.elastic, settings=shared_settings(self.cfg)
+        )
         self._build_model()  # start, frozen or resumed weights on the device; the EMA
         self._pick_batch()  # collective (batch=-1 or a fraction): the batch that fits every rank's GPU
         total_iters = self._plan_batches()  # self.plan: images per update (optimizer=auto's), accumulation
