@@ -58,11 +58,37 @@ EXACT = dict(
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "detrain.cli", "train", *args]
+    return _together([list(args)])[0]
+
+
+def _together(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+    """``detrain train`` with each argument list, all started at once (each run spends much of its time starting
+    processes and waiting in gloo, so runs side by side take less than one after the other); their results."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "detrain.cli", "train", *args],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+        )
+        for args in commands
+    ]
+    done = []
     try:
-        return subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=LIMIT_S, cwd=REPO)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(args)} did not end within {LIMIT_S} s:\n{e.stdout}\n{e.stderr}")
+        for args, proc in zip(commands, procs, strict=True):
+            try:
+                out, err = proc.communicate(timeout=LIMIT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"{' '.join(args)} did not end within {LIMIT_S} s")
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -83,12 +109,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """2 epochs on 2 workers under DDP and under fsdp (each keeps epoch1.pt)."""
     root = tmp_path_factory.mktemp("fsdp")
     data = generate_shapes(root / "shapes", n_train=16, n_val=2, imgsz=64, seed=0) / "data.yaml"
-    out = {}
-    for kind in ("ddp", "fsdp"):
-        args = {**EXACT, "data": data, "device": "cpu,cpu", "parallel": kind, "project": root, "name": kind}
-        _ok(_train(*(f"{k}={v}" for k, v in args.items())))
-        out[kind] = root / kind
-    return out
+    kinds = ("ddp", "fsdp")
+    args = [
+        {**EXACT, "data": data, "device": "cpu,cpu", "parallel": kind, "project": root, "name": kind} for kind in kinds
+    ]
+    for proc in _together([[f"{k}={v}" for k, v in a.items()] for a in args]):
+        _ok(proc)
+    return {kind: root / kind for kind in kinds}
 
 
 def _same(run: Path, reference: Path) -> None:
@@ -118,20 +145,39 @@ def test_two_fsdp_workers_train_what_two_ddp_workers_train(runs: dict[str, Path]
     assert ddp["buffers_per_rank"].keys() == fsdp["buffers_per_rank"].keys() == {"1"}
 
 
-@pytest.mark.parametrize(
-    ("written_by", "resumed_as", "device"),
-    [("ddp", "fsdp", "cpu,cpu"), ("fsdp", "ddp", "cpu,cpu"), ("fsdp", "fsdp", "cpu")],
-    ids=["ddp-to-fsdp", "fsdp-to-ddp", "fsdp-2-workers-to-1"],
-)
+RESUMES = {  # name: (the run whose epoch1.pt is resumed, parallel= of the resumed run, its devices)
+    "ddp-to-fsdp": ("ddp", "fsdp", "cpu,cpu"),
+    "fsdp-to-ddp": ("fsdp", "ddp", "cpu,cpu"),
+    "fsdp-2-workers-to-1": ("fsdp", "fsdp", "cpu"),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(
+    runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """epoch1.pt of each RESUMES run resumed for epoch 2 as named (the three side by side; a resumed run writes in
+    the checkpoint's run folder: a copy of it): name -> (its folder, its process result)."""
+    folders = {}
+    for name, (written_by, _, _) in RESUMES.items():
+        folders[name] = tmp_path_factory.mktemp(name) / "run"
+        shutil.copytree(runs[written_by], folders[name])
+        (folders[name] / "weights" / "last.pt").unlink()
+    commands = [
+        [f"resume={folders[name] / 'weights' / 'epoch1.pt'}", f"parallel={kind}", f"device={device}"]
+        for name, (_, kind, device) in RESUMES.items()
+    ]
+    return {name: (folders[name], proc) for name, proc in zip(RESUMES, _together(commands), strict=True)}
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
 def test_a_checkpoint_resumes_across_ddp_fsdp_and_world_sizes(
-    runs: dict[str, Path], written_by: str, resumed_as: str, device: str, tmp_path: Path
+    runs: dict[str, Path], resumed: dict[str, tuple[Path, subprocess.CompletedProcess]], name: str
 ) -> None:
     """epoch1.pt of one run resumed for epoch 2 under the other choice (or 1 worker) ends where the uninterrupted
-    DDP run ended (a resumed run writes in the checkpoint's run folder: a copy of it)."""
-    run = tmp_path / "run"
-    shutil.copytree(runs[written_by], run)
-    (run / "weights" / "last.pt").unlink()
-    _ok(_train(f"resume={run / 'weights' / 'epoch1.pt'}", f"parallel={resumed_as}", f"device={device}"))
+    DDP run ended."""
+    run, proc = resumed[name]
+    _ok(proc)
     _same(run, runs["ddp"])
 
 
