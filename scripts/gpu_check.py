@@ -359,7 +359,8 @@ def resume_on(ctx: Context, devices: str, repeats: int) -> tuple[str, dict[str, 
 
 
 def check_nccl_one_rank(ctx: Context) -> tuple[str, dict[str, Any]]:
-    """A one-rank NCCL group in its own process (``--_nccl-one-rank``): DDP, SyncBatchNorm, every collective."""
+    """A one-rank NCCL group in its own process (``--_nccl-one-rank``): DDP, SyncBatchNorm, every collective, and
+    parallel=fsdp's sharding, steps and checkpoint gathers (:func:`fsdp_steps`)."""
     if not ctx.cuda:
         raise Skip("no CUDA")
     cmd = [sys.executable, __file__, "--_nccl-one-rank", str(_free_port())]
@@ -367,7 +368,7 @@ def check_nccl_one_rank(ctx: Context) -> tuple[str, dict[str, Any]]:
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 0, f"exit {proc.returncode}: {lines[-1] if lines else 'no output'}"
     figures = json.loads(lines[-1])
-    return "DDP(SyncBatchNorm model) steps and every collective on a one-rank NCCL group", figures
+    return "DDP(SyncBatchNorm model) and fsdp steps, every collective, on a one-rank NCCL group", figures
 
 
 def one_rank_group(port: int, backend: str = "nccl") -> None:
@@ -414,9 +415,41 @@ def one_rank_group(port: int, backend: str = "nccl") -> None:
         torch.cuda.synchronize()
     assert torch.equal(gathered, torch.arange(4.0, device=device)) and objects == [{"rank": 0}]
     assert box == [{"hello": 1}], box
+    fsdp = fsdp_steps(device)
     version = ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else None
-    print(json.dumps({"backend": backend, "nccl": version, "ddp_steps": 3, "collectives": 9}))
+    print(json.dumps({"backend": backend, "nccl": version, "ddp_steps": 3, "collectives": 9, **fsdp}))
     tdist.destroy_process_group()
+
+
+def fsdp_steps(device: torch.device) -> dict[str, Any]:
+    """parallel=fsdp's pieces on the group that is up (one rank): detrain's ``sharded.shard`` of a YOLOv8n, three
+    SGD steps (AMP as training uses it on this device, clipped with the trainer's norm), then the whole model and
+    optimizer state a checkpoint gathers, cut back to this rank's rows and loaded again."""
+    from detrain.distributed import sharded
+    from detrain.engine.train import optim
+    from detrain.engine.train.nonfinite import gradient_norm
+    from detrain.nn.model import DetectionModel
+
+    model = sharded.shard(DetectionModel(scale="n", nc=3).to(device).train(), device, 1)
+    params = list(model.parameters())
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, **optim.kernel_options(params))
+    amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    norms = []
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            out = model(torch.rand(2, 3, 64, 64, device=device))
+        _scalar(out).backward()
+        norms.append(float(gradient_norm(model.parameters(), 10.0)))
+        optimizer.step()
+    whole = sharded.full_state_dict(model)
+    state = sharded.full_optimizer_state(optimizer)
+    optimizer.load_state_dict(sharded.local_optimizer_state(optimizer, state))
+    again = sharded.full_optimizer_state(optimizer)["state"]
+    assert all(math.isfinite(n) for n in norms), norms
+    assert all(torch.isfinite(v).all() for v in whole.values() if v.is_floating_point())
+    assert all(torch.equal(again[k]["momentum_buffer"], v["momentum_buffer"]) for k, v in state["state"].items())
+    return {"fsdp_steps": 3, "fsdp_amp": str(amp).replace("torch.", "") if amp else None, "fsdp_tensors": len(whole)}
 
 
 def _free_port() -> int:

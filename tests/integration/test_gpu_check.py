@@ -93,12 +93,15 @@ def test_two_workers_restarted_mid_epoch_resume_at_the_step_with_the_uninterrupt
     assert not (run / "weights" / "mid.pt").exists()
 
 
-def test_one_rank_group_runs_ddp_and_every_collective_on_gloo() -> None:
-    """The nccl-one-rank check's worker, on gloo in this process (CPU: no SyncBatchNorm, as torch's is GPU-only)."""
+def test_one_rank_group_runs_ddp_fsdp_and_every_collective_on_gloo(capsys: pytest.CaptureFixture[str]) -> None:
+    """The nccl-one-rank check's worker, on gloo in this process (CPU: no SyncBatchNorm, as torch's is GPU-only,
+    and no AMP)."""
     import torch.distributed as tdist
 
     try:
         gc.one_rank_group(gc._free_port(), "gloo")
+        figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert figures["fsdp_steps"] == 3 and figures["fsdp_amp"] is None and figures["fsdp_tensors"] > 300
     finally:
         if tdist.is_initialized():
             tdist.destroy_process_group()
