@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _processes import child_env
+from _processes import REPO, child_env
 from _scripts import load_script
 from _ultralytics import offline_ultralytics
 
@@ -93,18 +93,21 @@ def test_two_workers_restarted_mid_epoch_resume_at_the_step_with_the_uninterrupt
     assert not (run / "weights" / "mid.pt").exists()
 
 
-def test_one_rank_group_runs_ddp_fsdp_and_every_collective_on_gloo(capsys: pytest.CaptureFixture[str]) -> None:
-    """The nccl-one-rank check's worker, on gloo in this process (CPU: no SyncBatchNorm, as torch's is GPU-only,
-    and no AMP)."""
-    import torch.distributed as tdist
-
-    try:
-        gc.one_rank_group(gc._free_port(), "gloo")
-        figures = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert figures["fsdp_steps"] == 3 and figures["fsdp_amp"] is None and figures["fsdp_tensors"] > 300
-    finally:
-        if tdist.is_initialized():
-            tdist.destroy_process_group()
+def test_one_rank_group_runs_ddp_fsdp_and_every_collective_on_gloo() -> None:
+    """The nccl-one-rank check's worker, on gloo (CPU: no SyncBatchNorm, as torch's is GPU-only, and no AMP), in a
+    process of its own as the check runs it: the sharded model's device mesh keeps the group's store, which listens
+    on every address, alive until its process ends (it would show in test_network's loopback check)."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests'); from _scripts import load_script; "
+        "gc = load_script('gpu_check'); gc.one_rank_group(gc._free_port(), 'gloo')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=child_env(), capture_output=True, text=True, timeout=300, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["backend"] == "gloo" and figures["ddp_steps"] == 3 and figures["collectives"] == 9
+    assert figures["fsdp_steps"] == 3 and figures["fsdp_amp"] is None and figures["fsdp_tensors"] > 300
 
 
 def test_ultralytics_step_side_by_side_in_fp32_on_cpu(tmp_path_factory: pytest.TempPathFactory) -> None:
