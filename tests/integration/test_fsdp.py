@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import csv
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+import _exact
 import _fsdp_workers as workers
 import pytest
 import torch
-from _processes import child_env
+from _processes import child_env, run_together
 
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.launch import launch, parse_device
@@ -30,69 +30,19 @@ LIMIT_S = 300
 
 # as test_train_distributed's EXACT: augmentation off, one update per epoch of 16 images, sync_bn (so that 1 worker
 # trains what 2 do); save_period=1 keeps epoch1.pt, which the resumes start from
-EXACT = dict(
-    imgsz=64,
-    batch=16,
-    nbs=16,
-    workers=0,
-    warmup_epochs=0,
-    close_mosaic=0,
-    optimizer="SGD",
-    seed=0,
-    deterministic=True,
-    mosaic=0.0,
-    fliplr=0.0,
-    hsv_h=0.0,
-    hsv_s=0.0,
-    hsv_v=0.0,
-    translate=0.0,
-    scale=0.0,
-    val=False,
-    plots=False,
-    verbose=False,
-    sync_bn=True,
-    exist_ok=True,
-    epochs=2,
-    save_period=1,
-)
+EXACT = {**_exact.EXACT, "exist_ok": True, "epochs": 2, "save_period": 1}
 
 
-def _train(*args: str) -> subprocess.CompletedProcess:
-    return _together([list(args)])[0]
-
-
-def _together(commands: list[list[str]]) -> list[subprocess.CompletedProcess]:
+def _together(commands: list[list[str]]) -> list[tuple[int, str]]:
     """``detrain train`` with each argument list, all started at once (each run spends much of its time starting
-    processes and waiting in gloo, so runs side by side take less than one after the other); their results."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "detrain.cli", "train", *args],
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO,
-        )
-        for args in commands
-    ]
-    done = []
-    try:
-        for args, proc in zip(commands, procs, strict=True):
-            try:
-                out, err = proc.communicate(timeout=LIMIT_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{' '.join(args)} did not end within {LIMIT_S} s")
-            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return done
+    processes and waiting in gloo, so runs side by side take less than one after the other): (exit code, output)."""
+    cli = [sys.executable, "-m", "detrain.cli", "train"]
+    return run_together([cli + args for args in commands], child_env(), REPO, LIMIT_S)
 
 
-def _ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+def _ok(ended: tuple[int, str]) -> None:
+    code, out = ended
+    assert code == 0, f"exit {code}\n{out[-3000:]}"
 
 
 def _rows(run: Path) -> list[dict[str, str]]:
@@ -113,8 +63,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     args = [
         {**EXACT, "data": data, "device": "cpu,cpu", "parallel": kind, "project": root, "name": kind} for kind in kinds
     ]
-    for proc in _together([[f"{k}={v}" for k, v in a.items()] for a in args]):
-        _ok(proc)
+    for ended in _together([[f"{k}={v}" for k, v in a.items()] for a in args]):
+        _ok(ended)
     return {kind: root / kind for kind in kinds}
 
 
@@ -153,9 +103,7 @@ RESUMES = {  # name: (the run whose epoch1.pt is resumed, parallel= of the resum
 
 
 @pytest.fixture(scope="module")
-def resumed(
-    runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def resumed(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, tuple[int, str]]]:
     """epoch1.pt of each RESUMES run resumed for epoch 2 as named (the three side by side; a resumed run writes in
     the checkpoint's run folder: a copy of it): name -> (its folder, its process result)."""
     folders = {}
@@ -167,17 +115,17 @@ def resumed(
         [f"resume={folders[name] / 'weights' / 'epoch1.pt'}", f"parallel={kind}", f"device={device}"]
         for name, (_, kind, device) in RESUMES.items()
     ]
-    return {name: (folders[name], proc) for name, proc in zip(RESUMES, _together(commands), strict=True)}
+    return {name: (folders[name], ended) for name, ended in zip(RESUMES, _together(commands), strict=True)}
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
 def test_a_checkpoint_resumes_across_ddp_fsdp_and_world_sizes(
-    runs: dict[str, Path], resumed: dict[str, tuple[Path, subprocess.CompletedProcess]], name: str
+    runs: dict[str, Path], resumed: dict[str, tuple[Path, tuple[int, str]]], name: str
 ) -> None:
     """epoch1.pt of one run resumed for epoch 2 under the other choice (or 1 worker) ends where the uninterrupted
     DDP run ended."""
-    run, proc = resumed[name]
-    _ok(proc)
+    run, ended = resumed[name]
+    _ok(ended)
     _same(run, runs["ddp"])
 
 
@@ -207,7 +155,7 @@ def test_ddp_and_fsdp_steps_agree_rank_by_rank() -> None:
 
 
 def test_a_bad_parallel_value_is_one_line() -> None:
-    proc = _train("parallel=zero", "data=coco8.yaml")
-    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert lines == ["error: invalid value for 'parallel': 'zero'; expected one of ddp, fsdp"], proc.stderr[-2000:]
+    ((code, out),) = _together([["parallel=zero", "data=coco8.yaml"]])
+    assert code == 2, f"exit {code}\n{out[-2000:]}"
+    lines = [line for line in out.splitlines() if line.startswith("error:")]
+    assert lines == ["error: invalid value for 'parallel': 'zero'; expected one of ddp, fsdp"], out[-2000:]

@@ -16,6 +16,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import _exact
 import pytest
 import torch
 from _faults import chaos, fault_env, held, send, wait_for, workers_of
@@ -27,29 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs (each takes ~10-30 s on an idle 2-core machine)
 
 # augmentation off, one optimizer step per batch, no warmup: 1 and 2 workers must take the same steps
-EXACT = dict(
-    imgsz=64,
-    batch=16,
-    nbs=16,
-    workers=0,
-    warmup_epochs=0,
-    close_mosaic=0,
-    optimizer="SGD",
-    seed=0,
-    deterministic=True,
-    mosaic=0.0,
-    fliplr=0.0,
-    hsv_h=0.0,
-    hsv_s=0.0,
-    hsv_v=0.0,
-    translate=0.0,
-    scale=0.0,
-    val=False,
-    plots=False,
-    verbose=False,
-    sync_bn=True,
-    exist_ok=True,
-)
+EXACT = {**_exact.EXACT, "exist_ok": True}
 
 
 def _kv(args: dict) -> list[str]:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _exact
 import pytest
 import torch
 from _faults import fault_env
@@ -129,30 +130,7 @@ def test_a_musgd_run_killed_after_mid_pt_resumes_exactly(
 
 
 # augmentation off, one update of all 16 images: 1 and 2 workers take it from the same weights and data
-EXACT = dict(
-    imgsz=64,
-    batch=16,
-    nbs=16,
-    epochs=1,
-    workers=0,
-    warmup_epochs=0,
-    close_mosaic=0,
-    optimizer="MuSGD",
-    seed=0,
-    deterministic=True,
-    mosaic=0.0,
-    fliplr=0.0,
-    hsv_h=0.0,
-    hsv_s=0.0,
-    hsv_v=0.0,
-    translate=0.0,
-    scale=0.0,
-    val=False,
-    plots=False,
-    verbose=False,
-    sync_bn=True,
-    name="run",
-)
+EXACT = {**_exact.EXACT, "epochs": 1, "optimizer": "MuSGD", "name": "run"}
 
 
 def _names_in_optimizer_order() -> list[str]:
