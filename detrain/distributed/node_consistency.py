@@ -146,26 +146,18 @@ def first_difference(records: list[tuple[int, str, Mapping[str, Any]]], *, elast
         for key in keys:
             if record.get(key) != first.get(key):
                 if key == "settings":  # the first argument that differs, by name
-                    return _settings_difference(node, host, record, (node0, host0, first))
-                theirs, ours = _shown(record, key), _shown(first, key)
-                return (
-                    f"node_rank={node} (host {host}) differs from node {node0} (host {host0}): "
-                    f"{key} {theirs} there, {ours} on node {node0}"
-                )
+                    detail = _settings_difference(record, first, node0)
+                else:
+                    detail = f"{key} {_shown(record, key)} there, {_shown(first, key)} on node {node0}"
+                return f"node_rank={node} (host {host}) differs from node {node0} (host {host0}): {detail}"
     return None
 
 
-def _settings_difference(
-    node: int, host: str, record: Mapping[str, Any], reference: tuple[int, str, Mapping[str, Any]]
-) -> str:
-    """The line for a node whose arguments differ from node 0's: the first key that differs, both values."""
-    node0, host0, first = reference
+def _settings_difference(record: Mapping[str, Any], first: Mapping[str, Any], node0: int) -> str:
+    """The first argument in which a node's ``settings`` differ from node 0's, with both values."""
     theirs, ours = record.get("settings") or {}, first.get("settings") or {}
     name = next(k for k in sorted(set(theirs) | set(ours)) if theirs.get(k) != ours.get(k))
-    return (
-        f"node_rank={node} (host {host}) differs from node {node0} (host {host0}): "
-        f"{name}={str(theirs.get(name))[:_SHOWN]} there, {name}={str(ours.get(name))[:_SHOWN]} on node {node0}"
-    )
+    return f"{name}={str(theirs.get(name))[:_SHOWN]} there, {name}={str(ours.get(name))[:_SHOWN]} on node {node0}"
 
 
 def _shown(record: Mapping[str, Any], key: str) -> str:
