@@ -37,6 +37,7 @@ class ModelEMA:
         for p in self.ema.parameters():
             p.requires_grad_(False)
         self.decay, self.tau, self.updates = decay, tau, updates
+        self.gathered_at: int | None = None  # parallel=fsdp: ``updates`` at the last gather (its rows then whole)
 
     def current_decay(self) -> float:
         return self.decay * (1 - math.exp(-self.updates / self.tau))
@@ -63,8 +64,9 @@ class ModelEMA:
         """Under ``parallel=fsdp``, every rank's averaged rows on every rank (a collective: call on every rank);
         otherwise nothing to do. Before the EMA is validated or saved."""
         bare = unwrap(model)
-        if not sharded.is_sharded(bare):
-            return
+        if not sharded.is_sharded(bare) or self.gathered_at == self.updates:
+            return  # nothing sharded, or no update since the last gather (validation, then last.pt, per epoch)
+        self.gathered_at = self.updates  # the same on every rank: every rank skips or gathers alike
         model_state = bare.state_dict()
         for name, value in self.ema.state_dict().items():
             source = model_state[name]

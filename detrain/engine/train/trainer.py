@@ -92,6 +92,7 @@ class Trainer:
         point = resume_state.position(start.ckpt) if start.ckpt is not None else None
         restart_policy.check_progress(world, point, cfg.distributed.restart_same_failures)
         self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
+        self.gathered: dict[str, Any] | None = None  # parallel=fsdp: rank 0's whole tensors for the next checkpoint
         self.cfg, self.world = cfg, world
         self.rank, self.main = world.rank, world.is_main
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
@@ -593,8 +594,7 @@ class Trainer:
         if pending and self.world.distributed:
             # collective: one all-reduce of the waiting gradients, as at an epoch's end
             accumulation.average_over_ranks(unwrap(self.model))
-        self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)  # collective: per rank
-        self._gather_whole(pending)  # collective where sharded: whole weights, EMA and optimizer state
+        self._gather_for_checkpoint(pending)  # collective
         state = self.checkpoint_state(epoch - 1, {}, pending) if self.main else None
         self.mid.save(state, i, self.plan.step_images, mean_items, n_images)
         self.replicas.copy(self.mid.path)  # point to point: rank 0 and the nodes keeping a copy (replicas.py)
@@ -687,9 +687,8 @@ class Trainer:
             "nonfinite_skipped": self.nonfinite.epoch_skipped,  # updates skipped for a NaN/inf (nonfinite.py)
             **trained.speed,  # the per-node columns come last
         }
-        if cfg.output.save:  # collective: what differs between ranks goes in last.pt too (an all_gather_object)
-            self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)
-            self._gather_whole(self._gradients_wait(epoch))  # collective where sharded
+        if cfg.output.save:  # collective: what differs between ranks goes in last.pt too
+            self._gather_for_checkpoint(self._gradients_wait(epoch))
         if not self.main:
             return
         self.csv.add(row)
@@ -748,9 +747,11 @@ class Trainer:
         """Whether batches of ``epoch`` (at its end) hold gradients for an update still to come."""
         return accumulation.pending_batches(self.nb * (epoch + 1) - 1, self.last_update) > 0
 
-    def _gather_whole(self, pending: bool) -> None:
-        """parallel=fsdp: the whole weights, optimizer state and waiting gradients for the checkpoint rank 0 writes
-        next (:func:`parallel.gathered_state`), and the EMA's rows. A collective where sharded: every rank."""
+    def _gather_for_checkpoint(self, pending: bool) -> None:
+        """What the checkpoint rank 0 writes next needs from the other ranks (a collective: every rank): what differs
+        between ranks (BatchNorm statistics, generator states: an all_gather_object), and under parallel=fsdp the
+        whole weights, optimizer state and waiting gradients (:func:`parallel.gathered_state`) and the EMA's rows."""
+        self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)  # collective: per rank
         self.ema.gather(self.model)  # collective where sharded: one all-gather per weight
         whole = parallel.gathered_state(self.model, self.optimizer, pending)  # collective where sharded
         self.gathered = whole if self.main else None  # the other ranks keep only their shards
@@ -758,10 +759,10 @@ class Trainer:
     def checkpoint_state(self, epoch: int, metrics: dict[str, Any], pending: bool) -> dict[str, Any]:
         """Everything a resumed run needs, after epoch ``epoch`` (0-based); ``pending``: gradients wait for an
         update (averaged over the ranks already) and are saved too. Sharded (parallel=fsdp), the whole tensors
-        come from :meth:`_gather_whole`, which every rank ran just before: the same format as DDP's."""
+        come from :meth:`_gather_for_checkpoint`, which every rank ran just before: the same format as DDP's."""
         bare = self._bare()
         meta = model_meta(bare, self.cfg.inputs.imgsz)
-        whole = getattr(self, "gathered", None) if parallel.is_sharded(bare) else None
+        whole = self.gathered if parallel.is_sharded(bare) else None
         self.gathered = None  # used once: the next checkpoint gathers its own
         grads = whole["pending_grads"] if whole is not None else (accumulation.saved(bare) if pending else None)
         return {
