@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain.distributed import sharded
+from detrain.distributed import shard_probe
 from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
 from detrain.distributed.world import World
 from detrain.errors import ConfigError
@@ -55,7 +55,7 @@ def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool,
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # collective: torch's, per BatchNorm
     if kind == "fsdp":
         # collective: rank 0's weights and buffers; then each layer all-gathers its weights where it runs
-        return sharded.shard(model, device, world.world_size)
+        return _sharded().shard(model, device, world.world_size)
     ids = [device.index] if device.type == "cuda" else None
     # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights; DDP
     # all-reduces the gradients in the backward pass of every batch that ends with an update (gradient_sync)
@@ -80,8 +80,8 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
     to be all-reduced with those of the backward that ends the accumulation. A bare model has nothing to sync."""
     if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
         return model.no_sync()
-    if sharded.is_sharded(model):  # gradients reduce-scattered in every backward (sharded.py says why)
-        return sharded.buffer_sync(model).backward(enabled)
+    if shard_probe.is_sharded(model):  # gradients reduce-scattered in every backward (sharded.py says why)
+        return _sharded().buffer_sync(model).backward(enabled)
     return contextlib.nullcontext()
 
 
@@ -90,19 +90,19 @@ def sync_buffers_next_forward(model: nn.Module, due: bool) -> None:
     follows an update): on resume, as it stood when the checkpoint was saved."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model.require_forward_param_sync = due
-    elif sharded.is_sharded(model):
-        sharded.buffer_sync(model).due = due
+    elif shard_probe.is_sharded(model):
+        _sharded().buffer_sync(model).due = due
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model`` (wrapped or bare) is sharded over the ranks (``parallel=fsdp`` in a group)."""
-    return sharded.is_sharded(unwrap(model))
+    return shard_probe.is_sharded(unwrap(model))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The bare model's state dict, whole: where sharded, a collective (call on every rank) giving CPU copies."""
     bare = unwrap(model)
-    return sharded.full_state_dict(bare) if sharded.is_sharded(bare) else bare.state_dict()
+    return _sharded().full_state_dict(bare) if shard_probe.is_sharded(bare) else bare.state_dict()
 
 
 def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: bool) -> dict[str, Any] | None:
@@ -110,19 +110,19 @@ def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: 
     for an update, whole and on the CPU, in the format of a DDP run's (a collective: call on every rank; only
     rank 0 writes it). None otherwise: rank 0 reads them from its own whole copies as it writes."""
     bare = unwrap(model)
-    if not sharded.is_sharded(bare):
+    if not shard_probe.is_sharded(bare):
         return None
     return {
-        "model": sharded.full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
-        "optimizer": sharded.full_optimizer_state(optimizer),  # collective: per tensor of the state
-        "pending_grads": sharded.full_gradients(bare) if pending else None,  # collective: per gradient
+        "model": _sharded().full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
+        "optimizer": _sharded().full_optimizer_state(optimizer),  # collective: per tensor of the state
+        "pending_grads": _sharded().full_gradients(bare) if pending else None,  # collective: per gradient
     }
 
 
 def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
     """A checkpoint's (whole) optimizer state for ``optimizer``: where sharded, each tensor cut to this rank's rows
     of its parameter (no communication); otherwise ``state`` itself."""
-    return sharded.local_optimizer_state(optimizer, state) if is_sharded(model) else state
+    return _sharded().local_optimizer_state(optimizer, state) if is_sharded(model) else state
 
 
 def check_optimizer(model: nn.Module, name: str) -> None:
@@ -133,3 +133,11 @@ def check_optimizer(model: nn.Module, name: str) -> None:
             "parallel=fsdp cannot train with MuSGD (its Newton-Schulz step needs whole weight matrices; "
             "optimizer=auto picks it for runs of over 10000 updates): give optimizer=SGD or AdamW, or parallel=ddp"
         )
+
+
+def _sharded() -> Any:
+    """:mod:`detrain.distributed.sharded`, imported where a sharded branch runs: it imports torch's fsdp and
+    DTensor packages, which a DDP run never needs (:mod:`detrain.distributed.shard_probe` says what they cost)."""
+    from detrain.distributed import sharded
+
+    return sharded

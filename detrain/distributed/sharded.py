@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from detrain.distributed import dist
+from detrain.distributed import dist, shard_probe
 
 _SYNC = "_detrain_buffer_sync"  # the attribute of the sharded model that holds its BufferSync
 
@@ -53,13 +53,7 @@ def shard(model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``fully_shard`` root (its parameters DTensors).
-
-    >>> is_sharded(nn.Linear(1, 1))
-    False
-    """
-    return isinstance(model, FSDPModule)
+is_sharded = shard_probe.is_sharded
 
 
 class BufferSync:

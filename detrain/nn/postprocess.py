@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
 from detrain.nn.boxes import xywh2xyxy
+from detrain.nn.nms_kernel import nms_kernel
 
 
 def non_max_suppression(
@@ -67,14 +66,6 @@ def non_max_suppression(
             continue
         offsets = 0.0 if agnostic else dets[:, 5:6] * max_wh
         # torchvision's CPU kernel has no half support; NMS only needs the ordering and IoUs
-        keep = _nms()((dets[:, :4] + offsets).float(), dets[:, 4].float(), iou_thres)
+        keep = nms_kernel()((dets[:, :4] + offsets).float(), dets[:, 4].float(), iou_thres)
         out.append(dets[keep[:max_det]])
     return out
-
-
-def _nms() -> Callable[[Tensor, Tensor, float], Tensor]:
-    """torchvision's NMS kernel, imported on first use: importing torchvision costs a process ~2 s of CPU (it loads
-    torch._dynamo), and the launcher and the ranks that never score a batch do not need it."""
-    from torchvision.ops import nms
-
-    return nms

@@ -16,6 +16,7 @@ costs one read of the dataset (scripts/bench_fingerprint.py measures it). The we
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -146,11 +147,9 @@ def versions() -> dict[str, Any]:
         "cudnn": None,
         "nccl": None,
     }
-    try:
-        import torchvision
-
-        out["torchvision"] = torchvision.__version__
-    except ImportError:
+    try:  # its installed version, not `import torchvision`, which costs a process ~2 s of CPU
+        out["torchvision"] = importlib.metadata.version("torchvision")
+    except importlib.metadata.PackageNotFoundError:
         out["torchvision"] = None
     if torch.backends.cudnn.is_available():
         out["cudnn"] = torch.backends.cudnn.version()

@@ -14,9 +14,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from detrain.distributed import sharded
+from detrain.distributed import shard_probe
 from detrain.distributed.parallel import unwrap
 
 
@@ -55,7 +54,9 @@ class ModelEMA:
         for name, value in self.ema.state_dict().items():
             if value.dtype.is_floating_point and name not in self.fixed:
                 source = model_state[name].detach()
-                if isinstance(source, DTensor):  # parallel=fsdp: this rank's rows (see the module)
+                if shard_probe.is_dtensor(source):  # parallel=fsdp: this rank's rows (see the module)
+                    from detrain.distributed import sharded  # imported already where a DTensor exists
+
                     value, source = sharded.own_rows(value, source)
                 value.mul_(d).add_(source, alpha=1 - d)
 
@@ -64,11 +65,13 @@ class ModelEMA:
         """Under ``parallel=fsdp``, every rank's averaged rows on every rank (a collective: call on every rank);
         otherwise nothing to do. Before the EMA is validated or saved."""
         bare = unwrap(model)
-        if not sharded.is_sharded(bare) or self.gathered_at == self.updates:
+        if not shard_probe.is_sharded(bare) or self.gathered_at == self.updates:
             return  # nothing sharded, or no update since the last gather (validation, then last.pt, per epoch)
         self.gathered_at = self.updates  # the same on every rank: every rank skips or gathers alike
+        from detrain.distributed import sharded  # imported already where a model is sharded
+
         model_state = bare.state_dict()
         for name, value in self.ema.state_dict().items():
             source = model_state[name]
-            if isinstance(source, DTensor) and value.dtype.is_floating_point and name not in self.fixed:
+            if shard_probe.is_dtensor(source) and value.dtype.is_floating_point and name not in self.fixed:
                 sharded.gather_rows(value, source)  # collective: one all-gather

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from detrain.distributed import shard_probe
 from detrain.errors import DetrainError
 from detrain.log import console
 
@@ -115,7 +115,7 @@ def gradient_norm(parameters: Iterable[torch.Tensor], clip: float) -> torch.Tens
         return torch.zeros(())
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
-    return norm.to_local() if isinstance(norm, DTensor) else norm
+    return norm.to_local() if shard_probe.is_dtensor(norm) else norm
 
 
 def finite_items(items: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

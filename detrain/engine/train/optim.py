@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from detrain.config.cfg import Cfg
+from detrain.distributed import shard_probe
 from detrain.engine.train.musgd import MuSGD, apply_group_warmup, build_musgd
 
 NOMINAL_BATCH = 64  # images per update that lr0 and weight_decay are given for (nbs=auto)
@@ -130,7 +130,7 @@ def kernel_options(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     >>> kernel_options([torch.zeros(2)]), kernel_options([])
     ({'fused': True}, {})
     """
-    if any(isinstance(p, DTensor) for p in params):
+    if any(shard_probe.is_dtensor(p) for p in params):
         return {"foreach": True}  # parallel=fsdp: the fused SGD kernel has no DTensor rule (torch 2.14)
     types = {p.device.type for p in params}
     if len(types) == 1 and types <= set(_FUSED_DEVICES) and all(p.is_floating_point() for p in params):
@@ -175,7 +175,7 @@ def _match_layouts(optimizer: torch.optim.Optimizer) -> None:
             for name, value in state.items():
                 if (
                     isinstance(value, torch.Tensor)
-                    and not isinstance(value, DTensor)
+                    and not shard_probe.is_dtensor(value)
                     and value.shape == p.shape
                     and _order(value) != _order(p)
                 ):

@@ -4,6 +4,7 @@ in a form ``torch.load(weights_only=True)`` accepts), and finding the checkpoint
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,31 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
     torch.backends.cudnn.benchmark = not deterministic
     if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        deterministic_kernels()
         torch.backends.cudnn.deterministic = True
         ask_deterministic_cublas()
+
+
+def deterministic_kernels() -> None:
+    """``torch.use_deterministic_algorithms(True, warn_only=True)`` without its import of ``torch._inductor``
+    (which sets inductor's own flag, and costs every rank ~3 s of CPU: dynamo, fsdp, sympy). Only compiled code
+    reads inductor's flag: :func:`carry_to_compiler` sets it where a run compiles, and here where inductor is
+    imported already."""
+    switch = getattr(torch._C, "_set_deterministic_algorithms", None)
+    if switch is None:  # a torch without the private switch: the public call, import and all
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return
+    switch(True, warn_only=True)
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.deterministic = True
+
+
+def carry_to_compiler() -> None:
+    """Before ``torch.compile``: inductor's deterministic flag set as the process's (the public call sets both)."""
+    torch.use_deterministic_algorithms(
+        torch.are_deterministic_algorithms_enabled(), warn_only=torch.is_deterministic_algorithms_warn_only_enabled()
+    )
 
 
 def find_resume_checkpoint(cfg: Cfg) -> Path:

@@ -47,7 +47,7 @@ from detrain.engine.train.nonfinite import NonFinite, finite_items, gradient_nor
 from detrain.engine.train.precision import choose_precision, train_dtype
 from detrain.engine.train.preemption import Preemption
 from detrain.engine.train.replicas import Replicas
-from detrain.engine.train.reproduce import rng_state, seed_everything, set_rng_state
+from detrain.engine.train.reproduce import carry_to_compiler, rng_state, seed_everything, set_rng_state
 from detrain.engine.train.shared_settings import shared_settings
 from detrain.errors import Preempted
 from detrain.log import EpochProgress, ResultsCSV, console, save_yaml
@@ -340,6 +340,7 @@ class Trainer:
         mode = self.cfg.train.compile
         if mode is False:
             return
+        carry_to_compiler()
         if mode == "aot_eager":
             self._bare().compile(backend="aot_eager")
         else:
