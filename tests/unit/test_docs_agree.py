@@ -100,3 +100,13 @@ def test_every_key_has_its_comment_and_is_in_some_help() -> None:
     for command in COMMAND_KEYS:
         text = _keys_help(command)
         assert all(f"{k}=" in text for k in COMMAND_KEYS[command])
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    """The README's quick start gives the test command; .ci/run runs that very line (after its lint checks)."""
+    setup = re.search(r"Run the test suite:\s*```bash\n(.*?)\n```", README.read_text(), re.S)
+    assert setup is not None, "README's quick start has no test command"
+    test_command = setup.group(1).split("&&")[-1].strip()
+    assert test_command.startswith("python -m pytest")
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci_lines[-1].strip() == test_command, (ci_lines[-1], test_command)
