@@ -7,11 +7,15 @@ can exist before its module is imported, so a module missing from ``sys.modules`
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, TypeGuard
 
-from torch import Tensor, nn
+from torch import nn
+
+if TYPE_CHECKING:  # for the type checker only: importing it is what this module avoids
+    from torch.distributed.tensor import DTensor
 
 
-def is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     """Whether ``t`` is a DTensor (a sharded parameter, its gradient or its optimizer state).
 
     >>> import torch

@@ -80,7 +80,7 @@ def deterministic_kernels() -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
         return
     switch(True, warn_only=True)
-    inductor_config = sys.modules.get("torch._inductor.config")
+    inductor_config: Any = sys.modules.get("torch._inductor.config")  # a module found at run time: no static type
     if inductor_config is not None:
         inductor_config.deterministic = True
 
