@@ -16,6 +16,9 @@ trainer asks this module, never the wrapper's class, for:
   checkpoint has one format whatever wrote it, and a DDP run resumes a sharded one and the other way round;
 * :func:`check_optimizer`: MuSGD is refused when sharded (its Newton-Schulz step needs whole matrices).
 
+:mod:`detrain.distributed.sharded` is imported inside the sharded branches only: it imports torch's fsdp and
+DTensor packages, which a DDP run never needs (:mod:`detrain.distributed.shard_probe` says what they cost).
+
 >>> from torch import nn
 >>> from detrain.distributed.world import World
 >>> m = nn.Linear(2, 2)
@@ -54,8 +57,10 @@ def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool,
     elif sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # collective: torch's, per BatchNorm
     if kind == "fsdp":
+        from detrain.distributed import sharded
+
         # collective: rank 0's weights and buffers; then each layer all-gathers its weights where it runs
-        return _sharded().shard(model, device, world.world_size)
+        return sharded.shard(model, device, world.world_size)
     ids = [device.index] if device.type == "cuda" else None
     # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights; DDP
     # all-reduces the gradients in the backward pass of every batch that ends with an update (gradient_sync)
@@ -81,7 +86,9 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
     if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
         return model.no_sync()
     if shard_probe.is_sharded(model):  # gradients reduce-scattered in every backward (sharded.py says why)
-        return _sharded().buffer_sync(model).backward(enabled)
+        from detrain.distributed import sharded
+
+        return sharded.buffer_sync(model).backward(enabled)
     return contextlib.nullcontext()
 
 
@@ -91,7 +98,9 @@ def sync_buffers_next_forward(model: nn.Module, due: bool) -> None:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model.require_forward_param_sync = due
     elif shard_probe.is_sharded(model):
-        _sharded().buffer_sync(model).due = due
+        from detrain.distributed import sharded
+
+        sharded.buffer_sync(model).due = due
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -102,7 +111,11 @@ def is_sharded(model: nn.Module) -> bool:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The bare model's state dict, whole: where sharded, a collective (call on every rank) giving CPU copies."""
     bare = unwrap(model)
-    return _sharded().full_state_dict(bare) if shard_probe.is_sharded(bare) else bare.state_dict()
+    if not shard_probe.is_sharded(bare):
+        return bare.state_dict()
+    from detrain.distributed import sharded
+
+    return sharded.full_state_dict(bare)
 
 
 def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: bool) -> dict[str, Any] | None:
@@ -112,17 +125,23 @@ def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: 
     bare = unwrap(model)
     if not shard_probe.is_sharded(bare):
         return None
+    from detrain.distributed import sharded
+
     return {
-        "model": _sharded().full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
-        "optimizer": _sharded().full_optimizer_state(optimizer),  # collective: per tensor of the state
-        "pending_grads": _sharded().full_gradients(bare) if pending else None,  # collective: per gradient
+        "model": sharded.full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
+        "optimizer": sharded.full_optimizer_state(optimizer),  # collective: per tensor of the state
+        "pending_grads": sharded.full_gradients(bare) if pending else None,  # collective: per gradient
     }
 
 
 def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict:
     """A checkpoint's (whole) optimizer state for ``optimizer``: where sharded, each tensor cut to this rank's rows
     of its parameter (no communication); otherwise ``state`` itself."""
-    return _sharded().local_optimizer_state(optimizer, state) if is_sharded(model) else state
+    if not is_sharded(model):
+        return state
+    from detrain.distributed import sharded
+
+    return sharded.local_optimizer_state(optimizer, state)
 
 
 def check_optimizer(model: nn.Module, name: str) -> None:
@@ -133,11 +152,3 @@ def check_optimizer(model: nn.Module, name: str) -> None:
             "parallel=fsdp cannot train with MuSGD (its Newton-Schulz step needs whole weight matrices; "
             "optimizer=auto picks it for runs of over 10000 updates): give optimizer=SGD or AdamW, or parallel=ddp"
         )
-
-
-def _sharded() -> Any:
-    """:mod:`detrain.distributed.sharded`, imported where a sharded branch runs: it imports torch's fsdp and
-    DTensor packages, which a DDP run never needs (:mod:`detrain.distributed.shard_probe` says what they cost)."""
-    from detrain.distributed import sharded
-
-    return sharded

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from detrain.distributed import dist, shard_probe
+from detrain.distributed import dist
 
 _SYNC = "_detrain_buffer_sync"  # the attribute of the sharded model that holds its BufferSync
 
@@ -51,9 +51,6 @@ def shard(model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
     fully_shard(model, mesh=mesh)
     setattr(model, _SYNC, BufferSync(model))
     return model
-
-
-is_sharded = shard_probe.is_sharded
 
 
 class BufferSync:
