@@ -48,9 +48,9 @@ class Model:
         self.net: Any
         self.ckpt: dict[str, Any] | None
         if is_exported(self.source):  # an exported file serves val and predict (detrain.engine.backends)
-            from detrain.engine.backends import load_exported
+            from detrain.engine.backends import export_summary
 
-            self.net, self.ckpt = load_exported(self.source), None
+            self.net, self.ckpt = export_summary(self.source), None  # what it records; loaded when it serves
         else:
             self.net, self.ckpt = build_model(self.source, verbose=False, weights_sha256=weights_sha256)
         self._prepared: tuple[torch.nn.Module, tuple[Any, ...], torch.nn.Module] | None = None
@@ -138,7 +138,7 @@ class Model:
         device, half = inference_device(cfg, note=False)
         results = stream_predict(
             cfg,
-            self._inference_net(device, half),
+            self._inference_net(device, half, cfg.inputs.trust_export),
             None if text is not None else source,
             prepared=True,
             collecting=not stream,
@@ -146,16 +146,17 @@ class Model:
         )
         return results if stream else list(results)
 
-    def _inference_net(self, device: torch.device, half: bool) -> torch.nn.Module:
+    def _inference_net(self, device: torch.device, half: bool, trust: bool = False) -> torch.nn.Module:
         """A fused copy of ``self.net`` on ``device`` for predict; made again when the weights change (another
-        net, new names, or any parameter or buffer written since: every tensor's version is part of the key)."""
+        net, new names, or any parameter or buffer written since: every tensor's version is part of the key). An
+        exported file is loaded here, its TorchScript code checked first unless ``trust`` (``trust_export``)."""
         from detrain.engine.predict.predictor import prepare_model
 
         if is_exported(self.source):  # a graph's constants move with torch.jit.load's map_location only
             from detrain.engine.backends import load_exported
 
-            if self._prepared is None or self._prepared[1] != (str(device),):
-                self._prepared = (self.net, (str(device),), load_exported(self.source, device))
+            if self._prepared is None or self._prepared[1] != (str(device), trust):
+                self._prepared = (self.net, (str(device), trust), load_exported(self.source, device, trust))
             return self._prepared[2]
         key = (
             str(device),

@@ -37,7 +37,16 @@ from detrain.config.keys import (
     comments,
     defaults,
 )
-from detrain.config.values import INT_LIMIT, WEIGHTS_SUFFIXES, coerce, fail, is_auto_batch, node_range, note
+from detrain.config.values import (
+    EXPORTED_SUFFIXES,
+    INT_LIMIT,
+    WEIGHTS_SUFFIXES,
+    coerce,
+    fail,
+    is_auto_batch,
+    node_range,
+    note,
+)
 from detrain.errors import ConfigError
 from detrain.system.text import excerpt, listed
 
@@ -278,6 +287,7 @@ def _cfg_file(path: Any, command: str | None, given: Mapping[str, Any]) -> tuple
     if nested not in (None, ""):
         raise ConfigError(f"{where}a cfg file cannot name another (cfg: {excerpt(nested, 40)}); merge them into one")
     _check_task(document.pop("task", None), where)
+    _refuse_guards({k: v for k, v in document.items() if k not in given}, where)
     document.pop("mode", None)
     resume = document.pop("resume", None)
     if resume not in (None, False, "", "false", "False") and "resume" not in given:
@@ -286,6 +296,33 @@ def _cfg_file(path: Any, command: str | None, given: Mapping[str, Any]) -> tuple
             "command line continues one)"
         )
     return name, _for_command(document, command, given, where)
+
+
+def _refuse_guards(document: Mapping[str, Any], where: str) -> None:
+    """A cfg file must not lift a guard: a key marked ``guard`` at any value but its default (``download_anywhere:
+    true``, ``trust_export: true``), or a ``model:`` that is an exported file (a program, served only when named on
+    the command line or in the API) is one line naming the key. Called with the keys not given beside the file (a
+    key given there is the one taken)."""
+    for key, value in document.items():
+        spec = SPECS.get(str(key))
+        if spec is None or not spec.guard:
+            continue
+        try:
+            lifted = parse_value(str(key), value) != SPECS_DEFAULTS[key]
+        except ConfigError:
+            continue  # a bad value: read with the others, its line names the file
+        if lifted:
+            shown_value = str(value).lower() if isinstance(value, bool) else excerpt(value, 20, quote=False)
+            raise ConfigError(
+                f"{where}{key}: {shown_value} lifts a safety guard and is taken from the command line or the API "
+                f"only (detrain ... {key}={shown_value})"
+            )
+    model = document.get("model")
+    if isinstance(model, str) and model.strip().endswith(EXPORTED_SUFFIXES):
+        raise ConfigError(
+            f"{where}model: {excerpt(model, 60)} is an exported file, which runs as a program: name it on the command "
+            "line or in the API (model=...), not in a cfg file"
+        )
 
 
 def _for_command(document: dict[str, Any], command: str | None, given: Mapping[str, Any], where: str) -> dict:

@@ -58,7 +58,9 @@ class Spec:
     '' would only fail later. ``parse`` reads the value instead of the field's type (id lists, nbs, cache);
     ``check`` runs after the bounds and returns the value normalised. ``commands``: the commands that take the key
     (their ``--help`` lists it; naming it for another command is an error). ``launch``: the key says where and how
-    the workers run, each node's own value, kept over a resumed checkpoint's arguments."""
+    the workers run, each node's own value, kept over a resumed checkpoint's arguments. ``guard``: a value other
+    than the default lifts a safety guard (a download anywhere, code in an export run unchecked), so it is taken
+    from the command line or the API only: a ``cfg=`` file that sets it is refused (:mod:`detrain.config.cfg`)."""
 
     help: str
     choices: tuple[Any, ...] = ()
@@ -70,6 +72,7 @@ class Spec:
     check: Callable[[str, Any], Any] | None = None
     commands: tuple[str, ...] = ("train",)
     launch: bool = False
+    guard: bool = False
 
 
 def key(
@@ -85,13 +88,14 @@ def key(
     check: Callable[[str, Any], Any] | None = None,
     commands: tuple[str, ...] | None = None,
     launch: bool = False,
+    guard: bool = False,
 ) -> Any:
     """A field of a section: its default, and its :class:`Spec` (help, choices, bounds, checks, the commands that
     take it) beside it. ``commands`` defaults to train's alone, or to the commands that launch workers (train and
     val) for a ``launch`` key."""
     if commands is None:
         commands = ("train", "val") if launch else ("train",)
-    spec = Spec(help_text, choices, low, high, pattern, non_empty, parse, check, commands, launch)
+    spec = Spec(help_text, choices, low, high, pattern, non_empty, parse, check, commands, launch, guard)
     return field(default=default, metadata={"spec": spec})
 
 
@@ -143,8 +147,17 @@ class Inputs:
     )
     download_anywhere: bool = key(
         False,
-        "let a dataset yaml's download: fill a path: outside the yaml's own folder and the datasets folder",
+        "let a dataset yaml's download: fill a path: outside the yaml's own folder and the datasets folder "
+        "(command line or API only)",
         commands=("train", "val"),
+        guard=True,
+    )
+    trust_export: bool = key(
+        False,
+        "run a .torchscript model= file's code unchecked (command line or API only); by default an archive whose "
+        "code defines __setstate__ or calls anything but the tensor operators a detrain export uses is refused",
+        commands=("val", "predict"),
+        guard=True,
     )
     imgsz: int = key(
         640,
@@ -237,6 +250,12 @@ class Train:
         "the batch itself for short runs from scratch (optimizer=auto picks AdamW)",
         low=1,
         parse=auto_or_count,
+    )
+    lr_scale: str = key(
+        "auto",
+        "learning rate as the update grows past the nominal batch (nbs; 64 with nbs=auto): auto (linear for SGD and "
+        "MuSGD, square root for Adam and AdamW), linear, sqrt, or none (lr0 whatever the batch, as Ultralytics)",
+        choices=("auto", "linear", "sqrt", "none"),
     )
     clip_grad: float = key(10.0, "clip the gradient norm to this value (0 = off)", low=0.0)
     nonfinite_limit: int = key(

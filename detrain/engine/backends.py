@@ -19,16 +19,19 @@ every image letterboxed to it. A file exported with a fixed batch of 1 takes a b
 * ``.onnx``: an onnxruntime ``InferenceSession`` on the CPU (``pip install "detrain[export]"``), with this process's
   torch thread count.
 
-Only serve files you trust: unlike a ``.pt``, which detrain reads with its own restricted unpickler, an exported
-file is a program. A TorchScript archive runs its graph's operators and may hold TorchScript code (no arbitrary
-Python, but torch's file and tensor operators), and loading it is torch's own ``torch.jit.load``; an ONNX file runs
-its operators in onnxruntime. Neither is checked by detrain beyond its metadata.
+An exported file is a program. A TorchScript archive holds TorchScript code, which reaches torch's file operators
+(``torch.from_file`` maps any file read-write) and runs at load (``__setstate__``): its code is read first by
+:mod:`detrain.engine.script_check` and the archive refused unless it only does what a detrain export does, tensor
+math in ``forward`` (``trust_export=true``, on the command line or in the API only, skips the check). An ONNX file
+runs its operators in onnxruntime, which has no file or process operators. :func:`export_summary` reads what a file
+records without loading it (``Model(...)`` of an export loads nothing until it serves).
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +42,13 @@ import torch
 from torch import Tensor, nn
 
 from detrain.engine.export import TORCHSCRIPT_META
+from detrain.engine.script_check import check_torchscript
 from detrain.errors import ConfigError, DetrainError
 from detrain.nn.head import InferenceOptions, nms
 from detrain.nn.topk_decode import filter_detections
 from detrain.system.text import shown
 
-__all__ = ["ExportInfo", "ExportedModel", "load_exported"]
+__all__ = ["ExportInfo", "ExportSummary", "ExportedModel", "export_summary", "load_exported"]
 
 INSTALL_ONNXRUNTIME = 'pip install "detrain[export]"'
 META_MAX_CHARS = 1_000_000  # a metadata value longer than this is no export of detrain's
@@ -125,7 +129,45 @@ class ExportedModel(nn.Module):
         return self
 
 
-def load_exported(path: str | Path, device: torch.device | str = "cpu") -> ExportedModel:
+@dataclass(frozen=True)
+class ExportSummary:
+    """What an exported file records, read without running it: ``Model(...)``'s view of an export until it
+    serves."""
+
+    path: str
+    format: str
+    info: ExportInfo
+
+    @property
+    def names(self) -> dict[int, str]:
+        return dict(self.info.names)
+
+    @property
+    def nc(self) -> int:
+        return len(self.info.names)
+
+
+def export_summary(path: str | Path) -> ExportSummary:
+    """The names, stride and sizes an exported file records. A TorchScript archive's ``detrain.json`` is read
+    from the zip (nothing is loaded or run); an ONNX file's metadata from an onnxruntime session (operators only)."""
+    name = str(path)
+    if not name.endswith(".torchscript"):
+        model = load_exported(name)
+        return ExportSummary(name, model.format, model.info)
+    file = Path(name).expanduser()
+    if not file.is_file():
+        raise ConfigError(f"exported model file not found: {shown(name)}")
+    try:
+        with zipfile.ZipFile(file) as archive:
+            record = next((i for i in archive.infolist() if i.filename.endswith(f"/extra/{TORCHSCRIPT_META}")), None)
+            raw = archive.read(record) if record is not None and record.file_size <= META_MAX_CHARS else b"null"
+        meta = json.loads(raw)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as e:
+        raise DetrainError(f"{shown(name)}: not a readable TorchScript archive ({type(e).__name__})") from None
+    return ExportSummary(name, "torchscript", export_info(meta, name))
+
+
+def load_exported(path: str | Path, device: torch.device | str = "cpu", trust: bool = False) -> ExportedModel:
     """The exported file ``path`` (``.onnx``, ``.torchscript``) ready to run on ``device`` (ONNX: on the CPU, its
     outputs moved to the input's device). A file that is missing, unreadable or lacks detrain's metadata is one
     line naming it.
@@ -142,6 +184,8 @@ def load_exported(path: str | Path, device: torch.device | str = "cpu") -> Expor
     if name.endswith(".onnx"):
         return _load_onnx(name, file)
     if name.endswith(".torchscript"):
+        if not trust:
+            check_torchscript(file)  # before torch.jit.load runs any of its code
         return _load_torchscript(name, file, torch.device(device))
     raise ConfigError(f"{shown(name)}: not an exported model (.onnx or .torchscript)")
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrain.config.keys import Output
+from detrain.config.values import EXPORTED_SUFFIXES
 from detrain.distributed import dist
 from detrain.distributed.devices import cpu_threads_per_worker
 from detrain.errors import ConfigError
@@ -102,8 +103,6 @@ def is_weights(model: str) -> bool:
     return str(model).endswith((".pt", ".pth"))
 
 
-#: the suffixes of the files ``detrain export`` writes, which val and predict serve (:mod:`detrain.engine.backends`)
-EXPORTED_SUFFIXES = (".onnx", ".torchscript")
 #: the commands that take an exported file for ``model=``
 SERVES_EXPORTED = ("val", "predict")
 

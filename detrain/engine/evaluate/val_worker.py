@@ -89,7 +89,7 @@ def _exported_model(cfg: Cfg, nc: int, device: torch.device, is_main: bool) -> t
     """(the exported file of ``model=``, ``cfg`` with the input size it runs at): a graph that takes any size runs
     at ``imgsz`` as the ``.pt`` does; one of a fixed size at the one square size it was exported at, whatever
     ``imgsz=`` says (a line says so when they differ), as Ultralytics' validator does."""
-    model = load_exported(cfg.inputs.model, device)
+    model = load_exported(cfg.inputs.model, device, trust=cfg.inputs.trust_export)
     if model.nc != nc and not cfg.inputs.single_cls:
         raise ConfigError(f"{cfg.inputs.model} predicts {model.nc} classes but {cfg.inputs.data} has {nc}")
     if model.fixed_imgsz is None:

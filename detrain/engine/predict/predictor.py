@@ -196,7 +196,7 @@ def stream_predict(
     src = parse_source(cfg.predict.source if source is None else source, exclude=project)
     half = use_half(cfg, device)
     if model is None and is_exported(cfg.inputs.model):
-        model, prepared = load_exported(cfg.inputs.model, device), True
+        model, prepared = load_exported(cfg.inputs.model, device, trust=cfg.inputs.trust_export), True
     if model is None:
         net = prepare_model(
             build_model(cfg.inputs.model, verbose=False, weights_sha256=cfg.inputs.weights_sha256)[0],
