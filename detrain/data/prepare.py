@@ -74,7 +74,12 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
             raise DatasetError(f"{info.yaml_file}: the dataset has no '{split}' split")
         max_pixels = cfg.inputs.max_pixels if cfg is not None else MAX_PIXELS
         records, report = load_labels(
-            list(files), info.nc, cache=True, progress=verbose and dist.is_main(), max_pixels=max_pixels
+            list(files),
+            info.nc,
+            cache=True,
+            progress=verbose and dist.is_main(),
+            max_pixels=max_pixels,
+            root=info.root,  # the cache stays in the dataset: a line of an image list never places it
         )
     finally:
         if first:

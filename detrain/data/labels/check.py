@@ -37,6 +37,11 @@ CLIP_NOISE = 1e-5
 FOUND, MISSING, EMPTY, CORRUPT = "found", "missing", "empty", "corrupt"
 # A label file larger than this is not read: 16 MiB is some 300,000 boxes (or long polygons) for one image.
 MAX_LABEL_BYTES = 16 << 20
+# An image with more boxes than this is skipped: the loss's assigner builds dense (boxes x anchors) tensors, and 30,000
+# boxes (a 1 MB label file) are 252 M (box, anchor) pairs for one image at 640 px (8,400 anchors), which stopped
+# training. COCO has under 100 boxes an image and the densest crowd datasets a few thousand at most; 4,096 boxes are
+# 34 M pairs an image, a bounded cost.
+MAX_BOXES_PER_IMAGE = 4096
 
 
 @dataclass
@@ -171,7 +176,8 @@ def parse_labels(text: str, nc: int) -> ParsedLabels:
     A box whose centre lies within the image and whose size is at most the image's, each within COORD_TOLERANCE
     (1 %, Ultralytics' rule), is kept with its corners clipped to the image (counted in ``clipped`` when a corner
     moved by more than rounding noise); anything else (a negative size, NaN, coordinates in pixels) makes the file
-    unusable. Zero-size boxes (also after clipping) and duplicate rows are removed with a warning.
+    unusable. Zero-size boxes (also after clipping) and duplicate rows are removed with a warning. More than
+    :data:`MAX_BOXES_PER_IMAGE` boxes left after that make it unusable too.
 
     >>> parsed = parse_labels("0 0.995 0.5 0.02 0.2", nc=1)  # reaches 0.005 past the right edge
     >>> parsed.bboxes.astype(float).round(4).tolist(), parsed.clipped
@@ -209,7 +215,10 @@ def parse_labels(text: str, nc: int) -> ParsedLabels:
         if problem is not None:
             return _unusable(f"line {lineno}: {problem}", notes)
         rows.append([c, *box])
-    return _tidy_rows(rows, notes)
+    parsed = _tidy_rows(rows, notes)
+    if len(parsed.cls) > MAX_BOXES_PER_IMAGE:
+        return _unusable(f"too many boxes: {len(parsed.cls)}, at most {MAX_BOXES_PER_IMAGE}", notes)
+    return parsed
 
 
 def _tidy_rows(rows: list[list[float]], notes: list[str]) -> ParsedLabels:

@@ -14,12 +14,20 @@ labels, 2 missing, 0 empty, 0 corrupt (cache: .../labels/train2017.cache)``.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 from detrain.config.keys import MAX_PIXELS
-from detrain.data.labels.cache import dataset_hash, default_cache_path, read_cache, wait_for_cache, write_cache
+from detrain.data.labels.cache import (
+    dataset_hash,
+    default_cache_path,
+    occupant_problem,
+    read_cache,
+    wait_for_cache,
+    write_cache,
+)
 from detrain.data.labels.check import CORRUPT, FileCheck, verify_files
 from detrain.data.labels.record import LabelRecord, LabelReport
 from detrain.errors import DatasetError
@@ -60,6 +68,7 @@ def load_labels(
     timeout_s: float = 1800.0,
     cache_path: str | Path | None = None,
     max_pixels: int = MAX_PIXELS,
+    root: str | Path | None = None,
 ) -> tuple[list[LabelRecord], LabelReport]:
     """Verify `img_files` and their YOLO labels; return the usable records and a report.
 
@@ -67,6 +76,9 @@ def load_labels(
     written atomically after verifying. Under DDP let local rank 0 call with `build=True` and the other
     ranks with `build=False`: they wait (up to `timeout_s`) for the cache the lead writes, then load it.
     `max_pixels`: images whose header declares more are skipped as corrupt (part of the cache's hash).
+    `root`: the dataset's folder; the cache goes inside it or to detrain's cache folder, never where a label
+    folder outside it (a line of an image list) would put it (see :func:`default_cache_path`). A file at the cache's
+    path that is not a label cache is never replaced: the cache is then not written, with a warning naming it.
 
     Example (two images, one of them labelled):
         >>> import cv2
@@ -76,7 +88,8 @@ def load_labels(
         ...     _ = cv2.imwrite(f"data/images/train/{name}.png", np.zeros((48, 64, 3), np.uint8))
         >>> with open("data/labels/train/a.txt", "w") as f:
         ...     _ = f.write("1 0.5 0.5 0.25 0.5")  # class x y w h, normalised
-        >>> records, report = load_labels(["data/images/train/a.png", "data/images/train/b.png"], nc=2, progress=False)
+        >>> files = ["data/images/train/a.png", "data/images/train/b.png"]
+        >>> records, report = load_labels(files, nc=2, progress=False, root="data")
         >>> report.summary("train")
         'train: 2 images, 1 with labels, 1 missing, 0 empty, 0 corrupt (cache: data/labels/train.cache)'
         >>> [r.cls.tolist() for r in records]
@@ -87,26 +100,40 @@ def load_labels(
     nc = int(nc)
     img_files = [os.fspath(f) for f in img_files]
     label_files = [img2label_path(f) for f in img_files]
-    path = (Path(cache_path) if cache_path is not None else default_cache_path(label_files)) if cache else None
-    if path is not None and img_files:
+    path, digest = None, ""
+    if cache and img_files:
+        path = Path(cache_path) if cache_path is not None else default_cache_path(label_files, root)
         digest = dataset_hash(img_files, label_files, nc, max_pixels)
-        cached = read_cache(path, digest)
-        if cached is None and not build:
-            wait_for_cache(path, timeout_s, digest)
-            cached = read_cache(path, digest)
+        cached = _cached(path, digest, build, timeout_s)
         if cached is not None:
             return cached
     results = verify_files(img_files, label_files, nc, workers, progress, max_pixels)
     records, report = _assemble(img_files, label_files, results)
-    if path is not None and img_files:
-        try:
-            write_cache(path, digest, records, report)
-            report.cache_path = path
-        except OSError as e:
-            report.messages.append(
-                f"cannot write label cache {path} ({e.strerror or e}); verification runs again next time"
-            )
+    if path is not None:
+        _save(path, digest, records, report)
     return records, report
+
+
+def _cached(path: Path, digest: str, build: bool, timeout_s: float) -> tuple[list[LabelRecord], LabelReport] | None:
+    """The records and report of the cache at `path` with `digest`, or None. Without `build` (a follower), wait for
+    the lead's cache first, unless something else holds its place (the lead then writes none)."""
+    cached = read_cache(path, digest)
+    if cached is None and not build and occupant_problem(path) is None:
+        wait_for_cache(path, timeout_s, digest)
+        cached = read_cache(path, digest)
+    return cached
+
+
+def _save(path: Path, digest: str, records: list[LabelRecord], report: LabelReport) -> None:
+    """Write the cache and note it in `report`; when it cannot be written (or must not: another file is there), one
+    warning naming the file, and verification runs again next time."""
+    try:
+        write_cache(path, digest, records, report)
+        report.cache_path = path
+    except OSError as e:
+        message = f"cannot write label cache {path} ({e.strerror or e}); verification runs again next time"
+        report.messages.append(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _assemble(
