@@ -196,3 +196,48 @@ def test_fused_sgd_takes_the_same_step_as_the_per_tensor_loop():
             opt.step()
     for a, b in zip(*(n.parameters() for n in nets)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_lr_follows_the_update_past_the_nominal_batch_linear_for_sgd_sqrt_for_adamw():
+    """The recipe's choice per batch and optimizer (lr_scale=auto): nothing changes up to the nominal batch (64, or
+    nbs), then SGD and MuSGD scale lr0 linearly and Adam/AdamW by the square root; lr_scale=none is Ultralytics'
+    recipe (lr0 whatever the batch), linear and sqrt force their rule on any optimizer."""
+    auto = make_cfg()
+    table = {
+        (name, n): optim.lr_scale_factor(auto, name, n)
+        for name in ("SGD", "MuSGD", "Adam", "AdamW")
+        for n in (16, 64, 128, 256, 1024)
+    }
+    for name in ("SGD", "MuSGD"):
+        assert [table[name, n] for n in (16, 64, 128, 256, 1024)] == [1, 1, 2, 4, 16]
+    for name in ("Adam", "AdamW"):
+        assert [table[name, n] for n in (16, 64, 128, 256, 1024)] == [1, 1, 2**0.5, 2, 4]
+    assert optim.lr_scale_factor(make_cfg({"lr_scale": "none"}), "SGD", 1024) == 1.0
+    assert optim.lr_scale_factor(make_cfg({"lr_scale": "linear"}), "AdamW", 256) == 4.0
+    assert optim.lr_scale_factor(make_cfg({"lr_scale": "sqrt"}), "SGD", 256) == 2.0
+    # a nominal batch given by nbs moves the point where scaling starts: updates of nbs images are lr0's own
+    assert optim.lr_scale_factor(make_cfg({"nbs": 256}), "SGD", 256) == 1.0
+    assert optim.lr_scale_factor(make_cfg({"nbs": 128}), "SGD", 512) == 4.0
+
+
+def test_the_scaled_lr_is_what_every_group_starts_from():
+    """build_optimizer multiplies the chosen lr0 (optimizer=auto's too) by the factor: every group's initial_lr,
+    which the schedule and warmup scale, is the scaled rate."""
+    cfg = make_cfg({"optimizer": "SGD", "lr0": 0.01})
+    opt, name, lr = optim.build_optimizer(_net(), cfg, nc=3, total_iterations=100, weight_decay=0.0, lr_factor=4.0)
+    assert name == "SGD" and lr == 0.04
+    assert {g["initial_lr"] for g in opt.param_groups} == {0.04}
+    auto_lr = optim.auto_choice(make_cfg(), 3, 100)[1]
+    _, _, lr = optim.build_optimizer(_net(), make_cfg(), nc=3, total_iterations=100, weight_decay=0.0, lr_factor=2.0)
+    assert lr == 2 * auto_lr
+
+
+def test_the_recipe_follows_the_planned_update_whatever_the_world():
+    """Nodes joining or leaving keep the global batch (each worker keeps its batch and accumulates for the ones
+    missing): the update the recipe scales for is the planned one, so the lr does not move with the world."""
+    from detrain.engine.train.batch_plan import batch_plan
+
+    cfg = make_cfg({"batch": 256})
+    full, shrunk = batch_plan(256, 256, world=4, planned_world=4), batch_plan(256, 256, world=2, planned_world=4)
+    assert full.update_images == shrunk.update_images == 256 and shrunk.accumulate == 2
+    assert optim.lr_scale_factor(cfg, "AdamW", shrunk.update_images) == optim.lr_scale_factor(cfg, "AdamW", 256) == 2

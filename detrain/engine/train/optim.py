@@ -75,15 +75,53 @@ def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
     return NOMINAL_BATCH
 
 
+def lr_scale_rule(cfg: Cfg, optimizer: str) -> str:
+    """How lr0 follows the update's size (``lr_scale``): ``auto`` is linear for SGD and MuSGD (the momentum step is
+    a sum of per-image gradients: k times the images, k times the rate keeps the step per image) and the square
+    root for Adam and AdamW (their step is normalised by the gradient's spread, which falls as the square root of
+    the images averaged).
+
+    >>> from detrain.config.cfg import make_cfg
+    >>> none = make_cfg({"lr_scale": "none"})
+    >>> lr_scale_rule(make_cfg(), "SGD"), lr_scale_rule(make_cfg(), "AdamW"), lr_scale_rule(none, "SGD")
+    ('linear', 'sqrt', 'none')
+    """
+    if cfg.train.lr_scale != "auto":
+        return cfg.train.lr_scale
+    return "sqrt" if optimizer in ("Adam", "AdamW") else "linear"
+
+
+def lr_scale_factor(cfg: Cfg, optimizer: str, update_images: int) -> float:
+    """The factor on lr0 for updates of ``update_images`` images: 1 up to the nominal batch lr0 is given for
+    (``nbs``, 64 with ``nbs=auto``: the batch ``weight_decay`` is given for too), then linear or square root in
+    the ratio (:func:`lr_scale_rule`). Below the nominal batch nothing changes: SGD accumulates up to it, and
+    AdamW's per-batch updates from scratch are what lr0 was tuned with, so every run of today's batches trains as
+    it did. A global batch of 256 with SGD: 4 x lr0; with AdamW: 2 x lr0.
+
+    >>> from detrain.config.cfg import make_cfg
+    >>> [lr_scale_factor(make_cfg(), "SGD", n) for n in (16, 64, 256, 1024)]
+    [1.0, 1.0, 4.0, 16.0]
+    >>> [lr_scale_factor(make_cfg(), "AdamW", n) for n in (16, 256, 1024)]
+    [1.0, 2.0, 4.0]
+    >>> lr_scale_factor(make_cfg({"lr_scale": "none"}), "SGD", 1024)
+    1.0
+    """
+    ratio = max(update_images / weight_decay_batch(cfg), 1.0)
+    rule = lr_scale_rule(cfg, optimizer)
+    return 1.0 if rule == "none" else ratio if rule == "linear" else math.sqrt(ratio)
+
+
 def build_optimizer(
-    model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, weight_decay: float
+    model: nn.Module, cfg: Cfg, nc: int, total_iterations: int, weight_decay: float, lr_factor: float = 1.0
 ) -> tuple[torch.optim.Optimizer, str, float]:
     """Three parameter groups: weights with decay, BatchNorm weights and biases without; the optimizer, lr0
     and momentum of :func:`auto_choice` for ``total_iterations`` planned updates. MuSGD builds its own eight
     groups (:func:`detrain.engine.train.musgd.build_musgd`: Muon for matrices and filters, the head's class
-    branches at 3x lr0). Returns (optimizer, name, lr0 actually used).
+    branches at 3x lr0). ``lr_factor`` multiplies the chosen lr0 (:func:`lr_scale_factor`). Returns (optimizer,
+    name, lr0 actually used).
     """
     name, lr, momentum = auto_choice(cfg, nc, total_iterations)
+    lr = lr * lr_factor if lr_factor != 1.0 else lr
     if name == "MuSGD":
         return build_musgd(model, lr, momentum, weight_decay), name, lr
     decay, no_decay_bn, biases = [], [], []

@@ -156,7 +156,8 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch, world: World) -
         run_record.restore(folder, record)
     # a resumed run keeps its own arguments; only the devices and the process layout (this rank's) may change
     keep = {k: cfg.get(k) for k in LAUNCH_KEYS}
-    resumed = make_cfg({**ckpt["train_args"], **keep, "resume": str(path)})
+    # a checkpoint from before lr_scale existed trained with lr0 whatever the batch: it goes on with that recipe
+    resumed = make_cfg({"lr_scale": "none", **ckpt["train_args"], **keep, "resume": str(path)})
     return Start(resumed, folder, ckpt, launch)
 
 

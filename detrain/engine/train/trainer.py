@@ -310,9 +310,12 @@ class Trainer:
         cfg = self.cfg
         # as planned, whatever the world now; per image as given for nbs images
         weight_decay = cfg.train.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
-        parallel.check_optimizer(self.model, optim.auto_choice(cfg, self.nc, total_iters)[0])  # fsdp: no MuSGD
+        name = optim.auto_choice(cfg, self.nc, total_iters)[0]
+        parallel.check_optimizer(self.model, name)  # fsdp: no MuSGD
+        # the planned update, not this world's: nodes joining or leaving keep the global batch and the recipe
+        self.lr_factor = optim.lr_scale_factor(cfg, name, self.plan.update_images)
         self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
-            unwrap(self.model), cfg, self.nc, total_iters, weight_decay
+            unwrap(self.model), cfg, self.nc, total_iters, weight_decay, self.lr_factor
         )
         first = self.optimizer.param_groups[0]
         self.momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # (Mu)SGD or Adam(W)
@@ -375,8 +378,14 @@ class Trainer:
         lifted = "momentum" in self.optimizer.param_groups[0] and warmed != self.momentum
         if lifted and optim.warmup_iterations(self.cfg, self.nb) > 0:
             momentum += f" (warmup lifts it to {warmed:g})"
+        scaled = ""
+        if self.lr_factor != 1.0:
+            rule = optim.lr_scale_rule(self.cfg, opt_name)
+            scaled = (
+                f" ({rule} in the update of {plan.update_images} images: {self.lr_factor:.3g} x; lr_scale=none: off)"
+            )
         console.print(
-            f"optimizer: {opt_name} lr0={self.lr0:g} momentum={momentum} "
+            f"optimizer: {opt_name} lr0={self.lr0:g}{scaled} momentum={momentum} "
             f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
             f"images; {world_size} worker(s) on {self.device.type}"
         )
