@@ -6,7 +6,10 @@ above ``max_pixels`` (:func:`pixel_problem`). OpenCV picks its decoder from the 
 format is told by its magic bytes too. Read here: JPEG (and MPO), PNG, BMP, TIFF (and DNG, BigTIFF), WebP, PNM
 (P1-P7) and PFM, i.e. every format of the image suffixes a dataset may use. Bytes of any other format (a GIF or a
 JPEG 2000 renamed ``.jpg``) have no size detrain can check, so they are refused as unrecognised rather than decoded
-blind.
+blind. The size read is the one the decoder will use where a file could name two: the first JPEG frame header
+(libjpeg refuses a second before the image data and ignores one after), the first PNG chunk (libpng refuses a second
+IHDR), the WebP VP8X canvas (libwebp refuses a frame of another size), and PNM, PAM and PFM headers parsed as OpenCV
+parses them; a TIFF IFD holding ImageWidth or ImageLength twice is refused (libtiff keeps the first, silently).
 
 >>> png = np.frombuffer(b"\\x89PNG\\r\\n\\x1a\\n\\0\\0\\0\\rIHDR\\0\\0\\0\\x07\\0\\0\\0\\x05", np.uint8)
 >>> declared_size(png)
@@ -17,6 +20,7 @@ blind.
 
 from __future__ import annotations
 
+import re
 import struct
 
 import numpy as np
@@ -27,9 +31,27 @@ from detrain.system.text import excerpt
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _PNG = b"\x89PNG\r\n\x1a\n"
 _TIFF = {b"II*\x00": ("<", False), b"MM\x00*": (">", False), b"II+\x00": ("<", True), b"MM\x00+": (">", True)}
+_TIFF_SIZE_TAGS = {256: "ImageWidth", 257: "ImageLength"}
 _PNM = frozenset(b"1234567Ff")
 READ_FORMATS = "JPEG, PNG, BMP, TIFF, WebP, PNM or PFM"
 _JPEG_STEPS = 10_000
+# C's isspace: what OpenCV's PNM, PAM and PFM readers skip or stop at
+_WS = rb"[ \t\n\r\v\f]"
+# OpenCV's PxM ReadNumber: whitespace and comments (``#`` up to a CR or an LF) before the digits
+_PXM_NUMBER = re.compile(rb"(?:" + _WS + rb"|#[^\r\n]*[\r\n])*([0-9]+)")
+# OpenCV's PFM read_number: each number ends at the first whitespace byte, nothing skipped before it
+_PFM_HEAD = re.compile(rb"P[Ff]\n([0-9]+)" + _WS + rb"([0-9]+)" + _WS)
+# one field of OpenCV's ReadPAMHeaderLine: a comment, or a name of at most 8 bytes and its value (none when a line
+# break follows the name; else the rest of the line after any whitespace, line breaks included)
+_PAM_FIELD = re.compile(
+    rb"[ \t\n\r\v\f]*(?:#[^\r\n]*[\r\n]|([^ \t\n\r\v\f]{1,8})"
+    rb"(?:[\r\n]|[ \t\v\f][ \t\n\r\v\f]*([^ \t\n\r\v\f][^\r\n]{0,254})[\r\n]))"
+)
+_PAM_NAMES = frozenset((b"ENDHDR", b"HEIGHT", b"WIDTH", b"DEPTH", b"MAXVAL", b"TUPLTYPE"))
+
+
+class _Ambiguous(Exception):
+    """A header that states its size twice: refused with this reason, whichever the decoder would use."""
 
 
 def image_byte_limit(max_pixels: int) -> int:
@@ -50,7 +72,10 @@ def opencv_reason(error: BaseException) -> str:
 def pixel_problem(data: np.ndarray, max_pixels: int) -> str | None:
     """Why the encoded image ``data`` must not be decoded (its header is unreadable, or it declares more than
     ``max_pixels`` pixels), or None when it may be."""
-    size = declared_size(data)
+    try:
+        size = _header_size(data)
+    except _Ambiguous as e:
+        return f"not a readable image ({e})"
     if size is None:
         return f"not a readable image (no {READ_FORMATS} header)"
     w, h = size
@@ -61,7 +86,15 @@ def pixel_problem(data: np.ndarray, max_pixels: int) -> str | None:
 
 def declared_size(data: np.ndarray) -> tuple[int, int] | None:
     """(width, height) as the header of the encoded image ``data`` (uint8) declares it, before any EXIF rotation;
-    None for an unknown format or a header cut short."""
+    None for an unknown format, a header cut short or one stating its size twice."""
+    try:
+        return _header_size(data)
+    except _Ambiguous:
+        return None
+
+
+def _header_size(data: np.ndarray) -> tuple[int, int] | None:
+    """:func:`declared_size`, raising :class:`_Ambiguous` for a header that states its size twice."""
     head = data[:32].tobytes()
     try:
         if head[:2] == b"\xff\xd8":
@@ -75,7 +108,7 @@ def declared_size(data: np.ndarray) -> tuple[int, int] | None:
             return _tiff_size(data[: 1 << 20].tobytes(), *_TIFF[head[:4]])
         if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
             return _webp_size(head)
-        if head[:1] == b"P" and len(head) > 1 and head[1] in _PNM:
+        if head[:1] == b"P" and len(head) > 2 and head[1] in _PNM and head[2:3].isspace():
             return _pnm_size(data[:4096].tobytes())
     except (struct.error, ValueError, IndexError, KeyError):
         return None
@@ -123,7 +156,9 @@ def _bmp_size(head: bytes) -> tuple[int, int]:
 
 
 def _tiff_size(head: bytes, order: str, big: bool) -> tuple[int, int] | None:
-    """ImageWidth (256) and ImageLength (257) of the first IFD (the page OpenCV decodes); classic or BigTIFF."""
+    """ImageWidth (256) and ImageLength (257) of the first IFD (the page OpenCV decodes); classic or BigTIFF. An
+    IFD holding either twice is refused: libtiff keeps the first and ignores the rest, so reading any other would
+    let a file declare 8 x 8 here and decode at 20000 x 20000."""
     if big:
         (ifd,) = struct.unpack_from(order + "Q", head, 8)
         (count,) = struct.unpack_from(order + "Q", head, ifd)
@@ -136,7 +171,9 @@ def _tiff_size(head: bytes, order: str, big: bool) -> tuple[int, int] | None:
     for k in range(min(count, 4096)):
         at = start + entry * k
         tag, kind = struct.unpack_from(order + "HH", head, at)
-        if tag in (256, 257):
+        if tag in _TIFF_SIZE_TAGS:
+            if tag in found:
+                raise _Ambiguous(f"TIFF IFD repeats tag {tag}, {_TIFF_SIZE_TAGS[tag]}")
             fmt = {3: "H", 4: "I", 16: "Q"}.get(kind)
             if fmt is None:
                 return None
@@ -163,18 +200,44 @@ def _webp_size(head: bytes) -> tuple[int, int] | None:
 
 
 def _pnm_size(head: bytes) -> tuple[int, int] | None:
-    """The width and height of a PNM (P1-P6: the first two numbers after the magic, comments skipped), a PAM
-    (P7: its WIDTH and HEIGHT lines) or a PFM (PF / Pf)."""
+    """The width and height of a PNM (P1-P6), a PAM (P7) or a PFM (PF / Pf), read as OpenCV reads them, so that no
+    file measures smaller here than it decodes (a comment ended by a CR, a field after ENDHDR, a ``#`` inside a
+    PFM number)."""
     if head[1:2] == b"7":
-        fields = dict(line.split(None, 1) for line in head.split(b"\n")[1:] if len(line.split(None, 1)) == 2)
-        width, height = fields[b"WIDTH"].strip(), fields[b"HEIGHT"].strip()
-        return (int(width), int(height)) if width.isdigit() and height.isdigit() else None
-    tokens: list[int] = []
-    for line in head[2:].split(b"\n"):
-        for token in line.split(b"#", 1)[0].split():
-            if not token.isdigit():
-                return None
-            tokens.append(int(token))
-            if len(tokens) == 2:
-                return tokens[0], tokens[1]
-    return None
+        return _pam_size(head)
+    if head[1:2] in (b"F", b"f"):
+        match = _PFM_HEAD.match(head)
+        return (int(match[1]), int(match[2])) if match else None
+    width = _PXM_NUMBER.match(head, 2)
+    if width is None or width.end() >= len(head):  # the byte after the digits is consumed: it must be there
+        return None
+    height = _PXM_NUMBER.match(head, width.end() + 1)
+    if height is None or height.end() >= len(head):
+        return None
+    return int(width[1]), int(height[1])
+
+
+def _pam_size(head: bytes) -> tuple[int, int] | None:
+    """WIDTH and HEIGHT of a PAM header, field by field up to ENDHDR as OpenCV's PAM reader takes them: a field it
+    would not read ends the header unread (None), and one it refuses to see twice is refused."""
+    if head[2:3] not in (b"\n", b"\r"):
+        return None
+    fields: dict[bytes, bytes] = {}
+    pos = 3
+    while True:
+        match = _PAM_FIELD.match(head, pos)
+        if match is None:
+            return None
+        pos = match.end()
+        name, value = match[1], (match[2] or b"").rstrip(b" \t\n\r\v\f")
+        if name is None:  # a comment
+            continue
+        if name not in _PAM_NAMES:
+            return None
+        if name == b"ENDHDR":
+            break
+        if name in (b"WIDTH", b"HEIGHT") and name in fields:
+            raise _Ambiguous(f"PAM header repeats {name.decode()}")
+        fields[name] = value
+    width, height = fields.get(b"WIDTH", b""), fields.get(b"HEIGHT", b"")
+    return (int(width), int(height)) if width.isdigit() and height.isdigit() else None

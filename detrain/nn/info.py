@@ -12,6 +12,7 @@ head is counted with both of its branches, the model as it trains and as Ultraly
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,7 +29,14 @@ from detrain.nn.modules import SPPF, C2f, Concat, Conv, Detect
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
 
-__all__ = ["LayerInfo", "ModelInfo", "layer_args", "model_info", "print_info"]
+__all__ = ["MAX_GFLOPS", "LayerInfo", "ModelInfo", "check_cost", "layer_args", "model_info", "print_info"]
+
+# The most one forward of a model a checkpoint describes may cost at its recorded image size, as a checkpoint's
+# parameter count is bounded (:data:`detrain.nn.yaml_plan.MAX_PARAMETERS`): YOLOv8x costs 258 GFLOPs at 640 and
+# 1,031 at 1280, so the bound admits it up to imgsz 3936; read at each check, so a test may lower it.
+MAX_GFLOPS = 10_000
+_MAX_COUNTED_IMGSZ = 1 << 16  # a recorded image size beyond this is refused, not counted
+_COSTS: dict[str, float] = {}  # GFLOPs by architecture and size: a process loading a model again counts it once
 
 
 @dataclass(frozen=True)
@@ -163,6 +171,44 @@ def _count_flops(model: DetectionModel, h: int, w: int) -> tuple[float, list[flo
     total = float(counter.get_total_flops())
     per_layer = [b - a for a, b in zip(marks, [*marks[1:], total])]
     return total, per_layer
+
+
+def check_cost(model: DetectionModel, imgsz: int | None, strides: list[float]) -> float:
+    """The GFLOPs of one batch-1 forward of ``model`` (a shell on the meta device will do: nothing is allocated or
+    computed) at ``imgsz`` (a checkpoint's record: None or not positive means 640, and it is rounded up to a
+    multiple of the largest of ``strides`` as ``imgsz=`` is), counted as :func:`model_info` counts them; a one-line
+    ConfigError when that is over :data:`MAX_GFLOPS` (or the model cannot run at that size).
+
+    A checkpoint decides its model's architecture, and parameters alone do not bound what one image costs: 267
+    million of them made a model of 55 TFLOPs an image. Costs under a second (YOLOv8x at 1280), once per
+    architecture and size in a process.
+
+    >>> from detrain.nn.model import DetectionModel
+    >>> round(check_cost(DetectionModel(scale="n"), 100, [8, 16, 32]), 2)  # counted at 128
+    0.35
+    """
+    stride = max(1, math.ceil(max(strides, default=1)))
+    size = imgsz if isinstance(imgsz, int) and imgsz > 0 else 640
+    size = max(stride, math.ceil(size / stride) * stride)
+    if size > _MAX_COUNTED_IMGSZ:
+        raise ConfigError(f"it records imgsz={size}, more than the {_MAX_COUNTED_IMGSZ} detrain runs a model at")
+    key = repr((getattr(model, "yaml", None), model.scale, model.nc, size))  # the architecture, all of it
+    gflops = _COSTS.get(key)
+    if gflops is None:
+        try:
+            gflops = _count_flops(model, size, size)[0] / 1e9
+        except (RuntimeError, ValueError) as e:  # shapes that do not meet (a layer deeper than the head's strides)
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"it cannot run at imgsz={size}: {reason}") from None
+        if len(_COSTS) >= 64:
+            _COSTS.clear()
+        _COSTS[key] = gflops
+    if gflops > MAX_GFLOPS:
+        raise ConfigError(
+            f"at imgsz={size} it costs {gflops:,.1f} GFLOPs an image, more than the {MAX_GFLOPS:,} detrain runs "
+            "(YOLOv8x: 258 at 640)"
+        )
+    return gflops
 
 
 def model_info(model: DetectionModel, imgsz: int | tuple[int, int] = 640) -> ModelInfo:

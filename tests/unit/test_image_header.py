@@ -3,6 +3,9 @@ OpenCV decodes for every format a dataset may use, and hostile bytes give a size
 
 from __future__ import annotations
 
+import struct
+import zlib
+
 import cv2
 import numpy as np
 import pytest
@@ -100,3 +103,119 @@ def test_hostile_headers_give_a_size_or_none_quickly() -> None:
     for data in cases:
         out = declared_size(np.frombuffer(data, np.uint8))
         assert out is None or (len(out) == 2 and all(isinstance(v, int) and v >= 0 for v in out))
+
+
+def _tiff(sizes: list[tuple[int, int]], order: str = "<", pixels: int = 64 * 64) -> bytes:
+    """A classic 8-bit grey TIFF whose IFD holds ImageWidth/ImageLength once per ``sizes`` entry, in that order
+    (the entries after the first repeat both tags), then one strip of ``pixels`` bytes."""
+    entries = [(tag, 4, value) for w, h in sizes for tag, value in ((256, w), (257, h))]
+    n = len(entries) + 6
+    strip_at = 8 + 2 + 12 * n + 4
+    entries += [(258, 3, 8), (259, 3, 1), (262, 3, 1), (273, 4, strip_at), (277, 3, 1), (279, 4, pixels)]
+    ifd = struct.pack(order + "H", n)
+    for tag, kind, value in entries:
+        packed = struct.pack(order + "HH", value, 0) if kind == 3 else struct.pack(order + "I", value)
+        ifd += struct.pack(order + "HHI", tag, kind, 1) + packed
+    magic = b"II*\x00" if order == "<" else b"MM\x00*"
+    return magic + struct.pack(order + "I", 8) + ifd + bytes(4) + bytes(range(256)) * (pixels // 256)
+
+
+def _decoded_wh(data: bytes) -> tuple[int, int] | None:
+    """(width, height) OpenCV decodes ``data`` at, or None where it refuses it."""
+    try:
+        img = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    except cv2.error:
+        return None
+    return None if img is None else (img.shape[1], img.shape[0])
+
+
+@pytest.mark.parametrize("order", ["<", ">"])
+def test_tiff_repeating_a_size_tag_is_refused(order: str) -> None:
+    """Security finding: a 3.5 KB TIFF holding ImageWidth/ImageLength twice, first 20000 x 20000 and last 8 x 8,
+    was measured by its last tags (64 pixels) while libtiff decodes it by its first (3.2 GB at RGB)."""
+    data = np.frombuffer(_tiff([(20000, 20000), (8, 8)], order), np.uint8)
+    assert declared_size(data) is None
+    assert pixel_problem(data, 10**6) == "not a readable image (TIFF IFD repeats tag 256, ImageWidth)"
+    once = np.frombuffer(_tiff([(8, 8)], order), np.uint8)  # the same file with the tags once: measured
+    assert declared_size(once) == (8, 8) and pixel_problem(once, 64) is None
+    big = b"II+\x00\x08\x00\x00\x00" + (16).to_bytes(8, "little") + (3).to_bytes(8, "little")
+    for tag, value in ((256, 9), (257, 20000), (257, 3)):  # BigTIFF, only the height repeated
+        big += tag.to_bytes(2, "little") + (16).to_bytes(2, "little") + (1).to_bytes(8, "little")
+        big += value.to_bytes(8, "little")
+    assert pixel_problem(np.frombuffer(big, np.uint8), 10**9) == (
+        "not a readable image (TIFF IFD repeats tag 257, ImageLength)"
+    )
+
+
+def test_libtiff_decodes_the_first_of_repeated_size_tags() -> None:
+    """Why a repeated size tag cannot be measured by the last one: libtiff keeps the first of a repeated tag (and
+    only warns), whether the repeat follows it at once or after the other tags."""
+    assert _decoded_wh(_tiff([(64, 64), (8, 8)])) == (64, 64)
+    assert _decoded_wh(_tiff([(8, 8), (64, 64)])) == (8, 8)
+    sorted_tags = _tiff([(64, 64), (8, 8)])  # 256, 256, 257, 257: ascending apart from the repeat
+    n = 8 + 2
+    entries = [sorted_tags[n + 12 * k : n + 12 * (k + 1)] for k in range(4)]
+    sorted_tags = sorted_tags[:n] + b"".join([entries[0], entries[2], entries[1], entries[3]]) + sorted_tags[n + 48 :]
+    assert _decoded_wh(sorted_tags) == (64, 64)
+    assert declared_size(np.frombuffer(sorted_tags, np.uint8)) is None
+
+
+def test_other_formats_naming_a_size_twice_are_measured_as_decoded() -> None:
+    """JPEG, PNG and WebP can state a size twice too; the size read is the one the decoder uses, or the decoder
+    refuses the file: libjpeg takes the first frame header (a second before the image data is an error, one after
+    it is never read), libpng refuses a second IHDR, libwebp refuses a VP8X canvas unlike its frame."""
+    ok, enc = cv2.imencode(".jpg", np.full((8, 8, 3), 90, np.uint8))
+    assert ok
+    jpg = enc.tobytes()
+    at = jpg.index(b"\xff\xc0")
+    sof = jpg[at : at + 2 + int.from_bytes(jpg[at + 2 : at + 4], "big")]
+    sof64 = sof[:5] + (64).to_bytes(2, "big") * 2 + sof[9:]
+    for data, decoded, measured in (
+        (jpg[:at] + sof64 + jpg[at:], None, (64, 64)),
+        (jpg[:at] + sof + sof64 + jpg[at + len(sof) :], None, (8, 8)),
+        (jpg[:-2] + sof64 + jpg[-2:], (8, 8), (8, 8)),  # after the scan
+    ):
+        assert _decoded_wh(data) == decoded
+        assert declared_size(np.frombuffer(data, np.uint8)) == measured
+    ok, enc = cv2.imencode(".png", np.full((8, 8), 90, np.uint8))
+    assert ok
+    png = enc.tobytes()
+    ihdr64 = png[8:16] + struct.pack(">II", 64, 64) + png[24:29]
+    ihdr64 += struct.pack(">I", zlib.crc32(ihdr64[4:]) & 0xFFFFFFFF)
+    for data, measured in (
+        (png[:8] + ihdr64 + png[8:], (64, 64)),
+        (png[:33] + ihdr64 + png[33:], (8, 8)),
+        (png[:-12] + ihdr64 + png[-12:], (8, 8)),  # after the image data
+    ):
+        assert _decoded_wh(data) is None
+        assert declared_size(np.frombuffer(data, np.uint8)) == measured
+    ok, enc = cv2.imencode(".webp", np.full((8, 8, 3), 90, np.uint8), [cv2.IMWRITE_WEBP_QUALITY, 80])
+    assert ok
+    for canvas, decoded in ((8, (8, 8)), (64, None), (4, None)):
+        body = b"WEBPVP8X" + struct.pack("<I", 10) + bytes(4) + (canvas - 1).to_bytes(3, "little") * 2
+        data = b"RIFF" + struct.pack("<I", len(body) + len(enc) - 12) + body + enc.tobytes()[12:]
+        assert _decoded_wh(data) == decoded
+        assert declared_size(np.frombuffer(data, np.uint8)) == (canvas, canvas)
+
+
+@pytest.mark.parametrize(
+    ("header", "measured"),
+    [
+        (b"P5 #\r64 64\n255\n", (64, 64)),  # OpenCV ends a comment at a CR: read here as 1 x 1 before
+        (b"P5 #\r64 64\n1\n1\n255\n", (64, 64)),
+        (b"P7\nWIDTH 64\nHEIGHT 64\nDEPTH 1\nMAXVAL 255\nENDHDR\nWIDTH 8\nHEIGHT 8\n", (64, 64)),  # after ENDHDR
+        (b"P7\nWIDTH \n64\nHEIGHT 64\nDEPTH 1\nMAXVAL 255\nENDHDR\n", (64, 64)),  # OpenCV reads on past a line break
+        (b"P7\nWIDTH 8\nWIDTH 64\nHEIGHT 64\nDEPTH 1\nMAXVAL 255\nENDHDR\n", None),  # OpenCV refuses it too
+        (b"Pf\n64# 64\n1\n-1.0\n", None),  # OpenCV reads 64 x 64 (atoi stops at #): refused, read as 64 x 1 before
+        (b"Pf\n64 64\n-1.0\n", (64, 64)),
+    ],
+)
+def test_pnm_pam_and_pfm_headers_are_read_as_opencv_reads_them(header: bytes, measured: tuple[int, int] | None) -> None:
+    """Security finding: PNM, PAM and PFM headers OpenCV reads as 64 x 64 were measured smaller here (a comment
+    ended by a CR, fields after ENDHDR, a ``#`` in a PFM number), so a file declaring 20000 x 20000 passed."""
+    data = header + bytes(64 * 64 * 4)
+    assert declared_size(np.frombuffer(data, np.uint8)) == measured
+    decoded = _decoded_wh(data)
+    assert measured is None or decoded == measured
+    if measured is None and header.startswith(b"Pf"):
+        assert decoded == (64, 64)

@@ -26,6 +26,8 @@ from detrain.weights.checkpoint import (
     model_meta,
 )
 
+YOLOV8N = Path(__file__).resolve().parents[2].parent / "shared" / "weights" / "yolov8n.pt"
+
 
 @pytest.fixture(scope="module")
 def net() -> DetectionModel:
@@ -196,3 +198,117 @@ def test_the_finiteness_check_passes_finite_and_integer_tensors(net: DetectionMo
     weights = {"w": torch.zeros(10_000_000)}  # three YOLOv8n's worth
     check_finite({"model": {"state_dict": weights}, "ema": {"state_dict": weights}}, "big.pt")
     check_finite({"model": {"state_dict": {"n": torch.tensor(7)}}}, "ints.pt")  # integer tensors: nothing to check
+
+
+def _views_of_one_storage(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every floating-point weight a view of one flat tensor as long as the largest: what torch saves
+    of it is that one tensor, yet the model it describes is whole."""
+    largest = max(t.numel() for t in state.values())
+    flat = torch.full((largest,), 0.5)
+    return {k: flat[: v.numel()].view(v.shape) if v.is_floating_point() else v.clone() for k, v in state.items()}
+
+
+@pytest.mark.parametrize("where", ["model", "ema"])
+def test_weights_that_are_views_of_one_storage_are_refused(net: DetectionModel, tmp_path: Path, where: str) -> None:
+    """Security finding: weights saved as views of one storage made a 19 MB file build a 267-million-parameter
+    model (2.8 GB). Here the YOLOv8n's 3.2 million weights come from a file storing 295,000 of them (1.2 MB)."""
+    state = _state(net)
+    views = _views_of_one_storage(state["model"]["state_dict"])
+    if where == "ema":
+        state["ema"] = {"state_dict": views, "updates": 1}
+    else:
+        state["model"]["state_dict"] = views
+    path = _saved(state, tmp_path / "views.pt")
+    if where == "model":  # the file: 1.2 MB, the model it describes: 12 MB of float32 weights
+        assert path.stat().st_size < 1.3e6 < 1.2e7 < sum(t.numel() * t.element_size() for t in views.values())
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    first = "model.6.m.1.cv1.conv.weight"  # the first key whose bytes the file has already given to others
+    assert _one_line(err) == (
+        f"{path}: weight {first} of its '{where}' shares its stored bytes with other weights (overlapping views of "
+        "one stored tensor): its weights need 11.5 MiB where the file stores 1.1 MiB; detrain loads only weights "
+        "stored apart"
+    )
+
+
+def test_an_ultralytics_file_whose_weights_overlap_is_refused(tmp_path: Path) -> None:
+    """Forged opcode by opcode: two Ultralytics parameters over the one 4-element storage ``data/0``."""
+    params = dict_({"w": storage_tensor("0", 4, (4,)), "v": storage_tensor("0", 4, (2, 2))})
+    model = ultralytics_model(_parameters=params, names=list_(str_("a")), yaml=dict_({"scale": str_("n")}))
+    path = write_torch_zip(tmp_path / "ul_views.pt", checkpoint(model), {"0": b"\x00\x3c" * 4})
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path)
+    assert _one_line(err).startswith(f"{path}: weight v of its 'model' shares its stored bytes with other weights")
+    alone = dict_({"w": storage_tensor("0", 4, (4,)), "v": storage_tensor("1", 4, (2, 2))})
+    model = ultralytics_model(_parameters=alone, names=list_(str_("a")), yaml=dict_({"scale": str_("n")}))
+    path = write_torch_zip(tmp_path / "ul_apart.pt", checkpoint(model), {"0": b"\x00\x3c" * 4, "1": b"\x00\x3c" * 4})
+    assert load_checkpoint(path)["model"]["state_dict"]["v"].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_weights_sharing_a_storage_without_overlapping_still_load(net: DetectionModel, tmp_path: Path) -> None:
+    """Slices of one tensor (as a fused layer split into parts would be saved) share a storage, not bytes."""
+    state = _state(net)
+    weights = state["model"]["state_dict"]
+    flat = torch.cat([weights["model.0.bn.weight"], weights["model.0.bn.bias"]])
+    weights["model.0.bn.weight"], weights["model.0.bn.bias"] = flat[:16], flat[16:]
+    path = _saved(state, tmp_path / "slices.pt")
+    ckpt = load_checkpoint(path)
+    loaded = ckpt["model"]["state_dict"]
+    storages = {loaded[k].untyped_storage().data_ptr() for k in ("model.0.bn.weight", "model.0.bn.bias")}
+    assert len(storages) == 1
+    model = model_from_checkpoint(ckpt, source=str(path))
+    assert torch.equal(model.state_dict()["model.0.bn.bias"], net.state_dict()["model.0.bn.bias"])
+
+
+def test_detrain_and_ultralytics_checkpoints_still_load_and_build(net: DetectionModel, tmp_path: Path) -> None:
+    """What save_checkpoint writes (model and EMA) and the YOLOv8n release file share no storage, and cost what
+    ``detrain info`` says (well under the bound)."""
+    from detrain.nn.info import MAX_GFLOPS, check_cost
+    from detrain.weights.checkpoint import save_checkpoint
+
+    state = _state(net)
+    state["ema"] = {"state_dict": copy.deepcopy(state["model"]["state_dict"]), "updates": 5}
+    path = save_checkpoint(state, tmp_path / "best.pt")
+    model = model_from_checkpoint(load_checkpoint(path), source=str(path))
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in model.state_dict().items())
+    if YOLOV8N.is_file():
+        model = model_from_checkpoint(load_checkpoint(YOLOV8N), source=str(YOLOV8N))
+        assert round(check_cost(model, 640, [8, 16, 32]), 1) == 8.7 < MAX_GFLOPS
+
+
+def test_a_model_costing_too_much_an_image_is_refused_before_it_is_built(
+    net: DetectionModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cost of one image at the size the file records is bounded like the parameter count: a YOLOv8n that
+    records imgsz=32768 would cost 21 TFLOPs an image (an export at its training size); with the bound lowered to
+    5 GFLOPs, the same model at 640 (8.1 with 2 classes) is refused and at 320 (2.0) loads."""
+    import detrain.nn.info as info
+    import detrain.weights.checkpoint as checkpoint_module
+
+    def built(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("weights were loaded into a model before its cost was refused")
+
+    state = _state(net)
+    state["model"]["imgsz"] = 32768
+    path = _saved(state, tmp_path / "huge.pt")
+    ckpt = load_checkpoint(path)
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint_module, "load_weights", built)
+        with pytest.raises(CheckpointError) as err:
+            model_from_checkpoint(ckpt, source=str(path))
+    assert _one_line(err) == (
+        f"{path}: detrain cannot build the model it records: at imgsz=32768 it costs 21,188.4 GFLOPs an image, more "
+        "than the 10,000 detrain runs (YOLOv8x: 258 at 640)"
+    )
+    monkeypatch.setattr(info, "MAX_GFLOPS", 5)
+    for imgsz, refused in ((640, True), (320, False)):
+        state["model"]["imgsz"] = imgsz
+        ckpt = load_checkpoint(_saved(state, tmp_path / f"at{imgsz}.pt"))
+        if refused:
+            with pytest.raises(CheckpointError, match=r"at imgsz=640 it costs 8\.1 GFLOPs an image, more than the 5 "):
+                model_from_checkpoint(ckpt)
+        else:
+            assert model_from_checkpoint(ckpt).imgsz == imgsz
+    state["model"]["imgsz"] = 10**9
+    with pytest.raises(CheckpointError, match=r"it records imgsz=1000000000, more than the 65536 detrain runs a model"):
+        model_from_checkpoint(load_checkpoint(_saved(state, tmp_path / "absurd.pt")))
