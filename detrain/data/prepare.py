@@ -18,7 +18,9 @@ from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
 from detrain.data.download import DownloadLimits
 from detrain.data.labels.class_filter import ClassFilter
 from detrain.data.labels.ground_truth import explicit_json, json_labels, json_split_gt
-from detrain.data.labels.verify import LabelRecord, load_labels
+from detrain.data.labels.reasons import drop_split_notes, no_labels_message, no_usable_detail, reason_lines
+from detrain.data.labels.record import LabelReport
+from detrain.data.labels.verify import LabelRecord, img2label_path, load_labels
 from detrain.data.loader import build_dataloader
 from detrain.distributed import dist
 from detrain.distributed.world import World
@@ -30,7 +32,9 @@ _SHOWN: set[str] = set()  # the dataset notes already shown by this process
 
 @dataclass
 class SplitData:
-    """One split of a dataset with its verified labels (only those ``class_filter`` keeps)."""
+    """One split of a dataset with its verified labels (only those ``class_filter`` keeps) and the report of their
+    verification (every file skipped or corrected, with its reason: :mod:`detrain.data.labels.report_file` writes it
+    into the run folder)."""
 
     info: DatasetInfo
     split: str
@@ -38,6 +42,7 @@ class SplitData:
     # evaluation ground truth, built once by detrain.data.labels.ground_truth.split_ground_truth
     ground_truth: Any = field(default=None, repr=False, compare=False)
     class_filter: ClassFilter = field(default_factory=ClassFilter)
+    report: LabelReport = field(default_factory=LabelReport, repr=False, compare=False)
 
     @property
     def nc(self) -> int:
@@ -49,24 +54,17 @@ class SplitData:
 
 
 def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = True) -> SplitData:
-    """Resolve ``data`` and verify the labels of ``split`` (train, val or test)."""
+    """Resolve ``data`` and verify the labels of ``split`` (train, val or test). With ``verbose``, the main process
+    shows the split's summary, the count of each reason files were skipped or corrected for and the first few files
+    with theirs, and a warning when no image has labels; a split left without images is a DatasetError naming the
+    most common reasons and the first file."""
     first = dist.local_rank() == 0
     # a download or the labels of a large dataset can take far longer than a training step may
     wait_s = cfg.distributed.prepare_timeout if cfg is not None else PREPARE_TIMEOUT_S
     if not first:
         dist.barrier(f"dataset {data} ({split}) prepared by the first process of this node", wait_s)
     try:
-        limits = (
-            None
-            if cfg is None
-            else DownloadLimits.from_gb(
-                cfg.inputs.download_max_gb,
-                cfg.inputs.download_max_unpacked_gb,
-                cfg.inputs.download_max_files,
-                cfg.inputs.download_anywhere,
-            )
-        )
-        info = load_dataset_yaml(data, limits=limits)
+        info = load_dataset_yaml(data, limits=_download_limits(cfg))
         selection = ClassFilter.from_cfg(cfg)
         selection.check(info.names, info.yaml_file)
         files = getattr(info, split)
@@ -90,25 +88,55 @@ def load_split(data: str, split: str, cfg: Cfg | None = None, verbose: bool = Tr
         ground_truth = json_split_gt(json_file, records, info.names)
         records, summary = json_labels(records, ground_truth, json_file)
         ground_truth = selection.ground_truth(ground_truth)
+        drop_split_notes(report)  # no label file is looked for
         if report.corrupt:
             summary += f"; {report.corrupt} corrupt images left out"
     if verbose and dist.is_main():
-        from detrain.log import console
-
-        if info.note is not None and info.note not in _SHOWN:  # once per process, not once per split
-            _SHOWN.add(info.note)
-            console.print(info.note)
-        console.print(f"{split}: {summary}")
+        _show(info, split, summary, report, None if json_file else list(files))
     if not records:
-        raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split")
+        raise DatasetError(f"{info.yaml_file}: no usable images in the '{split}' split: {no_usable_detail(report)}")
     if cfg is not None and split == "train" and cfg.inputs.fraction < 1.0:
         records = records[: max(1, round(len(records) * cfg.inputs.fraction))]
     split_data = SplitData(
-        info=info, split=split, records=selection.records(records), ground_truth=ground_truth, class_filter=selection
+        info=info,
+        split=split,
+        records=selection.records(records),
+        ground_truth=ground_truth,
+        class_filter=selection,
+        report=report,
     )
     if ground_truth is not None and len(records) != len(ground_truth.images):  # a train fraction
         split_data.ground_truth = None
     return split_data
+
+
+def _download_limits(cfg: Cfg | None) -> DownloadLimits | None:
+    """The download keys of ``cfg`` (None: the defaults)."""
+    if cfg is None:
+        return None
+    keys = cfg.inputs
+    return DownloadLimits.from_gb(
+        keys.download_max_gb, keys.download_max_unpacked_gb, keys.download_max_files, keys.download_anywhere
+    )
+
+
+def _show(info: DatasetInfo, split: str, summary: str, report: LabelReport, img_files: list[str] | None) -> None:
+    """The lines of a split on screen: the dataset's note (once per process), the summary, the reasons files were
+    skipped or corrected for (a handful of lines), and the warning of a split without labels (``img_files``: the
+    split's images when its labels are label files, else None)."""
+    from detrain.log import console
+
+    if info.note is not None and info.note not in _SHOWN:  # once per process, not once per split
+        _SHOWN.add(info.note)
+        console.print(info.note)
+    console.print(f"{split}: {summary}")
+    # file names and reasons as they are: no markup, no wrapping inside a path
+    for line in reason_lines(report, split):
+        console.print(line, markup=False, soft_wrap=True)
+    if img_files is not None and not report.found:  # the label files' names only when none has boxes
+        warning = no_labels_message(report, [img2label_path(f) for f in img_files], split)
+        if warning is not None:
+            console.print(f"warning: {warning}", markup=False, soft_wrap=True)
 
 
 def build_train_loader(

@@ -38,8 +38,9 @@ from detrain.system.tempfiles import temp_beside
 
 # Part of every cache's hash: raise it whenever the checks change what a label file yields (2: boxes reaching
 # outside the image are clipped, with a 1 % tolerance, and counted; 3: only regular files are read, label files
-# are capped, images above max_pixels are skipped; 4: an image with more than MAX_BOXES_PER_IMAGE boxes is skipped).
-CACHE_VERSION = 4
+# are capped, images above max_pixels are skipped; 4: an image with more than MAX_BOXES_PER_IMAGE boxes is skipped; 5:
+# the file of each message is kept, for the report's reasons per file).
+CACHE_VERSION = 5
 
 
 def default_cache_path(label_files: list[str], root: str | Path | None = None) -> Path:
@@ -157,6 +158,7 @@ def write_cache(path: Path, digest: str, records: list[LabelRecord], report: Lab
         "im_files": [r.im_file for r in records],
         "counts": {k: getattr(report, k) for k in ("total", "found", "missing", "empty", "corrupt", "clipped")},
         "messages": report.messages,
+        "files": report.files,
     }
     n = np.array([len(r.cls) for r in records], np.int64)
     arrays: dict[str, Any] = {
@@ -268,5 +270,11 @@ def read_cache(path: Path, digest: str) -> tuple[list[LabelRecord], LabelReport]
         LabelRecord(f, (int(s[0]), int(s[1])), cls[a:b], bboxes[a:b])
         for f, s, a, b in zip(meta["im_files"], shapes, starts, ends)
     ]
-    report = LabelReport(**meta["counts"], messages=list(meta["messages"]), cache_path=path, from_cache=True)
+    report = LabelReport(
+        **meta["counts"],
+        messages=list(meta["messages"]),
+        files=list(meta.get("files", [])),
+        cache_path=path,
+        from_cache=True,
+    )
     return records, report

@@ -30,7 +30,9 @@ class LabelReport:
     """What verification found: counts per kind, one message per problem, and where the cache lives.
 
     `found + missing + empty + corrupt == total`; corrupt images are the ones left out of the records. `clipped`
-    counts the boxes (of kept images) that reached outside their image and were clipped to it.
+    counts the boxes (of kept images) that reached outside their image and were clipped to it. A message about one
+    file is ``<file>: <reason>``; `files` holds the ``<file>`` of each message ("" for one about the whole split), so
+    :meth:`entries` can take the file part off (a file name may hold ": ").
 
     Example:
         >>> LabelReport(total=2, found=1, missing=1).summary("val")
@@ -44,8 +46,34 @@ class LabelReport:
     corrupt: int = 0
     clipped: int = 0
     messages: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)  # the file each message is about, "" for the split's
     cache_path: Path | None = None
     from_cache: bool = False
+
+    def add(self, message: str, file: str = "") -> None:
+        """Record `message`, about `file` (its ``<file>: `` prefix, as printed) or, with "", about the split."""
+        self.messages.append(message)
+        self.files.append(file)
+
+    def entries(self) -> list[tuple[str, str]]:
+        """(file, reason) of each message: the reason is the message with its ``<file>: `` prefix taken off;
+        ("", message) for a message about the whole split.
+
+        Example:
+            >>> report = LabelReport()
+            >>> report.add("a: b.txt: line 1: class id 5 out of range for nc=2 (valid 0-1)", "a: b.txt")
+            >>> report.add("no labels found")
+            >>> report.entries()
+            [('a: b.txt', 'line 1: class id 5 out of range for nc=2 (valid 0-1)'), ('', 'no labels found')]
+        """
+        out = []
+        for k, message in enumerate(self.messages):
+            file = self.files[k] if k < len(self.files) else ""
+            if file and message.startswith(f"{file}: "):
+                out.append((file, message[len(file) + 2 :]))
+            else:
+                out.append(("", message))
+        return out
 
     def summary(self, prefix: str = "") -> str:
         """One line for the log, e.g. `train: 128 images, 126 with labels, 2 missing, 0 empty, 0 corrupt (cache: ...)`,

@@ -29,8 +29,10 @@ from detrain.data.labels.cache import (
     write_cache,
 )
 from detrain.data.labels.check import CORRUPT, FileCheck, verify_files
+from detrain.data.labels.reasons import no_labels_message
 from detrain.data.labels.record import LabelRecord, LabelReport
 from detrain.errors import DatasetError
+from detrain.system.text import shown
 
 __all__ = [
     "LabelRecord",
@@ -132,7 +134,7 @@ def _save(path: Path, digest: str, records: list[LabelRecord], report: LabelRepo
         report.cache_path = path
     except OSError as e:
         message = f"cannot write label cache {path} ({e.strerror or e}); verification runs again next time"
-        report.messages.append(message)
+        report.add(message)
         warnings.warn(message, stacklevel=3)
 
 
@@ -141,16 +143,20 @@ def _assemble(
 ) -> tuple[list[LabelRecord], LabelReport]:
     report = LabelReport(total=len(results))
     records: list[LabelRecord] = []
-    for im_file, r in zip(img_files, results):
+    for im_file, label_file, r in zip(img_files, label_files, results):
         setattr(report, r.status, getattr(report, r.status) + 1)
         report.clipped += r.clipped
-        report.messages.extend(r.messages)
+        for message in r.messages:
+            report.add(message, _file_of(message, im_file, label_file))
         if r.status != CORRUPT:
             records.append(LabelRecord(im_file, r.shape_hw, r.cls, r.bboxes))
-    if report.total and report.found == 0:
-        where = Path(label_files[0]).parent
-        report.messages.append(
-            f"no labels found for any of the {report.total} images (looked in {where} and alike); "
-            "training on backgrounds only"
-        )
+    none_labelled = no_labels_message(report, label_files)
+    if none_labelled is not None:
+        report.add(none_labelled)
     return records, report
+
+
+def _file_of(message: str, im_file: str, label_file: str) -> str:
+    """Which of an image's two files ``message`` is about (its ``<file>: `` prefix, as printed), "" for neither."""
+    prefixes = sorted((shown(im_file), shown(label_file)), key=len, reverse=True)
+    return next((p for p in prefixes if message.startswith(f"{p}: ")), "")

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from detrain.config.cfg import Cfg, replace_cfg
+from detrain.data.labels.report_file import write_label_reports
 from detrain.data.prepare import build_val_loader, load_split
 from detrain.distributed import dist
 from detrain.distributed.world import World
@@ -33,6 +34,8 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
     save_dir = agree_run_dir(cfg.output, "val", save_dir, world.is_main)
     data = load_split(cfg.inputs.data, cfg.predict.split, cfg)
+    if world.is_main:  # every file skipped or corrected, with its reason: labels_<split>.txt
+        write_label_reports(save_dir, data)
     if cfg.predict.predictions:
         from detrain.engine.evaluate.score_file import score_predictions_file
 
