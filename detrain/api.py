@@ -55,6 +55,12 @@ class Model:
             self.net, self.ckpt = build_model(self.source, verbose=False, weights_sha256=weights_sha256)
         self._prepared: tuple[torch.nn.Module, tuple[Any, ...], torch.nn.Module] | None = None
         self.callbacks: dict[str, list[CallbackFn]] = {}
+        # the data val() takes when none is given, as Ultralytics: what this Model trained on, else its checkpoint's
+        self._data: str | None = _trained_on(self.ckpt)
+
+    def __call__(self, source: Any, stream: bool = False, **kwargs: Any) -> list[Results] | Iterator[Results]:
+        """``model(source)`` is :meth:`predict`, as in Ultralytics."""
+        return self.predict(source, stream=stream, **kwargs)
 
     @property
     def names(self) -> dict[int, str]:
@@ -102,6 +108,7 @@ class Model:
         result = run_task("train", cfg, self.callbacks)
         if result is None:
             return None
+        self._data = cfg.inputs.data
         best = Path(result["save_dir"]) / "weights" / "best.pt"
         if best.is_file():
             self.source = str(best)
@@ -111,7 +118,10 @@ class Model:
     def val(self, **kwargs: Any) -> DetectionMetrics | None:
         """Validate (COCO-exact metrics) with the CLI's keys; returns a
         :class:`~detrain.metrics.det_metrics.DetectionMetrics` as :meth:`train` does (None on a node other than
-        node 0 of a multi-node run)."""
+        node 0 of a multi-node run). Without ``data`` (here or in a ``cfg=`` file), the data this Model trained on,
+        or that its checkpoint records, as Ultralytics does."""
+        if self._data and "data" not in command_values(kwargs, "val"):
+            kwargs = {"data": self._data, **kwargs}
         cfg = make_cfg({"model": self.source, **kwargs}, "val")
         from detrain.run.task import run_task
 
@@ -224,3 +234,14 @@ class Model:
         if is_exported(self.source):
             return f"Model({self.source!r}: exported {self.net.format}, {self.net.nc} classes)"
         return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"
+
+
+def _trained_on(ckpt: dict[str, Any] | None) -> str | None:
+    """The dataset a detrain checkpoint's run trained on (its ``train_args``), if it records one as text.
+
+    >>> _trained_on({"train_args": {"data": "coco8.yaml"}}), _trained_on({"train_args": None}), _trained_on(None)
+    ('coco8.yaml', None, None)
+    """
+    args = (ckpt or {}).get("train_args")
+    data = args.get("data") if isinstance(args, dict) else None
+    return data if isinstance(data, str) and data.strip() else None

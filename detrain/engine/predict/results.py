@@ -19,6 +19,7 @@ has tensors, see :mod:`detrain.engine.predict.boxes`), ``r.to_json()``, ``r.verb
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,22 @@ class Results:
         if self.orig_img is None:
             raise ValueError(f"{self.path}: the picture was not kept, nothing to draw on")
         return draw_detections(self.orig_img, np.asarray(self.boxes.xyxy), self.conf, self.cls, self.names, line_width)
+
+    def show(self, line_width: int = 0) -> str | None:
+        """:meth:`plot`'s picture in a window (OpenCV's, until a key is pressed) where a display exists; where none
+        does (no ``DISPLAY``/``WAYLAND_DISPLAY``, or OpenCV built without windows, as opencv-python-headless is) it
+        is saved with :meth:`save` and one line says where. Returns the file saved, or None when shown."""
+        image = self.plot(line_width)
+        if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+            try:
+                cv2.imshow(str(self.path), image)
+                cv2.waitKey(0)
+                return None
+            except cv2.error:
+                pass  # a build without a window system: saved below
+        saved = self.save(line_width=line_width)
+        print(f"no display to show {self.path}: saved {saved}")
+        return saved
 
     def txt_lines(self, save_conf: bool = False) -> list[str]:
         """YOLO-format rows: ``class cx cy w h`` (normalised), and the confidence with ``save_conf``."""
