@@ -25,6 +25,7 @@ from detrain.config.keys import (
     SECTIONS,
     SPECS,
     TYPES,
+    ULTRALYTICS_ONLY,
     Augment,
     Cfg,
     Distributed,
@@ -275,7 +276,8 @@ def _cfg_file(path: Any, command: str | None, given: Mapping[str, Any]) -> tuple
         return "", {}
     name, document = read_cfg_file(path)
     where = f"cfg={name}: "
-    unknown = [str(key) for key in document if key not in SECTION_OF and key not in WORDS]
+    theirs = [str(key) for key in document if key in ULTRALYTICS_ONLY and key not in SECTION_OF]
+    unknown = [str(key) for key in document if key not in SECTION_OF and key not in WORDS and key not in theirs]
     if len(unknown) == 1:
         raise ConfigError(where + str(_unknown(unknown[0], command or "train")))
     if unknown:  # an Ultralytics args.yaml has dozens: name them all at once
@@ -283,6 +285,10 @@ def _cfg_file(path: Any, command: str | None, given: Mapping[str, Any]) -> tuple
             f"{where}{len(unknown)} unknown arguments: {listed([_shown(k) for k in unknown], 80)}; run 'detrain "
             f"{command or 'train'} --help' for the keys"
         )
+    if theirs:  # Ultralytics' own default.yaml (yolo copy-cfg): its keys of other tasks and features, left out
+        note(f"note: {where}{len(theirs)} Ultralytics keys detrain does not have are left out: {listed(theirs, 80)}")
+    # `key:` with no value gives nothing, as in Ultralytics' default.yaml (model:, data:)
+    document = {k: v for k, v in document.items() if v is not None and k not in theirs}
     nested = document.pop("cfg", None)
     if nested not in (None, ""):
         raise ConfigError(f"{where}a cfg file cannot name another (cfg: {excerpt(nested, 40)}); merge them into one")

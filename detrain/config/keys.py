@@ -27,6 +27,7 @@ from detrain.config.values import (
     cache_mode,
     class_ids,
     compile_mode,
+    flag_or_half,
     flag_or_weights,
     folder,
     freeze,
@@ -291,7 +292,12 @@ class Train:
         "(freeze=0,1,2): their weights stay fixed, BatchNorm statistics still adapt",
         parse=freeze,
     )
-    multi_scale: bool = key(False, "vary imgsz by +-50% per batch (chosen on rank 0, shared by all ranks)")
+    multi_scale: bool = key(
+        False,
+        "vary imgsz by +-50% per batch (chosen on rank 0, shared by all ranks); Ultralytics' fractions 0 and 0.5 "
+        "read as false and true",
+        parse=flag_or_half,
+    )
     rect: bool = key(False, "rectangular training batches (no mosaic)")
     val: bool = key(True, "validate after every epoch")
 
@@ -650,6 +656,17 @@ TYPES: dict[str, Any] = {name: typ for cls in SECTIONS.values() for name, typ in
 COMMAND_KEYS: dict[str, tuple[str, ...]] = {
     command: tuple(name for name, spec in SPECS.items() if command in spec.commands) for command in COMMANDS
 }
+# Keys of Ultralytics' default.yaml (8.4, what `yolo copy-cfg` writes) that detrain does not have: other tasks'
+# (segment, pose, obb, classify, track, distillation) and features it lacks. A cfg= file that holds them is read
+# with them left out and one note naming them; on the command line they stay unknown keys (one line, exit 2).
+ULTRALYTICS_ONLY = frozenset(
+    """
+    overlap_mask mask_ratio retina_masks pose kobj rle angle cls_pw dis dlog dgrad dlam distill_model tracker
+    profile channels_last dropout quantize dnn vid_stride stream_buffer visualize augment embed show save_frames
+    save_crop show_labels show_conf show_boxes optimize simplify workspace bgr copy_paste_mode auto_augment erasing
+    cls_remap
+    """.split()
+)
 # where and how the workers run: a node's own values, kept over a resumed checkpoint's
 LAUNCH_KEYS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.launch)
 

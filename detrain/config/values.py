@@ -233,6 +233,21 @@ def auto_or_count(key: str, value: Any) -> int | str:
     return value
 
 
+def flag_or_half(key: str, value: Any) -> bool:
+    """``multi_scale``: true or false, or Ultralytics 8.4's fraction of imgsz where it means the same: 0 (off) or
+    0.5 (+-50%, detrain's range); another fraction is refused with what detrain varies by.
+
+    >>> flag_or_half("multi_scale", "0.5"), flag_or_half("multi_scale", 0.0), flag_or_half("multi_scale", "true")
+    (True, False, True)
+    """
+    if isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in ("true", "false")):
+        return bool(coerce(key, value, bool))
+    number = coerce(key, value, float)
+    if number in (0.0, 0.5):
+        return number == 0.5
+    raise fail(key, value, "true or 0.5 (imgsz varied by +-50% per batch), or false or 0 (off)")
+
+
 def stride_multiple(key: str, value: int) -> int:
     """``imgsz``: a size that is no multiple of the largest stride is rounded up to the next one (at least one
     stride), with one line naming both, as Ultralytics' check_imgsz does.

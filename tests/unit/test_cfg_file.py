@@ -183,9 +183,9 @@ FILES: dict[str, tuple[str | bytes | None, str]] = {
     "broken.yaml": ("epochs: [3\n", "cfg=broken.yaml: not valid YAML"),
     "latin1.yaml": (b"name: caf\xe9\n", "cfg=latin1.yaml: cannot read it (not UTF-8 text)"),
     "unknown.yaml": ("epochs: 3\nepoch: 4\n", "cfg=unknown.yaml: unknown argument 'epoch'; did you mean 'epochs'?"),
-    "ultralytics.yaml": (
-        "epochs: 3\nshow: false\nsave_dir: runs/x\nmask_ratio: 4\n",
-        "cfg=ultralytics.yaml: 3 unknown arguments: show, save_dir, mask_ratio; run 'detrain train --help'",
+    "ultralytics.yaml": (  # show and mask_ratio are Ultralytics keys detrain lacks (a note); save_dir no key at all
+        "epochs: 3\nshow: false\nsave_dir: runs/x\nmask_ratio: 4\nsave_dirs: x\n",
+        "cfg=ultralytics.yaml: 2 unknown arguments: save_dir, save_dirs; run 'detrain train --help'",
     ),
     "intkey.yaml": ("1: 2\n", "cfg=intkey.yaml: unknown argument '1'"),
     "type.yaml": ("epochs: abc\n", "cfg=type.yaml: invalid value for 'epochs': 'abc'; expected an integer"),
@@ -256,3 +256,26 @@ def _one_line_exit_2(argv: list[str], fragment: str, capsys: pytest.CaptureFixtu
     assert fragment in lines[0], lines[0]
     assert len(lines[0]) < 400  # a short excerpt of what the file holds, never the whole of it
     assert out == ""
+
+
+def test_ultralytics_default_yaml_keys_of_other_tasks_are_a_note_not_a_refusal(tmp_path, capsys):
+    """What `yolo copy-cfg` writes: keys of other tasks and of features detrain lacks are left out with one note,
+    a key with no value gives nothing (their yaml leaves model: and data: empty), multi_scale: 0.0 is off."""
+    from detrain.config.keys import ULTRALYTICS_ONLY
+
+    lines = [f"{k}: false" for k in sorted(ULTRALYTICS_ONLY)] + ["model:", "data:", "multi_scale: 0.0", "epochs: 7"]
+    (tmp_path / "default.yaml").write_text("\n".join(lines) + "\n")
+    cfg = make_cfg({"cfg": str(tmp_path / "default.yaml")}, "train")
+    assert (cfg.train.epochs, cfg.inputs.model, cfg.train.multi_scale) == (7, "n.yaml", False)
+    out = capsys.readouterr().out
+    assert f"{len(ULTRALYTICS_ONLY)} Ultralytics keys detrain does not have are left out" in out
+    assert out.count("Ultralytics keys") == 1
+    with pytest.raises(ConfigError, match="unknown argument 'save_crop'"):  # typed: still unknown
+        make_cfg({"save_crop": "true"}, "train")
+
+
+def test_the_real_ultralytics_default_yaml_runs_every_command():
+    default = pytest.importorskip("ultralytics").__file__
+    path = Path(default).parent / "cfg" / "default.yaml"
+    for command in ("train", "val", "predict", "export"):
+        assert make_cfg({"cfg": str(path)}, command).train.multi_scale is False
