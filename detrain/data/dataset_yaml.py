@@ -37,7 +37,7 @@ from detrain.errors import DatasetError
 from detrain.system.input_file import read_input_text, reason_of
 from detrain.system.net import is_sha256
 from detrain.system.safe_yaml import YamlRefused, read_yaml
-from detrain.system.text import excerpt, shown
+from detrain.system.text import excerpt, name_problem, shown
 
 __all__ = [
     "IMG_FORMATS",
@@ -224,6 +224,9 @@ def _parse_names(raw: dict, yaml_file: Path) -> dict[int, str]:
         raise DatasetError(f"{yaml_file}: names: must be a list or a mapping {{id: name}} (got {type(names).__name__})")
     if not parsed:
         raise DatasetError(f"{yaml_file}: names: is empty; list at least one class name")
+    problem = name_problem(parsed)
+    if problem is not None:
+        raise DatasetError(f"{yaml_file}: names: {problem}")
     nc = raw.get("nc")
     if nc is not None and nc != len(parsed):
         raise DatasetError(

@@ -46,7 +46,7 @@ from detrain.engine.script_check import check_torchscript
 from detrain.errors import ConfigError, DetrainError
 from detrain.nn.head import InferenceOptions, nms
 from detrain.nn.topk_decode import filter_detections
-from detrain.system.text import shown
+from detrain.system.text import name_problem, shown
 
 __all__ = ["ExportInfo", "ExportSummary", "ExportedModel", "export_summary", "load_exported"]
 
@@ -288,6 +288,9 @@ def export_info(meta: Any, name: str) -> ExportInfo:
         raise ConfigError(f"{shown(name)}: its metadata's class names are not indexed 0 to n-1") from None
     if sorted(classes) != list(range(len(classes))):
         raise ConfigError(f"{shown(name)}: its metadata's class names are not indexed 0 to n-1")
+    problem = name_problem(classes)
+    if problem is not None:
+        raise ConfigError(f"{shown(name)}: its metadata's {problem}")
     end2end = meta.get("end2end")
     if not isinstance(end2end, bool):  # a file of an earlier release says it in words only
         end2end = str(meta.get("output", "")).startswith("detections")

@@ -26,7 +26,7 @@ from detrain.nn.yaml_plan import MAX_CLASSES, LayerPlan, Plan, check_nc, plan_la
 from detrain.nn.yaml_plan import MAX_LAYERS as MAX_LAYERS  # re-exported: the builder's bounds
 from detrain.nn.yaml_plan import MAX_REPEATS as MAX_REPEATS
 from detrain.system.safe_yaml import YamlRefused, read_yaml
-from detrain.system.text import excerpt, listed, shown
+from detrain.system.text import excerpt, listed, name_problem, shown
 
 DEFAULT_SCALE = "n"
 DEFAULT_NC = 80
@@ -276,6 +276,9 @@ def class_names(names: Any) -> dict[int, str]:
                 f"class names must map the indices 0 to {len(names) - 1} to names; key {excerpt(key, 40)} is not one"
             )
         out[index] = value if isinstance(value, str) else str(value)
+    problem = name_problem(out)
+    if problem is not None:
+        raise ConfigError(problem)
     return out
 
 

@@ -23,6 +23,24 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 EXCERPT_CHARS = 60
 
 
+# what a class name must not hold: C0 and C1 controls (an escape sequence rewrites the terminal), DEL, and the
+# bidirectional overrides and isolates (they reorder what a line shows)
+_NOT_IN_NAMES = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def name_problem(names: dict[int, str]) -> str | None:
+    """Why these class names must not be printed or drawn: the first that holds a control character (an ANSI escape
+    sequence, a newline, a bidirectional override), with its index and an escaped excerpt; None when all are plain.
+
+    >>> print(name_problem({0: "cat", 1: "\\x1b[2Jdog"}))
+    class name 1 ('\\x1b[2Jdog') holds a control character
+    """
+    for index, name in names.items():
+        if _NOT_IN_NAMES.search(name):
+            return f"class name {index} ({excerpt(name, 40)}) holds a control character"
+    return None
+
+
 def shown(text: str) -> str:
     """``text`` safe to print on one line: control characters (a newline in a file name) become ``?``."""
     return _CONTROL.sub("?", text)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from detrain.errors import CheckpointError
+from detrain.system.text import name_problem
 from detrain.weights import safe_pickle
 from detrain.weights.safe_pickle import InertObject
 
@@ -170,6 +171,9 @@ def _class_names(raw: Any, path: Path) -> dict[int, str]:
                 f"{path}: its class names hold a {type(k).__name__} -> {type(v).__name__} entry, not an index -> name"
             )
         names[index] = v
+    problem = name_problem(names)
+    if problem is not None:
+        raise CheckpointError(f"{path}: its {problem}")
     return names
 
 
