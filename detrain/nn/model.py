@@ -45,6 +45,16 @@ def _packaged_models_dir() -> Path:
     return asset_dir("cfg/models")
 
 
+def is_packaged_name(name: str) -> bool:
+    """Whether ``name`` is a packaged architecture's name (a family and scale such as ``yolo11s.yaml``, ``n.yaml``,
+    or a family such as ``yolo26.yaml``), never a path.
+
+    >>> is_packaged_name("yolo26n.yaml"), is_packaged_name("yolov8.yaml"), is_packaged_name("../../etc/x.yaml")
+    (True, True, False)
+    """
+    return bool(_BUNDLED_SCALE_NAME.match(name)) or name in {f"{family}.yaml" for family in FAMILIES}
+
+
 def packaged_architecture(name: str | Path = "") -> Path:
     """The packaged architecture yaml a bundled name builds (a file of the same name in the working directory
     does not stand in for it): ``yolo11n.yaml`` -> ``yolo11.yaml``, ``yolo26n.yaml`` -> ``yolo26.yaml``;

@@ -25,6 +25,7 @@ from detrain import __version__
 from detrain.errors import CheckpointError, ConfigError
 from detrain.system.input_file import read_input, reason_of
 from detrain.system.tempfiles import UnsafePath, atomic_file, keep_generation
+from detrain.system.text import excerpt
 from detrain.weights import limits
 
 if TYPE_CHECKING:
@@ -158,8 +159,13 @@ def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
             f"{path} says it is a detrain checkpoint but its model description (scale, nc, names, "
             "imgsz, yaml) has the wrong types"
         )
-    from detrain.nn.model import class_names
+    from detrain.nn.model import class_names, is_packaged_name
 
+    if isinstance(yaml, str) and not is_packaged_name(yaml):  # a path would make detrain open (and so probe) it
+        raise CheckpointError(
+            f"{path}: its model description names the architecture {excerpt(yaml, 60)}; a checkpoint records its "
+            "architecture as a mapping or a packaged name (yolov8n.yaml, yolo11s.yaml, yolo26.yaml), never a file"
+        )
     try:
         class_names(meta["names"])
     except ConfigError as e:

@@ -45,3 +45,18 @@ def test_a_checkpoint_with_such_a_name_is_one_line(tmp_path: Path) -> None:
 
 def test_plain_names_in_any_script_pass() -> None:
     assert class_names({0: "chat", 1: "犬", 2: "طائر", 3: "🐟 fish"}) == {0: "chat", 1: "犬", 2: "طائر", 3: "🐟 fish"}
+
+
+@pytest.mark.parametrize("recorded", ["/etc/hostname", "../secret/model.yaml", "~/.ssh/id_ed25519", "other.yaml"])
+def test_a_checkpoints_architecture_is_a_mapping_or_a_packaged_name_never_a_path(tmp_path: Path, recorded: str) -> None:
+    """Issue 37 item 9: a checkpoint whose ``yaml`` names a file would make detrain open it (an oracle of which
+    files exist); it is refused before anything is opened. Packaged names and mappings load."""
+    model = DetectionModel(nc=2, names={0: "ok", 1: "fine"})
+    meta = model_meta(model, 64)
+    path = tmp_path / "w.pt"
+    for good in ("yolov8n.yaml", "yolov8.yaml", meta["yaml"]):
+        save_checkpoint({"model": {**meta, "yaml": good, "state_dict": model.state_dict()}, "ema": None}, path)
+        load_checkpoint(path)
+    save_checkpoint({"model": {**meta, "yaml": recorded, "state_dict": model.state_dict()}, "ema": None}, path)
+    with pytest.raises(CheckpointError, match=r"names the architecture .* never a file"):
+        load_checkpoint(path)
