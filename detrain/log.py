@@ -64,6 +64,42 @@ class ResultsCSV:
         atomic_write_text(self.path, buf.getvalue())
 
 
+# a validation's numbers -> their results.csv columns
+METRIC_COLUMNS = {
+    "precision": "metrics/precision",
+    "recall": "metrics/recall",
+    "map50": "metrics/mAP50",
+    "map75": "metrics/mAP75",
+    "map": "metrics/mAP50-95",
+}
+
+
+def metric_columns(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """A validation's metrics as results.csv's columns (those it has).
+
+    >>> metric_columns({"map50": 0.5, "fitness": 0.1})
+    {'metrics/mAP50': 0.5}
+    """
+    return {col: float(metrics[k]) for k, col in METRIC_COLUMNS.items() if k in metrics}
+
+
+def epoch_line(epoch: int, epochs: int, row: Mapping[str, Any], speed: Mapping[str, float], seconds: float) -> str:
+    """The line printed after epoch ``epoch`` (1-based) of ``epochs``: the row's losses and metrics, the speed.
+
+    >>> speed = {"images_per_s": 10.0, "step_ms_mean": 50.0, "step_ms_slowest_rank": 60.0}
+    >>> epoch_line(1, 3, {"epoch": 1, "train/box_loss": 2.0, "lr/pg0": 0.01}, speed, 3.0)
+    'epoch 1/3: box_loss 2  10.0 img/s, step 50 ms mean / 60 ms slowest rank, 3.0 s'
+    """
+    shown = "  ".join(
+        f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items() if k.startswith(("train/", "metrics/"))
+    )
+    return (
+        f"epoch {epoch}/{epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
+        f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
+        f"rank, {seconds:.1f} s"
+    )
+
+
 def _fmt(value: Any) -> Any:
     return f"{value:.6g}" if isinstance(value, float) else value
 

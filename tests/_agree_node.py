@@ -1,5 +1,6 @@
 """One rank of a group whose ranks each play a node with a disk of its own (their own working folder): it runs
-:func:`detrain.engine.train.resume_state.agree` once per case and writes what it agreed on to ``agreed.json`` there.
+:func:`detrain.engine.train.state.resume_state.agree` once per case and writes what it agreed on to ``agreed.json``
+there.
 
 Run as ``python _agree_node.py CASES_JSON`` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, LOCAL_RANK 0
 and LOCAL_WORLD_SIZE 1 (every rank is the first process of its node). A case: ``{"save_dir": str | None,
@@ -15,7 +16,7 @@ from pathlib import Path
 from detrain.config.cfg import make_cfg
 from detrain.distributed import dist
 from detrain.distributed.world import World
-from detrain.engine.train import resume_state
+from detrain.engine.train.state import resume_state
 from detrain.errors import DetrainError
 
 

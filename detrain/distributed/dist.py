@@ -212,8 +212,8 @@ def restart_count() -> int:
     """How many times the elastic launcher restarted this worker group (0 on the first attempt).
 
     For messages and per-attempt store keys only: whether a start resumes is decided by the group, from the
-    checkpoints of this launch its nodes find (``detrain.engine.train.resume_state``), since a group that restarts for a
-    membership change, or a node that joins it, starts with no higher count.
+    checkpoints of this launch its nodes find (``detrain.engine.train.state.resume_state``), since a group that
+    restarts for a membership change, or a node that joins it, starts with no higher count.
 
     Example:
         >>> restart_count()

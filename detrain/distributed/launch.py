@@ -109,7 +109,7 @@ def launch(
     interface that reaches it; ``socket_ifname`` names the interface(s) gloo and NCCL use instead (checked to
     exist here). Failures raise ``DistributedError`` with one line naming the rank and the cause; Ctrl-C stops
     every worker and raises ``KeyboardInterrupt``. ``grace_s`` > 0: SIGTERM or SIGUSR1 to this launcher or a worker
-    ends the run as ``Preempted`` once every rank saved (:mod:`detrain.engine.train.preemption`). With several
+    ends the run as ``Preempted`` once every rank saved (:mod:`detrain.engine.train.state.preemption`). With several
     nodes each launcher ends when node 0's store has not answered for ``lost_after_s`` seconds (the run's
     ``dist_timeout``: a node waits for node 0 as long as a collective waits for a rank).
 

@@ -1,6 +1,6 @@
 """A worker's note to the launcher that spawned it: "preempted, resumable", and where the run stands.
 
-A worker that stopped on a preemption signal (:mod:`detrain.engine.train.preemption`) returns normally, so that
+A worker that stopped on a preemption signal (:mod:`detrain.engine.train.state.preemption`) returns normally, so that
 torch's elastic agent neither restarts it nor reports a failure; the line it leaves in its node's launch folder
 (the path in :data:`MARK_ENV`, a folder only this node's launcher and workers use: nodes share no disk) tells the
 launcher to end with :class:`detrain.errors.Preempted` instead of reporting a finished run.

@@ -21,7 +21,7 @@ from detrain.engine.telemetry import run_loggers
 from detrain.engine.train.freeze import check_freeze
 from detrain.engine.train.pretrained import check_pretrained
 from detrain.engine.train.reproduce import find_resume_checkpoint
-from detrain.engine.train.resume_state import may_host_rank0
+from detrain.engine.train.state.resume_state import may_host_rank0
 from detrain.errors import ConfigError
 
 

@@ -65,7 +65,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
         # decided once, before the workers start, so that restarted workers write to the same folder
         save_dir = str(increment_run_dir(cfg.output.project, cfg.output.name, task, cfg.output.exist_ok))
     # this launch's id goes into its checkpoints: after any restart, rank 0 resumes from those and not from an
-    # older run's in the same folder (engine/resume_state.py); a requeued SLURM job finds them by its job id
+    # older run's in the same folder (engine/train/state/resume_state.py); a requeued SLURM job finds them by its job id
     launch_id = uuid.uuid4().hex if task == "train" and not world.launched and cfg.distributed.node_rank == 0 else None
     args["plan"] = RunPlan(nodes, save_dir, launch_id)
     with _requeued_when_preempted(task, world, cfg):  # under SLURM node 0 puts the job back in the queue

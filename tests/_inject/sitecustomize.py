@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 
-# rank 0 alone: the other nodes' first processes write copies of its checkpoints (engine/train/replicas.py), which
+# rank 0 alone: the other nodes' first processes write copies of its checkpoints (engine/train/state/replicas.py), which
 # are not the point a rule names
 _RULE = (
     json.loads(os.environ["TEST_FAULT"])

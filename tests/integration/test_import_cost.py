@@ -49,10 +49,8 @@ boxes, scores = dets[:, :4] + dets[:, 5:6] * 7680, dets[:, 4]
 from torchvision.ops import nms  # now torchvision's own Python operator, for the comparison
 seen["kept"] = len(dets)
 seen["nms_equal"] = nms(boxes, scores, 0.5).tolist() == list(range(len(dets)))
-from types import SimpleNamespace
-from detrain.engine.train.trainer import Trainer
-stub = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(compile="aot_eager")), _bare=lambda: net, _say=print)
-Trainer._compile(stub)  # compile=aot_eager: torch.compile is lazy, nothing compiles before a forward
+from detrain.engine.train import setup
+setup.compile_model(net, "aot_eager", print)  # torch.compile is lazy: nothing compiles before a forward
 import torch._inductor.config as inductor_config
 seen["inductor_deterministic"] = inductor_config.deterministic
 print(json.dumps(seen))

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from detrain.data.image_io import read_image
 from detrain.data.samples.augment import letterbox
-from detrain.engine.train.trainer import _to_channels_last
+from detrain.engine.train.setup import to_channels_last
 from detrain.nn.head import InferenceOptions, LossGains
 from detrain.nn.model import DetectionModel
 
@@ -208,7 +208,7 @@ def test_loss_and_every_gradient_agree_with_ultralytics(
     ul: SimpleNamespace, family: Family, float64_default: None
 ) -> None:
     ours, theirs = _models(ul, family, torch.float64)
-    ours = _to_channels_last(ours.train())  # the trainer's layout
+    ours = to_channels_last(ours.train())  # the trainer's layout
     theirs.train()
     batch = _coco8_batch("train", TRAIN_SIZE)
     assert len(batch["cls"]) > 5

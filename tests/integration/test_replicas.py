@@ -1,4 +1,4 @@
-"""Node 0 is not the only holder of a run's checkpoints (``save_replicas``, engine/train/replicas.py).
+"""Node 0 is not the only holder of a run's checkpoints (``save_replicas``, engine/train/state/replicas.py).
 
 Two launchers on 127.0.0.1 are two nodes, each in its own working folder with a relative ``project``: two disks.
 Node 0's rank 0 is SIGKILLed right after it wrote the second epoch's ``last.pt`` (tests/_inject's rule: before that
@@ -19,7 +19,7 @@ from _faults import fault_env
 from _processes import child_env, free_port
 
 from detrain.data.synthetic import generate_shapes
-from detrain.engine.train.replicas import targets, write_copy
+from detrain.engine.train.state.replicas import targets, write_copy
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs

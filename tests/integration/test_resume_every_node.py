@@ -1,11 +1,11 @@
 """Resume on every node after any restart, with no shared disk, and mid-epoch checkpoints (``save_interval``).
 
-Rank 0 alone decides whether a start resumes and from which of its own checkpoints (``engine/resume_state.py``); the
-other ranks get that checkpoint from it. The processes run on 127.0.0.1 with gloo, one thread each, on a tiny model
-and 64-pixel images; "nodes" are launchers with their own working folder and project. Faults come from outside
-detrain (tests/_faults.py): SIGKILL sent by the test, or, where the point must be exact, rank 0 killing or holding
-itself right after a checkpoint write (tests/_inject/sitecustomize.py). Bounded-time requirements are checked with
-generous subprocess timeouts, never with timed asserts.
+Rank 0 alone decides whether a start resumes and from which of its own checkpoints
+(``engine/train/state/resume_state.py``); the other ranks get that checkpoint from it. The processes run on 127.0.0.1
+with gloo, one thread each, on a tiny model and 64-pixel images; "nodes" are launchers with their own working folder
+and project. Faults come from outside detrain (tests/_faults.py): SIGKILL sent by the test, or, where the point must be
+exact, rank 0 killing or holding itself right after a checkpoint write (tests/_inject/sitecustomize.py). Bounded-time
+requirements are checked with generous subprocess timeouts, never with timed asserts.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from detrain.config.cfg import make_cfg
 from detrain.data.loader import GlobalBatchSampler
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.world import World
-from detrain.engine.train import resume_state
-from detrain.engine.train.resume_state import Launch
+from detrain.engine.train.state import resume_state
+from detrain.engine.train.state.resume_state import Launch
 from detrain.errors import CheckpointError, ConfigError
 from detrain.run.preflight import check_inputs
 from detrain.weights.checkpoint import save_checkpoint

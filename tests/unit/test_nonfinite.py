@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from detrain.engine.train import resume_state
 from detrain.engine.train.nonfinite import FLAGS, NonFinite, finite_items, gradient_norm
+from detrain.engine.train.state import resume_state
 from detrain.errors import CheckpointError, DetrainError
 from detrain.nn.model import DetectionModel
 from detrain.system import tempfiles

@@ -1,4 +1,4 @@
-"""The run record that travels with a checkpoint to a rank 0 on another node (detrain/engine/train/run_record.py):
+"""The run record that travels with a checkpoint to a rank 0 on another node (detrain/engine/train/state/run_record.py):
 what a
 holder's run folder may hold in its place (read as hostile), and what a received record may hold (written only
 under the known names, atomically)."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from detrain.engine.train import run_record
+from detrain.engine.train.state import run_record
 
 
 def _folder(root: Path) -> Path:

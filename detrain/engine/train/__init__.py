@@ -1,4 +1,5 @@
 """Training on one rank: the trainer's named steps (``trainer``), the recipe (``optim``, ``ema``,
-``accumulation``, ``batch_plan``, ``freeze``, ``pretrained``, ``time_budget``), where a run starts and how it
-survives restarts (``resume_state``, ``reproduce``, ``mid_epoch``, ``run_record``) and the user's callbacks.
+``accumulation``, ``batch_plan``, ``freeze``, ``pretrained``, ``time_budget``), seeds and generator states
+(``reproduce``), the user's callbacks, and in ``state/`` the Checkpointer: where a run starts and how it survives
+restarts, preemption and the loss of a node.
 """

@@ -4,7 +4,7 @@ bfloat16 has no gradient scaler and float32 can blow up too: one NaN or infinity
 weights, the EMA and every later checkpoint. So each rank notes, per batch, whether its loss is finite, and at an
 update whether the gradients are (after the scaler's unscale, from the norm that clipping computes anyway: one
 fused norm, :func:`gradient_norm`). The flags travel with the all-reduce every step already makes (the batch's loss
-items, as :mod:`detrain.engine.train.preemption`'s flag does: :meth:`NonFinite.attach` / :meth:`NonFinite.read`),
+items, as :mod:`detrain.engine.train.state.preemption`'s flag does: :meth:`NonFinite.attach` / :meth:`NonFinite.read`),
 so no collective is added and every rank reads the same verdict at the same step. An update is decided as a whole:
 with gradient accumulation, one non-finite batch among those it gathers skips it (the flags are kept, on the
 device, from the update before). A skipped update steps neither the optimizer nor the EMA; the gradients are

@@ -14,14 +14,13 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from torch import nn
 
-from detrain.config.cfg import Cfg, replace_cfg
+from detrain.config.cfg import Cfg
 from detrain.config.values import is_auto_batch
 from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
@@ -31,30 +30,25 @@ from detrain.distributed.parallel import unwrap
 from detrain.distributed.preempt_mark import exit_when_launcher_stops, leave_mark
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
-from detrain.engine.build import agree_run_dir, build_model, set_cpu_threads
+from detrain.engine.build import set_cpu_threads
 from detrain.engine.evaluate.validator import validate
 from detrain.engine.run_plan import RunPlan
 from detrain.engine.telemetry import epoch_stats, run_trace
 from detrain.engine.telemetry.epoch_monitor import EpochMonitor
 from detrain.engine.telemetry.manifest import dataset_identity
 from detrain.engine.telemetry.run_loggers import RunLoggers
-from detrain.engine.train import accumulation, auto_batch, freeze, optim, pretrained, resume_state, time_budget
-from detrain.engine.train.batch_plan import batch_plan, check_split, planned_world_size
+from detrain.engine.train import accumulation, optim, pretrained, setup, time_budget
+from detrain.engine.train.batch_plan import check_split, planned_world_size
 from detrain.engine.train.callbacks import CallbackFn, Callbacks
-from detrain.engine.train.ema import ModelEMA
-from detrain.engine.train.mid_epoch import MidEpoch
 from detrain.engine.train.nonfinite import NonFinite, finite_items, gradient_norm
-from detrain.engine.train.precision import choose_precision, train_dtype
-from detrain.engine.train.preemption import Preemption
-from detrain.engine.train.replicas import Replicas
-from detrain.engine.train.reproduce import carry_to_compiler, rng_state, seed_everything, set_rng_state
+from detrain.engine.train.precision import choose_precision
+from detrain.engine.train.reproduce import seed_everything
 from detrain.engine.train.shared_settings import shared_settings
+from detrain.engine.train.state.checkpointer import Checkpointer, Loop, Parts, agree_start
 from detrain.errors import Preempted
-from detrain.log import EpochProgress, ResultsCSV, console, save_yaml
+from detrain.log import EpochProgress, ResultsCSV, console, epoch_line, metric_columns
 from detrain.nn.head import LossGains
 from detrain.plots.train import plot_results, plot_train_batch
-from detrain.system.tempfiles import remove_unfinished
-from detrain.weights.checkpoint import PREVIOUS, load_weights, model_meta, save_checkpoint
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -85,35 +79,27 @@ class Trainer:
         plan = RunPlan() if plan is None else plan
         self.callbacks = Callbacks(callbacks)  # fired on rank 0 only (detrain.engine.train.callbacks)
         # collective: every node looks on its own disk for this run's furthest checkpoint (rank 0 also for resume=);
-        # every rank gets the furthest of all from the rank that holds it (resume_state.py)
-        start = resume_state.agree(cfg, plan.save_dir, resume_state.Launch.here(world, plan.launch_id), world)
-        cfg, save_dir, self.resume_ckpt, self.launch = start.cfg, start.save_dir, start.ckpt, start.launch
-        # collective: the same failure again with no progress since the last restart stops the run (restart_policy.py)
-        point = resume_state.position(start.ckpt) if start.ckpt is not None else None
-        restart_policy.check_progress(world, point, cfg.distributed.restart_same_failures)
-        self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
-        self.gathered: dict[str, Any] | None = None  # parallel=fsdp: rank 0's whole tensors for the next checkpoint
-        self.cfg, self.world = cfg, world
-        self.rank, self.main = world.rank, world.is_main
+        # every rank gets the furthest of all from the rank that holds it; a failure that only repeats stops the run
+        start = agree_start(cfg, plan, world)
+        cfg = self.cfg = start.cfg
+        self.world, self.rank, self.main = world, world.rank, world.is_main
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
         self.planned_world = planned_world_size(plan.nodes, world.world_size, world.local_world_size)
         self.elastic = plan.nodes[0] != plan.nodes[1]  # nnodes=MIN:MAX: nodes must have the same number of devices
-        if not is_auto_batch(cfg.train.batch):  # AutoBatch's is chosen to split (_pick_batch)
+        if not is_auto_batch(cfg.train.batch):  # AutoBatch's is chosen to split (setup.pick_batch)
             check_split(cfg.train.batch_images, self.planned_world)
         self.device = torch.device(world.device)  # the launcher's choice for this rank (World.device)
         set_cpu_threads(self.device, world)
-        # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
-        self.save_dir = agree_run_dir(cfg.output, "train", save_dir, self.main)
-        self.wdir = self.save_dir / "weights"
-        self.mid = MidEpoch(cfg.output.save_interval, cfg.output.save, self.wdir, self.device, world)  # mid.pt
-        # SIGTERM / SIGUSR1: every rank saves mid.pt at the same step and the run ends resumable (preemption.py)
-        self.preempt = Preemption(cfg.output.grace if cfg.output.save else 0.0, world.launcher)
+        # collective: rank 0 decides the run folder and locks it for the run's life; the checkpoints from the restore
+        # to the last save, mid.pt and preemption (state/checkpointer.py)
+        self.state = Checkpointer(start, world, self.device)
+        self.save_dir, self.wdir, self.resume_ckpt = self.state.save_dir, self.state.wdir, self.state.resume
 
     # ------------------------------------------------------------------ the loop
     def train(self) -> dict[str, Any]:
         """Run every epoch; returns the final metrics (the same dict on every rank). However it ends, rank 0 says
         how in the run folder's events.jsonl (detrain.engine.telemetry.run_trace)."""
-        with run_trace.ended(self), self.preempt.installed():
+        with self.state.held(), run_trace.ended(self):  # the run folder locked, preemption signals caught
             self._prepare()  # data, model, optimizer; the run folder's files; the starting weights' score
             epoch = self.start_epoch
             while epoch < self.cfg.train.epochs:  # time= re-plans cfg.train.epochs after every epoch
@@ -123,11 +109,10 @@ class Trainer:
                 improved, stop = self._agree(trained)  # best fitness so far, early stop: rank 0's word on every rank
                 self._fit_to_time(epoch)  # time=: as many epochs as fit, the lr schedule refitted to them
                 self._save_and_log(epoch, trained, improved)  # results.csv, last.pt / best.pt, the epoch's line
-                if self.cfg.output.save:  # point to point: rank 0 and the nodes keeping a copy (replicas.py)
-                    self.replicas.copy(self.wdir / "last.pt", keep_previous=PREVIOUS, supersedes=self.mid.path.name)
+                self.state.copy_last()  # point to point: rank 0 and the nodes keeping a copy (state/replicas.py)
                 dist.barrier("end of epoch")  # collective: every rank has finished the epoch
-                if self.preempt.agreed and not stop and epoch + 1 < self.cfg.train.epochs:
-                    raise self._preempted(self.wdir / "last.pt", f"epoch {epoch + 2}")  # signalled at the last batch
+                if self.state.preempt.agreed and not stop and epoch + 1 < self.cfg.train.epochs:
+                    raise self.state.preempted(self.wdir / "last.pt", f"epoch {epoch + 2}")  # at the last batch
                 if stop:
                     self._say(f"early stop: no improvement in the last {self.cfg.train.patience} epochs")
                     break
@@ -144,11 +129,7 @@ class Trainer:
         self.callbacks.fire("on_pretrain_routine_end", self, self.start_epoch)
         cfg = self.cfg
         if self.main:
-            self.wdir.mkdir(parents=True, exist_ok=True)
-            left = [*remove_unfinished(self.save_dir), *remove_unfinished(self.wdir)]  # saves killed mid-write
-            if left:
-                self._say(f"removed {len(left)} temporary file(s) of writes that never finished: {', '.join(left)}")
-            save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
+            self.state.open_folder(cfg)  # weights/, leftovers of killed writes removed, args.yaml
             console.print(
                 f"training {cfg.inputs.model} on {cfg.inputs.data} for {cfg.train.epochs} epochs; "
                 f"results in {self.save_dir}"
@@ -164,8 +145,8 @@ class Trainer:
             datasets=(self.data, self.val_data),
             resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None,
         )
-        # last.pt and mid.pt also on the disks of the next save_replicas - 1 nodes (replicas.py)
-        self.replicas = Replicas(self.trace.world, cfg.output.save_replicas, self.rank)
+        # last.pt and mid.pt also on the disks of the next save_replicas - 1 nodes (state/replicas.py)
+        self.state.keep_copies(self.trace.world, cfg.output.save_replicas)
         self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world)
         # non-finite losses or gradients: every rank skips the same updates (nonfinite.py)
         self.nonfinite = NonFinite(cfg.train.nonfinite_limit, self.trace.events if self.main else None)
@@ -175,17 +156,12 @@ class Trainer:
         self.start_scores: dict[str, Any] = {}
         if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.train.val:
             # fine-tuning: score the starting weights, so the final mAP can be read against them
-            self.start_scores = self._validate(-1)
-            self._say(
-                f"starting weights: mAP50 {self.start_scores['map50']:.4f}  mAP50-95 {self.start_scores['map']:.4f}"
-            )
+            scores = self.start_scores = self._validate(-1)
+            self._say(f"starting weights: mAP50 {scores['map50']:.4f}  mAP50-95 {scores['map']:.4f}")
         self.callbacks.fire("on_train_start", self, self.start_epoch)
         self.optimizer.zero_grad(set_to_none=True)
-        self.budget = (
-            time_budget.TimeBudget(cfg.train.time, (self.resume_ckpt or {}).get("train_time_s") or 0.0)
-            if cfg.train.time
-            else None
-        )
+        spent = (self.resume_ckpt or {}).get("train_time_s") or 0.0  # time=: the hours a resumed run used before
+        self.budget = time_budget.TimeBudget(cfg.train.time, spent) if cfg.train.time else None
 
     def _setup(self) -> None:
         """The run's pieces, each step using those before it (and drawing on the generators seeded here)."""
@@ -196,17 +172,26 @@ class Trainer:
         node_consistency.check_nodes(
             self.world, lambda: dataset_identity(data), elastic=self.elastic, settings=shared_settings(self.cfg)
         )
-        self._build_model()  # start, frozen or resumed weights on the device; the EMA
-        self._pick_batch()  # collective (batch=-1 or a fraction): the batch that fits every rank's GPU
-        total_iters = self._plan_batches()  # self.plan: images per update (optimizer=auto's), accumulation
+        # start, frozen or resumed weights on the device; the EMA
+        self.model, self.ema = setup.train_model(self.cfg, self.nc, self.names, self.device, self.state, self.main)
+        # collective (batch=-1 or a fraction): the batch that fits every rank's GPU
+        self.cfg = setup.pick_batch(
+            self.cfg, self._bare(), self.data.records, self.device, self.planned_world, self._say
+        )
+        # images per update (optimizer=auto's), accumulation
+        self.plan, total_iters = setup.plan_batches(
+            self.cfg, len(self.data.records), self.nc, self.world.world_size, self.planned_world
+        )
         self._make_parallel()  # collective: every rank trains rank 0's weights
         self._build_loaders()  # collective: a barrier once every node's data is ready
-        opt_name, weight_decay = self._build_optimizer(total_iters)  # and the lr schedule
+        self._build_optimizer(total_iters)  # and the lr schedule
         self._choose_precision()  # AMP's dtype and the gradient scaler
-        self._compile()  # compile=: the training forward, once the checks above ran it eagerly
+        # compile=: the training forward, once the checks above ran it eagerly
+        setup.compile_model(self._bare(), self.cfg.train.compile, self._say)
         self._build_loss()
         self._start_point()  # epoch 0, or where a resumed checkpoint stands
-        self._say_recipe(opt_name, weight_decay)
+        said = setup.recipe_lines(self.recipe, self.cfg, self.plan, self.world.world_size, self.nb, self.device.type)
+        self._say("\n".join(said))  # the optimizer, the batch plan; an elastic world smaller than planned
 
     def _load_data(self) -> None:
         """The train and val splits of the dataset yaml, and its classes."""
@@ -214,79 +199,13 @@ class Trainer:
         self.val_data = load_split(self.cfg.inputs.data, "val", self.cfg)
         self.nc, self.names = self.data.nc, self.data.names
 
-    def _pick_batch(self) -> None:
-        """``batch=-1`` or a fraction: the largest batch whose step fits that share of every rank's GPU memory
-        (:mod:`auto_batch`), the same on every rank; from here on the run's arguments (args.yaml, checkpoints) hold
-        that number, so a resume or a rerun of args.yaml trains with the same batch."""
-        cfg = self.cfg
-        if not is_auto_batch(cfg.train.batch):
-            return
-        train = train_dtype(cfg.train.amp, self.device)
-        dtypes = (train, None if train is None else torch.float16)  # validation's, as choose_precision's
-        # as Ultralytics: a mosaic holds up to four images' boxes, multi_scale trains up to 1.5 x imgsz
-        objects = max((len(r.cls) for r in self.data.records), default=1) * (4 if cfg.augment.mosaic > 0 else 1)
-        largest = -(-int(cfg.inputs.imgsz * (1.5 if cfg.train.multi_scale else 1)) // 32) * 32
-        chosen = auto_batch.pick_batch(
-            cfg.train.batch,
-            self.device,
-            lambda: auto_batch.model_steps(self._bare(), (largest, cfg.inputs.imgsz), objects, dtypes, self.device),
-            self.planned_world,
-            len(self.data.records),
-            self._say,
-        )
-        self.cfg = replace_cfg(cfg, {"batch": chosen})
-        check_split(chosen, self.planned_world)
-
-    def _plan_batches(self) -> int:
-        """The batch plan (:func:`detrain.engine.train.batch_plan.batch_plan`): ``optimizer=auto``'s choice, and
-        from it how many images an update gathers (``nbs=auto``); returns the updates ``optimizer=auto`` counts."""
-        cfg = self.cfg
-        total_iters = optim.planned_updates(cfg, len(self.data.records))
-        opt_name = optim.auto_choice(cfg, self.nc, total_iters)[0]
-        self.plan = batch_plan(
-            cfg.train.batch_images,
-            optim.images_per_update(cfg, opt_name, pretrained.starts_from_weights(cfg)),
-            self.world.world_size,
-            self.planned_world,
-        )
-        return total_iters
-
-    def _build_model(self) -> None:
-        """The model on this rank's device with its starting weights (pretrained=: a fresh init, or a file's
-        matching layers), or a resumed run's own; frozen layers (freeze=) before the optimizer and DDP see them;
-        its EMA."""
-        cfg = self.cfg
-        model, _ = build_model(
-            cfg.inputs.model, nc=self.nc, names=self.names, verbose=self.main, weights_sha256=cfg.inputs.weights_sha256
-        )
-        if self.resume_ckpt is None:
-            model = pretrained.start_weights(model, cfg, verbose=self.main)
-        frozen = freeze.freeze_layers(model, cfg.train.freeze, verbose=self.main)
-        if self.resume_ckpt is not None:  # the resumed run's own weights, not the starting ones
-            load_weights(model, self.resume_ckpt["model"]["state_dict"], str(cfg.train.resume))
-        self.model: nn.Module = model.to(self.device)  # in a group, parallel.wrap's wrapper around it (_make_parallel)
-        if self.device.type in ("cpu", "cuda"):
-            self.model = _to_channels_last(self.model)
-        self.ema = ModelEMA(self.model, fixed=freeze.parameter_names(model, frozen))
-        if self.resume_ckpt is not None and self.resume_ckpt.get("ema"):
-            ema_model = cast("DetectionModel", self.ema.ema)  # a copy of the model above
-            load_weights(ema_model, self.resume_ckpt["ema"]["state_dict"], f"{cfg.train.resume} (its EMA)")
-            self.ema.updates = int(self.resume_ckpt["ema"]["updates"])
-
     def _make_parallel(self) -> None:
         """In a group: the model wrapped for data parallelism (:func:`detrain.distributed.parallel.wrap`), which
         gives every rank rank 0's weights; the EMA then follows them, and a resumed run gives each rank its own
         BatchNorm statistics back."""
         d = self.cfg.distributed
         self.model = parallel.wrap(self.model, self.world, self.device, sync_bn=d.sync_bn, kind=d.parallel)
-        if not self.world.distributed:
-            return
-        if self.resume_ckpt is None or not self.resume_ckpt.get("ema"):
-            # the EMA was copied earlier from this rank's own (seed + rank) init, so ranks > 0 would validate a
-            # slightly different model; collective where sharded (the whole weights)
-            self.ema.ema.load_state_dict(parallel.full_state_dict(self.model))
-        if self.resume_ckpt is not None:  # each rank's own BatchNorm statistics, as they were
-            resume_state.restore_rank_state(self.model, self.ema.ema, self.resume_ckpt, self.rank)
+        self.state.restore_ranks(self.model, self.ema)  # collective where sharded
 
     def _build_loaders(self) -> None:
         """This rank's train and val loaders; the batches per epoch and per update (a run shorter than one planned
@@ -304,24 +223,12 @@ class Trainer:
         self.nb = len(self.train_loader)
         self.accumulate_target = min(self.plan.accumulate, self.nb * cfg.train.epochs)
 
-    def _build_optimizer(self, total_iters: int) -> tuple[str, float]:
-        """The optimizer over the bare model's parameters and the lr schedule; returns (optimizer name, weight
-        decay) for the recipe's line."""
-        cfg = self.cfg
-        # as planned, whatever the world now; per image as given for nbs images
-        weight_decay = cfg.train.weight_decay * self.plan.update_images / optim.weight_decay_batch(cfg)
-        name = optim.auto_choice(cfg, self.nc, total_iters)[0]
-        parallel.check_optimizer(self.model, name)  # fsdp: no MuSGD
-        # the planned update, not this world's: nodes joining or leaving keep the global batch and the recipe
-        self.lr_factor = optim.lr_scale_factor(cfg, name, self.plan.update_images)
-        self.optimizer, opt_name, self.lr0 = optim.build_optimizer(
-            unwrap(self.model), cfg, self.nc, total_iters, weight_decay, self.lr_factor
-        )
-        first = self.optimizer.param_groups[0]
-        self.momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # (Mu)SGD or Adam(W)
-        self.lf = optim.lr_lambda(cfg)
+    def _build_optimizer(self, total_iters: int) -> None:
+        """The optimizer over the bare model's parameters for the planned update (:func:`setup.build_recipe`) and
+        the lr schedule."""
+        self.recipe = setup.build_recipe(self.model, self.cfg, self.nc, self.plan, total_iters)
+        self.optimizer, self.lr0, self.lf = self.recipe.optimizer, self.recipe.lr0, self.recipe.lf
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda=self.lf)
-        return opt_name, weight_decay
 
     def _choose_precision(self) -> None:
         """amp=true on CUDA: bfloat16 where the GPU has it, else float16 with a gradient scaler; validation in
@@ -332,24 +239,6 @@ class Trainer:
         self.amp_dtype = self.precision.train
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
 
-    def _compile(self) -> None:
-        """``compile=``: the bare model's forward compiled in place (``nn.Module.compile``), so it keeps its class
-        and its state_dict's names (no ``_orig_mod.`` prefix): checkpoints, resume, export and the EMA (a copy
-        made before, which validation runs eagerly) see the same model. In a group DDP already wraps this very
-        module, which is the order torch advises (compile the inner module, not the DDP wrapper, which dynamo
-        traces poorly); dynamo sees the DDP forward it runs in and splits the graph at DDP's buckets
-        (DDPOptimizer), so gradient all-reduces still overlap the backward. After the AMP and AutoBatch checks,
-        which would otherwise compile shapes and dtypes that training never runs."""
-        mode = self.cfg.train.compile
-        if mode is False:
-            return
-        carry_to_compiler()
-        if mode == "aot_eager":
-            self._bare().compile(backend="aot_eager")
-        else:
-            self._bare().compile(mode=None if mode == "default" else mode)
-        self._say(f"compile={mode}: the first training steps compile the model (torch.compile)")
-
     def _build_loss(self) -> None:
         """The model's own loss (its head's: :mod:`detrain.nn.head`); the normaliser's all-reduce is the training
         step's own (_step)."""
@@ -359,68 +248,14 @@ class Trainer:
         self.loss_names = bare.loss_names
 
     def _start_point(self) -> None:
-        """Where the run starts: epoch 0 with nothing waiting, or where a resumed checkpoint stands (_restore)."""
-        self.start_epoch = 0
-        self.best_fitness: float | None = None
-        self.epochs_without_improvement = 0
-        self.last_update = -1  # global batch index of the last optimizer update
-        self.carried_grads: dict[str, torch.Tensor] | None = None  # a resumed run's waiting gradients
-        if self.resume_ckpt is not None:
-            self._restore(self.resume_ckpt)
-
-    def _say_recipe(self, opt_name: str, weight_decay: float) -> None:
-        """Rank 0's line on the optimizer and the batch plan, and one on an elastic world smaller than planned."""
-        if not self.main:
-            return
-        plan, world_size = self.plan, self.world.world_size
-        momentum = f"{self.momentum:g}"
-        warmed = self.cfg.train.momentum  # where warmup takes (Mu)SGD's momentum (auto builds MuSGD at 0.9)
-        lifted = "momentum" in self.optimizer.param_groups[0] and warmed != self.momentum
-        if lifted and optim.warmup_iterations(self.cfg, self.nb) > 0:
-            momentum += f" (warmup lifts it to {warmed:g})"
-        scaled = ""
-        if self.lr_factor != 1.0:
-            rule = optim.lr_scale_rule(self.cfg, opt_name)
-            scaled = (
-                f" ({rule} in the update of {plan.update_images} images: {self.lr_factor:.3g} x; lr_scale=none: off)"
-            )
-        console.print(
-            f"optimizer: {opt_name} lr0={self.lr0:g}{scaled} momentum={momentum} "
-            f"weight_decay={weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
-            f"images; {world_size} worker(s) on {self.device.type}"
-        )
-        if plan.planned_world != world_size:
-            console.print(
-                f"elastic: {world_size} of the {plan.planned_world} planned workers; each keeps its "
-                f"batch of {plan.local_batch} and {plan.accumulate} steps of {plan.step_images} images "
-                f"make an update (planned: {plan.update_images})"
-            )
-
-    def _restore(self, ckpt: dict[str, Any]) -> None:
-        # keeps this run's kernel choice; fsdp: this rank's rows of the whole state
-        optim.load_optimizer_state(
-            self.optimizer, parallel.local_optimizer_state(self.model, self.optimizer, ckpt["optimizer"])
-        )
-        self.scheduler.load_state_dict(ckpt["scheduler"])
-        if ckpt.get("scaler"):
-            self.scaler.load_state_dict(ckpt["scaler"])
-        self.start_epoch = int(ckpt["epoch"]) + 1
-        start_batch = self.mid.restore(ckpt, self.nb, self.plan.step_images)  # a mid.pt continues within its epoch
-        self.last_update = self.start_epoch * self.nb + start_batch - 1
-        if ckpt.get("batches_per_epoch") == self.nb and ckpt.get("accumulate") == self.accumulate_target:
-            # gradients still waiting for an update (accumulation.py); a different batch plan (another world
-            # size) starts its cadence afresh at this epoch instead
-            self.last_update = int(ckpt.get("last_update", self.last_update))
-            self.carried_grads = ckpt.get("pending_grads") or None
-        self.best_fitness = ckpt.get("best_fitness")
-        self.epochs_without_improvement = int(ckpt.get("epochs_without_improvement", 0))
-        rng = ckpt.get("rng_per_rank", {}).get(str(self.rank)) or ckpt.get("rng")
-        if rng:
-            set_rng_state(rng)
-        if self.start_epoch >= self.cfg.train.epochs and self.main:
-            console.print(
-                f"{self.cfg.train.resume}: training already finished {self.cfg.train.epochs} epochs; nothing to resume"
-            )
+        """Where the run starts: epoch 0 with nothing waiting, or where a resumed checkpoint stands, with its
+        optimizer, schedule, scaler and random generators (:meth:`Checkpointer.restore`)."""
+        at = self.state.restore(self._parts(), Loop(self.cfg, self.nb, self.accumulate_target, self.plan.step_images))
+        self.start_epoch = at.start_epoch
+        self.best_fitness: float | None = at.best_fitness
+        self.epochs_without_improvement = at.epochs_without_improvement
+        self.last_update = at.last_update  # global batch index of the last optimizer update
+        self.carried_grads = at.carried_grads  # a resumed run's waiting gradients
 
     # ------------------------------------------------------------------ one epoch
     def _train_epoch(self, epoch: int) -> EpochResult:
@@ -431,7 +266,7 @@ class Trainer:
         self._begin_epoch(epoch)
         progress = EpochProgress(epoch, cfg.train.epochs, self.nb, self.loss_names) if self.main else None
         # (0, zeros, 0) but after mid.pt
-        first, mean_items, n_images = self.mid.begin_epoch(self.train_loader, len(self.loss_names))
+        first, mean_items, n_images = self.state.mid.begin_epoch(self.train_loader, len(self.loss_names))
         n_warmup = optim.warmup_iterations(cfg, self.nb)
         step_times: list[float] = []
         for i, batch in enumerate(self.monitor.timed(self._epoch_batches(first)), first):
@@ -448,14 +283,9 @@ class Trainer:
             if progress is not None:
                 progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
             release_batch(batch)  # nothing reads this batch any more: its worker may fill the memory again
-            # collective (save_interval > 0): an all-reduce of rank 0's clock, then mid.pt when it is due
-            saved = self.mid.due(i, self.nb)
-            if saved:
-                self._save_mid_epoch(epoch, i, mean_items, n_images)
-            if self.preempt.agreed and i + 1 < self.nb:  # the same step on every rank (the items' all-reduce)
-                if not saved:
-                    self._save_mid_epoch(epoch, i, mean_items, n_images)
-                raise self._preempted(self.mid.path, f"epoch {epoch + 1}, {i + 1}/{self.nb} batches done")
+            # collective (save_interval > 0): an all-reduce of rank 0's clock, then mid.pt when it is due; a
+            # preemption agreed at this step saves mid.pt and ends the run (state/checkpointer.py)
+            self.state.after_batch(self._parts(), self._loop(), epoch, i, mean_items, n_images)
         if progress is not None:
             progress.close()
         return self._end_epoch_training(epoch, mean_items, n_images, t0, step_times)
@@ -512,10 +342,11 @@ class Trainer:
             self.carried_grads = None
         if will_step:
             self.nonfinite.note_gradients(self._unscaled_norm())
+        preempt = self.state.preempt
         # collective: the batch's loss items over the ranks, to log, whether any rank was told to stop and whether
         # any saw a non-finite loss or gradient (the flags ride along: preemption.py, nonfinite.py)
-        reduced = dist.reduce_mean(self.preempt.attach(self.nonfinite.attach(items.detach())))
-        items = self.nonfinite.read(self.preempt.read(reduced), self.world.world_size)
+        reduced = dist.reduce_mean(preempt.attach(self.nonfinite.attach(items.detach())))
+        items = self.nonfinite.read(preempt.read(reduced), self.world.world_size)
         if will_step:
             if self.nonfinite.skip(epoch, i, self.nb):  # the same answer on every rank
                 self._skip_update()
@@ -597,27 +428,6 @@ class Trainer:
         self.callbacks.fire("on_train_epoch_end", self, epoch + 1, {**losses, **lr_columns})
         return EpochResult(mean_items, losses, lr_columns, speed, epoch_time)
 
-    def _save_mid_epoch(self, epoch: int, i: int, mean_items: torch.Tensor, n_images: int) -> None:
-        """``mid.pt`` after batch ``i`` of ``epoch`` (a collective: call on every rank): the run's checkpoint as it
-        stands, with where the epoch stands (:mod:`detrain.engine.train.mid_epoch`)."""
-        pending = accumulation.pending_batches(epoch * self.nb + i, self.last_update) > 0
-        if pending and self.world.distributed:
-            # collective: one all-reduce of the waiting gradients, as at an epoch's end
-            accumulation.average_over_ranks(unwrap(self.model))
-        self._gather_for_checkpoint(pending)  # collective
-        state = self.checkpoint_state(epoch - 1, {}, pending) if self.main else None
-        self.mid.save(state, i, self.plan.step_images, mean_items, n_images)
-        self.replicas.copy(self.mid.path)  # point to point: rank 0 and the nodes keeping a copy (replicas.py)
-
-    def _preempted(self, path: Path, where: str) -> Preempted:
-        """The one line of a run stopped by a preemption signal once ``path`` holds ``where`` it stands (a
-        collective: after it, every rank knows rank 0 has written ``path``)."""
-        dist.barrier("preempted")  # collective: rank 0 has written path when every rank is past it
-        return Preempted(
-            f"preempted by {self.preempt.signal}: saved {path} at {where}; the same command with resume={path} "
-            "continues it (a restart or SLURM requeue of this launch resumes by itself)"
-        )
-
     def _speed(self, epoch: int, n_images: int, epoch_time: float, step_times: list[float]) -> dict[str, float]:
         """Images/s of the whole world, step times, the slowest rank and its data wait, each node's resources
         (detrain.engine.telemetry.epoch_stats); stragglers go to events.jsonl."""
@@ -680,9 +490,7 @@ class Trainer:
             self.lf = optim.lr_lambda(self.cfg)
             self.scheduler = time_budget.rescheduled(self.optimizer, self.lf, epoch + 1)
             self._say(f"time={self.cfg.train.time:g} h: {epochs} epochs fit ({self.budget.spent_s / 3600:.3g} h used)")
-        if (
-            epoch + 1 == self.cfg.train.epochs and not self.metrics
-        ):  # val=false still scores the last epoch as now planned
+        if epoch + 1 == self.cfg.train.epochs and not self.metrics:  # val=false: the last epoch as now planned
             self.metrics = self._validate(epoch)
 
     def _save_and_log(self, epoch: int, trained: EpochResult, improved: bool) -> None:
@@ -692,31 +500,22 @@ class Trainer:
         row = {
             "epoch": epoch + 1,
             **trained.losses,
-            **_metric_columns(self.metrics),
+            **metric_columns(self.metrics),
             **trained.lrs,
             "nonfinite_skipped": self.nonfinite.epoch_skipped,  # updates skipped for a NaN/inf (nonfinite.py)
             **trained.speed,  # the per-node columns come last
         }
-        if cfg.output.save:  # collective: what differs between ranks goes in last.pt too
-            self._gather_for_checkpoint(self._gradients_wait(epoch))
+        # collective (save=true): what differs between ranks (and, sharded, the whole tensors) goes in last.pt too
+        self.state.gather(self._parts(), self._gradients_wait(epoch))
         if not self.main:
             return
         self.csv.add(row)
         scalars = {k: float(v) for k, v in row.items() if k != "epoch"}
         self.loggers.add_row(scalars, epoch + 1)
-        self._save(epoch, self.metrics, improved)
-        self.mid.epoch_done()
+        self.state.save_epoch(self._parts(), self._loop(), epoch, self.metrics, improved)  # last.pt, best.pt, ...
         if cfg.output.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
             self.callbacks.fire("on_model_save", self, epoch + 1, scalars, improved)
-        shown = "  ".join(
-            f"{k.split('/')[-1]} {float(v):.4g}" for k, v in row.items() if k.startswith(("train/", "metrics/"))
-        )
-        speed = trained.speed
-        console.print(
-            f"epoch {epoch + 1}/{cfg.train.epochs}: {shown}  {speed['images_per_s']:.1f} img/s, step "
-            f"{speed['step_ms_mean']:.0f} ms mean / {speed['step_ms_slowest_rank']:.0f} ms slowest "
-            f"rank, {trained.seconds:.1f} s"
-        )
+        console.print(epoch_line(epoch + 1, cfg.train.epochs, row, trained.speed, trained.seconds))
         self.callbacks.fire("on_fit_epoch_end", self, epoch + 1, scalars, improved)
 
     # ------------------------------------------------------------------ after the last epoch
@@ -757,88 +556,15 @@ class Trainer:
         """Whether batches of ``epoch`` (at its end) hold gradients for an update still to come."""
         return accumulation.pending_batches(self.nb * (epoch + 1) - 1, self.last_update) > 0
 
-    def _gather_for_checkpoint(self, pending: bool) -> None:
-        """What the checkpoint rank 0 writes next needs from the other ranks (a collective: every rank): what differs
-        between ranks (BatchNorm statistics, generator states: an all_gather_object), and under parallel=fsdp the
-        whole weights, optimizer state and waiting gradients (:func:`parallel.gathered_state`) and the EMA's rows."""
-        self.per_rank = resume_state.gather_per_rank(self.model, self.ema.ema, self.world)  # collective: per rank
-        self.ema.gather(self.model)  # collective where sharded: one all-gather per weight
-        whole = parallel.gathered_state(self.model, self.optimizer, pending)  # collective where sharded
-        self.gathered = whole if self.main else None  # the other ranks keep only their shards
+    def _parts(self) -> Parts:
+        """The objects a checkpoint holds, as they are now."""
+        return Parts(self.model, self.ema, self.optimizer, self.scheduler, self.scaler)
 
-    def checkpoint_state(self, epoch: int, metrics: dict[str, Any], pending: bool) -> dict[str, Any]:
-        """Everything a resumed run needs, after epoch ``epoch`` (0-based); ``pending``: gradients wait for an
-        update (averaged over the ranks already) and are saved too. Sharded (parallel=fsdp), the whole tensors
-        come from :meth:`_gather_for_checkpoint`, which every rank ran just before: the same format as DDP's."""
-        bare = self._bare()
-        meta = model_meta(bare, self.cfg.inputs.imgsz)
-        whole = self.gathered if parallel.is_sharded(bare) else None
-        self.gathered = None  # used once: the next checkpoint gathers its own
-        grads = whole["pending_grads"] if whole is not None else (accumulation.saved(bare) if pending else None)
-        return {
-            "model": {**meta, "state_dict": whole["model"] if whole is not None else _cpu_state(bare)},
-            "ema": {"state_dict": _cpu_state(self.ema.ema), "updates": self.ema.updates},
-            "optimizer": whole["optimizer"] if whole is not None else self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            "epoch": epoch,
-            "best_fitness": self.best_fitness,
-            "epochs_without_improvement": self.epochs_without_improvement,
-            "last_update": self.last_update,
-            "batches_per_epoch": self.nb,
-            "accumulate": self.accumulate_target,
-            "pending_grads": grads if pending else None,
-            "train_args": self.cfg.to_dict(),
-            "train_time_s": self.budget.spent_s if self.budget is not None else None,  # time=: what resume has left
-            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
-            "rng": rng_state(),
-            **self.per_rank,  # rng_per_rank, buffers_per_rank
-            **self.launch.stamp(),  # which launch wrote it: a restart of this launch resumes from it
-        }
-
-    def _save(self, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
-        if not self.cfg.output.save:
-            return
-        state = self.checkpoint_state(epoch, metrics, self._gradients_wait(epoch))
-        # the last.pt before becomes last.prev.pt, which a resume falls back to when last.pt is damaged; a run
-        # resumed from last.prev.pt keeps it: the last.pt it replaces was the damaged one
-        keep = None if Path(str(self.cfg.train.resume)).name == PREVIOUS and epoch == self.start_epoch else PREVIOUS
-        save_checkpoint(state, self.wdir / "last.pt", keep_previous=keep)
-        light = {
-            k: v
-            for k, v in state.items()
-            if k not in ("optimizer", "scheduler", "scaler", "rng", "rng_per_rank", "buffers_per_rank", "pending_grads")
-        }
-        if improved:
-            save_checkpoint(light, self.wdir / "best.pt")
-        if self.cfg.output.save_period > 0 and (epoch + 1) % self.cfg.output.save_period == 0:
-            save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
-
-
-def _to_channels_last(model: nn.Module) -> nn.Module:
-    """Channels-last weights, except 1x1 kernels kept in their plain layout (equally valid for them), which
-    is the layout autograd gives their gradients: DDP's buckets then need no strided copies."""
-    model = model.to(memory_format=torch.channels_last)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 4 and p.shape[2:] == (1, 1):
-                p.data = p.data.reshape(p.shape[0], -1).clone().view(p.shape)  # strides (C, 1, 1, 1)
-    return model
-
-
-def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-def _metric_columns(metrics: dict[str, Any]) -> dict[str, float]:
-    names = {
-        "precision": "metrics/precision",
-        "recall": "metrics/recall",
-        "map50": "metrics/mAP50",
-        "map75": "metrics/mAP75",
-        "map": "metrics/mAP50-95",
-    }
-    return {col: float(metrics[k]) for k, col in names.items() if k in metrics}
+    def _loop(self) -> Loop:
+        """Where the loop stands, as a checkpoint records it."""
+        spent = self.budget.spent_s if self.budget is not None else None  # time=: what resume has left
+        planned = (self.cfg, self.nb, self.accumulate_target, self.plan.step_images)
+        return Loop(*planned, self.last_update, self.best_fitness, self.epochs_without_improvement, spent)
 
 
 def _set_sampler_epoch(loader: torch.utils.data.DataLoader, epoch: int) -> None:

@@ -11,7 +11,7 @@ rank's own restart count.
 Under detrain's launcher rank 0 is always on node_rank 0, which holds the run folder (see
 :func:`detrain.distributed.launch.rendezvous_address`). Under torchrun or srun, rank 0 may be on another node than
 the checkpoint (the group re-formed with the nodes numbered otherwise); that node then also sends the run's
-record (:mod:`detrain.engine.train.run_record`), which rank 0 puts in its own run folder before it goes on there.
+record (:mod:`detrain.engine.train.state.run_record`), which rank 0 puts in its own run folder before it goes on there.
 
 A checkpoint is *this run's* when it carries this launch's id (``launch_id``), or, after a SLURM requeue, this
 job's (``job_id``). The id makes the difference between a restarted group, which must continue, and a new run
@@ -48,8 +48,8 @@ from detrain.distributed import dist
 from detrain.distributed.parallel import sync_buffers_next_forward, unwrap
 from detrain.distributed.world import World
 from detrain.engine.telemetry.events import EventLog
-from detrain.engine.train import run_record
 from detrain.engine.train.reproduce import find_resume_checkpoint, rng_state
+from detrain.engine.train.state import run_record
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
 from detrain.weights.checkpoint import PREVIOUS, load_checkpoint
@@ -189,7 +189,7 @@ def position(ckpt: dict[str, Any], path: str | Path = "checkpoint") -> tuple[int
 
 def check_mid(ckpt: dict[str, Any], path: str | Path) -> None:
     """A mid-epoch checkpoint's position fields have their types and ranges (see
-    :mod:`detrain.engine.train.mid_epoch`)."""
+    :mod:`detrain.engine.train.state.mid_epoch`)."""
     mid, per = ckpt.get("mid_epoch"), ckpt.get("batches_per_epoch")
     ok = False
     if isinstance(mid, dict) and type(per) is int and per >= 1:

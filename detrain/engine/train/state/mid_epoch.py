@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrain.distributed import dist
-from detrain.engine.train.resume_state import MID
+from detrain.engine.train.state.resume_state import MID
 from detrain.weights.checkpoint import save_checkpoint
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class MidEpoch:
     def restore(self, ckpt: dict[str, Any], nb: int, step_images: int) -> int:
         """The batch a checkpoint's epoch continues at in this run's plan of ``nb`` batches of ``step_images``
         images (0 for one saved at an epoch's end); the running losses are kept for :meth:`begin_epoch`. The fields
-        were checked by :func:`detrain.engine.train.resume_state.check_mid` on rank 0."""
+        were checked by :func:`detrain.engine.train.state.resume_state.check_mid` on rank 0."""
         mid = ckpt.get("mid_epoch")
         if not mid:
             return 0

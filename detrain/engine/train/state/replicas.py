@@ -10,7 +10,7 @@ A node whose disk already holds the very same bytes at that path (a disk the nod
 machine given the same absolute folder) writes nothing: rank 0 has written the file before it is sent.
 
 After node 0 is lost, the rest resume from their copy: every start already looks on each node's own disk for the
-furthest checkpoint of the run (:mod:`detrain.engine.train.resume_state`), and a new run started on another node
+furthest checkpoint of the run (:mod:`detrain.engine.train.state.resume_state`), and a new run started on another node
 with ``resume=true`` (or a path to the copy) continues from it (docs/distributed.md).
 
 >>> targets([{"rank": 0, "node": 0}, {"rank": 1, "node": 0}, {"rank": 2, "node": 1}, {"rank": 3, "node": 2}], 2)

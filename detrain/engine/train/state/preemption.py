@@ -10,7 +10,7 @@ all-reduce every step already makes (the batch's loss items, :meth:`Preemption.a
 so all ranks learn of it at the same step however many of them got the signal: a signal to one worker, to one
 node's launcher (torch's elastic agent passes it on to that node's workers, :mod:`detrain.distributed.launch`) or to
 every process of the job is the same agreed stop. At that step every rank saves ``mid.pt`` together
-(:mod:`detrain.engine.train.mid_epoch`; at an epoch's last batch the epoch finishes and ``last.pt`` is the place)
+(:mod:`detrain.engine.train.state.mid_epoch`; at an epoch's last batch the epoch finishes and ``last.pt`` is the place)
 and raises :class:`detrain.errors.Preempted`. A resumed run starts at the next batch and ends bitwise equal to an
 uninterrupted one (tests/integration/test_preemption.py; with gradients waiting on several ranks, to float
 rounding: they are averaged when mid.pt is saved).
