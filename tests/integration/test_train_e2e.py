@@ -52,7 +52,7 @@ def test_a_tiny_model_learns_the_synthetic_set(tmp_path):
     assert map50[-1] >= 0.1 and map50[-1] > map50[0] + 0.1, map50
     assert abs(result.box.map50 - map50[-1]) < 1e-4  # train() returns the final metrics
     run = Path(result.save_dir)
-    for name in ("args.yaml", "results.csv", "results.png", "weights/last.pt", "weights/best.pt"):
+    for name in ("args.yaml", "results.csv", "results.png", "weights/last.pt", "weights/best.pt", "labels_train.txt"):
         assert (run / name).is_file(), name
     for name in ("last.pt", "best.pt"):
         ckpt = torch.load(run / "weights" / name, map_location="cpu", weights_only=True)

@@ -46,7 +46,8 @@ LAYERS: list[tuple[str, ...]] = [
 # one row never import each other (predict is no kind of training, and training is no kind of prediction).
 # Evaluation sits above telemetry and below train: training validates, and a validator may record what it did.
 ENGINE_LAYERS: list[tuple[str, ...]] = [
-    ("run_plan", "build", "export"),  # what every worker receives; arguments -> model and run folder; export
+    ("run_plan", "build", "export", "script_check"),  # what every worker receives; arguments -> model and run folder;
+    # export; what a TorchScript archive's code may do
     ("backends",),  # exported files served to val and predict (reads what export writes)
     ("telemetry",),
     ("evaluate",),

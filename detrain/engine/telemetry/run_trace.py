@@ -18,7 +18,7 @@ Events, in the order they are written:
 * ``nonfinite`` (per update skipped for a NaN or infinity, :mod:`detrain.engine.train.nonfinite`): ``epoch``,
   ``batch`` (1-based), ``what`` (``loss`` or ``gradients``), ``ranks`` (how many saw a non-finite loss) and
   ``in_a_row``;
-* ``checkpoint_fallback`` (before ``start``, written by resume: :mod:`detrain.engine.train.resume_state`):
+* ``checkpoint_fallback`` (before ``start``, written by resume: :mod:`detrain.engine.train.state.resume_state`):
   ``damaged`` (a ``last.pt`` or ``mid.pt`` that does not load), ``instead`` (the file taken) and ``reason``;
 * ``end``: ``status`` (``completed``, ``stopped_early``, ``interrupted`` or ``failed``), ``epoch`` (the last
   whose training loop finished, 1-based; null if none) and for a failure ``error``, its one line. A process
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from detrain.config.cfg import Cfg
+from detrain.data.labels.report_file import write_label_reports
 from detrain.distributed import dist
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import describe_nodes, gather_layout, membership_change
@@ -77,6 +78,9 @@ class RunTrace:
         self.events.write(
             "start", world_size=len(self.world), epochs=self.epochs, first_epoch=self.first_epoch + 1, world=self.world
         )
+        datasets = list(datasets)
+        # labels_train.txt, labels_val.txt: every file skipped or corrected, and why (splits that verified labels)
+        write_label_reports(self.save_dir, *(d for d in datasets if getattr(d, "report", None) is not None))
         dataset = split_fingerprint(datasets, content=cfg.inputs.fingerprint == "content")
         manifest = write_start(
             self.save_dir / "manifest.json",
