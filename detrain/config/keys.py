@@ -254,8 +254,9 @@ class Train:
     )
     lr_scale: str = key(
         "auto",
-        "learning rate as the update grows past the nominal batch (nbs; 64 with nbs=auto): auto (linear for SGD and "
-        "MuSGD, square root for Adam and AdamW), linear, sqrt, or none (lr0 whatever the batch, as Ultralytics)",
+        "learning rate as the update grows past the nominal batch (nbs; 64 with nbs=auto): auto (linear, for every "
+        "optimizer: measured ahead of the square root for AdamW at batch 256), linear, sqrt, or none (lr0 whatever "
+        "the batch, as Ultralytics)",
         choices=("auto", "linear", "sqrt", "none"),
     )
     clip_grad: float = key(10.0, "clip the gradient norm to this value (0 = off)", low=0.0)

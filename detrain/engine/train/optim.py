@@ -76,19 +76,19 @@ def images_per_update(cfg: Cfg, optimizer: str, from_weights: bool) -> int:
 
 
 def lr_scale_rule(cfg: Cfg, optimizer: str) -> str:
-    """How lr0 follows the update's size (``lr_scale``): ``auto`` is linear for SGD and MuSGD (the momentum step is
-    a sum of per-image gradients: k times the images, k times the rate keeps the step per image) and the square
-    root for Adam and AdamW (their step is normalised by the gradient's spread, which falls as the square root of
-    the images averaged).
+    """How lr0 follows the update's size (``lr_scale``): ``auto`` is linear for every optimizer. The square root
+    (the textbook rule for Adam and AdamW, whose step is normalised by the gradient's spread) was measured behind it:
+    YOLOv8n from scratch on 4,096 shapes images at batch 256 with AdamW, 10 epochs, ended at mAP50-95 0.671 with the
+    square root against the linear rule's higher figure (docs/learning.md, "Scaling out"): with 16 times fewer
+    updates than batch 16 makes, the larger steps win. ``linear``, ``sqrt`` and ``none`` force a rule.
 
     >>> from detrain.config.cfg import make_cfg
     >>> none = make_cfg({"lr_scale": "none"})
     >>> lr_scale_rule(make_cfg(), "SGD"), lr_scale_rule(make_cfg(), "AdamW"), lr_scale_rule(none, "SGD")
-    ('linear', 'sqrt', 'none')
+    ('linear', 'linear', 'none')
     """
-    if cfg.train.lr_scale != "auto":
-        return cfg.train.lr_scale
-    return "sqrt" if optimizer in ("Adam", "AdamW") else "linear"
+    del optimizer  # every optimizer follows one rule today; the measurements may one day tell them apart
+    return "linear" if cfg.train.lr_scale == "auto" else cfg.train.lr_scale
 
 
 def lr_scale_factor(cfg: Cfg, optimizer: str, update_images: int) -> float:
@@ -96,12 +96,12 @@ def lr_scale_factor(cfg: Cfg, optimizer: str, update_images: int) -> float:
     (``nbs``, 64 with ``nbs=auto``: the batch ``weight_decay`` is given for too), then linear or square root in
     the ratio (:func:`lr_scale_rule`). Below the nominal batch nothing changes: SGD accumulates up to it, and
     AdamW's per-batch updates from scratch are what lr0 was tuned with, so every run of today's batches trains as
-    it did. A global batch of 256 with SGD: 4 x lr0; with AdamW: 2 x lr0.
+    it did. A global batch of 256: 4 x lr0 (2 x with ``lr_scale=sqrt``).
 
     >>> from detrain.config.cfg import make_cfg
     >>> [lr_scale_factor(make_cfg(), "SGD", n) for n in (16, 64, 256, 1024)]
     [1.0, 1.0, 4.0, 16.0]
-    >>> [lr_scale_factor(make_cfg(), "AdamW", n) for n in (16, 256, 1024)]
+    >>> [lr_scale_factor(make_cfg({"lr_scale": "sqrt"}), "AdamW", n) for n in (16, 256, 1024)]
     [1.0, 2.0, 4.0]
     >>> lr_scale_factor(make_cfg({"lr_scale": "none"}), "SGD", 1024)
     1.0
