@@ -24,7 +24,7 @@ from typing import Any
 from detrain.config.values import check_text, fail
 from detrain.errors import ConfigError
 from detrain.system.safe_yaml import YamlRefused, read_yaml
-from detrain.system.text import excerpt
+from detrain.system.text import excerpt, path_excerpt
 
 # A file of keys is a few kilobytes (detrain's args.yaml: about 3 KB); one much larger is no configuration.
 MAX_CFG_BYTES = 1 << 20
@@ -48,7 +48,7 @@ def read_cfg_file(value: Any) -> tuple[str, dict[str, Any]]:
     keys. Raises ConfigError for a path that is no readable regular yaml file of at most :data:`MAX_CFG_BYTES`,
     and for a document that is not a mapping."""
     path = cfg_path(value)
-    name = excerpt(path, 80, quote=False)
+    name = path_excerpt(path, 80)
     try:
         document = read_yaml(path, MAX_CFG_BYTES)
     except FileNotFoundError:

@@ -49,3 +49,8 @@ def allow_mlflow_file_store() -> None:
     """MLflow 3 refuses its file store (in maintenance mode) unless this is set; detrain uses it only when the user
     named no tracking URI."""
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+
+
+def has_display() -> bool:
+    """Whether a window system is there to show a picture in (``DISPLAY`` or ``WAYLAND_DISPLAY`` set)."""
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))

@@ -46,6 +46,17 @@ def shown(text: str) -> str:
     return _CONTROL.sub("?", text)
 
 
+def path_excerpt(path: object, limit: int = 80) -> str:
+    """A file path for a message, control characters escaped, cut at its *start* when longer than ``limit`` so
+    the file's own name (the part a reader acts on) stays whole.
+
+    >>> path_excerpt("/tmp/" + "d" * 100 + "/args.yaml", 20)
+    '...ddddddd/args.yaml'
+    """
+    text = str(path).encode("unicode_escape").decode("ascii")
+    return text if len(text) <= limit else "..." + text[-(limit - 3) :] if limit > 3 else text[-limit:]
+
+
 def excerpt(value: object, limit: int = EXCERPT_CHARS, quote: bool = True, _depth: int = 0) -> str:
     """A short, escaped rendering of ``value`` for a message: a string quoted (``quote``) and cut at ``limit``
     characters with its length said, a container's first items within the budget with its size said, anything

@@ -19,7 +19,6 @@ has tensors, see :mod:`detrain.engine.predict.boxes`), ``r.to_json()``, ``r.verb
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import numpy as np
 from detrain.engine.predict.boxes import Boxes
 from detrain.log import atomic_write_bytes, atomic_write_text
 from detrain.plots.annotate import draw_detections
+from detrain.system.process_env import has_display
 
 
 class Results:
@@ -106,7 +106,7 @@ class Results:
         does (no ``DISPLAY``/``WAYLAND_DISPLAY``, or OpenCV built without windows, as opencv-python-headless is) it
         is saved with :meth:`save` and one line says where. Returns the file saved, or None when shown."""
         image = self.plot(line_width)
-        if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+        if has_display():
             try:
                 cv2.imshow(str(self.path), image)
                 cv2.waitKey(0)
