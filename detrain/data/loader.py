@@ -32,6 +32,7 @@ import math
 import multiprocessing
 import os
 import random
+import signal
 import sys
 from collections.abc import Iterator, Sized
 from functools import partial
@@ -256,7 +257,13 @@ def _keep_freed_memory() -> None:
 def _worker_init(seed: int, rank: int, worker_id: int) -> None:
     """Seed the global generators per (seed, rank, worker); augmentations do not use them (they draw from
     (seed, epoch, index)), this only keeps anything else in a worker repeatable. One OpenCV thread per worker:
-    the workers are the parallelism. Freed buffers stay in the worker for the next image."""
+    the workers are the parallelism. Freed buffers stay in the worker for the next image. SIGTERM and SIGUSR1 are
+    the rank's to act on (a preemption saves at an agreed step, :mod:`detrain.engine.train.state.preemption`):
+    a signal to every process of the job must not kill the workers the rank still reads from, and a worker
+    whose rank is gone ends by itself (torch's loader watches its parent)."""
+    for name in ("SIGTERM", "SIGUSR1"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
     s = int(np.random.SeedSequence([int(seed) % 2**32, rank, worker_id]).generate_state(1)[0])
     np.random.seed(s)
     random.seed(s)

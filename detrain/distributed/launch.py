@@ -259,6 +259,7 @@ def _launch_workers(
     ):  # several nodes end as one
         if timing.grace_s > 0:
             _catch_preemption(mark)
+            _start_resource_tracker_without_sigusr1()
         try:
             results = elastic_launch(config, _worker)(entry, args, plan, threads)
             _raise_if_preempted(mark)
@@ -286,8 +287,10 @@ def _launch_workers(
 def _catch_preemption(mark: str) -> None:
     """SIGTERM / SIGUSR1 to this launcher (main thread): say so to the workers that will have saved and returned
     (:func:`preempt_mark.exit_when_launcher_stops`), then stop as torch's own handler does, but as if the signal
-    were SIGUSR1: its agent passes that on to the workers and waits for them. The workers take SIGUSR1 only,
-    because the agent's own restarts stop them with SIGTERM. torch installs its handler only for the signals not
+    were SIGUSR1: its agent passes that on to the workers and waits for them. A worker takes a SIGTERM of its own
+    (the whole process group signalled) as a preemption only when this launcher's word is in that file, because
+    the agent's own restarts stop the workers with SIGTERM too (:mod:`detrain.engine.train.state.preemption`).
+    torch installs its handler only for the signals not
     taken out of ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (:func:`_launch_config`, :func:`_workers_environ`)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -299,6 +302,22 @@ def _catch_preemption(mark: str) -> None:
     if threading.current_thread() is threading.main_thread():
         for name in SIGNALS:
             signal.signal(getattr(signal, name), on_signal)
+
+
+def _start_resource_tracker_without_sigusr1() -> None:
+    """Start multiprocessing's resource tracker (which the spawned workers report their semaphores to) with SIGUSR1
+    blocked: it ignores SIGINT and SIGTERM itself, but a SIGUSR1 to every process of the job (SLURM's
+    ``--signal=USR1@90``) would kill it, and its successor prints a traceback for every name it never saw. A tracker
+    already running is left as it is."""
+    from multiprocessing import resource_tracker
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        resource_tracker.ensure_running()  # the mask is inherited through fork and exec
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _raise_if_preempted(mark: str) -> None:

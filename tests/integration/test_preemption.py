@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from _faults import fault_env, wait_for, workers_of
-from _processes import REPO, child_env
+from _processes import REPO, child_env, free_port
 
 from detrain.data.synthetic import generate_shapes
 
@@ -93,25 +93,36 @@ def straight(data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
 
 
 def _preempt(
-    data: Path, project: Path, device: str, target: str, sig: signal.Signals, env: dict[str, str] | None = None
+    data: Path,
+    project: Path,
+    device: str,
+    target: str,
+    sig: signal.Signals,
+    env: dict[str, str] | None = None,
+    **extra: object,
 ) -> tuple[subprocess.CompletedProcess, Path]:
     """Start a run whose rank 0 holds after epoch 1's last.pt, send ``sig`` to ``target`` ("launcher": the
-    process the test started; "rank 1": the second worker), release rank 0, and collect the run's end."""
+    process the test started; "rank 1": the second worker; "group": every process of the run), release rank 0,
+    and collect the run's end."""
     until = project / "release"
     env = {**fault_env("last.pt", 0, "hold", until=until), **(env or {})}
-    args = {**ARGS, "data": str(data), "project": str(project), "device": device, "nbs": NBS[device]}
-    proc = subprocess.Popen(_cmd(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    args = {**ARGS, "data": str(data), "project": str(project), "device": device, "nbs": NBS[device], **extra}
+    proc = subprocess.Popen(
+        _cmd(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
     try:
         wait_for(lambda: Path(f"{until}.held").exists() or proc.poll() is not None, LIMIT_S, "rank 0 never held")
         assert proc.poll() is None, proc.communicate()
-        victim = proc.pid if target == "launcher" else workers_of(proc.pid)[1]
-        os.kill(victim, sig)
+        if target == "group":  # SLURM, `kill -- -PGID` and container runtimes signal every process at once
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid if target == "launcher" else workers_of(proc.pid)[1], sig)
         time.sleep(0.5)  # the handler runs as soon as the process is next in Python; a signal is never lost
         until.touch()
         out, err = proc.communicate(timeout=LIMIT_S)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), project / "run"
 
@@ -121,7 +132,7 @@ def _check_preempted(ended: subprocess.CompletedProcess, run: Path, said: str) -
     assert ended.returncode == 75, text[-3000:]
     last = [line for line in ended.stderr.splitlines() if line.strip()][-1]
     mid = run / "weights" / "mid.pt"
-    assert last.startswith(f"preempted {said}: saved {mid} at epoch 2, 1/4 batches done; "), last
+    assert last.startswith(f"preempted {said}: saved {mid} at epoch 2, 1/4 batches done; "), ended.stderr[-4000:]
     ckpt = torch.load(mid, map_location="cpu", weights_only=True)
     assert (ckpt["epoch"], ckpt["mid_epoch"]["next_batch"]) == (0, 1)  # the first step of epoch 2, on every rank
     assert "Traceback" not in text
@@ -148,6 +159,117 @@ def test_sigusr1_to_one_of_two_workers_stops_both_at_one_step_and_the_resume_is_
 def test_sigterm_to_the_launcher_is_passed_on_to_its_workers_and_ends_resumable(data, tmp_path: Path) -> None:
     ended, run = _preempt(data, tmp_path, "cpu,cpu", "launcher", signal.SIGTERM)
     _check_preempted(ended, run, "by SIGTERM")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_to_every_process_of_a_two_worker_run_saves_and_the_resume_is_bitwise(
+    data, straight, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """The launcher and both workers signalled at once, as SLURM, ``kill -- -PGID`` and container runtimes do: the
+    workers' own SIGTERM is the preemption (their launcher says it got one too), not the agent's stop; the line
+    names the signal that came. Loader workers and multiprocessing's resource tracker are in the group as well and
+    must outlive the signal (augmentations draw from (seed, epoch, image): the loader's workers change no pixel)."""
+    ended, run = _preempt(data, tmp_path, "cpu,cpu", "group", sig, workers=1)  # loader workers get it too
+    mid = _check_preempted(ended, run, f"by {sig.name}")
+    assert "restart 1" not in ended.stdout + ended.stderr
+    _assert_same(_resume(mid, "cpu,cpu"), straight["cpu,cpu"])
+
+
+def test_sigterm_to_both_nodes_process_groups_saves_on_node_0_and_ends_both_resumable(
+    data, straight, tmp_path: Path
+) -> None:
+    """Two launchers (nodes, each with its own folder) of one run of two ranks; SIGTERM to each node's whole
+    process group: every rank saves at the same step, node 0 holds mid.pt, both launchers end 75; the resume (two
+    workers on one node: the same world of two) ends with the uninterrupted run's weights."""
+    until = tmp_path / "release"
+    env = fault_env("last.pt", 0, "hold", until=until)
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        args = {
+            **ARGS,
+            "data": str(data),
+            "project": str(tmp_path / f"node{node}"),
+            "device": "cpu",
+            "nbs": NBS["cpu,cpu"],
+            "nnodes": 2,
+            "node_rank": node,
+            "master_addr": "127.0.0.1",
+            "master_port": port,
+        }
+        procs.append(
+            subprocess.Popen(
+                _cmd(args),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                start_new_session=True,
+            )
+        )
+    ends = []
+    try:
+        wait_for(lambda: Path(f"{until}.held").exists() or any(p.poll() is not None for p in procs), LIMIT_S, "no hold")
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        for p in procs:
+            os.killpg(p.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        until.touch()
+        for p in procs:
+            out, err = p.communicate(timeout=LIMIT_S)
+            ends.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate()
+    mid = _check_preempted(ends[0], tmp_path / "node0" / "run", "by SIGTERM")
+    assert ends[1].returncode == 75, (ends[1].stdout + ends[1].stderr)[-3000:]
+    assert not (tmp_path / "node1" / "run" / "weights" / "mid.pt").exists()  # only rank 0 writes the checkpoint
+    _assert_same(_resume(mid, "cpu,cpu"), straight["cpu,cpu"])
+
+
+def test_under_torchrun_sigterm_to_every_process_saves_mid_pt(data, tmp_path: Path) -> None:
+    """torchrun's agent says nothing to its workers: their SIGTERM is the preemption; each worker ends 75 after
+    the agreed save (torchrun itself reports its workers' end as it does for any signal)."""
+    until = tmp_path / "release"
+    env = fault_env("last.pt", 0, "hold", until=until)
+    args = {**ARGS, "data": str(data), "project": str(tmp_path), "nbs": NBS["cpu,cpu"]}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "detrain.cli",
+        "train",
+        *(f"{k}={v}" for k, v in args.items()),
+    ]
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+    )
+    try:
+        wait_for(lambda: Path(f"{until}.held").exists() or proc.poll() is not None, LIMIT_S, "rank 0 never held")
+        assert proc.poll() is None, proc.communicate()
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        until.touch()
+        out, err = proc.communicate(timeout=LIMIT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    text = out + err
+    mid = tmp_path / "run" / "weights" / "mid.pt"
+    assert f"preempted by SIGTERM: saved {mid} at epoch 2, 1/4 batches done" in text, text[-3000:]
+    ckpt = torch.load(mid, map_location="cpu", weights_only=True)
+    assert (ckpt["epoch"], ckpt["mid_epoch"]["next_batch"]) == (0, 1)
 
 
 def test_under_slurm_the_job_is_requeued_and_its_next_start_resumes_by_itself(data, straight, tmp_path: Path) -> None:

@@ -3,13 +3,23 @@
 Clusters take machines back with a warning signal and a grace period: SLURM sends SIGTERM (or, with
 ``--signal=USR1@90``, SIGUSR1 that long before its time limit) and SIGKILL after ``KillWait``; Kubernetes and spot
 reclaims send SIGTERM and SIGKILL after ``terminationGracePeriodSeconds``. With ``grace`` > 0 a training process
-catches both signals (:meth:`Preemption.install`; a worker under an elastic agent SIGUSR1 only, as the agent stops
-workers with SIGTERM to restart them, and detrain's launcher passes either signal on as SIGUSR1): the handler only
-raises a flag. The flag travels with the
-all-reduce every step already makes (the batch's loss items, :meth:`Preemption.attach` / :meth:`Preemption.read`),
-so all ranks learn of it at the same step however many of them got the signal: a signal to one worker, to one
-node's launcher (torch's elastic agent passes it on to that node's workers, :mod:`detrain.distributed.launch`) or to
-every process of the job is the same agreed stop. At that step every rank saves ``mid.pt`` together
+catches both signals (:meth:`Preemption.install`): the handler only raises a flag.
+
+SIGTERM under an elastic agent is two things: the cluster's warning (SLURM's ``scancel`` or time limit, ``kill --
+-PGID`` and a container runtime signal every process of the job, the agent and its workers at once) and the way the
+agent stops healthy workers to restart them. Under detrain's launcher the two are told apart by the launcher's word:
+a launcher that got the signal itself writes it in its launch folder at once (:func:`preempt_mark.relayed_signal`),
+so a worker's SIGTERM is a preemption when that word is there within :data:`LAUNCHER_WORD_S`, and otherwise the
+agent's stop, which ends the worker as SIGTERM always did. Under torchrun (whose agent says nothing to its workers)
+SIGTERM is always a preemption: an agent stopping healthy workers to restart them finds them saving ``mid.pt``
+first, and its restart resumes from there; a worker blocked in a collective with a lost peer ends at the agent's
+kill, ``shutdown_timeout`` later (30 s by default). Under srun every process is a worker and catches both.
+
+The flag travels with the all-reduce every step already makes (the batch's loss items, :meth:`Preemption.attach` /
+:meth:`Preemption.read`), so all ranks learn of it at the same step however many of them got the signal: a signal to
+one worker, to one node's launcher (torch's elastic agent passes it on to that node's workers,
+:mod:`detrain.distributed.launch`) or to every process of the job is the same agreed stop. At that step every rank
+saves ``mid.pt`` together
 (:mod:`detrain.engine.train.state.mid_epoch`; at an epoch's last batch the epoch finishes and ``last.pt`` is the place)
 and raises :class:`detrain.errors.Preempted`. A resumed run starts at the next batch and ends bitwise equal to an
 uninterrupted one (tests/integration/test_preemption.py; with gradients waiting on several ranks, to float
@@ -27,8 +37,10 @@ long validation can outlast a short grace; ``grace=0`` keeps the old behaviour (
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 from typing import Any
@@ -37,16 +49,29 @@ import torch
 
 from detrain.distributed.preempt_mark import SIGNALS, relayed_signal
 
+# how long a worker of detrain's launcher waits for the launcher's word after a SIGTERM: a signal to the whole
+# process group reaches the launcher at the same instant, and its handler writes the word within milliseconds
+LAUNCHER_WORD_S = 2.0
+
+
+def _launcher_word(wait_s: float) -> str | None:
+    """The signal this worker's launcher says it got, waiting up to ``wait_s`` for it; None when it says nothing."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        said = relayed_signal()
+        if said is not None or time.monotonic() >= deadline:
+            return said
+        time.sleep(0.02)
+
 
 class Preemption:
     """The preemption flag of one training process (see the module); inert with ``grace_s`` = 0."""
 
     def __init__(self, grace_s: float, launcher: str = "none") -> None:
         self.enabled = grace_s > 0
-        # under an elastic agent (detrain's launcher, torchrun) SIGTERM is also how the agent stops its workers to
-        # restart them: there the workers leave SIGTERM alone and take SIGUSR1, which detrain's launcher sends them
-        # for either signal it gets itself
-        self.catches = ("SIGUSR1",) if launcher in ("detrain", "torchrun") else SIGNALS
+        self.catches = SIGNALS
+        # detrain's launcher stops its workers with SIGTERM to restart them: a SIGTERM counts only with its word
+        self.term_needs_launcher = launcher == "detrain"
         self.signal: str | None = None  # the first signal that arrived here, or (once agreed) at another rank
         self.agreed = False  # some rank got one: the same on every rank after the step's all-reduce
         self._previous: dict[int, Any] = {}
@@ -80,8 +105,26 @@ class Preemption:
             self.uninstall()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self.signal is None:  # a second signal (the grace period's SIGTERM after SIGUSR1) changes nothing
-            self.signal = relayed_signal() or signal.Signals(signum).name  # the launcher's, where it passed it on
+        if self.signal is not None:  # a second signal (the grace period's SIGTERM after SIGUSR1) changes nothing
+            return
+        relayed = relayed_signal()
+        if signum == signal.SIGTERM and self.term_needs_launcher and relayed is None:
+            relayed = _launcher_word(LAUNCHER_WORD_S)
+            if relayed is None:  # the agent stopping this worker to restart the group: end as SIGTERM ends it
+                self._end_as_before(signum, frame)
+                return
+        self.signal = relayed or signal.Signals(signum).name  # the launcher's, where it passed it on
+
+    def _end_as_before(self, signum: int, frame: FrameType | None) -> None:
+        """What this signal did before :meth:`install`: the handler that was there, or the default action."""
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+            return
+        if previous == signal.SIG_IGN:
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def attach(self, items: torch.Tensor) -> torch.Tensor:
         """``items`` with one flag per signal appended (1 where this process got it), for the step's all-reduce;
