@@ -196,7 +196,9 @@ class TaskAlignedAssigner:
 
         # overlap and alignment at the candidate pairs only, scattered into (V, N) for the per-box top-k
         pd_boxes = pd_bboxes_xyxy(img, anchor) if callable(pd_bboxes_xyxy) else pd_bboxes_xyxy[img, anchor]
-        iou = pair_overlap(v_boxes[row], pd_boxes.to(v_boxes.dtype))
+        # a non-finite forward (its step is skipped: engine/train/nonfinite.py) must not break the assignment's
+        # indexing: a NaN overlap would match no candidate in _one_box_per_anchor; finite overlaps are untouched
+        iou = pair_overlap(v_boxes[row], pd_boxes.to(v_boxes.dtype)).nan_to_num(0.0)
         score = pd_scores[img, anchor, v_labels[row]]
         if logits:
             score = score.sigmoid()

@@ -112,9 +112,10 @@ if _RULE is not None:
 
 # ---------------------------------------------------------------------------------------------- non-finite steps
 # ``TEST_NONFINITE`` (a JSON object) makes chosen batches' losses NaN on one rank, for real: ``rank``, ``at`` (global
-# batch indices, 0-based over the run) or ``from`` (that batch and every later one); with ``dump`` (a folder), every
-# rank appends, per batch, a digest of its model's and EMA's parameters before and after the batch (and the EMA's
-# update count) to ``<dump>/rank<r>.jsonl``. It wraps ``Trainer._train_batch`` once detrain's trainer module is
+# batch indices, 0-based over the run) or ``from`` (that batch and every later one); ``"in": "forward"`` makes the
+# model's input NaN instead (the NaN flows through every layer, BatchNorm's running statistics included); with
+# ``dump`` (a folder), every rank appends, per batch, a digest of its model's and EMA's parameters before and after
+# the batch, the same of the model's buffers, and the EMA's update count, to ``<dump>/rank<r>.jsonl``. It wraps ``Trainer._train_batch`` once detrain's trainer module is
 # imported (a meta path finder), and the batch's ``criterion.score`` while it runs: nothing in detrain knows.
 _NONFINITE = json.loads(os.environ["TEST_NONFINITE"]) if os.environ.get("TEST_NONFINITE") else None
 _TRAINER = "detrain.engine.train.trainer"
@@ -128,6 +129,20 @@ def _digest(trainer: object) -> str:
         for p in module.parameters():
             h.update(p.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _buffer_digest(trainer: object) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    model = getattr(trainer.model, "module", trainer.model)  # type: ignore[attr-defined]
+    for b in model.buffers():
+        h.update(b.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _nan_input(module, args):
+    return (args[0] * float("nan"), *args[1:])
 
 
 def _poisoned(score):
@@ -146,15 +161,22 @@ def _patch_trainer(module: object) -> None:
         ni = epoch * self.nb + i
         bad = self.rank == rule["rank"] and (ni in rule.get("at", ()) or ni >= rule.get("from", 1 << 60))
         before = _digest(self) if rule.get("dump") else None
-        if bad:
+        buffers = _buffer_digest(self) if rule.get("dump") else None
+        hook = None
+        if bad and rule.get("in") == "forward":
+            hook = getattr(self.model, "module", self.model).register_forward_pre_hook(_nan_input)
+        elif bad:
             self.criterion.score = _poisoned(self.criterion.score)
         try:
             return original(self, epoch, i, batch, n_warmup)
         finally:
-            if bad:
+            if hook is not None:
+                hook.remove()
+            elif bad:
                 del self.criterion.score
             if before is not None:
                 line = {"step": ni, "nan": bad, "before": before, "after": _digest(self), "ema": self.ema.updates}
+                line.update(buffers_before=buffers, buffers_after=_buffer_digest(self))
                 with open(os.path.join(rule["dump"], f"rank{self.rank}.jsonl"), "a") as f:
                     f.write(json.dumps(line) + "\n")
 

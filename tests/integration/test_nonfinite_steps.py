@@ -89,6 +89,28 @@ def test_a_nan_on_one_rank_skips_that_update_on_both(data: Path, tmp_path: Path)
         load_checkpoint(run / "weights" / name)  # refuses non-finite weights
 
 
+def test_a_nan_in_the_forward_leaves_no_trace_in_batchnorm_on_any_rank(data: Path, tmp_path: Path) -> None:
+    """The NaN enters rank 0's model input at batch 2 of epoch 2: every BatchNorm layer's running statistics take
+    it in the forward, before the loss is seen. The skip puts them back on every rank (rank 0's would reach rank 1
+    with the next forward's buffer broadcast), the weights stay, and the run saves finite checkpoints to its end."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    args = {**ARGS, "data": data, "project": tmp_path, "device": "cpu,cpu"}
+    done = _train(args, {"rank": 0, "at": [5], "in": "forward", "dump": str(dump)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [_dump(dump, 0), _dump(dump, 1)]
+    assert ranks[0][5]["nan"] and not ranks[1][5]["nan"]
+    for r in ranks:
+        assert r[5]["before"] == r[5]["after"], "the NaN step changed the parameters or the EMA"
+        assert r[5]["buffers_before"] == r[5]["buffers_after"], "the NaN step left BatchNorm statistics behind"
+        assert r[4]["buffers_before"] != r[4]["buffers_after"]  # a finite forward moves them, as it should
+        assert r[6]["before"] != r[6]["after"]  # training goes on
+    # both ranks' losses: the loss's normaliser (target scores summed over the ranks) carries rank 0's NaN
+    assert "non-finite loss on 2 rank(s) at epoch 2, batch 2/4: update skipped" in done.stdout
+    for name in ("last.pt", "best.pt"):
+        load_checkpoint(tmp_path / "run" / "weights" / name)  # refuses non-finite weights and buffers
+
+
 def test_nonfinite_limit_in_a_row_stops_every_rank(data: Path, tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     dump.mkdir()

@@ -2,15 +2,18 @@
 
 bfloat16 has no gradient scaler and float32 can blow up too: one NaN or infinity that reaches an update poisons the
 weights, the EMA and every later checkpoint. So each rank notes, per batch, whether its loss is finite, and at an
-update whether the gradients are (after the scaler's unscale, from the norm that clipping computes anyway: one
-fused norm, :func:`gradient_norm`). The flags travel with the all-reduce every step already makes (the batch's loss
-items, as :mod:`detrain.engine.train.state.preemption`'s flag does: :meth:`NonFinite.attach` / :meth:`NonFinite.read`),
-so no collective is added and every rank reads the same verdict at the same step. An update is decided as a whole:
-with gradient accumulation, one non-finite batch among those it gathers skips it (the flags are kept, on the
-device, from the update before). A skipped update steps neither the optimizer nor the EMA; the gradients are
-zeroed; the fp16 gradient scaler still lowers its scale (its own inf check, as before) and such steps are counted
-like the others, towards ``nonfinite_limit`` too (the first updates of an fp16 run often overflow a few times while
-the scaler finds its scale; ten in a row would have lowered it 1024-fold).
+update whether the gradients are (after the scaler's unscale, from the norm that clipping computes anyway: one fused
+norm, :func:`gradient_norm`). The flags travel with the all-reduce every step already makes (the batch's loss items,
+as :mod:`detrain.engine.train.state.preemption`'s flag does: :meth:`NonFinite.attach` / :meth:`NonFinite.read`), so
+no collective is added and every rank reads the same verdict at the same step. An update is decided as a whole: with
+gradient accumulation, one non-finite batch among those it gathers skips it (the flags are kept, on the device, from
+the update before). A skipped update steps neither the optimizer nor the EMA; the gradients are zeroed; where a loss
+was non-finite the BatchNorm running statistics go back to what they were at the last decided update (a NaN in the
+forward reaches them before the loss says so, and a poisoned running mean would make every later checkpoint
+non-finite: :class:`RunningStats`, a copy per update, no host sync); the fp16 gradient scaler still lowers its scale
+(its own inf check, as before) and such steps are counted like the others, towards ``nonfinite_limit`` too (the
+first updates of an fp16 run often overflow a few times while the scaler finds its scale; ten in a row would have
+lowered it 1024-fold).
 
 Counted: the epoch's ``nonfinite_skipped`` column of results.csv, one ``nonfinite`` event per skipped update in
 events.jsonl (epoch, batch, what was non-finite, how many ranks saw a non-finite loss) and one console line.
@@ -24,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from detrain.distributed import shard_probe
 from detrain.errors import DetrainError
@@ -36,9 +40,10 @@ class NonFinite:
     """The non-finite bookkeeping of one rank (see the module). ``limit``: updates skipped in a row that end the
     run (0: never); ``events``: where rank 0 writes its events (anything with ``write(kind, **fields)``, or None)."""
 
-    def __init__(self, limit: int, events: Any = None) -> None:
+    def __init__(self, limit: int, events: Any = None, model: nn.Module | None = None) -> None:
         self.limit = limit
         self.events = events
+        self.stats = RunningStats(model) if model is not None else None
         self.in_a_row = 0
         self.epoch_skipped = 0  # this epoch's skipped updates (results.csv)
         self._loss: torch.Tensor | None = None  # this batch's own flag, on the device (no host sync)
@@ -79,7 +84,11 @@ class NonFinite:
         ranks, grads = round(seen[0]), seen[1] > 0
         if not ranks and not grads:
             self.in_a_row = 0
+            if self.stats is not None:
+                self.stats.remember()
             return False
+        if ranks and self.stats is not None:  # a forward went non-finite: its running statistics go too
+            self.stats.restore()
         self.in_a_row += 1
         self.epoch_skipped += 1
         what = "loss" if ranks else "gradients"
@@ -99,8 +108,56 @@ class NonFinite:
         return True
 
     def begin_epoch(self) -> None:
-        """A new epoch's count (a skipped run of updates goes on counting across epochs)."""
+        """A new epoch's count (a skipped run of updates goes on counting across epochs); the running statistics
+        remembered once, at this process's first epoch (after a resume has loaded them)."""
         self.epoch_skipped = 0
+        if self.stats is not None and not self.stats.remembered:
+            self.stats.remember()
+
+
+class RunningStats:
+    """A copy of a model's BatchNorm running statistics (mean, variance, batches seen), taken at each update that
+    went through and put back when one is skipped for a non-finite loss. One fused copy per update, on the
+    buffers' device; the buffers are read where they live, so a checkpoint loaded into the model in place is seen.
+
+    >>> bn = nn.BatchNorm2d(2)
+    >>> stats = RunningStats(bn)
+    >>> stats.remember()
+    >>> _ = bn(torch.full((2, 2, 1, 1), float("nan")))
+    >>> bool(bn.running_mean.isnan().any())
+    True
+    >>> stats.restore()
+    >>> bn.running_mean.tolist(), int(bn.num_batches_tracked)
+    ([0.0, 0.0], 0)
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self._saved: list[torch.Tensor] | None = None
+
+    @property
+    def remembered(self) -> bool:
+        return self._saved is not None
+
+    def _buffers(self) -> list[torch.Tensor]:
+        found = []
+        for m in self._norms:
+            found.extend(b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None)
+        return found
+
+    @torch.no_grad()
+    def remember(self) -> None:
+        buffers = self._buffers()
+        if self._saved is None or len(self._saved) != len(buffers):
+            self._saved = [b.detach().clone() for b in buffers]
+        elif buffers:
+            torch._foreach_copy_(self._saved, buffers)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        buffers = self._buffers()
+        if self._saved is not None and len(self._saved) == len(buffers) and buffers:
+            torch._foreach_copy_(buffers, self._saved)
 
 
 def gradient_norm(parameters: Iterable[torch.Tensor], clip: float) -> torch.Tensor:

@@ -148,8 +148,9 @@ class Trainer:
         # last.pt and mid.pt also on the disks of the next save_replicas - 1 nodes (state/replicas.py)
         self.state.keep_copies(self.trace.world, cfg.output.save_replicas)
         self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world)
-        # non-finite losses or gradients: every rank skips the same updates (nonfinite.py)
-        self.nonfinite = NonFinite(cfg.train.nonfinite_limit, self.trace.events if self.main else None)
+        # non-finite losses or gradients: every rank skips the same updates, BatchNorm's statistics restored
+        events = self.trace.events if self.main else None
+        self.nonfinite = NonFinite(cfg.train.nonfinite_limit, events, unwrap(self.model))
         self.csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
         self.loggers = RunLoggers(self.save_dir, cfg, self.main)  # tensorboard, mlflow, wandb
         self.metrics: dict[str, Any] = {}  # the last validation's (kept by epochs that do not validate)
@@ -403,8 +404,7 @@ class Trainer:
         self.ema.update(self.model)
 
     def _skip_update(self) -> None:
-        """An update some rank found non-finite: no optimizer step, no EMA update, the gradients gone; the fp16
-        scaler lowers its scale where its own check found infinities, as a step it skips always did."""
+        """An update some rank found non-finite: no optimizer or EMA step, the gradients gone; the fp16 scaler's own."""
         if self.scaler.is_enabled():
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
