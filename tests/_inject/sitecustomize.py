@@ -111,12 +111,13 @@ if _RULE is not None:
 
 
 # ---------------------------------------------------------------------------------------------- non-finite steps
-# ``TEST_NONFINITE`` (a JSON object) makes chosen batches' losses NaN on one rank, for real: ``rank``, ``at`` (global
-# batch indices, 0-based over the run) or ``from`` (that batch and every later one); ``"in": "forward"`` makes the
-# model's input NaN instead (the NaN flows through every layer, BatchNorm's running statistics included); with
-# ``dump`` (a folder), every rank appends, per batch, a digest of its model's and EMA's parameters before and after
-# the batch, the same of the model's buffers, and the EMA's update count, to ``<dump>/rank<r>.jsonl``. It wraps ``Trainer._train_batch`` once detrain's trainer module is
-# imported (a meta path finder), and the batch's ``criterion.score`` while it runs: nothing in detrain knows.
+# ``TEST_NONFINITE`` (a JSON object) makes chosen batches' losses NaN on one rank, for real: ``rank``, ``at``
+# (global batch indices, 0-based over the run) or ``from`` (that batch and every later one); ``"in": "forward"``
+# makes the model's input NaN instead (the NaN flows through every layer, BatchNorm's running statistics included);
+# with ``dump`` (a folder), every rank appends, per batch, a digest of its model's and EMA's parameters before and
+# after the batch, the same of the model's buffers, and the EMA's update count, to ``<dump>/rank<r>.jsonl``. It
+# wraps ``Trainer._train_batch`` once detrain's trainer module is imported (a meta path finder), and the batch's
+# ``criterion.score`` while it runs: nothing in detrain knows.
 _NONFINITE = json.loads(os.environ["TEST_NONFINITE"]) if os.environ.get("TEST_NONFINITE") else None
 _TRAINER = "detrain.engine.train.trainer"
 
