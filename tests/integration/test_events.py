@@ -28,6 +28,7 @@ from detrain.engine.telemetry import events as events_mod
 from detrain.engine.telemetry.events import EventLog
 from detrain.engine.telemetry.manifest import (
     build_manifest,
+    code_identity,
     dataset_fingerprint,
     git_commit,
     read_manifest,
@@ -37,6 +38,7 @@ from detrain.engine.telemetry.manifest import (
 )
 from detrain.engine.telemetry.run_trace import RunTrace, ended
 from detrain.engine.train.trainer import Trainer
+from detrain.weights.hub import file_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(
@@ -96,6 +98,11 @@ def test_a_run_records_its_start_layout_and_completed_end(first_run: Path) -> No
         }
     ]
     assert (end["status"], end["epoch"]) == ("completed", 2) and "error" not in end
+    # what the run delivered, checkable against any copy, and its final numbers
+    weights = first_run / "weights"
+    assert end["weights"] == {name: file_sha256(weights / name) for name in ("best.pt", "last.pt")}
+    assert set(end["metrics"]) >= {"map", "map50", "precision", "recall"}
+    assert all(isinstance(v, float) for v in end["metrics"].values())
     assert all(isinstance(e["time"], str) and e["time"].endswith("+00:00") for e in events)
     assert (first_run / "events.jsonl").read_text().endswith("\n")  # whole lines only
 
@@ -114,6 +121,27 @@ def test_the_manifest_names_versions_commit_dataset_and_arguments(first_run: Pat
     assert m["dataset"]["files"] == 2 * len(images)  # every image and its label file, train and val
     assert m["dataset"]["fingerprint"] == dataset_fingerprint(root, images)["fingerprint"]
     assert m["weights"] is None  # started from n.yaml: no weights file
+    assert m["code"] == code_identity() and len(m["code"]["sha256"]) == 64  # with or without git
+
+
+def test_the_code_identity_is_the_installed_files_and_nothing_else(tmp_path: Path) -> None:
+    """Two installs of the same source (a checkout, a copy such as ``pip install .`` makes) give one hash; an
+    edited file, an added one or a renamed one another; compiled caches do not count."""
+    package = Path(__import__("detrain").__file__).parent
+    a, b = tmp_path / "a" / "detrain", tmp_path / "b" / "detrain"
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(package, a, ignore=ignore)
+    shutil.copytree(package, b, ignore=ignore)
+    one = code_identity.__wrapped__(str(a))
+    assert one == code_identity.__wrapped__(str(b)) == code_identity.__wrapped__(str(package))
+    (b / "__pycache__").mkdir(exist_ok=True)
+    (b / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"cache")
+    assert code_identity.__wrapped__(str(b)) == one
+    with open(b / "log.py", "a") as f:
+        f.write("# edited\n")
+    assert code_identity.__wrapped__(str(b))["sha256"] != one["sha256"]
+    (b / "log.py").rename(b / "log2.py")
+    assert code_identity.__wrapped__(str(b))["sha256"] != one["sha256"]
 
 
 def test_the_content_fingerprint_sees_an_edit_that_keeps_the_size(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""``manifest.json``: what a run ran with - versions, platform, detrain's git commit, a fingerprint of the dataset's
+"""``manifest.json``: what a run ran with - versions, platform, detrain's git commit and a hash of its installed files
+(:func:`code_identity`, for installs without git), a fingerprint of the dataset's
 files, the full arguments - written atomically by rank 0 when the run starts, and updated on each restart.
 
 The dataset fingerprint is cheap by default: sha256 over the sorted (path relative to the dataset root, size) of
@@ -15,6 +16,7 @@ costs one read of the dataset (scripts/bench_fingerprint.py measures it). The we
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -180,6 +182,23 @@ def git_commit(package_dir: str | Path | None = None) -> dict[str, Any] | None:
         return None
 
 
+@functools.lru_cache(maxsize=1)
+def code_identity(package_dir: str | None = None) -> dict[str, Any]:
+    """What code ran, with any install (a checkout, ``pip install .``, a wheel): sha256 over the sorted relative
+    paths and contents of every file of the installed ``detrain`` package (compiled caches left out), and how many.
+    Two installs of the same source give the same hash; any edit changes it. Read once per process (~2 MB)."""
+    root = Path(package_dir or Path(detrain.__file__).parent).resolve()
+    h = hashlib.sha256()
+    count = 0
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        if path.suffix in (".pyc", ".pyo"):
+            continue
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(hashlib.sha256(path.read_bytes()).digest())
+        count += 1
+    return {"sha256": h.hexdigest(), "files": count}
+
+
 def build_manifest(args: dict[str, Any], dataset: dict[str, Any] | None) -> dict[str, Any]:
     """A fresh manifest for a run started now with ``args``."""
     now = _now()
@@ -191,6 +210,7 @@ def build_manifest(args: dict[str, Any], dataset: dict[str, Any] | None) -> dict
         "versions": v,
         "platform": platform.platform(),
         "git": git_commit(),
+        "code": code_identity(),
         "dataset": dataset,
         "weights": starting_weights(args),
         "args": args,

@@ -21,7 +21,9 @@ Events, in the order they are written:
 * ``checkpoint_fallback`` (before ``start``, written by resume: :mod:`detrain.engine.train.state.resume_state`):
   ``damaged`` (a ``last.pt`` or ``mid.pt`` that does not load), ``instead`` (the file taken) and ``reason``;
 * ``end``: ``status`` (``completed``, ``stopped_early``, ``interrupted`` or ``failed``), ``epoch`` (the last
-  whose training loop finished, 1-based; null if none) and for a failure ``error``, its one line. A process
+  whose training loop finished, 1-based; null if none), ``weights`` (the sha256 of best.pt, last.pt and mid.pt,
+  those there), ``metrics`` (the last validation's numbers, after a normal end) and for a failure ``error``, its
+  one line. A process
   killed outright (SIGKILL, or the launcher's SIGTERM after a peer died) writes no end: the next ``start``
   follows directly.
 """
@@ -29,7 +31,8 @@ Events, in the order they are written:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,6 +48,7 @@ from detrain.engine.telemetry.epoch_stats import stragglers
 from detrain.engine.telemetry.events import EventLog
 from detrain.engine.telemetry.manifest import same_kind, split_fingerprint, write_start
 from detrain.log import console
+from detrain.weights.hub import file_sha256
 
 ERROR_CHARS = 1000  # an end event's error line is cut to this length
 
@@ -131,13 +135,17 @@ class RunTrace:
                 f"ms a step; the other ranks' median {s['others_median_ms']:.0f} ms"
             )
 
-    def end(self, error: BaseException | None) -> None:
-        """The end event: how the run ended (``error``: what ended it, None for a normal return)."""
+    def end(self, error: BaseException | None, metrics: Mapping[str, Any] | None = None) -> None:
+        """The end event: how the run ended (``error``: what ended it, None for a normal return), the sha256 of each
+        checkpoint the run folder holds then, and the last validation's numbers (``metrics``)."""
         if not self.main or self.ended:
             return
         self.ended = True
         finished = None if self.last_epoch is None else self.last_epoch + 1
-        fields: dict[str, Any] = {"epoch": finished}
+        fields: dict[str, Any] = {"epoch": finished, "weights": weights_sha256(self.save_dir / "weights")}
+        numbers = {k: float(v) for k, v in (metrics or {}).items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        if numbers:
+            fields["metrics"] = numbers
         if isinstance(error, KeyboardInterrupt):
             status = "interrupted"
         elif error is not None:
@@ -150,6 +158,15 @@ class RunTrace:
         else:
             status = "stopped_early"
         self.events.write("end", status=status, **fields)
+
+
+CHECKPOINTS = ("best.pt", "last.pt", "mid.pt")
+
+
+def weights_sha256(folder: Path) -> dict[str, str]:
+    """The sha256 of each of :data:`CHECKPOINTS` in ``folder`` (those there), for the end event: what the run
+    delivered, checkable against any copy of it."""
+    return {name: file_sha256(folder / name) for name in CHECKPOINTS if (folder / name).is_file()}
 
 
 def start(
@@ -191,4 +208,4 @@ def ended(owner: Any) -> Iterator[None]:
         raise
     trace = getattr(owner, "trace", None)
     if trace is not None:
-        trace.end(None)
+        trace.end(None, getattr(owner, "metrics", None))
