@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import signal
+import socket
 import subprocess
 import sys
 import uuid
@@ -218,6 +220,11 @@ def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path)
         assert code == 0, f"node {r} exit {code}\n{out[-3000:]}"
     outs = [out for _, out in ends]
     assert "2 worker(s) on cpu" in outs[0]  # node 0's rank 0 saw a world of two
+    # node 1's terminal is not empty: it joined, and it trains (a line per epoch for its rank); node 0 has neither
+    host = socket.gethostname()
+    assert f"node 1 ({host}): rank 1 of 2 joined; epochs 1-1; node 0 ({host}) prints the run" in outs[1], outs[1]
+    assert re.search(r"node 1 epoch 1/1: rank 1, [0-9.]+ steps/s, data wait [0-9]+%", outs[1]), outs[1]
+    assert "node 1" not in outs[0] and "epoch 1/1" not in outs[1].replace("node 1 epoch 1/1", "")
     written = sorted((tmp_path / "runs").rglob("results.csv"))
     assert written == [tmp_path / "runs" / "run" / "results.csv"]
     assert [r["epoch"] for r in _rows(tmp_path / "runs" / "run")] == ["1"]

@@ -47,6 +47,7 @@ from detrain.distributed.world_layout import describe_nodes, gather_layout, memb
 from detrain.engine.telemetry.epoch_stats import stragglers
 from detrain.engine.telemetry.events import EventLog
 from detrain.engine.telemetry.manifest import same_kind, split_fingerprint, write_start
+from detrain.engine.telemetry.node_voice import NodeVoice
 from detrain.log import console
 from detrain.weights.hub import file_sha256
 
@@ -71,6 +72,7 @@ class RunTrace:
         self.restarts = restarts  # the launcher's restart count (World.restart_count)
         self.last_epoch: int | None = None  # 0-based, the last epoch whose numbers came in
         self.ended = False
+        self.voice: NodeVoice | None = None  # a node other than node 0: its lowest rank's own lines
 
     def record_start(self, cfg: Cfg, step: int, resumed_from: str | None, datasets: Iterable[Any]) -> None:
         """The start (with a restart and a membership change where there is one) and the manifest (rank 0)."""
@@ -125,6 +127,8 @@ class RunTrace:
     def epoch(self, epoch: int, stats: list[dict[str, Any]]) -> None:
         """Note that ``epoch`` (0-based) finished training; flag its stragglers (from every rank's numbers)."""
         self.last_epoch = epoch
+        if self.voice is not None:
+            self.voice.epoch(epoch, self.epochs, stats)
         if not self.main:
             return
         for s in stragglers(stats):
@@ -183,6 +187,9 @@ def start(
     """Gather the world's layout (every rank calls this) and record the start on rank 0 (see the module)."""
     layout = gather_layout(world, device)  # collective: every rank's place
     trace = RunTrace(save_dir, world.is_main, cfg.train.epochs, first_epoch, layout, world.restart_count)
+    trace.voice = NodeVoice.of(world.rank, layout)
+    if trace.voice is not None:
+        trace.voice.joined(cfg.train.epochs, first_epoch)
     trace.record_start(cfg, step, resumed_from, datasets)
     # collective: the ranks wait for rank 0's manifest, under prepare_timeout: listing a large dataset's files for the
     # fingerprint can outlast a training collective's timeout
