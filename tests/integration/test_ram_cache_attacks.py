@@ -143,6 +143,9 @@ CHILD = textwrap.dedent("""
     import numpy as np
     from detrain.data.memory.ram_cache import RamCache
     directory, key, when = sys.argv[1:4]
+    # Python's own SIGINT handler, as in a shell's foreground: a parent started in the background (a CI runner's
+    # job) passes SIGINT on ignored, and an ignored signal stays ignored with a cache too
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if when == "own-handler":
         signal.signal(signal.SIGTERM, lambda s, f: sys.exit(3))  # a caller's handler: must still run
     def load(i):
