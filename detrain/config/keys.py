@@ -492,8 +492,9 @@ class Output:
     )
     save_replicas: int = key(
         2,
-        "nodes that hold each last.pt and mid.pt (on a run of several nodes: node 0's, sent to the next nodes' own "
-        "disks, so losing node 0 loses no checkpoint; 1 = node 0 only)",
+        "nodes that hold the run folder (on a run of several nodes: node 0's last.pt and mid.pt at each save, and "
+        "after each epoch results, events, args, manifest, best.pt and epochN.pt, sent to the next nodes' own disks, "
+        "so losing node 0 loses nothing; 1 = node 0 only)",
         low=1,
     )
     grace: float = key(

@@ -1,4 +1,4 @@
-"""Node 0 is not the only holder of a run's checkpoints (``save_replicas``, engine/train/state/replicas.py).
+"""Node 0 is not the only holder of a run's checkpoints and record (``save_replicas``, engine/train/state/replicas.py).
 
 Two launchers on 127.0.0.1 are two nodes, each in its own working folder with a relative ``project``: two disks.
 Node 0's rank 0 is SIGKILLed right after it wrote the second epoch's ``last.pt`` (tests/_inject's rule: before that
@@ -9,6 +9,10 @@ its own disk, and a run started there alone resumes from it, as a user would aft
 from __future__ import annotations
 
 import csv
+import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -37,41 +41,64 @@ def _load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def test_losing_node_0_loses_no_checkpoint_the_copy_on_node_1_resumes(tmp_path: Path) -> None:
+def _two_nodes(tmp_path: Path, data: Path, envs: list[dict[str, str]], **args: object) -> list[subprocess.Popen]:
+    homes = [tmp_path / "node0", tmp_path / "node1"]
+    common = {**FAST, "data": data, "epochs": 3, "device": "cpu", "nnodes": 2, "master_addr": "127.0.0.1", **args}
+    common["master_port"] = free_port()
+    return [
+        subprocess.Popen(
+            _cli({**common, "node_rank": r}), cwd=homes[r], env=envs[r], text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        for r in (0, 1)
+    ]  # fmt: skip
+
+
+def _ends(procs: list[subprocess.Popen]) -> list[str]:
+    try:
+        return [p.communicate(timeout=LIMIT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the node's whole process group, as a lost machine
+                p.wait()
+
+
+def _rows(run: Path) -> list[str]:
+    with open(run / "results.csv") as f:
+        return [row["epoch"] for row in csv.DictReader(f)]
+
+
+def test_losing_node_0_loses_nothing_the_copy_on_node_1_holds_the_record_and_resumes(tmp_path: Path) -> None:
+    """Node 0 is lost after epoch 2's last.pt (its rank 0 SIGKILLed before it could send it, its process group
+    killed, its whole run folder deleted); node 1's disk holds epoch 1's checkpoint and the run's record (results,
+    events, args, manifest, best.pt, epoch1.pt), and a run there alone finishes with every results row and a best.pt.
+    A leftover of a copy killed mid-write on node 1 is removed when the run starts there."""
     data = generate_shapes(tmp_path / "shapes", n_train=16, n_val=2, imgsz=64, seed=0) / "data.yaml"
     homes = [tmp_path / "node0", tmp_path / "node1"]
     for home in homes:
         home.mkdir()
-    common = {**FAST, "data": data, "epochs": 3, "device": "cpu", "nnodes": 2, "master_addr": "127.0.0.1"}
-    common["master_port"] = free_port()
+    killed_copy = homes[1] / "runs" / "run" / "weights" / ".best.pt.0123456789ab.tmp"
+    killed_copy.parent.mkdir(parents=True)
+    killed_copy.write_bytes(b"half a copy")
     envs = [fault_env("last.pt", 1, "kill"), child_env()]  # node 0's rank 0 dies after epoch 2's last.pt
-    procs = [
-        subprocess.Popen(
-            _cli({**common, "node_rank": r}),
-            cwd=homes[r],
-            env=envs[r],
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=LIMIT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    procs = _two_nodes(tmp_path, data, envs, val=True, save_period=1)
+    outs = _ends(procs)
     assert all(p.returncode != 0 for p in procs), outs  # node 0 lost its rank 0; node 1 could not go on alone
-    node0, node1 = (home / "runs" / "run" / "weights" for home in homes)
-    assert _load(node0 / "last.pt")["epoch"] == 1  # written, then rank 0 died before sending it
-    # node 1's disk holds the first epoch's checkpoint, byte for byte what node 0 wrote (now its last.prev.pt)
-    assert (node1 / "last.pt").read_bytes() == (node0 / "last.prev.pt").read_bytes()
-    assert _load(node1 / "last.pt")["epoch"] == 0
-    assert not (node1.parent / "results.csv").exists()  # a copy of the checkpoints, not a second run folder
+    assert "rank 1: removed 1 temporary file(s) of copies that never finished" in outs[1], outs[1][-3000:]
+    assert not killed_copy.exists()
+    node0, node1 = (home / "runs" / "run" for home in homes)
+    assert _load(node0 / "weights" / "last.pt")["epoch"] == 1  # written, then rank 0 died before sending it
+    # node 1's disk: the first epoch's checkpoint, byte for byte what node 0 wrote (now its last.prev.pt) ...
+    assert (node1 / "weights" / "last.pt").read_bytes() == (node0 / "weights" / "last.prev.pt").read_bytes()
+    assert _load(node1 / "weights" / "last.pt")["epoch"] == 0
+    # ... and the record as it stood then
+    assert (node1 / "weights" / "epoch1.pt").read_bytes() == (node0 / "weights" / "epoch1.pt").read_bytes()
+    assert (node1 / "weights" / "best.pt").is_file() and _rows(node1) == ["1"]
+    for name in ("args.yaml", "manifest.json", "events.jsonl"):
+        assert (node1 / name).is_file(), name
+    shutil.rmtree(node0)  # node 0's disk is gone with the machine
 
-    # node 0 is gone: the run goes on from node 1's copy, on node 1 alone
     resumed = subprocess.run(
         _cli({"resume": "runs/run/weights/last.pt", "device": "cpu"}), cwd=homes[1], env=child_env(),
         capture_output=True, text=True, timeout=LIMIT_S,
@@ -79,8 +106,29 @@ def test_losing_node_0_loses_no_checkpoint_the_copy_on_node_1_resumes(tmp_path: 
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-3000:]
     assert "resuming from runs/run/weights/last.pt at epoch 2" in out, out[-3000:]
-    with open(node1.parent / "results.csv") as f:
-        assert [row["epoch"] for row in csv.DictReader(f)] == ["2", "3"]  # nothing trained twice, nothing skipped
+    assert _rows(node1) == ["1", "2", "3"]  # every epoch once: nothing lost, nothing trained twice
+    assert _load(node1 / "weights" / "best.pt")["epoch"] >= 0
+
+
+def test_a_copy_that_fails_is_a_warning_and_an_event_and_the_run_goes_on(tmp_path: Path) -> None:
+    """Node 1's run folder is a link (a copy there is refused): node 0 says so once per copy and finishes."""
+    data = generate_shapes(tmp_path / "shapes", n_train=16, n_val=2, imgsz=64, seed=0) / "data.yaml"
+    homes = [tmp_path / "node0", tmp_path / "node1"]
+    for home in homes:
+        home.mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (homes[1] / "runs").mkdir()
+    (homes[1] / "runs" / "run").symlink_to(elsewhere)
+    procs = _two_nodes(tmp_path, data, [child_env(), child_env()], epochs=1)
+    outs = _ends(procs)
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "warning: a copy of the run on another node failed (rank 1: " in outs[0]
+    assert "run folder refused" in outs[0] and list(elsewhere.iterdir()) == []
+    events = [json.loads(line) for line in (homes[0] / "runs" / "run" / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e["kind"] == "replica_failed"]
+    assert failed and all("run folder refused" in e["problem"] for e in failed)
+    assert events[-1]["kind"] == "end" and events[-1]["status"] == "completed"
 
 
 def test_the_copies_go_to_the_first_process_of_the_next_nodes() -> None:

@@ -11,7 +11,7 @@ costs one read of the dataset (scripts/bench_fingerprint.py measures it). The we
 
 >>> m = build_manifest({"epochs": 3}, None)
 >>> sorted(m)[:4]
-['args', 'created', 'dataset', 'detrain']
+['args', 'code', 'created', 'dataset']
 """
 
 from __future__ import annotations

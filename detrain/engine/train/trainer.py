@@ -146,7 +146,7 @@ class Trainer:
             resumed_from=str(cfg.train.resume) if self.resume_ckpt is not None else None,
         )
         # last.pt and mid.pt also on the disks of the next save_replicas - 1 nodes (state/replicas.py)
-        self.state.keep_copies(self.trace.world, cfg.output.save_replicas)
+        self.state.keep_copies(self.trace.world, cfg.output.save_replicas, self.trace.events if self.main else None)
         self.monitor = EpochMonitor(unwrap(self.model), self.device, self.world)
         # non-finite losses or gradients: every rank skips the same updates, BatchNorm's statistics restored
         events = self.trace.events if self.main else None

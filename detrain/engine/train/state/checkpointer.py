@@ -132,6 +132,7 @@ class Checkpointer:
         # SIGTERM / SIGUSR1: every rank saves mid.pt at the same step and the run ends resumable (preemption.py)
         self.preempt = Preemption(cfg.output.grace if cfg.output.save else 0.0, world.launcher)
         self.replicas = Replicas([{"rank": 0, "node": 0}], 1, world.rank)  # none until keep_copies knows the nodes
+        self.events: Any = None  # rank 0's events.jsonl, for failed copies (keep_copies)
         self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
         self.gathered: dict[str, Any] | None = None  # parallel=fsdp: rank 0's whole tensors for the next checkpoint
         self.start_epoch = 0
@@ -173,10 +174,24 @@ class Checkpointer:
             console.print(f"removed {len(left)} temporary file(s) of writes that never finished: {', '.join(left)}")
         save_yaml(self.save_dir / "args.yaml", cfg.to_dict())
 
-    def keep_copies(self, layout: list[dict[str, Any]], copies: int) -> None:
+    def keep_copies(self, layout: list[dict[str, Any]], copies: int, events: Any = None) -> None:
         """Once every rank's node is known (``layout``): the nodes whose first process keeps a copy of each
-        ``last.pt`` and ``mid.pt`` (``save_replicas``: :mod:`.replicas`)."""
-        self.replicas = Replicas(layout, copies, self.world.rank)
+        ``last.pt`` and ``mid.pt`` and of the run's record (``save_replicas``: :mod:`.replicas`); such a process
+        removes the leftovers of copies killed mid-write from its own disk. ``events``: rank 0's log."""
+        self.replicas = Replicas(layout, copies, self.world.rank, self.save_dir)
+        self.events = events
+        left = self.replicas.clean()
+        if left:
+            console.print(
+                f"rank {self.world.rank}: removed {len(left)} temporary file(s) of copies that never finished"
+            )
+
+    def _copied(self, problems: list[str]) -> None:
+        """Rank 0: each failed copy one warning line and a ``replica_failed`` event; the run goes on."""
+        for problem in problems:
+            console.print(f"warning: a copy of the run on another node failed ({problem}); training goes on")
+            if self.events is not None:
+                self.events.write("replica_failed", problem=problem[:1000])
 
     # ------------------------------------------------------------------ the restore
     def restore_weights(self, model: DetectionModel) -> None:
@@ -303,9 +318,13 @@ class Checkpointer:
 
     def copy_last(self) -> None:
         """Every rank, once rank 0 has written the epoch's ``last.pt``: its copies on the next nodes (point to
-        point: rank 0 and the nodes keeping a copy, :mod:`.replicas`), where the epoch's ``mid.pt`` goes."""
+        point: rank 0 and the nodes keeping a copy, :mod:`.replicas`), where the epoch's ``mid.pt`` goes, and the
+        rest of the run's record."""
         if self.save:
-            self.replicas.copy(self.wdir / "last.pt", keep_previous=PREVIOUS, supersedes=self.mid.path.name)
+            self._copied(
+                self.replicas.copy(self.wdir / "last.pt", keep_previous=PREVIOUS, supersedes=self.mid.path.name)
+            )
+            self._copied(self.replicas.copy_record(self.save_dir))  # results, events, args, manifest, best, epochN
 
     def after_batch(
         self, parts: Parts, loop: Loop, epoch: int, i: int, mean_items: torch.Tensor, n_images: int
@@ -332,7 +351,7 @@ class Checkpointer:
         self.gather(parts, pending)  # collective
         state = self.state(parts, loop, epoch - 1, {}, pending) if self.main else None
         self.mid.save(state, i, loop.step_images, mean_items, n_images)
-        self.replicas.copy(self.mid.path)  # point to point: rank 0 and the nodes keeping a copy (replicas.py)
+        self._copied(self.replicas.copy(self.mid.path))  # point to point: rank 0 and the nodes keeping a copy
 
     def preempted(self, path: Path, where: str) -> Preempted:
         """The one line of a run stopped by a preemption signal once ``path`` holds ``where`` it stands (a
