@@ -262,3 +262,20 @@ def test_a_launcher_stuck_past_the_watchs_verdict_ends_itself_with_the_line() ->
     assert proc.returncode == 2 and "still here" not in proc.stdout
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("error: lost node 0's launcher at 127.0.0.1:") and "for 0.3s" in last
+
+
+@pytest.mark.parametrize("timeout", [37.0, 120.0])
+def test_the_node_0_watch_waits_exactly_dist_timeout(timeout: float, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README promises that a node cut off from node 0 ends once node 0 has been silent for ``dist_timeout``:
+    the launcher's watch is given that very number (a collective may wait as long; a shorter watch would end nodes
+    whose collectives were still in time, a longer one leaves them hanging past it)."""
+    import detrain.distributed.launch
+    import detrain.run.task
+    from detrain.config.cfg import make_cfg
+
+    monkeypatch.chdir(tmp_path)
+    given: list[dict] = []
+    monkeypatch.setattr(detrain.distributed.launch, "launch", lambda entry, args, devices, **kw: given.append(kw))
+    cfg = make_cfg({"device": "cpu", "nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1", "dist_timeout": timeout})
+    detrain.run.task.run_task("train", cfg)
+    assert given[0]["lost_after_s"] == timeout
