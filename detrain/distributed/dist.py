@@ -278,6 +278,24 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+def gather_to_main(t: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every rank's ``t`` (the same shape and dtype on every rank), in rank order, on rank 0 alone (None on the
+    others, which receive nothing): a tensor gather, no pickles. On NCCL the tensors travel through the GPUs.
+
+    Example:
+        >>> gather_to_main(torch.ones(2))
+        [tensor([1., 1.])]
+    """
+    if not is_distributed():
+        return [t]
+    device = _p2p_device()
+    mine = t.to(device).contiguous()
+    out = [torch.empty_like(mine) for _ in range(world_size())] if is_main() else None
+    with _named("gather_to_main"):
+        tdist.gather(mine, out, dst=0)
+    return [x.cpu() for x in out] if out is not None else None
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank (the others' ``obj`` is ignored).
 

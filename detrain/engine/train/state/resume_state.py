@@ -49,7 +49,7 @@ from detrain.distributed.parallel import sync_buffers_next_forward, unwrap
 from detrain.distributed.world import World
 from detrain.engine.telemetry.events import EventLog
 from detrain.engine.train.reproduce import find_resume_checkpoint, rng_state
-from detrain.engine.train.state import run_record
+from detrain.engine.train.state import rank_state, run_record
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
 from detrain.weights.checkpoint import PREVIOUS, load_checkpoint
@@ -226,7 +226,8 @@ def series_folders(project: str, name: str, task: str = "train") -> list[Path]:
 
 
 def gather_per_rank(model: nn.Module, ema: nn.Module, world: World) -> dict[str, Any]:
-    """What differs between ranks, for a checkpoint to give back to each (a collective in ``world``'s group): its random
+    """What differs between ranks, for the checkpoint rank 0 writes to give back to each (a collective in ``world``'s
+    group; the other ranks get an empty dict): its random
     generators (``rng_per_rank``) and, in a group, the floating buffers of its model and EMA (``buffers_per_rank``,
     ranks > 0; rank 0's are the checkpoint's own). Those are BatchNorm statistics: each rank's forward passes update
     them from its own images (unless sync_bn), and DDP sends rank 0's to the others only before a forward that
@@ -234,7 +235,12 @@ def gather_per_rank(model: nn.Module, ema: nn.Module, world: World) -> dict[str,
     mine: dict[str, Any] = {"rng": rng_state()}
     if world.distributed:
         mine["buffers"] = {"model": _float_buffers(unwrap(model)), "ema": _float_buffers(ema)}
-    everyone = dist.all_gather_object(mine)  # collective: every rank's generators and buffers, on every rank
+    # collective: every rank's generators and buffers as bytes, on rank 0 alone (rank_state.py: no pickles, and
+    # the other ranks receive nothing); only rank 0 writes the checkpoint
+    packed = dist.gather_to_main(rank_state.pack(mine))
+    if packed is None:
+        return {}
+    everyone = [mine if r == 0 else rank_state.unpack(t, mine) for r, t in enumerate(packed)]
     out: dict[str, Any] = {"rng_per_rank": {str(r): s["rng"] for r, s in enumerate(everyone)}}
     if world.distributed:
         out["buffers_per_rank"] = {str(r): s["buffers"] for r, s in enumerate(everyone) if r}
