@@ -68,7 +68,9 @@ def main() -> None:
     base = checkpoint_bytes(model, ema, 1)
     print(f"model {args.model} (nc=80); one rank's state: {pickled / 1e3:.1f} kB pickled, {packed / 1e3:.1f} kB packed")
     print()
-    print("| ranks | last.pt MB | vs 1 rank | before: MB received per rank per save | now: rank 0 MB | now: other ranks |")
+    print(
+        "| ranks | last.pt MB | vs 1 rank | before: MB received per rank per save | now: rank 0 MB | now: other ranks |"
+    )
     print("|---|---|---|---|---|---|")
     for w in WORLDS:
         size = checkpoint_bytes(model, ema, w)
