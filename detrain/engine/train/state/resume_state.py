@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain.config.cfg import LAUNCH_KEYS, Cfg, make_cfg
+from detrain.config.cfg import LAUNCH_KEYS, SPECS_DEFAULTS, Cfg, make_cfg
 from detrain.data.memory.process_owner import start_ticks
 from detrain.distributed import dist
 from detrain.distributed.parallel import sync_buffers_next_forward, unwrap
@@ -52,6 +52,7 @@ from detrain.engine.train.reproduce import find_resume_checkpoint, rng_state
 from detrain.engine.train.state import rank_state, run_record
 from detrain.errors import CheckpointError, DetrainError
 from detrain.log import console
+from detrain.system.text import excerpt
 from detrain.weights.checkpoint import PREVIOUS, load_checkpoint
 
 MID, LAST = "mid.pt", "last.pt"
@@ -156,9 +157,40 @@ def agree(cfg: Cfg, save_dir: str | Path | None, launch: Launch, world: World) -
         run_record.restore(folder, record)
     # a resumed run keeps its own arguments; only the devices and the process layout (this rank's) may change
     keep = {k: cfg.get(k) for k in LAUNCH_KEYS}
+    if world.is_main:
+        _say_ignored(cfg, ckpt["train_args"], folder)
     # a checkpoint from before lr_scale existed trained with lr0 whatever the batch: it goes on with that recipe
     resumed = make_cfg({"lr_scale": "none", **ckpt["train_args"], **keep, "resume": str(path)})
     return Start(resumed, folder, ckpt, launch)
+
+
+def ignored_keys(given: dict[str, Any], recorded: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The keys given to a resumed run (set away from their defaults) that differ from what its checkpoint recorded
+    and that it does not take (it keeps its own arguments; only the launch keys may change): key -> (given, kept).
+
+    >>> ignored_keys({"batch": 512, "epochs": 100, "device": "cpu", "resume": "x"}, {"batch": 16, "epochs": 100})
+    {'batch': (512, 16)}
+    """
+    return {
+        k: (v, recorded[k])
+        for k, v in given.items()
+        if k in recorded and k not in LAUNCH_KEYS and k != "resume" and v != SPECS_DEFAULTS.get(k) and v != recorded[k]
+    }
+
+
+def _say_ignored(cfg: Cfg, recorded: dict[str, Any], folder: Path) -> None:
+    """Rank 0: one line, and a ``resume_ignored`` event, for keys given to a resumed run that it does not take
+    (a different ``batch`` above all: the run goes on with the batch, and so the learning-rate recipe, it was
+    planned with; a new run from its weights, ``model=.../last.pt``, is how to change them)."""
+    ignored = ignored_keys(cfg.to_dict(), recorded)
+    if not ignored:
+        return
+    listed = ", ".join(f"{k}={excerpt(v, 30)} (kept: {excerpt(was, 30)})" for k, (v, was) in ignored.items())
+    console.print(
+        f"note: a resumed run keeps its own arguments and its learning-rate recipe; not taken: {listed}; to change "
+        "them, start a new run from its weights (model=.../weights/last.pt)"
+    )
+    EventLog(folder / "events.jsonl").write("resume_ignored", keys=sorted(ignored))
 
 
 def describe(ckpt: dict[str, Any]) -> str:
