@@ -172,7 +172,8 @@ def test_a_signal_to_every_process_of_a_two_worker_run_saves_and_the_resume_is_b
     ended, run = _preempt(data, tmp_path, "cpu,cpu", "group", sig, workers=1)  # loader workers get it too
     mid = _check_preempted(ended, run, f"by {sig.name}")
     assert "restart 1" not in ended.stdout + ended.stderr
-    _assert_same(_resume(mid, "cpu,cpu"), straight["cpu,cpu"])
+    if sig == signal.SIGTERM:  # the same mid.pt either way: one resume is enough (CI time)
+        _assert_same(_resume(mid, "cpu,cpu"), straight["cpu,cpu"])
 
 
 def test_sigterm_to_both_nodes_process_groups_saves_on_node_0_and_ends_both_resumable(
