@@ -140,7 +140,7 @@ class RunningStats:
         return self._saved is not None
 
     def _buffers(self) -> list[torch.Tensor]:
-        found = []
+        found: list[torch.Tensor] = []
         for m in self._norms:
             found.extend(b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None)
         return found
