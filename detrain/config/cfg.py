@@ -13,11 +13,13 @@ holds them to it). ``python -m detrain.config`` writes ``cfg/default.yaml`` from
 from __future__ import annotations
 
 import difflib
+import ipaddress
+import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from detrain.config.cfg_file import read_cfg_file
+from detrain.config.cfg_file import cfg_path, read_cfg_file
 from detrain.config.keys import (
     COMMAND_KEYS,
     LAUNCH_KEYS,
@@ -49,7 +51,7 @@ from detrain.config.values import (
     note,
 )
 from detrain.errors import ConfigError
-from detrain.system.text import excerpt, listed
+from detrain.system.text import excerpt, listed, path_excerpt
 
 __all__ = [
     "CHOICES",
@@ -293,7 +295,7 @@ def _cfg_file(path: Any, command: str | None, given: Mapping[str, Any]) -> tuple
     if nested not in (None, ""):
         raise ConfigError(f"{where}a cfg file cannot name another (cfg: {excerpt(nested, 40)}); merge them into one")
     _check_task(document.pop("task", None), where)
-    _refuse_guards({k: v for k, v in document.items() if k not in given}, where)
+    _refuse_guards({k: v for k, v in document.items() if k not in given}, where, given, cfg_path(path))
     document.pop("mode", None)
     resume = document.pop("resume", None)
     if resume not in (None, False, "", "false", "False") and "resume" not in given:
@@ -304,11 +306,14 @@ def _cfg_file(path: Any, command: str | None, given: Mapping[str, Any]) -> tuple
     return name, _for_command(document, command, given, where)
 
 
-def _refuse_guards(document: Mapping[str, Any], where: str) -> None:
+def _refuse_guards(document: Mapping[str, Any], where: str, given: Mapping[str, Any], cfg_file: str) -> None:
     """A cfg file must not lift a guard: a key marked ``guard`` at any value but its default (``download_anywhere:
-    true``, ``trust_export: true``), or a ``model:`` that is an exported file (a program, served only when named on
-    the command line or in the API) is one line naming the key. Called with the keys not given beside the file (a
-    key given there is the one taken)."""
+    true``, ``trust_export: true``), a ``model:`` that is an exported file (a program, served only when named on
+    the command line or in the API), a ``master_addr:`` other than loopback on one machine
+    (:func:`_refuse_public_master`) or a ``project:`` outside the working folder (:func:`_refuse_far_project`) is
+    one line naming the key. Called with the keys not given beside the file (a key given there is the one taken);
+    ``given`` (what the command line or the API gives) decides the node count and run name the file is read with,
+    ``cfg_file`` is the file's path."""
     for key, value in document.items():
         spec = SPECS.get(str(key))
         if spec is None or not spec.guard:
@@ -329,6 +334,76 @@ def _refuse_guards(document: Mapping[str, Any], where: str) -> None:
             f"{where}model: {excerpt(model, 60)} is an exported file, which runs as a program: name it on the command "
             "line or in the API (model=...), not in a cfg file"
         )
+    _refuse_public_master(document, where, given)
+    _refuse_far_project(document, where, given, cfg_file)
+
+
+def _file_value(key: str, document: Mapping[str, Any], given: Mapping[str, Any]) -> Any:
+    """``key``'s value as the run will read it (given beside the file, else the file's, else the default), parsed;
+    None when it is bad (its own line comes when the values are read)."""
+    try:
+        return parse_value(key, given[key] if key in given else document.get(key, SPECS_DEFAULTS[key]))
+    except ConfigError:
+        return None
+
+
+def _is_loopback_name(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback as written, without asking a resolver: ``localhost`` (or a
+    name under ``.localhost``), 127.0.0.0/8 or ::1. A host name that resolves to loopback does not count: what it
+    resolves to is the machine's, not the file's word.
+
+    >>> [_is_loopback_name(h) for h in ("127.0.0.1", "127.0.1.1", "::1", "localhost", "0.0.0.0", "10.0.0.1", "gpu7")]
+    [True, True, True, True, False, False, False]
+    """
+    name = host.strip().lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _refuse_public_master(document: Mapping[str, Any], where: str, given: Mapping[str, Any]) -> None:
+    """On one machine (``nnodes`` 1, as given or as the file says) a cfg file's ``master_addr`` must be loopback:
+    the rendezvous store listens on it, and an address such as 0.0.0.0 or a public one opens the group to the
+    network where nothing but this machine's ranks need to reach it. Several nodes need a reachable address, so
+    there the file's is taken (the nodes' own command lines must agree with it anyway)."""
+    value = _file_value("master_addr", document, given) if "master_addr" in document else None
+    nnodes = _file_value("nnodes", document, given)
+    if not isinstance(value, str) or not isinstance(nnodes, str) or node_range(nnodes)[1] != 1:
+        return
+    if not _is_loopback_name(value):
+        shown_value = excerpt(value, 60, quote=False)
+        raise ConfigError(
+            f"{where}master_addr: {shown_value} lifts a safety guard: on one machine (nnodes=1) the group listens on "
+            "master_addr, and a cfg file may only give loopback there (127.0.0.1, ::1, localhost); another address "
+            f"is taken from the command line or the API only (detrain ... master_addr={shown_value})"
+        )
+
+
+def _refuse_far_project(document: Mapping[str, Any], where: str, given: Mapping[str, Any], cfg_file: str) -> None:
+    """A cfg file's ``project`` stays inside the current working folder, links resolved (a relative path whose
+    ``..`` do not climb out of it, or an absolute one inside it), or is the project the file's own run folder lies
+    in (a run's ``<project>/<name>/args.yaml`` read back, the run's ``name`` that folder's, or left to the
+    increment): a run writes its folder, weights and logs there, and a yaml handed over must not pick where
+    (``project: /home/me``, ``name: .ssh``, ``exist_ok: true``)."""
+    value = _file_value("project", document, given) if "project" in document else None
+    if not isinstance(value, str) or not value:
+        return
+    real, cwd = os.path.realpath(value), os.path.realpath(os.getcwd())
+    if os.path.commonpath([real, cwd]) == cwd:
+        return
+    run_folder = os.path.dirname(os.path.realpath(cfg_file))
+    name = _file_value("name", document, given)
+    if real == os.path.dirname(run_folder) and name in ("", os.path.basename(run_folder)):
+        return
+    shown_value = path_excerpt(value, 80)
+    raise ConfigError(
+        f"{where}project: {shown_value} is outside the current folder {path_excerpt(cwd, 80)}: a cfg file's "
+        "project must stay inside it (a relative path, no '..' climbing out) or be the project its own run folder "
+        f"lies in; another folder is taken from the command line or the API only (detrain ... project={shown_value})"
+    )
 
 
 def _for_command(document: dict[str, Any], command: str | None, given: Mapping[str, Any], where: str) -> dict:

@@ -369,7 +369,8 @@ class Distributed:
     node_rank: int = key(0, "rank of this node among nnodes", low=0, launch=True)
     master_addr: str = key(
         "127.0.0.1",
-        "address of the node with node_rank 0",
+        "address of the node with node_rank 0; on one machine (nnodes=1) a cfg= file may give only loopback "
+        "(127.0.0.1, ::1, localhost), another address is taken from the command line or the API only",
         non_empty="the host name or address of the node with node_rank 0",
         launch=True,
     )
@@ -464,7 +465,11 @@ class Output:
     """Where a run writes and what it keeps and prints."""
 
     project: str = key(
-        "", "folder for runs ('' = runs/<task>)", check=folder, commands=("train", "val", "predict", "export")
+        "",
+        "folder for runs ('' = runs/<task>); from a cfg= file only a folder inside the current one, or the project "
+        "of the run folder the file lies in (<project>/<name>/args.yaml): elsewhere from the command line or the API",
+        check=folder,
+        commands=("train", "val", "predict", "export"),
     )
     name: str = key(
         "",

@@ -35,7 +35,7 @@ from detrain.data.labels.verify import img2label_path
 from detrain.data.ultralytics_dirs import ultralytics_datasets_dir, ultralytics_settings_file
 from detrain.errors import DatasetError
 from detrain.system.input_file import read_input_text, reason_of
-from detrain.system.net import is_sha256
+from detrain.system.net import is_sha256, local_archive_problem
 from detrain.system.safe_yaml import YamlRefused, read_yaml
 from detrain.system.text import excerpt, name_problem, shown
 
@@ -457,6 +457,18 @@ def _check_download_root(root: Path, yaml_file: Path) -> None:
         )
 
 
+def _check_file_url(url: str, yaml_file: Path) -> None:
+    """A ``file://`` URL of a yaml's download: names a zip or tar archive inside the yaml's own folder (links
+    resolved), never any other file: a yaml handed over could otherwise copy a private key into the dataset folder
+    (:func:`detrain.system.net.local_archive_problem`)."""
+    problem = local_archive_problem(url, yaml_file.parent)
+    if problem is not None:
+        raise DatasetError(
+            f"{shown(str(yaml_file))}: download: {shown(url)} is refused: {problem}; a file:// URL may only name a "
+            f"zip or tar archive in the yaml's own folder {shown(str(yaml_file.parent))}"
+        )
+
+
 def _download_dir(value: Any, root: Path, where: str) -> Path:
     """`dir:` -> a folder inside `root`: relative, without '..'."""
     if value is None or str(value).strip() in ("", "."):
@@ -498,6 +510,8 @@ def _fetch_or_explain(
             f"{yaml_file}: {missing[0]} does not exist and download: is not a URL, a list of URLs or of "
             f"{{url, dir, sha256}}; {where}"
         )
+    for entry in plan:
+        _check_file_url(entry.url, yaml_file)
     if not download:
         raise DatasetError(
             f"{yaml_file}: {missing[0]} does not exist and downloading is off; {where}, "

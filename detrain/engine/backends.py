@@ -47,6 +47,7 @@ from detrain.errors import ConfigError, DetrainError
 from detrain.nn.head import InferenceOptions, nms
 from detrain.nn.topk_decode import filter_detections
 from detrain.system.text import name_problem, shown
+from detrain.weights.limits import imgsz_problem, max_imgsz
 
 __all__ = ["ExportInfo", "ExportSummary", "ExportedModel", "export_summary", "load_exported"]
 
@@ -103,8 +104,28 @@ class ExportedModel(nn.Module):
             raise ConfigError(f"{shown(self.path)} takes images whose sides are multiples of {stride}, not {x.shape}")
         x = x.float()
         if self.info.dynamic or len(x) == self.info.batch:
-            return self._run(x)
-        return torch.cat([self._run(part) for part in x.split(self.info.batch)])
+            return self._checked_run(x)
+        return torch.cat([self._checked_run(part) for part in x.split(self.info.batch)])
+
+    def _checked_run(self, x: Tensor) -> Tensor:
+        """The graph's output for ``x``, checked: a graph that fails at run time (onnxruntime's or TorchScript's
+        error) or gives other than a float tensor of the layout its metadata promises is one line naming the
+        file, not a traceback from deep in the postprocess."""
+        try:
+            out = self._run(x)
+        except Exception as e:  # noqa: BLE001 - whatever the graph's runtime raises is the file's fault, one line
+            raise DetrainError(
+                f"{shown(self.path)}: the exported graph failed on a {_shape(x.shape)} batch ({_reason(e)}); export "
+                "the model again with 'detrain export'"
+            ) from None
+        problem = _output_problem(out, len(x), self.nc, self.end2end)
+        if problem is not None:
+            raise DetrainError(
+                f"{shown(self.path)}: the exported graph gave {problem} for a {_shape(x.shape)} batch, where "
+                f"{_expected(len(x), self.nc, self.end2end)} was expected; export the model again with "
+                "'detrain export'"
+            )
+        return out.float()
 
     def set_inference(self, max_det: int = 300, agnostic: bool = False, nms: bool = False) -> ExportedModel:
         """What a model's ``set_inference`` shapes is fixed in an end-to-end graph: its class-wise top-k of
@@ -282,6 +303,11 @@ def export_info(meta: Any, name: str) -> ExportInfo:
             "with 'detrain export'"
         )
     assert isinstance(names, dict) and isinstance(stride, int) and isinstance(imgsz, (list, tuple))
+    problem = imgsz_problem(list(imgsz))  # a fixed-size graph letterboxes every image to it: bounded as imgsz= is
+    if problem is None and stride > max_imgsz():
+        problem = f"stride={stride}, more than {max_imgsz()}, the bound of imgsz="
+    if problem is not None:
+        raise ConfigError(f"{shown(name)}: its metadata records {problem}; export it again with 'detrain export'")
     try:
         classes = {int(k): str(v) for k, v in names.items()}
     except ValueError:
@@ -307,6 +333,35 @@ def export_info(meta: Any, name: str) -> ExportInfo:
         max_det=max_det if _positive(max_det) else 300,
         family=str(meta.get("family", "")),
     )
+
+
+def _output_problem(out: Any, batch: int, nc: int, end2end: bool) -> str | None:
+    """What is wrong with a graph's output for a batch of ``batch`` images, or None: it must be a floating tensor,
+    (batch, 4 + nc, anchors) for NMS or (batch, rows, 6) detections for an end-to-end graph."""
+    if not isinstance(out, Tensor):
+        return f"a {type(out).__name__}"
+    if not out.is_floating_point():
+        return f"a {_shape(out.shape)} tensor of {str(out.dtype).removeprefix('torch.')}"
+    shape = tuple(out.shape)
+    fits = len(shape) == 3 and shape[0] == batch and (shape[2] == 6 if end2end else shape[1] == 4 + nc)
+    return None if fits else f"a {_shape(out.shape)} tensor"
+
+
+def _expected(batch: int, nc: int, end2end: bool) -> str:
+    """The output layout the metadata promises, in words, for an error line."""
+    return f"({batch}, max_det, 6) detections" if end2end else f"({batch}, {4 + nc}, anchors) boxes and scores"
+
+
+def _shape(shape: Any) -> str:
+    """``(1, 3, 64, 64)``: a tensor's shape as a plain tuple of ints."""
+    return str(tuple(int(v) for v in shape))
+
+
+def _reason(error: BaseException) -> str:
+    """An exception as a short one-line reason: its type and its message's first line, clipped."""
+    lines = str(error).strip().splitlines()
+    first = shown(lines[0].strip())[:160] if lines else ""
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
 
 
 def _positive(value: Any) -> bool:

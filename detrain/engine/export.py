@@ -35,6 +35,7 @@ import torch
 
 from detrain.errors import ConfigError, DetrainError
 from detrain.system.tempfiles import open_folder, temp_beside
+from detrain.weights.limits import imgsz_problem
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -50,9 +51,14 @@ DEFAULT_IMGSZ = 640
 
 
 def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[int, int]:
+    """(h, w) to trace at: multiples of ``stride``, within the bound of ``imgsz=`` (a size the model records came
+    from its file; tracing at 2**20 would ask for terabytes)."""
     hw = (imgsz, imgsz) if isinstance(imgsz, int) else tuple(imgsz)
     if len(hw) != 2 or any(not isinstance(v, int) or v <= 0 or v % stride for v in hw):
         raise ConfigError(f"imgsz must be a positive multiple of {stride} (or two of them), got {imgsz!r}")
+    problem = imgsz_problem(list(hw))
+    if problem is not None:
+        raise ConfigError(f"cannot export: {problem}")
     return hw[0], hw[1]
 
 

@@ -21,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import tarfile
 import urllib.error
 import urllib.parse
 import urllib.request
+import zipfile
 from collections.abc import Callable
 from http.client import HTTPMessage
 from typing import IO, Any
@@ -37,6 +39,7 @@ __all__ = [
     "content_length",
     "copy_body",
     "is_sha256",
+    "local_archive_problem",
     "open_url",
     "redirect_allowed",
 ]
@@ -117,6 +120,44 @@ def open_url(url: str, timeout_s: float, headers: dict[str, str] | None = None) 
             reason = reason_of(e) if not isinstance(e, FileNotFoundError) else "no such file"
             raise urllib.error.URLError(reason) from None
     return _OPENER.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout_s)
+
+
+def local_archive_problem(url: str, folder: str | os.PathLike[str]) -> str | None:
+    """Why the ``file://`` URL ``url`` (a dataset yaml's ``download:``) is not an archive inside ``folder`` (the
+    yaml's own folder), or None when it is one or ``url`` is no file URL. The rule: a zip or tar file, regular,
+    on this machine, lying in ``folder`` or below once links are resolved. Any other file would be copied into the
+    dataset folder (a private key named by a yaml someone handed over), so it is refused before it is read.
+
+    >>> local_archive_problem("file:///etc/passwd", "/data"), local_archive_problem("https://x.org/a.zip", "/data")
+    ('it names /etc/passwd, outside /data', None)
+    """
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme.lower() != "file":
+        return None
+    if parts.netloc not in ("", "localhost"):
+        return f"it names another host ({parts.netloc})"
+    path = urllib.request.url2pathname(parts.path)
+    real, base = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, base]) != base:
+        return f"it names {path}, outside {os.fspath(folder)}"
+    try:
+        with open_input(real, 1 << 62) as f:
+            archive = zipfile.is_zipfile(f) or _is_tar(f)
+    except FileNotFoundError:
+        return f"{path} does not exist"
+    except OSError as e:
+        return f"{path} cannot be read ({reason_of(e)})"
+    return None if archive else f"{path} is no zip or tar archive"
+
+
+def _is_tar(f: IO[bytes]) -> bool:
+    """Whether the open file ``f`` holds a tar archive (plain or compressed), read from its start."""
+    f.seek(0)
+    try:
+        with tarfile.open(fileobj=f, mode="r:*"):
+            return True
+    except (tarfile.TarError, OSError, EOFError, ValueError):
+        return False
 
 
 class _LocalFile:

@@ -161,6 +161,11 @@ def _check_detrain(ckpt: dict[str, Any], path: Path) -> None:
         )
     from detrain.nn.model import class_names, is_packaged_name
 
+    problem = None if imgsz is None else limits.imgsz_problem(imgsz)
+    if problem is not None:  # before any export traces, or any cost is counted, at that size
+        raise CheckpointError(
+            f"{path}: its model description records {problem}; detrain loads weights recorded at a size it runs"
+        )
     if isinstance(yaml, str) and not is_packaged_name(yaml):  # a path would make detrain open (and so probe) it
         raise CheckpointError(
             f"{path}: its model description names the architecture {excerpt(yaml, 60)}; a checkpoint records its "

@@ -68,3 +68,36 @@ def shown(value: Any, width: int = 40) -> str:
     if isinstance(value, (str, bytes)):
         return repr(value[:width]) + ("..." if len(value) > width else "")
     return f"a {type(value).__name__}"
+
+
+def max_imgsz() -> int:
+    """The largest image size detrain runs a model at: the upper bound of the ``imgsz=`` key, read from its spec
+    (:mod:`detrain.config.keys`, the one source), so a size a file records is held to what the command line is.
+
+    >>> max_imgsz()
+    8192
+    """
+    from detrain.config.keys import SPECS  # lazily: the reader itself needs no argument machinery
+
+    high = SPECS["imgsz"].high
+    assert high is not None  # the key is bounded; a spec without a bound would be a bug here
+    return int(high)
+
+
+def imgsz_problem(value: Any) -> str | None:
+    """Why ``value``, an image size a checkpoint or an export records (one side, or a list of sides), is none that
+    detrain runs at, or None when it is one. Bounded as ``imgsz=`` is (1 to :func:`max_imgsz`): a recorded 2**20
+    would make an export trace, or a fixed-size graph letterbox every image, at terabytes.
+
+    >>> imgsz_problem(640), imgsz_problem([64, 96]), imgsz_problem(1 << 20), imgsz_problem([0, 32])
+    (None, None, 'imgsz=1048576 is outside 1 to 8192, the bound of imgsz=', 'imgsz=[0, 32] is outside 1 to 8192, the \
+bound of imgsz=')
+    """
+    if isinstance(value, (list, tuple)) and not 1 <= len(value) <= 2:
+        return f"imgsz is a {type(value).__name__} of {len(value)} values, not one size or two"
+    sides = list(value) if isinstance(value, (list, tuple)) else [value]
+    high = max_imgsz()
+    if all(type(side) is int and 1 <= side <= high for side in sides):
+        return None
+    text = "[" + ", ".join(shown(side) for side in sides) + "]" if isinstance(value, (list, tuple)) else shown(value)
+    return f"imgsz={text} is outside 1 to {high}, the bound of imgsz="

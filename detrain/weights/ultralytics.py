@@ -21,7 +21,7 @@ import torch
 
 from detrain.errors import CheckpointError
 from detrain.system.text import name_problem
-from detrain.weights import safe_pickle
+from detrain.weights import limits, safe_pickle
 from detrain.weights.safe_pickle import InertObject
 
 __all__ = [
@@ -67,7 +67,6 @@ _MAX_DEPTH = 64
 _MAX_CLASSES = 100_000
 _MAX_NAME_CHARS = 1_000
 _MAX_STRIDES = 16
-_MAX_IMGSZ = 1 << 16
 
 
 def state_dict_of(module: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -153,6 +152,13 @@ def _small_int(value: Any, low: int, high: int) -> int | None:
     return None
 
 
+def _whole(value: Any) -> int | None:
+    """``value`` if it is a true int (or a one-element integer tensor), of any size, else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+        value = value.item()
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _class_names(raw: Any, path: Path) -> dict[int, str]:
     """Ultralytics ``names``: a dict {index: name} (or a list of names) -> dict[int, str]; else refused."""
     raw = _plain(raw)
@@ -187,13 +193,19 @@ def _strides(raw: Any, path: Path) -> list[float]:
     raise CheckpointError(f"{path}: its model stride is a {type(raw).__name__}, not a short list of numbers")
 
 
-def _image_size(train_args: Any) -> int | None:
-    """The training image size: an int, or the larger side of an [h, w] pair; None when absent or odd."""
+def _image_size(train_args: Any, path: Path) -> int | None:
+    """The training image size: an int, or the larger side of an [h, w] pair; None when absent or not whole
+    numbers. A size outside the bound of ``imgsz=`` (:func:`detrain.weights.limits.imgsz_problem`) is refused in
+    one line: an export traces, and the model's cost is counted, at this size."""
     value = train_args.get("imgsz") if isinstance(train_args, dict) else None
-    if isinstance(value, (list, tuple)) and 1 <= len(value) <= 2:
-        sides = [_small_int(v, 1, _MAX_IMGSZ) for v in value]
-        return None if None in sides else max(s for s in sides if s is not None)
-    return _small_int(value, 1, _MAX_IMGSZ)
+    sides = list(value) if isinstance(value, (list, tuple)) and 1 <= len(value) <= 2 else [value]
+    whole = [_whole(side) for side in sides]
+    if None in whole:
+        return None
+    problem = limits.imgsz_problem(whole)
+    if problem is not None:
+        raise CheckpointError(f"{path}: its training arguments record {problem}; detrain runs models within it")
+    return max(side for side in whole if side is not None)
 
 
 def _plain_yaml(value: Any, path: Path, count: list[int], depth: int = 0) -> Any:
@@ -275,7 +287,7 @@ def ultralytics_info(ckpt: Any, path: Path) -> dict[str, Any]:
     if set(names) != set(range(nc)):
         raise CheckpointError(f"{path} numbers its {nc} class names other than 0..{nc - 1}")
     stride_list = _strides(attrs.get("stride"), path)
-    imgsz = _image_size(_plain(ckpt.get("train_args")))
+    imgsz = _image_size(_plain(ckpt.get("train_args")), path)
 
     info: dict[str, Any] = {
         "state_dict": state_dict,
