@@ -454,17 +454,23 @@ def _finish(result: Result, cluster: Cluster, main: Node, t0: float, epochs: int
             result.check(node.proc.poll() == 0, f"node {i} {_describe(node, 3)}")
         result.check(rows == [str(e) for e in range(1, epochs + 1)], f"results.csv epochs {rows}")
         result.check(loads and ckpt is not None and int(ckpt["epoch"]) == epochs - 1, f"last.pt {text}")
-        # the other nodes hold copies of node 0's checkpoints (save_replicas=2: the next node's disk), nothing else
-        copies = ("last.pt", "last.prev.pt", "mid.pt")
+        # the other nodes hold copies of node 0's run folder (save_replicas=2: the next node's disk), nothing else:
+        # its checkpoints, and after each epoch best.pt and epochN.pt with the record (engine/train/state/replicas.py)
+        copies = ("last.pt", "last.prev.pt", "mid.pt", "best.pt")
         final = (main.run / "weights" / "last.pt").read_bytes() if loads else None
         held = []
         for i, node in enumerate(cluster.nodes[1:], 1):
             found = list(node.home.rglob("*.pt"))
-            stray = sorted(str(p.relative_to(node.home)) for p in found if p.name not in copies)
+            stray = sorted(
+                str(p.relative_to(node.home))
+                for p in found
+                if p.name not in copies and not re.fullmatch(r"epoch[0-9]+\.pt", p.name)
+            )
             result.check(not stray, f"node {i} holds checkpoints {stray}")
             held += [p.read_bytes() == final for p in found if p.name == "last.pt"]
         if len(cluster.nodes) > 1:
             result.check(any(held), "no other node holds a copy of the final last.pt")
+
     result.seconds = time.monotonic() - t0
     return result
 
