@@ -509,7 +509,12 @@ class Output:
         low=0.0,
         high=3600.0,
     )
-    plots: bool = key(True, "save plots (results.png, curves, confusion matrix, batches)", commands=("train", "val"))
+    plots: bool = key(
+        True,
+        "save plots: train_batch*.jpg, results.png, labels.jpg; curves, confusion matrices, val_batch*.jpg (train: "
+        "the last validation's)",
+        commands=("train", "val"),
+    )
     tensorboard: bool = key(
         False, 'log each epoch\'s results.csv row to tensorboard (pip install "detrain[tensorboard]")'
     )

@@ -5,7 +5,10 @@
 ``mr``, per-class ``p``, ``r``, ``ap50``, ``ap``, ``ap_class_index``); ``metrics.results_dict`` the four numbers
 and fitness under the keys results.csv-reading tools know (``metrics/mAP50-95(B)``...); ``metrics.speed`` the
 milliseconds per image of each stage; ``metrics.details`` every number detrain's validator reported (the 12
-COCO values, per-class counts, the F1-optimal confidence...). The mAPs are COCO-exact (``map75`` is AP at IoU
+COCO values, per-class counts, the F1-optimal confidence...); ``metrics.confusion_matrix`` (``.matrix``: the
+(nc + 1, nc + 1) counts, ``matrix[predicted, true]``, the last row and column background) and ``metrics.curves`` /
+``metrics.curves_results`` (the PR, F1, P and R curves: names, and each one's x, y, x label, y label), as
+Ultralytics names them. The mAPs are COCO-exact (``map75`` is AP at IoU
 0.75 from the same accumulation as ``map``); where COCO leaves a value undefined (no ground truth) it reads 0
 here, as Ultralytics gives 0, and -1 in ``details``.
 
@@ -31,6 +34,8 @@ from typing import Any
 import numpy as np
 
 from detrain.errors import deprecated
+from detrain.metrics.confusion import ConfusionMatrix
+from detrain.metrics.summary import DetMetrics
 
 SPEED_STAGES = ("preprocess", "inference", "loss", "postprocess")
 RESULT_KEYS = ("metrics/precision(B)", "metrics/recall(B)", "metrics/mAP50(B)", "metrics/mAP50-95(B)")
@@ -40,6 +45,37 @@ _DICT_USE = (
     "(metrics['map'], .get(), in, keys()) is deprecated and stops working in the next release; detrain's other "
     "numbers are in metrics.details"
 )
+
+
+CURVE_NAMES = ("Precision-Recall(B)", "F1-Confidence(B)", "Precision-Confidence(B)", "Recall-Confidence(B)")
+Curve = tuple[np.ndarray, np.ndarray, str, str]
+
+
+def curves_of(summary: DetMetrics) -> dict[str, Curve]:
+    """The curves a validation's plots draw, by Ultralytics' names: name -> (x, y, x label, y label), ``y`` one row
+    per class with ground truth (``summary.curve_classes``, Ultralytics' ``ap_class_index``). Precision-Recall is
+    COCO's at IoU 0.5 over its 101 recall points; F1, P and R are over 1000 confidence thresholds.
+
+    >>> from detrain.metrics.summary import coco_summary
+    >>> {name: (len(x), y.shape, xl, yl) for name, (x, y, xl, yl) in curves_of(coco_summary([], nc=2)).items()}
+    ... # doctest: +NORMALIZE_WHITESPACE
+    {'Precision-Recall(B)': (101, (0, 101), 'Recall', 'Precision'),
+     'F1-Confidence(B)': (1000, (0, 1000), 'Confidence', 'F1'),
+     'Precision-Confidence(B)': (1000, (0, 1000), 'Confidence', 'Precision'),
+     'Recall-Confidence(B)': (1000, (0, 1000), 'Confidence', 'Recall')}
+    """
+    s = summary
+    return dict(
+        zip(
+            CURVE_NAMES,
+            (
+                (s.recall_grid, s.pr_curve, "Recall", "Precision"),
+                (s.conf_grid, s.f1_curve, "Confidence", "F1"),
+                (s.conf_grid, s.p_curve, "Confidence", "Precision"),
+                (s.conf_grid, s.r_curve, "Confidence", "Recall"),
+            ),
+        )
+    )
 
 
 def _defined(value: Any) -> float:
@@ -109,8 +145,12 @@ class DetectionMetrics:
     # (detrain's validator computes none). Rank 0's, over its share of the images.
     speed: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPEED_STAGES, 0.0))
     save_dir: Path | None = None
-    # everything the validator (or trainer) reported but names and speed: the old dict, save_dir included
+    # everything the validator (or trainer) reported but names, speed and the arrays below: the old dict, save_dir
+    # included
     details: dict[str, Any] = field(default_factory=dict)
+    # the summed confusion counts (None: the result carried none); the curves by name (curves_of)
+    confusion_matrix: ConfusionMatrix | None = None
+    curve_data: dict[str, Curve] = field(default_factory=dict)
 
     @classmethod
     def from_results(cls, result: dict[str, Any], names: dict[int, str] | None = None) -> DetectionMetrics:
@@ -135,10 +175,27 @@ class DetectionMetrics:
         )
         speed = {k: float((result.get("speed") or {}).get(k, 0.0)) for k in SPEED_STAGES}
         save_dir = Path(result["save_dir"]) if result.get("save_dir") else None
-        details = {k: v for k, v in result.items() if k not in ("names", "speed")}
-        return cls(box=box, names=names, speed=speed, save_dir=save_dir, details=details)
+        details = {k: v for k, v in result.items() if k not in ("names", "speed", "confusion", "curves")}
+        confusion = None
+        if result.get("confusion") is not None:
+            counts = np.asarray(result["confusion"], np.int64)
+            confusion = ConfusionMatrix(len(counts) - 1)
+            confusion.matrix = counts
+        curves = {str(k): v for k, v in (result.get("curves") or {}).items()}
+        return cls(box, names, speed, save_dir, details, confusion_matrix=confusion, curve_data=curves)
 
     # ------------------------------------------------------------------ Ultralytics' DetMetrics
+    @property
+    def curves(self) -> list[str]:
+        """The curves' names: Precision-Recall(B), F1-Confidence(B), Precision-Confidence(B), Recall-Confidence(B)."""
+        return list(self.curve_data)
+
+    @property
+    def curves_results(self) -> list[list[Any]]:
+        """Each curve of :attr:`curves` as [x, y, x label, y label]; ``y`` has one row per class of
+        ``box.ap_class_index``."""
+        return [list(curve) for curve in self.curve_data.values()]
+
     @property
     def results_dict(self) -> dict[str, float]:
         """Mean precision, recall, mAP50, mAP50-95 and fitness under Ultralytics' keys."""

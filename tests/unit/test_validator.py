@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,9 @@ from detrain.data.labels.ground_truth import COCO80_NAMES, image_ids, is_coco80,
 from detrain.data.prepare import build_val_loader, load_split
 from detrain.distributed.world import World
 from detrain.engine.evaluate.score_file import score_predictions_file
+from detrain.engine.evaluate.val_outputs import LastValidation
 from detrain.engine.evaluate.validator import validate
-from detrain.metrics import SUMMARY_KEYS
+from detrain.metrics import SUMMARY_KEYS, DetectionMetrics
 from detrain.metrics.coco_json import COCO80_TO_91, load_predictions
 
 SCALARS = (*SUMMARY_KEYS, "precision", "recall", "fitness", "conf", "n_images")
@@ -96,6 +98,70 @@ def test_plots_are_written(yolo_run: dict[str, Any]) -> None:
 def test_plots_false_writes_no_pictures(tmp_path: Path, yolo_run: dict[str, Any]) -> None:
     _validate(yolo_run["yaml"], tmp_path / "run", plots=False)
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["metrics.json", "predictions.json"]
+
+
+def test_metrics_object_has_the_confusion_matrix_and_the_curves(yolo_run: dict[str, Any]) -> None:
+    """What ``model.val()`` (and ``model.train()``) returns: Ultralytics' ``confusion_matrix.matrix`` and
+    ``curves`` / ``curves_results``, from the validator's own counts and curves."""
+    raw = yolo_run["metrics"]
+    m = DetectionMetrics.from_results(raw)
+    counts = m.confusion_matrix.matrix
+    assert counts.shape == (4, 4) and counts.dtype == np.int64  # (nc + 1, nc + 1): background last
+    n_gt = [raw["per_class"].get(c, {}).get("n_gt", 0) for c in range(3)]
+    # the colour model finds every rectangle with its class (its false alarm scores under 0.25): the diagonal
+    # holds each class's ground truth, every other cell (misses, false alarms, confusions) is 0
+    assert np.diag(counts).tolist() == [*n_gt, 0] and counts.sum() == sum(n_gt) == 11
+    assert m.curves == ["Precision-Recall(B)", "F1-Confidence(B)", "Precision-Confidence(B)", "Recall-Confidence(B)"]
+    results = m.curves_results
+    assert [(r[2], r[3]) for r in results] == [
+        ("Recall", "Precision"),
+        ("Confidence", "F1"),
+        ("Confidence", "Precision"),
+        ("Confidence", "Recall"),
+    ]
+    classes = m.box.ap_class_index
+    for x, y, _, _ in results:
+        assert y.shape == (len(classes), len(x))
+    assert len(results[0][0]) == 101 and len(results[1][0]) == 1000
+    np.testing.assert_allclose(results[0][1].mean(1), m.box.ap50)  # COCO's AP50 is the mean over 101 recall points
+    at_conf = int(np.abs(results[2][0] - raw["conf"]).argmin())  # P and R at the F1-optimal confidence
+    np.testing.assert_allclose(results[2][1][:, at_conf], m.box.p)
+    np.testing.assert_allclose(results[3][1][:, at_conf], m.box.r)
+    assert "confusion" not in m.details and "curves" not in m.details
+    empty = DetectionMetrics.from_results({"map": 0.5})  # a result without them
+    assert empty.confusion_matrix is None and empty.curves == [] and empty.curves_results == []
+
+
+def test_a_kept_validation_is_written_only_when_asked(tmp_path: Path, yolo_run: dict[str, Any], capsys) -> None:
+    """Training's way: the validator hands rank 0's table and pictures to a LastValidation, which holds only the
+    latest, writes nothing until the run ends, then writes what ``detrain val`` writes (and labels.jpg)."""
+    cfg = _cfg(yolo_run["yaml"], plots=True)
+    data = yolo_run["data"]
+    loader = build_val_loader(data, cfg, cfg.train.batch, World())
+    last = LastValidation(plots=True, verbose=True)
+    first = validate(ColourModel(), loader, data, cfg, torch.device("cpu"), World(), plots=True, keep=last)
+    kept = last.outputs
+    validate(ColourModel(), loader, data, cfg, torch.device("cpu"), World(), plots=True, verbose=False, keep=last)
+    assert last.outputs is not kept and last.outputs is not None  # the latest replaces the one before
+    assert capsys.readouterr().out == ""  # kept, not printed (verbose or not)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.csv").write_text("epoch,metrics/mAP50\n1,0.5\n")
+    last.write(run, load_split(cfg.inputs.data, "train", cfg, verbose=False))
+    for name in (*PLOTS, *(f"val_batch{i}_{k}.jpg" for i in range(3) for k in ("labels", "pred"))):
+        assert (run / name).stat().st_size > 0, name
+    for name in ("labels.jpg", "results.png"):
+        assert (run / name).stat().st_size > 0, name
+    out = capsys.readouterr().out
+    assert re.search(r"^all +10 +11 +0\.990 +1\.000 +1\.000 +0\.971$", out, re.M), out
+    for name in NAMES:
+        assert re.search(rf"^{name} +\d+ +\d+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M), out
+    assert first["map"] == pytest.approx(last.outputs.metrics["map"])
+    quiet, held = tmp_path / "quiet", LastValidation(plots=False, verbose=False)
+    quiet.mkdir()
+    held.keep(last.outputs)
+    held.write(quiet, data)  # plots=false: nothing drawn; verbose=false: nothing printed
+    assert list(quiet.iterdir()) == [] and capsys.readouterr().out == ""
 
 
 def test_rescoring_predictions_json_gives_the_same_numbers(tmp_path: Path, yolo_run: dict[str, Any]) -> None:

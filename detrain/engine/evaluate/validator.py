@@ -26,11 +26,13 @@ from detrain.config.cfg import Cfg
 from detrain.data.labels.ground_truth import ImageGT, SplitGT, image_ids, ltwh2xyxy, split_ground_truth
 from detrain.distributed import dist
 from detrain.distributed.world import World
+from detrain.engine.evaluate.val_outputs import LastValidation, ValOutputs, print_table
 from detrain.engine.evaluate.val_speed import STAGES, ValSpeed
 from detrain.errors import DatasetError
-from detrain.log import atomic_write_text, console
+from detrain.log import atomic_write_text
 from detrain.metrics import ConfusionMatrix, ImageStats, coco_summary, match_image_coco
 from detrain.metrics.coco_json import coco_rounded
+from detrain.metrics.det_metrics import curves_of
 from detrain.nn.boxes import scale_boxes_to_original, xywh2xyxy
 from detrain.nn.head import InferenceOptions, detections, set_inference
 
@@ -147,14 +149,14 @@ def validate(
     plots: bool = False,
     verbose: bool = True,
     amp_dtype: torch.dtype | None = None,
+    keep: LastValidation | None = None,
 ) -> dict[str, Any]:
     """COCO-exact metrics of ``model`` on ``loader``'s split (the same dict on every rank of ``world``).
 
-    ``data`` is the split's ``SplitData``; with ``save_dir`` rank 0 writes metrics.json (and predictions.json
-    when ``cfg.predict.save_json``), and with ``plots`` the curves, confusion matrices and the first batches drawn.
-    ``amp_dtype``: the model's forward under autocast in that dtype (training-time validation on CUDA), else
-    float32.
-    """
+    ``data``: the split's ``SplitData``. With ``save_dir`` rank 0 writes metrics.json (predictions.json when
+    ``cfg.predict.save_json``) and with ``plots`` the curves, confusion matrices and first batches drawn; with
+    ``keep`` (training) it hands them and the table to it instead, changing no number. ``amp_dtype``: the forward
+    under autocast in that dtype (training-time validation on CUDA), else float32."""
     was_training = model.training
     model.eval()
     conf = VAL_CONF if cfg.predict.conf is None else cfg.predict.conf
@@ -167,7 +169,7 @@ def validate(
         classes=None if classes is None else tuple(classes),
     )
     drawn: list[dict[str, Any]] = []
-    draw = plots and save_dir is not None and world.is_main
+    draw = plots and (save_dir is not None or keep is not None) and world.is_main
     speed = ValSpeed(device)
     try:
         for bi, batch in enumerate(loader):
@@ -195,7 +197,7 @@ def validate(
             model.train()
     gathered = dist.all_gather_object(scorer.part())  # collective: every rank's scores, on every rank
     ms = speed.per_image_ms()  # rank 0's speed is the one reported
-    metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn, speed=ms) if world.is_main else None
+    metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn, ms, keep) if world.is_main else None
     return dist.broadcast_object(metrics)  # collective: rank 0's metrics on every rank
 
 
@@ -225,14 +227,18 @@ def finish(
     plots: bool,
     verbose: bool,
     drawn: list[dict[str, Any]] | None = None,
-    predictions_file: str | None = None,
     speed: dict[str, float] | None = None,
+    keep: LastValidation | None = None,
+    predictions_file: str | None = None,
 ) -> dict[str, Any]:
-    """Rank 0: the metrics of all ranks' :meth:`Scorer.part`, written to ``save_dir`` and printed.
+    """Rank 0: the metrics of all ranks' :meth:`Scorer.part`, written to ``save_dir`` and printed; with ``keep``
+    the table and pictures are handed to it (:class:`~detrain.engine.evaluate.val_outputs.ValOutputs`), not printed.
 
-    Besides the numbers metrics.json holds, the dict carries ``names`` (the split's classes) and ``speed`` (rank
+    Besides the numbers metrics.json holds, the dict carries ``names`` (the split's classes), ``speed`` (rank
     0's milliseconds per image per stage, :class:`~detrain.engine.evaluate.val_speed.ValSpeed`; zeros when no model
-    ran), which :class:`detrain.metrics.det_metrics.DetectionMetrics` reads."""
+    ran), ``confusion`` (the (nc + 1, nc + 1) counts, summed over the ranks) and ``curves``
+    (:func:`~detrain.metrics.det_metrics.curves_of`), which :class:`detrain.metrics.det_metrics.DetectionMetrics`
+    reads; metrics.json holds neither of the last two."""
     all_stats = [s for part in gathered for s in part[0]]
     summary = coco_summary(all_stats, data.nc)  # orders images by id itself, as the reference does
     n_images = len({s.image_id for s in all_stats})
@@ -249,6 +255,7 @@ def finish(
     if predictions_file:
         metrics["predictions"] = str(predictions_file)
     matrix = np.sum([np.asarray(part[1]) for part in gathered], axis=0)
+    outputs = ValOutputs(summary, matrix, dict(data.names), metrics, drawn or [])
     if save_dir is not None:
         save_dir = Path(save_dir)
         save_dir.mkdir(parents=True, exist_ok=True)
@@ -257,9 +264,12 @@ def finish(
             dets = sorted((d for part in gathered for d in part[2]), key=lambda d: d[0])
             atomic_write_text(save_dir / "predictions.json", _results_json(dets, gt.category_ids))
         if plots:
-            _plot(save_dir, summary, matrix, data.names, drawn or [])
-    if verbose:
-        print_table(metrics, data.names, n_images)
+            outputs.plot(save_dir)
+    if keep is not None:
+        keep.keep(outputs)
+    elif verbose:
+        outputs.print_table()
+    metrics["confusion"], metrics["curves"] = matrix, curves_of(summary)  # not in metrics.json
     return metrics
 
 
@@ -301,55 +311,3 @@ def _for_plot(batch: dict[str, Any], dets: list[torch.Tensor]) -> dict[str, Any]
         "preds": preds,
         "im_file": list(batch["im_file"][:n]),
     }
-
-
-def _plot(save_dir: Path, summary: Any, matrix: np.ndarray, names: dict[int, str], drawn: list[dict[str, Any]]) -> None:
-    try:
-        from detrain.plots import val as plots_val
-
-        plots_val.plot_all(save_dir, summary, matrix, names)
-        for i, b in enumerate(drawn):
-            labels = [
-                (b["boxes"][b["batch_idx"] == j], b["cls"][b["batch_idx"] == j], None) for j in range(len(b["img"]))
-            ]
-            preds = [(p[:, :4], p[:, 5].astype(np.int64), p[:, 4]) for p in b["preds"]]
-            plots_val.plot_images(b["img"], labels, names, save_dir / f"val_batch{i}_labels.jpg", b["im_file"])
-            plots_val.plot_images(b["img"], preds, names, save_dir / f"val_batch{i}_pred.jpg", b["im_file"])
-    except Exception as e:  # noqa: BLE001 - never lose the metrics for a plot
-        console.print(f"plots not written: {type(e).__name__}: {e}")
-
-
-def print_table(metrics: dict[str, Any], names: dict[int, str], n_images: int) -> None:
-    """Per-class table: images, instances, P, R, mAP50, mAP50-95 (COCO-exact)."""
-    from rich.table import Table
-
-    table = Table(box=None, pad_edge=False)
-    for col in ("class", "images", "instances", "P", "R", "mAP50", "mAP50-95"):
-        table.add_column(col, justify="left" if col == "class" else "right")
-    per_class = metrics.get("per_class", {})
-    total = sum(int(v.get("n_gt", 0)) for v in per_class.values())
-    table.add_row(
-        "all",
-        str(n_images),
-        str(total),
-        f"{metrics['precision']:.3f}",
-        f"{metrics['recall']:.3f}",
-        f"{metrics['map50']:.3f}",
-        f"{metrics['map']:.3f}",
-    )
-    for c, v in sorted(per_class.items()):
-        table.add_row(
-            names.get(int(c), str(c)),
-            str(v.get("n_images", "")),
-            str(v.get("n_gt", "")),
-            f"{v['p']:.3f}",
-            f"{v['r']:.3f}",
-            f"{v['ap50']:.3f}",
-            f"{v['ap']:.3f}",
-        )
-    console.print(table)
-    console.print(
-        f"COCO mAP50-95 {metrics['map']:.4f}  mAP50 {metrics['map50']:.4f}  mAP75 {metrics['map75']:.4f}  "
-        f"AP small/medium/large {metrics['map_small']:.3f}/{metrics['map_medium']:.3f}/"
-        f"{metrics['map_large']:.3f}  AR@100 {metrics['ar100']:.4f}"
-    )

@@ -31,6 +31,7 @@ from detrain.distributed.preempt_mark import exit_when_launcher_stops, leave_mar
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
 from detrain.engine.build import set_cpu_threads
+from detrain.engine.evaluate.val_outputs import LastValidation
 from detrain.engine.evaluate.validator import validate
 from detrain.engine.run_plan import RunPlan
 from detrain.engine.telemetry import epoch_stats, run_trace
@@ -48,7 +49,7 @@ from detrain.engine.train.state.checkpointer import Checkpointer, Loop, Parts, a
 from detrain.errors import Preempted
 from detrain.log import EpochProgress, ResultsCSV, console, epoch_line, metric_columns
 from detrain.nn.head import LossGains
-from detrain.plots.train import plot_results, plot_train_batch
+from detrain.plots.train import plot_train_batch
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -154,6 +155,7 @@ class Trainer:
         self.csv = ResultsCSV(self.save_dir / "results.csv", self.start_epoch if self.resume_ckpt else None)
         self.loggers = RunLoggers(self.save_dir, cfg, self.main)  # tensorboard, mlflow, wandb
         self.metrics: dict[str, Any] = {}  # the last validation's (kept by epochs that do not validate)
+        self.last_val = LastValidation(cfg.output.plots, cfg.output.verbose)  # its table and pictures, on rank 0
         self.start_scores: dict[str, Any] = {}
         if pretrained.starts_from_weights(cfg) and self.resume_ckpt is None and cfg.train.val:
             # fine-tuning: score the starting weights, so the final mAP can be read against them
@@ -457,9 +459,9 @@ class Trainer:
             self.cfg,
             self.device,
             self.world,
-            save_dir=None,
-            plots=False,
+            plots=self.cfg.output.plots,  # rank 0 keeps the first batches drawn: only the last validation's are written
             verbose=False,
+            keep=self.last_val,  # rank 0: the table and pictures, shown at the end (evaluate/val_outputs.py)
             amp_dtype=self.precision.val,  # on CUDA float16 (precision.py); float32 elsewhere
         )
 
@@ -520,8 +522,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ after the last epoch
     def _finish(self) -> dict[str, Any]:
-        """Close the logs; rank 0 plots the run, says how it went and fires ``on_train_end``; every rank returns
-        rank 0's result."""
+        """Close the logs; rank 0 plots the run, says how it went, fires on_train_end; rank 0's result on every rank."""
         self.loggers.close()
         self.monitor.close()
         metrics, start = self.metrics, self.start_scores
@@ -529,8 +530,7 @@ class Trainer:
         if start:
             result["start_map50"], result["start_map"] = start["map50"], start["map"]
         if self.main:
-            if self.cfg.output.plots:
-                plot_results(self.save_dir)
+            self.last_val.write(self.save_dir, self.data)  # results.png, labels.jpg; the last validation's table, plots
             if start and metrics:
                 console.print(
                     f"mAP50-95 {metrics['map']:.4f} after epoch {self.cfg.train.epochs} (started at "
@@ -539,7 +539,7 @@ class Trainer:
             console.print(f"done: {self.save_dir}")
             self.callbacks.fire("on_train_end", self, None, result)
         # after the callbacks, which get numbers only: what Model.train()'s metrics object reads besides them
-        result.update({k: metrics[k] for k in ("per_class", "names", "speed") if k in metrics})
+        result.update({k: metrics[k] for k in ("per_class", "names", "speed", "confusion", "curves") if k in metrics})
         result["save_dir"] = str(self.save_dir)
         return dist.broadcast_object(result)  # collective: rank 0's result on every rank
 
