@@ -4,6 +4,7 @@ really see a crash, a hang and a runaway allocation (else a clean table would pr
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import random
 import sys
@@ -95,16 +96,19 @@ def test_the_sandbox_tells_every_end_apart(target, kind: str, detail: str) -> No
     assert outcome.acceptable == (kind in ("ok", "refused"))
 
 
-_HELD: list[bytes] = []  # in a forked child: what it allocated, kept until it exits
+_HELD: list[mmap.mmap] = []  # in a forked child: what it allocated, kept until it exits
 
 
 def test_the_sandbox_measures_what_a_child_allocates() -> None:
     def touch_64mb() -> str:
-        # written, not only read: a zeroed allocation that is only read maps the kernel's shared zero page (and,
-        # with transparent huge pages on some kernels, a huge zero page), which is never counted as resident
-        data = b"\x01" * (64 << 20)
-        _HELD.append(data)  # alive until the child's exit: some kernels raise the peak only then, not at a free
-        return str(data.count(1))
+        # fresh pages, each written: a malloc'd block may reuse freed memory that is resident already (this
+        # process may have raised glibc's trim threshold, as loader workers do), and a zeroed block only read maps
+        # the shared zero page; kept until the child exits, where some kernels record the peak
+        block = mmap.mmap(-1, 64 << 20)
+        for at in range(0, len(block), mmap.PAGESIZE):
+            block[at] = 1
+        _HELD.append(block)
+        return str(sum(block[at] for at in range(0, len(block), mmap.PAGESIZE)) * mmap.PAGESIZE)
 
     outcome = run_isolated(touch_64mb, (), cpu_s=5, mem_bytes=256 << 20, wall_s=60)
     assert outcome.kind == "ok" and outcome.detail == str(64 << 20)
