@@ -149,7 +149,8 @@ class Replicas:
             data = dist.recv_bytes(0)
             try:
                 self._check_place(Path(e.path))
-                if write_copy(Path(e.path), data, e.keep_previous) and e.supersedes:
+                # _holds found the disk without these bytes: the file there is not hashed a second time
+                if write_copy(Path(e.path), data, e.keep_previous, compared=True) and e.supersedes:
                     (Path(e.path).parent / e.supersedes).unlink(missing_ok=True)
                 self._sha.pop(e.path, None)
             except (CheckpointError, OSError) as err:
@@ -175,12 +176,13 @@ class Replicas:
             raise CheckpointError(f"refused a copy to {excerpt(str(path), 80)}: not a file of this run's folder")
 
 
-def write_copy(path: Path, data: bytes, keep_previous: str | None) -> bool:
+def write_copy(path: Path, data: bytes, keep_previous: str | None, compared: bool = False) -> bool:
     """``data`` into ``path`` on this node's disk, atomically (the folder made if needed, never through a link;
     the file there before kept as ``keep_previous``); False, and nothing written, where ``path`` already holds
-    exactly ``data`` (a disk shared with node 0). A folder that cannot take it is one line (CheckpointError)."""
+    exactly ``data`` (a disk shared with node 0). ``compared``: the caller has found that it does not (the file is
+    not read again). A folder that cannot take it is one line (CheckpointError)."""
     try:
-        if path.is_file() and file_sha256(path) == hashlib.sha256(data).hexdigest():
+        if not compared and path.is_file() and file_sha256(path) == hashlib.sha256(data).hexdigest():
             return False
         problem = run_dir_problem(path.parent.parent if path.parent.name == "weights" else path.parent)
         if problem is not None:
