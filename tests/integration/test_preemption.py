@@ -99,16 +99,23 @@ def _preempt(
     target: str,
     sig: signal.Signals,
     env: dict[str, str] | None = None,
+    torchrun: bool = False,
     **extra: object,
 ) -> tuple[subprocess.CompletedProcess, Path]:
     """Start a run whose rank 0 holds after epoch 1's last.pt, send ``sig`` to ``target`` ("launcher": the
     process the test started; "rank 1": the second worker; "group": every process of the run), release rank 0,
-    and collect the run's end."""
+    and collect the run's end. ``torchrun``: the ranks of ``device`` started by torchrun instead of detrain."""
     until = project / "release"
     env = {**fault_env("last.pt", 0, "hold", until=until), **(env or {})}
     args = {**ARGS, "data": str(data), "project": str(project), "device": device, "nbs": NBS[device], **extra}
+    cmd = _cmd(args)
+    if torchrun:  # torchrun gives each rank its place; detrain's own device list is not given
+        del args["device"]
+        ranks = ["--nproc-per-node", str(len(device.split(","))), "--master-addr", "127.0.0.1"]
+        launch = [sys.executable, "-m", "torch.distributed.run", *ranks, "--master-port", str(free_port())]
+        cmd = [*launch, *_cmd(args)[1:]]
     proc = subprocess.Popen(
-        _cmd(args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
     )
     try:
         wait_for(lambda: Path(f"{until}.held").exists() or proc.poll() is not None, LIMIT_S, "rank 0 never held")
@@ -234,40 +241,9 @@ def test_sigterm_to_both_nodes_process_groups_saves_on_node_0_and_ends_both_resu
 def test_under_torchrun_sigterm_to_every_process_saves_mid_pt(data, tmp_path: Path) -> None:
     """torchrun's agent says nothing to its workers: their SIGTERM is the preemption; each worker ends 75 after
     the agreed save (torchrun itself reports its workers' end as it does for any signal)."""
-    until = tmp_path / "release"
-    env = fault_env("last.pt", 0, "hold", until=until)
-    args = {**ARGS, "data": str(data), "project": str(tmp_path), "nbs": NBS["cpu,cpu"]}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "detrain.cli",
-        "train",
-        *(f"{k}={v}" for k, v in args.items()),
-    ]
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True
-    )
-    try:
-        wait_for(lambda: Path(f"{until}.held").exists() or proc.poll() is not None, LIMIT_S, "rank 0 never held")
-        assert proc.poll() is None, proc.communicate()
-        os.killpg(proc.pid, signal.SIGTERM)
-        time.sleep(0.5)
-        until.touch()
-        out, err = proc.communicate(timeout=LIMIT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    text = out + err
-    mid = tmp_path / "run" / "weights" / "mid.pt"
+    ended, run = _preempt(data, tmp_path, "cpu,cpu", "group", signal.SIGTERM, torchrun=True)
+    text = ended.stdout + ended.stderr
+    mid = run / "weights" / "mid.pt"
     assert f"preempted by SIGTERM: saved {mid} at epoch 2, 1/4 batches done" in text, text[-3000:]
     ckpt = torch.load(mid, map_location="cpu", weights_only=True)
     assert (ckpt["epoch"], ckpt["mid_epoch"]["next_batch"]) == (0, 1)
