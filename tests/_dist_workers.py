@@ -297,3 +297,26 @@ def auto_batch(args: dict[str, Any], world: World) -> dict[str, Any]:
     chosen = pick_batch(-1, torch.device("cpu"), fake_steps, dist.world_size(), 10_000, said.append, memory)
     dist.barrier("end")
     return {"rank": dist.rank(), "batch": chosen, "said": said, "all": dist.all_gather_object(chosen)}
+
+
+def ema_buffers(args: dict[str, Any], world: World) -> dict[str, Any]:
+    """Two ranks train a BatchNorm net under DDP on their own data (an accumulating batch, then the batch that updates)
+    and the EMA takes the model as the trainer gives it (``share``: through ``parallel.share_main_buffers``). Rank 0
+    returns every rank's EMA running mean, and its own model's before the share."""
+    from detrain.distributed import parallel
+    from detrain.engine.train.ema import ModelEMA
+
+    dist.setup(world, timeout_s=30.0)
+    torch.manual_seed(0)
+    bare = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+    model = parallel.wrap(bare, world, torch.device("cpu"), sync_bn=False)
+    ema = ModelEMA(bare, tau=1.0)
+    opt = torch.optim.SGD(bare.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(100 + dist.rank())  # each rank its own images
+    for will_step in (False, True):
+        with parallel.gradient_sync(model, will_step):
+            model(torch.randn(2, 3, 4, 4, generator=data) * (dist.rank() + 1)).square().mean().backward()
+    opt.step()
+    own = bare[1].running_mean.tolist()
+    ema.update(parallel.share_main_buffers(model) if args["share"] else model)
+    return {"own": own, "ema": dist.all_gather_object(ema.ema[1].running_mean.tolist())}

@@ -10,6 +10,8 @@ trainer asks this module, never the wrapper's class, for:
 * :func:`unwrap` the bare model, for the optimizer, the EMA, checkpoints and hooks (a sharded model is its own
   bare model: its parameters are DTensors);
 * :func:`gradient_sync` around a backward pass, off for the batches that only accumulate before an update;
+* :func:`share_main_buffers` at each update: rank 0's BatchNorm statistics on every rank before the EMA takes
+  them, so every rank's EMA (what it validates with) is rank 0's, the one the checkpoint holds;
 * :func:`sync_buffers_next_forward` on resume: whether the next forward sends rank 0's buffers, as it stood;
 * :func:`full_state_dict`, :func:`gathered_state` and :func:`local_optimizer_state`: whole tensors for the EMA and
   for checkpoints (collectives when sharded), and a whole optimizer state cut back to this rank's rows; so a
@@ -90,6 +92,32 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
 
         return sharded.buffer_sync(model).backward(enabled)
     return contextlib.nullcontext()
+
+
+def share_main_buffers(model: nn.Module) -> nn.Module:
+    """Rank 0's floating buffers (BatchNorm's running statistics) on every rank, in place (a collective in a group:
+    one broadcast per dtype); returns ``model``. Called at each update, before the EMA takes the model's buffers.
+
+    Each rank's forward passes update the running statistics from its own images (unless ``sync_bn``), and DDP
+    sends rank 0's to the others only before the next forward; rank 0's are the ones that go on (and the ones every
+    checkpoint holds). Taken at the update, every rank's EMA follows rank 0's, so the ranks validate with the
+    weights ``best.pt`` holds, and a checkpoint needs no rank's buffers but rank 0's: what a rank's forward passes
+    since the last update added to its own statistics is replaced at the next update whatever it was, and
+    training-mode BatchNorm normalises with the batch's statistics, not the running ones.
+    """
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return model
+    buffers = [b for b in unwrap(model).buffers() if b.is_floating_point()]
+    with torch.no_grad():
+        for dtype in sorted({b.dtype for b in buffers}, key=str):
+            group = [b for b in buffers if b.dtype == dtype]
+            flat = torch.cat([b.detach().reshape(-1) for b in group])
+            torch.distributed.broadcast(flat, src=0)  # collective
+            offset = 0
+            for b in group:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+    return model
 
 
 def sync_buffers_next_forward(model: nn.Module, due: bool) -> None:

@@ -89,10 +89,12 @@ def _same(run: Path, reference: Path) -> None:
 
 def test_two_fsdp_workers_train_what_two_ddp_workers_train(runs: dict[str, Path]) -> None:
     _same(runs["fsdp"], runs["ddp"])
-    # the checkpoint is DDP's format: whole tensors, optimizer state by parameter index, rank 1's own buffers
+    # the checkpoint is DDP's format: whole tensors, optimizer state by parameter index, each rank's generators
+    # (BatchNorm statistics are rank 0's on every rank: parallel.share_main_buffers)
     ddp, fsdp = _last(runs["ddp"]), _last(runs["fsdp"])
     assert ddp["optimizer"]["state"].keys() == fsdp["optimizer"]["state"].keys()
-    assert ddp["buffers_per_rank"].keys() == fsdp["buffers_per_rank"].keys() == {"1"}
+    assert ddp["rng_per_rank"].keys() == fsdp["rng_per_rank"].keys() == {"0", "1"}
+    assert "buffers_per_rank" not in ddp and "buffers_per_rank" not in fsdp
 
 
 RESUMES = {  # name: (the run whose epoch1.pt is resumed, parallel= of the resumed run, its devices)

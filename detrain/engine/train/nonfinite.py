@@ -84,8 +84,6 @@ class NonFinite:
         ranks, grads = round(seen[0]), seen[1] > 0
         if not ranks and not grads:
             self.in_a_row = 0
-            if self.stats is not None:
-                self.stats.remember()
             return False
         if ranks and self.stats is not None:  # a forward went non-finite: its running statistics go too
             self.stats.restore()
@@ -106,6 +104,12 @@ class NonFinite:
                 "data, or amp=false)"
             )
         return True
+
+    def remember(self) -> None:
+        """After an update went through (and the ranks took rank 0's BatchNorm statistics: :func:`detrain.
+        distributed.parallel.share_main_buffers`): the running statistics a skipped update will put back."""
+        if self.stats is not None:
+            self.stats.remember()
 
     def begin_epoch(self) -> None:
         """A new epoch's count (a skipped run of updates goes on counting across epochs); the running statistics

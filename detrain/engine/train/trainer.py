@@ -204,8 +204,7 @@ class Trainer:
 
     def _make_parallel(self) -> None:
         """In a group: the model wrapped for data parallelism (:func:`detrain.distributed.parallel.wrap`), which
-        gives every rank rank 0's weights; the EMA then follows them, and a resumed run gives each rank its own
-        BatchNorm statistics back."""
+        gives every rank rank 0's weights and buffers; the EMA then follows them."""
         d = self.cfg.distributed
         self.model = parallel.wrap(self.model, self.world, self.device, sync_bn=d.sync_bn, kind=d.parallel)
         self.state.restore_ranks(self.model, self.ema)  # collective where sharded
@@ -403,7 +402,8 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.ema.update(self.model)
+        self.ema.update(parallel.share_main_buffers(self.model))  # collective: rank 0's BatchNorm statistics
+        self.nonfinite.remember()  # the statistics a skipped update puts back
 
     def _skip_update(self) -> None:
         """An update some rank found non-finite: no optimizer or EMA step, the gradients gone; the fp16 scaler's own."""

@@ -9,7 +9,7 @@ checkpoint is read or made, and never sees the trainer. What it does, in the ord
   (:mod:`detrain.distributed.restart_policy`);
 * the run folder (:class:`Checkpointer`, collective): rank 0 decides it and locks it for the run's life
   (:mod:`.run_lock`); before the first write, leftovers of killed writes go and ``args.yaml`` is written;
-* the restore: the weights, the EMA, each rank's own BatchNorm statistics, the optimizer, schedule, scaler, random
+* the restore: the weights, the EMA, the optimizer, schedule, scaler, each rank's random
   generators and the loop's position (a ``mid.pt`` within its epoch: :mod:`.mid_epoch`);
 * the gather (collective): what differs between ranks, and under ``parallel=fsdp`` the whole tensors, to rank 0
   (sharded questions go to :mod:`detrain.distributed.parallel`);
@@ -208,15 +208,15 @@ class Checkpointer:
 
     def restore_ranks(self, model: nn.Module, ema: ModelEMA) -> None:
         """In a group, once ``model`` is wrapped (every rank has rank 0's weights): the EMA follows them on a fresh
-        start, and a resumed run gives each rank its own BatchNorm statistics back."""
+        start; a resumed run sends rank 0's buffers before the next forward as DDP would have."""
         if not self.world.distributed:
             return
         if self.resume is None or not self.resume.get("ema"):
             # the EMA was copied earlier from this rank's own (seed + rank) init, so ranks > 0 would validate a
             # slightly different model; collective where sharded (the whole weights)
             ema.ema.load_state_dict(parallel.full_state_dict(model))
-        if self.resume is not None:  # each rank's own BatchNorm statistics, as they were
-            resume_state.restore_rank_state(model, ema.ema, self.resume, self.world.rank)
+        if self.resume is not None:  # DDP's buffer broadcast before the next forward, as it stood
+            resume_state.restore_rank_state(model, self.resume)
 
     def restore(self, parts: Parts, loop: Loop) -> Resumed:
         """A resumed run's optimizer, schedule, scaler and random generators, and where its loop starts in this
@@ -257,12 +257,12 @@ class Checkpointer:
     # ------------------------------------------------------------------ the gather and the saves
     def gather(self, parts: Parts, pending: bool) -> None:
         """What the checkpoint rank 0 writes next needs from the other ranks (a collective: every rank): what
-        differs between ranks (BatchNorm statistics, generator states: an all_gather_object), and under
+        differs between ranks (the generators' states: a gather of bytes to rank 0), and under
         parallel=fsdp the whole weights, optimizer state and waiting gradients (:func:`parallel.gathered_state`)
         and the EMA's rows. Nothing where the run saves no checkpoints (``save=false``)."""
         if not self.save:
             return
-        self.per_rank = resume_state.gather_per_rank(parts.model, parts.ema.ema, self.world)  # collective
+        self.per_rank = resume_state.gather_per_rank(self.world)  # collective
         parts.ema.gather(parts.model)  # collective where sharded: one all-gather per weight
         whole = parallel.gathered_state(parts.model, parts.optimizer, pending)  # collective where sharded
         self.gathered = whole if self.main else None  # the other ranks keep only their shards
@@ -293,7 +293,7 @@ class Checkpointer:
             "train_time_s": loop.train_time_s,  # time=: what resume has left
             "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
             "rng": rng_state(),
-            **self.per_rank,  # rng_per_rank, buffers_per_rank
+            **self.per_rank,  # rng_per_rank
             **self.launch.stamp(),  # which launch wrote it: a restart of this launch resumes from it
         }
 

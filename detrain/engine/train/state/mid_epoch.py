@@ -10,8 +10,8 @@ epoch ends, ``last.pt`` supersedes it and it is removed. Written atomically, lik
 When to save is read on rank 0's clock and shared with one all-reduce of one number after each step (only when
 ``save_interval`` > 0, :meth:`MidEpoch.due`), because every rank must save at the same step: saving needs
 collectives. The trainer then makes the checkpoint, as at an epoch's end: gradients still waiting for an update
-averaged over the ranks (:mod:`detrain.engine.train.accumulation`), what differs between ranks (random generators,
-BatchNorm statistics) gathered; :meth:`MidEpoch.save` adds where the epoch stands and writes it. This module never
+averaged over the ranks (:mod:`detrain.engine.train.accumulation`), what differs between ranks (random
+generators) gathered; :meth:`MidEpoch.save` adds where the epoch stands and writes it. This module never
 sees the trainer: it is told the batch, the plan's step and the running losses. Under elastic
 membership a mid-epoch checkpoint of another world size continues at the batch of this run's plan that its images
 reach (a few images may be seen twice).

@@ -1,10 +1,11 @@
-"""What differs between ranks (random generators, BatchNorm statistics), gathered to rank 0 as bytes, not pickles.
+"""What differs between ranks (their random generators), gathered to rank 0 as bytes, not pickles.
 
-A checkpoint gives every rank back its own generators and, in a group, its own model and EMA buffers
-(:func:`detrain.engine.train.state.resume_state.gather_per_rank`). Only rank 0 writes the checkpoint, so only rank 0
-needs them: each rank packs its state into one flat ``uint8`` tensor laid out by the structure every rank shares
-(the same model, the same generators), and one ``gather`` brings them to rank 0, which unpacks each against its
-own structure. A rank other than 0 receives nothing, however large the world; no rank unpickles what another sent.
+A checkpoint gives every rank back its own generators
+(:func:`detrain.engine.train.state.resume_state.gather_per_rank`; BatchNorm statistics are rank 0's on every rank:
+:func:`detrain.distributed.parallel.share_main_buffers`). Only rank 0 writes the checkpoint, so only rank 0 needs
+them: each rank packs its state into one flat ``uint8`` tensor laid out by the structure every rank shares (the same
+generators), and one ``gather`` brings them to rank 0, which unpacks each against its own structure. A rank other
+than 0 receives nothing, however large the world; no rank unpickles what another sent.
 
 The structure: nested dicts (sorted keys), lists and tuples whose leaves are tensors (their raw bytes), ints
 (int64), floats or None (a flag and a float64: ``random.getstate()``'s cached Gaussian is either) and strings

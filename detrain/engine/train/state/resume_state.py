@@ -45,7 +45,7 @@ from torch import nn
 from detrain.config.cfg import LAUNCH_KEYS, SPECS_DEFAULTS, Cfg, make_cfg
 from detrain.data.memory.process_owner import start_ticks
 from detrain.distributed import dist
-from detrain.distributed.parallel import sync_buffers_next_forward, unwrap
+from detrain.distributed.parallel import sync_buffers_next_forward
 from detrain.distributed.world import World
 from detrain.engine.telemetry.events import EventLog
 from detrain.engine.train.reproduce import find_resume_checkpoint, rng_state
@@ -257,36 +257,29 @@ def series_folders(project: str, name: str, task: str = "train") -> list[Path]:
     return out
 
 
-def gather_per_rank(model: nn.Module, ema: nn.Module, world: World) -> dict[str, Any]:
+def gather_per_rank(world: World) -> dict[str, Any]:
     """What differs between ranks, for the checkpoint rank 0 writes to give back to each (a collective in ``world``'s
-    group; the other ranks get an empty dict): its random
-    generators (``rng_per_rank``) and, in a group, the floating buffers of its model and EMA (``buffers_per_rank``,
-    ranks > 0; rank 0's are the checkpoint's own). Those are BatchNorm statistics: each rank's forward passes update
-    them from its own images (unless sync_bn), and DDP sends rank 0's to the others only before a forward that
-    follows an update, so between updates, and in each rank's EMA, they differ."""
+    group; the other ranks get an empty dict): their random generators (``rng_per_rank``), about 13 kB a rank.
+
+    BatchNorm statistics are not per rank: every rank takes rank 0's at each update
+    (:func:`detrain.distributed.parallel.share_main_buffers`), so its EMA is rank 0's, and what its forward passes
+    add between two updates is replaced at the next whatever it was; rank 0's are the checkpoint's own."""
     mine: dict[str, Any] = {"rng": rng_state()}
-    if world.distributed:
-        mine["buffers"] = {"model": _float_buffers(unwrap(model)), "ema": _float_buffers(ema)}
-    # collective: every rank's generators and buffers as bytes, on rank 0 alone (rank_state.py: no pickles, and
-    # the other ranks receive nothing); only rank 0 writes the checkpoint
+    # collective: every rank's generators as bytes, on rank 0 alone (rank_state.py: no pickles, and the other
+    # ranks receive nothing); only rank 0 writes the checkpoint
     packed = dist.gather_to_main(rank_state.pack(mine))
     if packed is None:
         return {}
     everyone = [mine if r == 0 else rank_state.unpack(t, mine) for r, t in enumerate(packed)]
-    out: dict[str, Any] = {"rng_per_rank": {str(r): s["rng"] for r, s in enumerate(everyone)}}
-    if world.distributed:
-        out["buffers_per_rank"] = {str(r): s["buffers"] for r, s in enumerate(everyone) if r}
-    return out
+    return {"rng_per_rank": {str(r): s["rng"] for r, s in enumerate(everyone)}}
 
 
-def restore_rank_state(model: nn.Module, ema: nn.Module, ckpt: dict[str, Any], rank: int) -> None:
-    """In a group, once DDP has given every rank rank 0's weights: this rank's own buffers back (where the checkpoint
-    has them: one of another world size may not), and DDP's choice to send rank 0's buffers before the next forward
-    as it stood when the checkpoint was saved (after an update, yes; between two, no). The same on every rank: the
-    checkpoint is."""
-    mine = (ckpt.get("buffers_per_rank") or {}).get(str(rank)) or {}
-    _copy_into(unwrap(model), mine.get("model") or {})
-    _copy_into(ema, mine.get("ema") or {})
+def restore_rank_state(model: nn.Module, ckpt: dict[str, Any]) -> None:
+    """In a group, once DDP has given every rank rank 0's weights and buffers: DDP's choice to send rank 0's buffers
+    before the next forward as it stood when the checkpoint was saved (after an update, yes; between two, no). The
+    same on every rank: the checkpoint is. (``buffers_per_rank`` of a checkpoint written before
+    :func:`detrain.distributed.parallel.share_main_buffers` existed is left unread: every rank goes on with rank
+    0's.)"""
     sync_buffers_next_forward(model, _updated_last(ckpt))
 
 
@@ -429,20 +422,6 @@ def _agent_identity() -> str:
     return f"agent:{socket.gethostname()}:{ppid}:{'?' if started is None else started}"
 
 
-def _float_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    saved = module.state_dict()  # persistent buffers only: those a checkpoint holds too
-    return {
-        k: v.detach().to("cpu", copy=True) for k, v in module.named_buffers() if v.is_floating_point() and k in saved
-    }
-
-
-def _copy_into(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
-    own = dict(module.named_buffers())
-    with torch.no_grad():
-        for name, value in values.items():
-            own[name].copy_(value)  # names and shapes checked by rank 0 (_check_resumable)
-
-
 def _updated_last(ckpt: dict[str, Any]) -> bool:
     """Whether the last batch before the checkpoint ended with an optimizer update."""
     epoch, batch = position(ckpt)
@@ -459,30 +438,6 @@ def _check_resumable(ckpt: dict[str, Any], path: Path) -> None:
             f"{LAST} or {MID} written by 'detrain train' (start a new run with model={path})"
         )
     position(ckpt, path)
-    per_rank = ckpt.get("buffers_per_rank")
-    if per_rank is None:
-        return
-    weights = {"model": ckpt["model"]["state_dict"], "ema": (ckpt.get("ema") or {}).get("state_dict") or {}}
-    ok = isinstance(per_rank, dict) and all(
-        isinstance(r, str)
-        and isinstance(parts, dict)
-        and set(parts) <= set(weights)
-        and all(
-            isinstance(buffers, dict)
-            and all(
-                isinstance(k, str)
-                and isinstance(v, torch.Tensor)
-                and isinstance(weights[part].get(k), torch.Tensor)
-                and v.shape == weights[part][k].shape
-                and v.dtype == weights[part][k].dtype
-                for k, v in buffers.items()
-            )
-            for part, buffers in parts.items()
-        )
-        for r, parts in per_rank.items()
-    )
-    if not ok:
-        raise CheckpointError(f"{path}: 'buffers_per_rank' does not match its model's and EMA's buffers")
 
 
 def _gather(report: tuple[Any, ...], wait_s: float, world: World) -> list[tuple[Any, ...]]:
