@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ from detrain.engine.train.batch_plan import check_split
 
 def bench_worker(args: dict[str, Any], here: World) -> dict[str, float]:
     """Time ``iters`` training steps on this rank's share of the global batch; rank 0's numbers come back."""
+    from detrain.config.keys import Loss
+    from detrain.nn.head import LossGains
     from detrain.nn.loss import DetectionLoss
     from detrain.nn.model import DetectionModel
 
@@ -49,6 +52,7 @@ def bench_worker(args: dict[str, Any], here: World) -> dict[str, float]:
         args["nc"],
         model.stride,
         reg_max=model.reg_max,
+        gains=LossGains(**asdict(Loss())),
         normalizer_reduce=dist.all_reduce_sum if world > 1 else None,
         world_size=world,
     )

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,8 +143,10 @@ def rank_main(args: dict[str, Any], here: World) -> dict[str, Any]:
     """Build the cached loader (detrain's or Ultralytics'), run the training steps, return what rank 0 saw."""
     import torch
 
+    from detrain.config.keys import Loss
     from detrain.distributed import dist
     from detrain.engine.train.batch_plan import check_split
+    from detrain.nn.head import LossGains
     from detrain.nn.loss import DetectionLoss
     from detrain.nn.model import DetectionModel
 
@@ -164,6 +167,7 @@ def rank_main(args: dict[str, Any], here: World) -> dict[str, Any]:
         80,
         model.stride,
         reg_max=model.reg_max,
+        gains=LossGains(**asdict(Loss())),
         normalizer_reduce=dist.all_reduce_sum if world > 1 else None,
         world_size=world,
     )

@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
+from detrain.config.keys import Loss
 from detrain.engine.train.optim import kernel_options
 from detrain.nn.head import LossGains
 from detrain.nn.model import DetectionModel
@@ -103,7 +104,7 @@ def detrain_parts(
         model.compile(backend="aot_eager")
     elif compile_mode is not None:
         model.compile(mode=None if compile_mode == "default" else compile_mode)
-    criterion = model.criterion(LossGains(), epochs=EPOCHS)
+    criterion = model.criterion(LossGains(**asdict(Loss())), epochs=EPOCHS)
     criterion.set_epoch(0)
     # the update kernel detrain's trainer picks (engine/optim.py: fused where torch has one)
     optimizer = _sgd(model, **kernel_options(list(model.parameters())))
@@ -138,7 +139,7 @@ def ultralytics_step(args: argparse.Namespace, batch: Batch, device: torch.devic
     except ImportError:
         return None
     model = UltralyticsModel(f"{args.family}{args.scale}.yaml", nc=args.nc, verbose=False).to(device).train()
-    model.args = SimpleNamespace(box=7.5, cls=0.5, dfl=1.5, epochs=EPOCHS)  # the loss reads its gains from here
+    model.args = SimpleNamespace(**asdict(Loss()), epochs=EPOCHS)  # the loss reads its gains (detrain's) from here
     criterion = model.init_criterion()
     optimizer = _sgd(model)  # Ultralytics' trainer asks for no fused/foreach kernel on CPU
     # Ultralytics trains in the default (contiguous) memory format; it is timed as it trains

@@ -44,6 +44,9 @@ Device = str | int | list
 # Every command that takes keys, in the order an error names those that take a key ("it is for val and train").
 COMMANDS = ("val", "predict", "export", "info", "train")
 WEEK_S = 7 * 24 * 3600  # the longest timeout: a typo beyond it would overflow the timers instead of waiting
+# prepare_timeout's default: how long ranks wait for their node's first process to prepare the data (an hour);
+# what prepares data without a config waits as long (data/prepare.py, data/memory/ram_cache.py)
+PREPARE_TIMEOUT_S = 3600.0
 YEAR_H = 365 * 24  # the longest time= budget in hours: beyond it a value is a typo (time is hours, not seconds)
 # The most pixels an image's header may declare before it is decoded: 200 megapixels (600 MB decoded, a
 # 14000 x 14000 aerial tile) passes; a 110 KB PNG declaring 30000 x 30000 (2.7 GB on every loader thread) does not.
@@ -59,7 +62,11 @@ class Spec:
     '' would only fail later. ``parse`` reads the value instead of the field's type (id lists, nbs, cache);
     ``check`` runs after the bounds and returns the value normalised. ``commands``: the commands that take the key
     (their ``--help`` lists it; naming it for another command is an error). ``launch``: the key says where and how
-    the workers run, each node's own value, kept over a resumed checkpoint's arguments. ``guard``: a value other
+    the workers run: this launch's value is kept over a resumed checkpoint's arguments. ``per_node``: the nodes of
+    one job may give the key different values (a node's own devices, loader processes, interface and run id, and
+    what only rank 0 acts on: the run folder, plots, trackers, printing); every other key every node gives alike,
+    so a derived run id hashes them (:mod:`detrain.distributed.run_identity`) and training's start check compares
+    them, or what they name (:mod:`detrain.engine.train.shared_settings`). ``guard``: a value other
     than the default lifts a safety guard (a download anywhere, code in an export run unchecked), so it is taken
     from the command line or the API only: a ``cfg=`` file that sets it is refused (:mod:`detrain.config.cfg`)."""
 
@@ -73,6 +80,7 @@ class Spec:
     check: Callable[[str, Any], Any] | None = None
     commands: tuple[str, ...] = ("train",)
     launch: bool = False
+    per_node: bool = False
     guard: bool = False
 
 
@@ -89,6 +97,7 @@ def key(
     check: Callable[[str, Any], Any] | None = None,
     commands: tuple[str, ...] | None = None,
     launch: bool = False,
+    per_node: bool = False,
     guard: bool = False,
 ) -> Any:
     """A field of a section: its default, and its :class:`Spec` (help, choices, bounds, checks, the commands that
@@ -96,7 +105,7 @@ def key(
     val) for a ``launch`` key."""
     if commands is None:
         commands = ("train", "val") if launch else ("train",)
-    spec = Spec(help_text, choices, low, high, pattern, non_empty, parse, check, commands, launch, guard)
+    spec = Spec(help_text, choices, low, high, pattern, non_empty, parse, check, commands, launch, per_node, guard)
     return field(default=default, metadata={"spec": spec})
 
 
@@ -206,6 +215,7 @@ class Inputs:
         "manifest.json's dataset fingerprint: paths (relative paths and sizes, reads no file) or content (also "
         "every byte of every image, label and json)",
         choices=("paths", "content"),
+        per_node=True,
     )
 
 
@@ -361,12 +371,13 @@ class Distributed:
         "'' (first GPU, else cpu), cpu, cpu,cpu (2 gloo workers), 0, 0,1 (one worker per GPU)",
         commands=("train", "val", "predict"),
         launch=True,
+        per_node=True,
     )
-    workers: int = key(4, "dataloader worker processes per rank", low=0, high=64, launch=True)
+    workers: int = key(4, "dataloader worker processes per rank", low=0, high=64, launch=True, per_node=True)
     nnodes: str = key(
         "1", "number of nodes, or MIN:MAX for elastic membership (as torchrun)", check=node_count, launch=True
     )
-    node_rank: int = key(0, "rank of this node among nnodes", low=0, launch=True)
+    node_rank: int = key(0, "rank of this node among nnodes", low=0, launch=True, per_node=True)
     master_addr: str = key(
         "127.0.0.1",
         "address of the node with node_rank 0; on one machine (nnodes=1) a cfg= file may give only loopback "
@@ -390,6 +401,7 @@ class Distributed:
         "alike); a node with another id is turned away",
         pattern=(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", "'' or up to 64 letters, digits, '.', '_' or '-'"),
         launch=True,
+        per_node=True,
     )
     # interface names (Linux allows at most 15 characters)
     socket_ifname: str = key(
@@ -401,6 +413,7 @@ class Distributed:
             "'' or interface names like eth0 (comma-separated)",
         ),
         launch=True,
+        per_node=True,
     )
     max_restarts: int = key(
         0,
@@ -438,7 +451,7 @@ class Distributed:
         launch=True,
     )
     prepare_timeout: float = key(
-        3600.0,
+        PREPARE_TIMEOUT_S,
         "seconds ranks wait while each node's first process downloads, verifies "
         "labels, fills cache=ram (at most a week)",
         low=1,
@@ -470,17 +483,20 @@ class Output:
         "of the run folder the file lies in (<project>/<name>/args.yaml): elsewhere from the command line or the API",
         check=folder,
         commands=("train", "val", "predict", "export"),
+        per_node=True,
     )
     name: str = key(
         "",
         "run folder name, one folder inside project ('' = exp, exp2, ...)",
         check=folder,
         commands=("train", "val", "predict", "export"),
+        per_node=True,
     )
     exist_ok: bool = key(
         False,
         "reuse an existing run folder instead of incrementing the name",
         commands=("train", "val", "predict", "export"),
+        per_node=True,
     )
     save: bool = key(
         True,
@@ -514,24 +530,28 @@ class Output:
         "save plots: train_batch*.jpg, results.png, labels.jpg; curves, confusion matrices, val_batch*.jpg (train: "
         "the last validation's)",
         commands=("train", "val"),
+        per_node=True,
     )
     tensorboard: bool = key(
-        False, 'log each epoch\'s results.csv row to tensorboard (pip install "detrain[tensorboard]")'
+        False, 'log each epoch\'s results.csv row to tensorboard (pip install "detrain[tensorboard]")', per_node=True
     )
     mlflow: bool = key(
         False,
         "log the args, each results.csv row and best.pt to MLflow: $MLFLOW_TRACKING_URI, else a local store in "
         '<project>/mlflow (pip install "detrain[mlflow]")',
+        per_node=True,
     )
     wandb: bool = key(
         False,
         "log the args, each results.csv row and best.pt to Weights & Biases, offline in <run>/wandb unless "
         '$WANDB_MODE says online (pip install "detrain[wandb]")',
+        per_node=True,
     )
     verbose: bool = key(
         True,
         "print per-class metrics and progress (info: the per-layer table)",
         commands=("train", "val", "predict", "info"),
+        per_node=True,
     )
 
 
@@ -636,6 +656,10 @@ class Cfg:
         """Every key with its value, flat as users give them: ``{"model": "n.yaml", ..., "dynamic": True}``."""
         return {name: _copy(getattr(getattr(self, SECTION_OF[name]), name)) for name in SECTION_OF}
 
+    def node_shared(self) -> dict[str, Any]:
+        """Every key the nodes of one job give alike (all but the ``per_node`` ones), flat as ``to_dict()``."""
+        return {name: value for name, value in self.to_dict().items() if not SPECS[name].per_node}
+
     def get(self, name: str) -> Any:
         """The value of a key by its flat name (``cfg.get("epochs")`` is ``cfg.train.epochs``); KeyError for a
         name that is no key."""
@@ -679,8 +703,10 @@ ULTRALYTICS_ONLY = frozenset(
     cls_remap
     """.split()
 )
-# where and how the workers run: a node's own values, kept over a resumed checkpoint's
+# where and how the workers run: this launch's values, kept over a resumed checkpoint's
 LAUNCH_KEYS: tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.launch)
+# the keys the nodes of one job may give differently; every other key they give alike
+PER_NODE_KEYS: frozenset[str] = frozenset(name for name, spec in SPECS.items() if spec.per_node)
 
 
 def defaults() -> dict[str, Any]:

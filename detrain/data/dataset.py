@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from detrain.config.keys import MAX_PIXELS, Augment
+from detrain.config.keys import MAX_PIXELS, PREPARE_TIMEOUT_S, Augment
 from detrain.data.image_header import image_byte_limit, pixel_problem
 from detrain.data.image_io import (
     check_disk_cache_fits,
@@ -44,7 +44,7 @@ from detrain.data.image_io import (
 )
 from detrain.data.memory.batch_memory import Batch, BatchBlock, whole_block
 from detrain.data.memory.decode_cache import LANES, DecodeCache
-from detrain.data.memory.ram_cache import DEFAULT_TIMEOUT_S, RamCache, cache_key, run_tag
+from detrain.data.memory.ram_cache import RamCache, cache_key, run_tag
 from detrain.data.samples.augment import apply_hsv, letterbox
 from detrain.data.samples.device_render import DeviceBatch, EncodedJpeg
 from detrain.data.samples.instances import Labels
@@ -223,7 +223,7 @@ class DetectionDataset(Dataset):
                 self.load_sizes_hw,
                 self._load_for_cache,
                 local_rank=local_rank,
-                timeout_s=cache_timeout_s or DEFAULT_TIMEOUT_S,
+                timeout_s=cache_timeout_s or PREPARE_TIMEOUT_S,
             )
         elif self.cache == "disk":
             check_disk_cache_fits(self.im_files, self.shapes_hw)

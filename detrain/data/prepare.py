@@ -12,7 +12,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from detrain.config.cfg import Cfg
-from detrain.config.keys import MAX_PIXELS
+from detrain.config.keys import MAX_PIXELS, PREPARE_TIMEOUT_S
 from detrain.data.dataset import DetectionDataset
 from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
 from detrain.data.download import DownloadLimits
@@ -26,7 +26,6 @@ from detrain.distributed import dist
 from detrain.distributed.world import World
 from detrain.errors import DatasetError
 
-PREPARE_TIMEOUT_S = 3600.0  # without a config: as cfg/default.yaml's prepare_timeout
 _SHOWN: set[str] = set()  # the dataset notes already shown by this process
 
 

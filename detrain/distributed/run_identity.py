@@ -5,11 +5,12 @@ it before it joins: a different id ends that node with one line naming both ids,
 its visit, so that a master waiting for a fixed number of nodes ends with the same line instead of going on
 waiting. Nodes of one job wait for the master's word that all of them came before they start.
 
-``run_id=''`` (the default) derives the id from the arguments every node of one job gives alike: all of them but
-the ones that may differ per node (``PER_NODE_KEYS``). When both ids are derived, the line also names the
-arguments that differ.
+``run_id=''`` (the default) derives the id from the arguments every node of one job gives alike, which the caller
+passes: all of them but those a node may give differently (the keys ``config/keys.py`` marks ``per_node``:
+``Cfg.node_shared()``; this layer takes plain values, never a Cfg). When both ids are derived, the line also names
+the arguments that differ.
 
->>> derive("train", {"epochs": 3, "node_rank": 0}) == derive("train", {"epochs": 3, "node_rank": 1})
+>>> derive("train", {"epochs": 3}) == derive("train", {"epochs": 3}) != derive("val", {"epochs": 3})
 True
 """
 
@@ -25,28 +26,6 @@ import torch.distributed as tdist
 
 from detrain.errors import DistributedError
 
-# Arguments a node may give differently from the others of its job: its own devices and loader processes, its
-# interface, and what only rank 0 acts on (the output folder, plots, logging).
-PER_NODE_KEYS = frozenset(
-    {
-        "device",
-        "workers",
-        "node_rank",
-        "socket_ifname",
-        "run_id",
-        "cache",
-        "project",
-        "name",
-        "exist_ok",
-        "verbose",
-        "plots",
-        "tensorboard",
-        "mlflow",
-        "wandb",
-        "fingerprint",
-    }
-)
-
 _KEYS = "detrain/run/"
 _ID, _ARGS, _COUNT, _VERDICT = (f"{_KEYS}{k}" for k in ("id", "args", "arrivals", "verdict"))
 _GO = "go"
@@ -54,21 +33,21 @@ _POLL_S = 0.2
 _MAX_RECORD = 1 << 16  # bytes: a record from the network larger than any detrain writes is not one of ours
 
 
-def shared_args(task: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The arguments every node of one job must give alike, as JSON values."""
-    shared = {"task": task, **{k: v for k, v in cfg.items() if k not in PER_NODE_KEYS}}
+def shared_args(task: str, alike: dict[str, Any]) -> dict[str, Any]:
+    """The task and ``alike`` (the arguments every node of one job must give alike), as JSON values."""
+    shared = {"task": task, **alike}
     result: dict[str, Any] = json.loads(json.dumps(shared, sort_keys=True, default=str))
     return result
 
 
-def derive(task: str, cfg: dict[str, Any]) -> str:
+def derive(task: str, alike: dict[str, Any]) -> str:
     """The run id of ``run_id=''``: a hash of ``shared_args``.
 
     Example:
         >>> derive("train", {"epochs": 3}) != derive("train", {"epochs": 4})
         True
     """
-    text = json.dumps(shared_args(task, cfg), sort_keys=True)
+    text = json.dumps(shared_args(task, alike), sort_keys=True)
     return "auto-" + hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

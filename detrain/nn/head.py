@@ -30,11 +30,12 @@ from detrain.nn.postprocess import non_max_suppression
 @dataclass(frozen=True)
 class LossGains:
     """The loss's per-term gains (the ``box``, ``cls`` and ``dfl`` keys): the third weighs DFL for a ``reg_max`` > 1
-    head and the L1 distance term for a ``reg_max`` 1 head, as Ultralytics' ``dfl`` gain does."""
+    head and the L1 distance term for a ``reg_max`` 1 head, as Ultralytics' ``dfl`` gain does. No defaults here:
+    the run's come from its config, whose ``loss`` section holds the one copy of the default gains."""
 
-    box: float = 7.5
-    cls: float = 0.5
-    dfl: float = 1.5
+    box: float
+    cls: float
+    dfl: float
 
 
 @dataclass(frozen=True)

@@ -127,16 +127,14 @@ class DetectE2E(nn.Module):
         weight moving to the one-to-one one over ``epochs``; the ``dfl`` gain weighs the L1 distance term.
 
         >>> head = DetectE2E(nc=2, ch=(16,), strides=(8,))
-        >>> head.criterion(LossGains(), epochs=3).item_names
+        >>> head.criterion(LossGains(box=1.0, cls=1.0, dfl=1.0), epochs=3).item_names
         ('box_loss', 'cls_loss', 'l1_loss')
         """
         return EndToEndLoss(
             nc=self.nc,
             strides=self.stride,
             epochs=epochs,
-            box=gains.box,
-            cls=gains.cls,
-            l1=gains.dfl,
+            gains=gains,
             world_size=world_size,
         )
 

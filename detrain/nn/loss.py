@@ -18,6 +18,7 @@ from torch import Tensor
 
 from detrain.nn.assigner import SparseAssignment, TaskAlignedAssigner
 from detrain.nn.boxes import bbox2dist, bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
+from detrain.nn.head import LossGains
 from detrain.nn.memory_format import memory_format_of
 
 
@@ -178,7 +179,7 @@ class DetectionLoss:
     ``world_size``) makes DDP's gradient average equal the single-process gradient. Without a summed normaliser
     each rank normalises by its own target sum and ``world_size`` only sets the default ``global_batch``.
 
-    >>> criterion = DetectionLoss(nc=2, strides=[8.0], reg_max=4)
+    >>> criterion = DetectionLoss(nc=2, strides=[8.0], reg_max=4, gains=LossGains(box=1.0, cls=1.0, dfl=1.0))
     >>> maps = [torch.zeros(1, 4 * 4 + 2, 4, 4, requires_grad=True)]
     >>> loss, items = criterion(maps, torch.zeros(1), torch.zeros(1, 1), torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     >>> loss.backward(); items.shape
@@ -190,16 +191,15 @@ class DetectionLoss:
         nc: int,
         strides: Tensor | Sequence[float],
         reg_max: int = 16,
-        box: float = 7.5,
-        cls: float = 0.5,
-        dfl: float = 1.5,
+        *,
+        gains: LossGains,
         normalizer_reduce: Callable[[Tensor], Tensor] | None = None,
         world_size: int = 1,
     ) -> None:
         self.nc = nc
         self.strides = [float(s) for s in (strides.tolist() if isinstance(strides, Tensor) else strides)]
         self.reg_max = reg_max
-        self.gains = (box, cls, dfl)
+        self.gains = (gains.box, gains.cls, gains.dfl)
         self.normalizer_reduce = normalizer_reduce
         self.world_size = world_size
         # boxes smaller than the middle stride are widened to it when candidate anchors are found (as Ultralytics)

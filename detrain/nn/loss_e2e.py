@@ -27,6 +27,7 @@ from torch import Tensor
 
 from detrain.nn.assigner import SparseAssignment, TaskAlignedAssigner, pair_overlap
 from detrain.nn.boxes import bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
+from detrain.nn.head import LossGains
 from detrain.nn.loss import bce_with_logits_sum_sparse, pad_targets, split_head_maps
 
 ITEM_NAMES = ("box_loss", "cls_loss", "l1_loss")
@@ -126,7 +127,7 @@ class RegMax1BranchLoss:
     divided by a normaliser, with gradient). ``keep`` < ``topk`` keeps only that many best-aligned anchors per box
     (the one-to-one branch keeps 1 of 7).
 
-    >>> branch = RegMax1BranchLoss(nc=2, strides=[8.0], topk=7, keep=1)
+    >>> branch = RegMax1BranchLoss(nc=2, strides=[8.0], topk=7, keep=1, gains=LossGains(box=1.0, cls=1.0, dfl=1.0))
     >>> maps = [torch.ones(1, 6, 4, 4, requires_grad=True)]
     >>> t = branch.assign(maps, torch.zeros(1), torch.zeros(1, 1), torch.tensor([[0.5, 0.5, 0.5, 0.5]]))
     >>> int(t.target.fg_mask.sum()), branch.items(t, t.score_sum.clamp(min=1)).shape
@@ -139,15 +140,14 @@ class RegMax1BranchLoss:
         strides: Tensor | Sequence[float],
         topk: int = O2M_TOPK,
         keep: int | None = None,
-        box: float = 7.5,
-        cls: float = 0.5,
-        l1: float = 1.5,
+        *,
+        gains: LossGains,
     ) -> None:
         self.nc = nc
         self.strides = [float(s) for s in (strides.tolist() if isinstance(strides, Tensor) else strides)]
         self.topk = topk
         self.keep = keep if keep is not None and keep < topk else None
-        self.gains = (box, cls, l1)
+        self.gains = (gains.box, gains.cls, gains.dfl)  # the dfl gain weighs the L1 term
         # boxes smaller than the middle stride are widened to it when candidate anchors are found (as Ultralytics)
         min_side = self.strides[1] if len(self.strides) > 1 else self.strides[0]
         self.assigner = TaskAlignedAssigner(topk=topk, num_classes=nc, alpha=0.5, beta=6.0, min_side=min_side)
@@ -239,7 +239,7 @@ class EndToEndLoss:
     (2,), both branches at once) on every rank at every step, and give the result to ``score``; or give
     ``normalizer_reduce`` and call the loss.
 
-    >>> criterion = EndToEndLoss(nc=2, strides=[8.0], epochs=10)
+    >>> criterion = EndToEndLoss(nc=2, strides=[8.0], epochs=10, gains=LossGains(box=1.0, cls=1.0, dfl=1.0))
     >>> maps = E2EHeadMaps([torch.ones(1, 6, 4, 4, requires_grad=True)], [torch.ones(1, 6, 4, 4, requires_grad=True)])
     >>> criterion.set_epoch(9); criterion.weights
     (0.1, 0.9)
@@ -255,16 +255,15 @@ class EndToEndLoss:
         nc: int,
         strides: Tensor | Sequence[float],
         epochs: int,
-        box: float = 7.5,
-        cls: float = 0.5,
-        l1: float = 1.5,
+        *,
+        gains: LossGains,
         normalizer_reduce: Callable[[Tensor], Tensor] | None = None,
         world_size: int = 1,
         o2m_start: float = O2M_START,
         o2m_end: float = O2M_END,
     ) -> None:
-        self.one2many = RegMax1BranchLoss(nc, strides, topk=O2M_TOPK, box=box, cls=cls, l1=l1)
-        self.one2one = RegMax1BranchLoss(nc, strides, topk=O2O_TOPK, keep=O2O_KEEP, box=box, cls=cls, l1=l1)
+        self.one2many = RegMax1BranchLoss(nc, strides, topk=O2M_TOPK, gains=gains)
+        self.one2one = RegMax1BranchLoss(nc, strides, topk=O2O_TOPK, keep=O2O_KEEP, gains=gains)
         self.epochs = epochs
         self.o2m_start, self.o2m_end = o2m_start, o2m_end
         self.normalizer_reduce = normalizer_reduce

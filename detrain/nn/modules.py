@@ -456,16 +456,14 @@ class Detect(nn.Module):
         does not change it.
 
         >>> head = Detect(nc=2, ch=(16,), strides=(8,), reg_max=4)
-        >>> head.criterion(LossGains(), epochs=3).item_names == head.loss_names
+        >>> head.criterion(LossGains(box=1.0, cls=1.0, dfl=1.0), epochs=3).item_names == head.loss_names
         True
         """
         return DetectionLoss(
             nc=self.nc,
             strides=self.stride,
             reg_max=self.reg_max,
-            box=gains.box,
-            cls=gains.cls,
-            dfl=gains.dfl,
+            gains=gains,
             world_size=world_size,
         )
 

@@ -81,9 +81,9 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
                 master_port=cfg.distributed.master_port,
                 max_restarts=cfg.distributed.max_restarts,
                 rdzv_backend=cfg.distributed.rdzv_backend,
-                run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.to_dict()),
+                run_id=cfg.distributed.run_id or run_identity.derive(task, cfg.node_shared()),
                 # every node of one job gives the same arguments, so a derived id tells jobs apart with no key to set
-                run_args=None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.to_dict()),
+                run_args=None if cfg.distributed.run_id else run_identity.shared_args(task, cfg.node_shared()),
                 socket_ifname=cfg.distributed.socket_ifname,
                 grace_s=cfg.output.grace if task == "train" and cfg.output.save else 0.0,
                 lost_after_s=cfg.distributed.dist_timeout,  # node 0 silent as long as a collective may wait

@@ -166,10 +166,12 @@ def test_socket_ifname_sets_gloo_and_exact_nccl_names() -> None:
 
 
 def test_a_derived_run_id_ignores_what_may_differ_per_node_and_nothing_else() -> None:
-    base = make_cfg({"epochs": 3}).to_dict()
-    same = {**base, "node_rank": 1, "device": "0,1", "workers": 8, "socket_ifname": "eth0", "project": "/x"}
+    base = make_cfg({"epochs": 3, "nnodes": 2}).node_shared()
+    own = {"nnodes": 2, "node_rank": 1, "device": "0,1", "workers": 8, "socket_ifname": "eth0", "project": "x"}
+    same = make_cfg({"epochs": 3, **own}).node_shared()
     assert run_identity.derive("train", base) == run_identity.derive("train", same)
     assert run_identity.derive("train", base) != run_identity.derive("train", {**base, "epochs": 4})
+    assert run_identity.derive("train", base) != run_identity.derive("train", {**base, "cache": "ram"})
     assert run_identity.derive("train", base) != run_identity.derive("val", base)
     assert make_cfg({"run_id": run_identity.derive("train", base)}).distributed.run_id.startswith("auto-")
 
@@ -232,8 +234,8 @@ def test_an_elastic_master_still_turns_away_a_node_of_another_job() -> None:
 
 
 def test_derived_ids_name_the_arguments_that_differ() -> None:
-    ours = run_identity.shared_args("train", make_cfg({"epochs": 10}).to_dict())
-    theirs = run_identity.shared_args("train", make_cfg({"epochs": 100, "imgsz": 320}).to_dict())
+    ours = run_identity.shared_args("train", make_cfg({"epochs": 10}).node_shared())
+    theirs = run_identity.shared_args("train", make_cfg({"epochs": 100, "imgsz": 320}).node_shared())
     store = _master()
     run_identity.host(store, run_identity.derive("train", ours), ours)
     box = _join_in_thread(store.port, run_identity.derive("train", theirs), theirs)

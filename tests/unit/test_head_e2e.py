@@ -4,6 +4,7 @@ state-dict names a YOLO26 checkpoint uses, and a class-count reset of both branc
 from __future__ import annotations
 
 import torch
+from _gains import DEFAULT_GAINS
 
 from detrain.nn.head_e2e import DetectE2E
 from detrain.nn.loss_e2e import E2EHeadMaps, EndToEndLoss
@@ -71,7 +72,7 @@ def test_state_dict_names_are_yolo26_s_and_the_loss_takes_the_training_output() 
         assert key in keys, key
     assert not any(k.startswith("stride") or "dfl" in k for k in keys)
     assert head.cv3[0][0][0].conv.groups == 16  # depthwise
-    loss, items = EndToEndLoss(3, STRIDES, epochs=2)(
+    loss, items = EndToEndLoss(3, STRIDES, epochs=2, gains=DEFAULT_GAINS)(
         head.train()(_feats()), torch.zeros(1), torch.ones(1, 1), torch.tensor([[0.5, 0.5, 0.3, 0.3]])
     )
     loss.backward()

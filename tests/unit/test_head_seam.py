@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _gains import DEFAULT_GAINS
 from torch import nn
 
 from detrain.engine.evaluate.validator import predict_batch
@@ -26,7 +27,7 @@ from detrain.nn.model import DetectionModel
 PACKAGE = Path(__file__).resolve().parents[2] / "detrain"
 # what only nn/ may name: the heads, their losses and decoders, and the loss item names
 HEAD_WORDS = re.compile(
-    r"\b(Detect|DetectE2E|DetectionLoss|EndToEndLoss|non_max_suppression|topk_detections|topk_postprocess)\b"
+    r"\b(Detect|DetectE2E|DetectionLoss|EndToEndLoss|non_max_suppression|topk_detections)\b"
     r"|['\"](box|cls|dfl|l1)_loss['\"]"
 )
 
@@ -91,19 +92,19 @@ def test_each_head_brings_its_own_criterion_and_loss_names() -> None:
 
 
 def test_the_criterion_follows_the_epoch_through_the_seam() -> None:
-    ce = _e2e_model().criterion(LossGains(), epochs=5)
+    ce = _e2e_model().criterion(DEFAULT_GAINS, epochs=5)
     ce.set_epoch(0)
     first = ce.weights
     ce.set_epoch(4)
     assert first == pytest.approx((0.8, 0.2)) and ce.weights == pytest.approx((0.1, 0.9))
-    DetectionModel(nc=1).criterion(LossGains(), epochs=5).set_epoch(3)  # no schedule: accepted, nothing changes
+    DetectionModel(nc=1).criterion(DEFAULT_GAINS, epochs=5).set_epoch(3)  # no schedule: accepted, nothing changes
 
 
 def test_training_the_e2e_model_reaches_its_loss_and_every_branch() -> None:
     m = _e2e_model().train()
     maps = m(torch.rand(2, 3, 64, 64))
     assert isinstance(maps, E2EHeadMaps)
-    criterion = m.criterion(LossGains(), epochs=3)
+    criterion = m.criterion(DEFAULT_GAINS, epochs=3)
     targets = criterion.assign(maps, torch.tensor([0.0, 1.0]), torch.tensor([[0.0], [1.0]]), torch.rand(2, 4) * 0.5)
     loss, items = criterion.score(targets, None, None)
     loss.backward()

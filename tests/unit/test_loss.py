@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from _gains import DEFAULT_GAINS
 from torch import nn
 
 from detrain.nn.assigner import TaskAlignedAssigner
@@ -61,7 +62,7 @@ def test_loss_finite_and_positive_on_random_inputs() -> None:
     gen = torch.Generator().manual_seed(0)
     maps = [torch.randn(2, CHANNELS, 8, 8, generator=gen), torch.randn(2, CHANNELS, 4, 4, generator=gen)]
     maps = [m.requires_grad_() for m in maps]
-    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)
+    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, gains=DEFAULT_GAINS)
     loss, items = criterion(maps, *random_labels(gen, [3, 2]))
     assert torch.isfinite(loss) and loss > 0
     assert items.shape == (3,) and not items.requires_grad
@@ -73,7 +74,7 @@ def test_loss_finite_and_positive_on_random_inputs() -> None:
 
 def test_images_without_boxes_give_only_cls_loss() -> None:
     maps = [torch.randn(2, CHANNELS, 8, 8, requires_grad=True), torch.randn(2, CHANNELS, 4, 4, requires_grad=True)]
-    criterion = DetectionLoss(NC, torch.tensor(STRIDES), reg_max=REG_MAX)
+    criterion = DetectionLoss(NC, torch.tensor(STRIDES), reg_max=REG_MAX, gains=DEFAULT_GAINS)
     loss, items = criterion(maps, torch.zeros(0), torch.zeros(0, 1), torch.zeros(0, 4))
     assert items[0] == 0 and items[2] == 0 and items[1] > 0
     loss.backward()
@@ -88,7 +89,7 @@ def test_loss_decreases_when_training_a_tiny_head() -> None:
     head = TinyHead()
     x = torch.randn(2, 4, 8, 8, generator=gen)
     labels = random_labels(gen, [2, 1])
-    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)
+    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, gains=DEFAULT_GAINS)
     opt = torch.optim.Adam(head.parameters(), lr=1e-2)
     history = []
     for _ in range(50):
@@ -119,7 +120,7 @@ def test_dfl_is_minimal_at_the_target_distribution() -> None:
 
 
 def test_anchors_are_cached_per_feature_shape() -> None:
-    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)
+    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, gains=DEFAULT_GAINS)
     maps = [torch.zeros(1, CHANNELS, 8, 8), torch.zeros(1, CHANNELS, 4, 4)]
     first = criterion._anchors(maps, torch.float32, torch.device("cpu"))
     again = criterion._anchors([m.clone() for m in maps], torch.float32, torch.device("cpu"))
@@ -136,7 +137,7 @@ def test_half_precision_maps_are_scored_in_float32() -> None:
         torch.randn(1, CHANNELS, 8, 8, generator=gen).bfloat16().requires_grad_(),
         torch.randn(1, CHANNELS, 4, 4, generator=gen).bfloat16().requires_grad_(),
     ]
-    loss, _ = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)(maps, *random_labels(gen, [2]))
+    loss, _ = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, gains=DEFAULT_GAINS)(maps, *random_labels(gen, [2]))
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
     loss.backward()
     assert maps[0].grad.dtype == torch.bfloat16
@@ -155,7 +156,7 @@ def test_two_half_batches_with_shared_normalizer_reproduce_the_full_batch_gradie
         head.zero_grad()
         return out
 
-    full = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)
+    full = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, gains=DEFAULT_GAINS)
     loss_full, items_full = full(head(x), batch_idx, cls, boxes.double())
     loss_full.backward()
     grads_full = grads()
@@ -167,7 +168,9 @@ def test_two_half_batches_with_shared_normalizer_reproduce_the_full_batch_gradie
     # first pass: each rank's local normaliser, summed as the all-reduce would
     local_sums: list[torch.Tensor] = []
     for rank in range(2):
-        recorder = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, normalizer_reduce=lambda t: local_sums.append(t) or t)
+        recorder = DetectionLoss(
+            NC, STRIDES, reg_max=REG_MAX, gains=DEFAULT_GAINS, normalizer_reduce=lambda t: local_sums.append(t) or t
+        )
         with torch.no_grad():
             xr, *labels = half(rank)
             recorder(head(xr), *labels)
@@ -177,7 +180,12 @@ def test_two_half_batches_with_shared_normalizer_reproduce_the_full_batch_gradie
     half_grads, half_items = [], []
     for rank in range(2):
         criterion = DetectionLoss(
-            NC, STRIDES, reg_max=REG_MAX, normalizer_reduce=lambda t: global_sum.clone(), world_size=2
+            NC,
+            STRIDES,
+            reg_max=REG_MAX,
+            gains=DEFAULT_GAINS,
+            normalizer_reduce=lambda t: global_sum.clone(),
+            world_size=2,
         )
         xr, *labels = half(rank)
         loss, items = criterion(head(xr), *labels)  # global_batch defaults to 2 images * 2 ranks
@@ -195,7 +203,7 @@ def test_autocast_of_the_caller_does_not_lower_the_loss_precision() -> None:
     gen = torch.Generator().manual_seed(0)
     maps = [torch.randn(1, CHANNELS, 8, 8, generator=gen), torch.randn(1, CHANNELS, 4, 4, generator=gen)]
     labels = random_labels(gen, [2])
-    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)
+    criterion = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, gains=DEFAULT_GAINS)
     _, plain = criterion(maps, *labels)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, autocast = criterion(maps, *labels)
@@ -244,7 +252,7 @@ def test_matches_the_dense_reference_in_value_and_gradient(layout: torch.memory_
     for fn in ("ours", "reference"):
         leaves = [m.clone().requires_grad_() for m in maps]
         if fn == "ours":
-            loss, items = DetectionLoss(NC, STRIDES, reg_max=REG_MAX)(leaves, *labels)
+            loss, items = DetectionLoss(NC, STRIDES, reg_max=REG_MAX, gains=DEFAULT_GAINS)(leaves, *labels)
             torch.testing.assert_close(loss, items.sum() * 3)
         else:
             items = dense_reference_loss(leaves, *labels, STRIDES)

@@ -7,9 +7,11 @@ import itertools
 
 import pytest
 import torch
+from _gains import DEFAULT_GAINS
 from torch import nn
 
 from detrain.nn.assigner import pair_overlap
+from detrain.nn.head import LossGains
 from detrain.nn.loss_e2e import (
     E2EHeadMaps,
     EndToEndLoss,
@@ -77,8 +79,8 @@ def test_one_to_one_branch_keeps_the_best_aligned_of_its_candidates_per_box() ->
     gen = torch.Generator().manual_seed(0)
     maps = random_maps(gen, 3)
     labels = random_labels(gen, [4, 0, 9])
-    candidates = RegMax1BranchLoss(NC, STRIDES, topk=7).assign(maps, *labels).target
-    best = RegMax1BranchLoss(NC, STRIDES, topk=7, keep=1).assign(maps, *labels)
+    candidates = RegMax1BranchLoss(NC, STRIDES, topk=7, gains=DEFAULT_GAINS).assign(maps, *labels).target
+    best = RegMax1BranchLoss(NC, STRIDES, topk=7, keep=1, gains=DEFAULT_GAINS).assign(maps, *labels)
     target = best.target
 
     # every box with a candidate keeps exactly one anchor, one of its candidates
@@ -123,7 +125,7 @@ def test_l1_term_by_hand_for_one_box_and_one_positive() -> None:
     maps.requires_grad_()
     box_xyxy = torch.tensor([4.0, 4.0, 24.0, 28.0])  # pixels
     xywhn = torch.cat(((box_xyxy[:2] + box_xyxy[2:]) / 2, box_xyxy[2:] - box_xyxy[:2])) / 32
-    branch = RegMax1BranchLoss(NC, [8.0], topk=7, keep=1, box=0.0, cls=0.0, l1=2.0)
+    branch = RegMax1BranchLoss(NC, [8.0], topk=7, keep=1, gains=LossGains(box=0.0, cls=0.0, dfl=2.0))
     t = branch.assign([maps], torch.zeros(1), torch.tensor([[2.0]]), xywhn[None])
     assert t.target.fg_mask.nonzero().tolist() == [[0, 5]]  # row 1, column 1
     weight = float(t.target.score[0, 5])
@@ -142,7 +144,7 @@ def test_loss_weighs_the_branches_and_logs_the_one_to_one_terms() -> None:
     gen = torch.Generator().manual_seed(1)
     o2m, o2o = random_maps(gen, 2), random_maps(gen, 2)
     labels = random_labels(gen, [3, 5])
-    criterion = EndToEndLoss(NC, STRIDES, epochs=10)
+    criterion = EndToEndLoss(NC, STRIDES, epochs=10, gains=DEFAULT_GAINS)
     grads = {}
     for epoch in (0, 4, 9):
         criterion.set_epoch(epoch)
@@ -172,7 +174,9 @@ def test_loss_weighs_the_branches_and_logs_the_one_to_one_terms() -> None:
 def test_images_without_boxes_give_only_cls_loss_and_keep_every_map_in_the_graph() -> None:
     gen = torch.Generator().manual_seed(2)
     maps = E2EHeadMaps(random_maps(gen, 2), random_maps(gen, 2))
-    loss, items = EndToEndLoss(NC, STRIDES, epochs=3)(maps, torch.zeros(0), torch.zeros(0, 1), torch.zeros(0, 4))
+    loss, items = EndToEndLoss(NC, STRIDES, epochs=3, gains=DEFAULT_GAINS)(
+        maps, torch.zeros(0), torch.zeros(0, 1), torch.zeros(0, 4)
+    )
     assert torch.isfinite(loss) and items[0] == 0 and items[2] == 0 and items[1] > 0
     loss.backward()
     assert all(m.grad is not None for m in maps.one2many + maps.one2one)
@@ -183,8 +187,8 @@ def test_half_precision_maps_are_scored_in_float32() -> None:
     maps32 = E2EHeadMaps(random_maps(gen, 2), random_maps(gen, 2))
     maps16 = E2EHeadMaps(*([m.detach().half().requires_grad_() for m in branch] for branch in maps32))
     labels = random_labels(gen, [2, 2])
-    loss16, items16 = EndToEndLoss(NC, STRIDES, epochs=3)(maps16, *labels)
-    loss32, _ = EndToEndLoss(NC, STRIDES, epochs=3)(
+    loss16, items16 = EndToEndLoss(NC, STRIDES, epochs=3, gains=DEFAULT_GAINS)(maps16, *labels)
+    loss32, _ = EndToEndLoss(NC, STRIDES, epochs=3, gains=DEFAULT_GAINS)(
         E2EHeadMaps(*([m.detach().half().float() for m in branch] for branch in maps32)), *labels
     )
     assert loss16.dtype == items16.dtype == torch.float32
@@ -208,7 +212,7 @@ def test_two_half_batches_with_shared_normalizers_reproduce_the_full_batch_gradi
         head.zero_grad()
         return out
 
-    full = EndToEndLoss(NC, STRIDES, epochs=5)
+    full = EndToEndLoss(NC, STRIDES, epochs=5, gains=DEFAULT_GAINS)
     full.set_epoch(2)
     loss_full, items_full = full(head(x), batch_idx, cls, boxes)
     loss_full.backward()
@@ -220,7 +224,9 @@ def test_two_half_batches_with_shared_normalizers_reproduce_the_full_batch_gradi
 
     local_sums: list[torch.Tensor] = []
     for rank in range(2):
-        recorder = EndToEndLoss(NC, STRIDES, epochs=5, normalizer_reduce=lambda t: local_sums.append(t) or t)
+        recorder = EndToEndLoss(
+            NC, STRIDES, epochs=5, gains=DEFAULT_GAINS, normalizer_reduce=lambda t: local_sums.append(t) or t
+        )
         with torch.no_grad():
             xr, *labels = half(rank)
             recorder(head(xr), *labels)
@@ -229,7 +235,14 @@ def test_two_half_batches_with_shared_normalizers_reproduce_the_full_batch_gradi
 
     half_grads, half_items = [], []
     for rank in range(2):
-        criterion = EndToEndLoss(NC, STRIDES, epochs=5, normalizer_reduce=lambda t: global_sum.clone(), world_size=2)
+        criterion = EndToEndLoss(
+            NC,
+            STRIDES,
+            epochs=5,
+            gains=DEFAULT_GAINS,
+            normalizer_reduce=lambda t: global_sum.clone(),
+            world_size=2,
+        )
         criterion.set_epoch(2)
         xr, *labels = half(rank)
         loss, items = criterion(head(xr), *labels)
@@ -249,7 +262,7 @@ def test_loss_decreases_when_training_a_tiny_head() -> None:
     head = TinyE2EHead()
     x = torch.randn(2, 4, 8, 8, generator=gen)
     labels = random_labels(gen, [2, 3])
-    criterion = EndToEndLoss(NC, STRIDES, epochs=2)
+    criterion = EndToEndLoss(NC, STRIDES, epochs=2, gains=DEFAULT_GAINS)
     opt = torch.optim.SGD(head.parameters(), lr=0.01, momentum=0.9)
     first = last = 0.0
     for step in range(40):

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _gains import DEFAULT_GAINS
 from _ultralytics import offline_ultralytics
 from torch import nn
 
@@ -86,7 +87,7 @@ def test_e2e_loss_and_every_input_gradient_agree_with_ultralytics(ul: SimpleName
     for t in every_leaf:
         t.grad = None
 
-    ours = EndToEndLoss(NC, STRIDES, epochs=EPOCHS)
+    ours = EndToEndLoss(NC, STRIDES, epochs=EPOCHS, gains=DEFAULT_GAINS)
     ours.set_epoch(epoch)
     maps = E2EHeadMaps(*([torch.cat(pair, 1) for pair in zip(*leaves[name])] for name in ("one2many", "one2one")))
     our_loss, our_items = ours(maps, batch["batch_idx"], batch["cls"], batch["bboxes"])

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from _gains import DEFAULT_GAINS
 
 os.environ.setdefault("YOLO_OFFLINE", "1")
 ultralytics = pytest.importorskip("ultralytics")
@@ -76,7 +77,9 @@ def test_loss_and_every_gradient_agree_with_ultralytics(seed: int) -> None:
     )
     their_loss.sum().backward()
     maps = ours(imgs)
-    our_loss, our_items = DetectionLoss(NC, ours.stride, reg_max=ours.reg_max)(maps, batch_idx, cls, bboxes)
+    our_loss, our_items = DetectionLoss(NC, ours.stride, reg_max=ours.reg_max, gains=DEFAULT_GAINS)(
+        maps, batch_idx, cls, bboxes
+    )
     our_loss.backward()
 
     their_items = (

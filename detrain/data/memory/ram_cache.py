@@ -39,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from detrain.config.keys import PREPARE_TIMEOUT_S
 from detrain.data.memory import owned_files, private_dir
 from detrain.data.memory.process_owner import Owner
 from detrain.data.memory.ram_cache_file import HEADER, MAGIC, BadCacheFile, Layout
@@ -46,7 +47,6 @@ from detrain.errors import DatasetError
 
 SHM_DIR = "/dev/shm"
 SAFETY = 1.25  # keep a quarter of what the cache takes free for everything else the run needs
-DEFAULT_TIMEOUT_S = 3600.0  # as the prepare_timeout key, which training passes
 PREFIX = "detrain-ram-"
 # a file being filled: detrain-ram-KEY.PID-STARTTICKS.RANDOM.tmp (its owner is readable before its header is)
 _TMP_NAME = re.compile(rf"{PREFIX}[0-9a-zA-Z_-]+\.(\d+)-(\d+)\.[0-9a-f]+\.tmp")
@@ -198,7 +198,7 @@ class RamCache:
         shapes_hw: Sequence[tuple[int, int]],
         load: Callable[[int], np.ndarray | None],
         local_rank: int = 0,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_s: float = PREPARE_TIMEOUT_S,
         directory: str = SHM_DIR,
         threads: int | None = None,
     ) -> RamCache:

@@ -28,11 +28,12 @@ import functools
 import gc
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
 
+from detrain.config.keys import Loss
 from detrain.config.values import auto_batch_fraction
 from detrain.distributed import dist
 from detrain.nn.head import LossGains
@@ -223,7 +224,7 @@ def model_steps(
     >>> steps.train(2); steps.val(2)
     """
     net = copy.deepcopy(model).to(device)
-    criterion = net.criterion(LossGains(), epochs=1)
+    criterion = net.criterion(LossGains(**asdict(Loss())), epochs=1)  # the default gains (memory is the same)
     k = min(max(objects, 1), MAX_PROBE_OBJECTS)
     nc = int(net.nc)
     train_dtype, val_dtype = dtypes
