@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from detrain.assets import asset_dir
 from detrain.config.keys import SECTIONS, SPECS, TITLES
+from detrain.system.assets import asset_dir
 from detrain.system.safe_yaml import load_yaml
 
 HEADER = """\

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from detrain.assets import asset_dir
 from detrain.data import synthetic
 from detrain.data.download import DownloadLimits, download_dataset, file_lock, is_url
 from detrain.data.labels.verify import img2label_path
 from detrain.data.ultralytics_dirs import ultralytics_datasets_dir, ultralytics_settings_file
 from detrain.errors import DatasetError
+from detrain.system.assets import asset_dir
 from detrain.system.input_file import read_input_text, reason_of
 from detrain.system.net import is_sha256, local_archive_problem
 from detrain.system.safe_yaml import YamlRefused, read_yaml

@@ -16,7 +16,6 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from detrain.assets import asset_dir
 from detrain.errors import ConfigError
 from detrain.nn.blocks11 import C2PSA, C3k2
 from detrain.nn.head import Criterion, Head, InferenceOptions, LossGains
@@ -25,6 +24,7 @@ from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Det
 from detrain.nn.yaml_plan import MAX_CLASSES, LayerPlan, Plan, check_nc, plan_layers, where
 from detrain.nn.yaml_plan import MAX_LAYERS as MAX_LAYERS  # re-exported: the builder's bounds
 from detrain.nn.yaml_plan import MAX_REPEATS as MAX_REPEATS
+from detrain.system.assets import asset_dir
 from detrain.system.safe_yaml import YamlRefused, read_yaml
 from detrain.system.text import excerpt, listed, name_problem, shown
 

@@ -84,23 +84,3 @@ def filter_detections(
     if classes is not None:
         keep &= torch.isin(dets[..., 5], torch.tensor(classes, device=dets.device, dtype=dets.dtype))
     return [d[k][:max_det].float() for d, k in zip(dets, keep)]
-
-
-def topk_postprocess(
-    preds: Tensor,
-    conf_thres: float = 0.25,
-    max_det: int = 300,
-    classes: list[int] | None = None,
-    agnostic: bool = False,
-) -> list[Tensor]:
-    """Decoded one-to-one output (B, 4 + nc, N) of xyxy boxes and scores -> per image (n, 6) detections [x1, y1,
-    x2, y2, score, class], best first: the NMS-free counterpart of
-    :func:`detrain.nn.postprocess.non_max_suppression` (which takes xywh boxes).
-
-    >>> preds = torch.zeros(2, 5, 4)
-    >>> preds[:, :4] = torch.tensor([0., 0, 8, 8])[:, None]
-    >>> preds[0, 4] = torch.tensor([0.9, 0.3, 0.8, 0.1])
-    >>> [[round(v, 2) for v in d[:, 4].tolist()] for d in topk_postprocess(preds, conf_thres=0.25, max_det=2)]
-    [[0.9, 0.8], []]
-    """
-    return filter_detections(topk_detections(preds, max_det, agnostic), conf_thres, max_det, classes)

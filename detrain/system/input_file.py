@@ -122,17 +122,8 @@ def _open_regular(path: str | os.PathLike, limit: int) -> int:
     return fd
 
 
-def is_regular(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is (or links to) a regular file; ``stat`` only, nothing is opened."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except (OSError, ValueError):
-        return False
-
-
 __all__ = [
     "UnreadableFile",
-    "is_regular",
     "kind_of",
     "open_input",
     "read_input",

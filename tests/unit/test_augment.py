@@ -14,7 +14,15 @@ from _cutmix_check import check_cutmix, grid_scene
 
 from detrain.config.keys import Augment
 from detrain.data.image_io import load_size
-from detrain.data.samples.affine import _warp_general, box_candidates, flip_matrix, scaling, translation, warp_into
+from detrain.data.samples.affine import (
+    _warp_general,
+    apply_warp,
+    box_candidates,
+    flip_matrix,
+    plan_warp,
+    scaling,
+    translation,
+)
 from detrain.data.samples.augment import apply_hsv, letterbox
 from detrain.data.samples.instances import Labels
 from detrain.data.samples.train_sample import SamplePlan, SampleSource, plan_sample, render_geometry
@@ -319,7 +327,10 @@ def test_fast_axis_aligned_path_matches_general_warp() -> None:
     for m in (translation(7.3, -4.6) @ scaling(0.83, 0.83), flip_matrix(128, 96, True, True) @ scaling(1.21, 1.21)):
         fast = np.full((96, 128, 3), 114, np.uint8)
         general = fast.copy()
-        applied = warp_into(fast, src, m)
+        plan = plan_warp(src.shape[:2], fast.shape[:2], m, None)
+        assert plan is not None and plan.dst is not None  # the fast path
+        apply_warp(fast, src, plan)
+        applied = plan.matrix
         _warp_general(general, src, applied)
         # Same pixels (up to rounding) once the general warp uses the matrix the fast path reports.
         inner = (slice(8, -8), slice(8, -8))

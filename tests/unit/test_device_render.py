@@ -18,7 +18,7 @@ import torch
 
 from detrain.data.image_io import jpeg_header, pixel_extent, read_image, reduced_jpeg_grid
 from detrain.data.samples import device_render as dr
-from detrain.data.samples.affine import flip_matrix, plan_warp, scaling, translation, warp_into
+from detrain.data.samples.affine import apply_warp, flip_matrix, plan_warp, scaling, translation
 from detrain.data.samples.augment import apply_hsv
 
 
@@ -87,13 +87,13 @@ WARPS = {
 
 
 @pytest.mark.parametrize("name", WARPS)
-def test_a_warp_draws_what_warp_into_draws(name: str) -> None:
+def test_a_warp_draws_what_apply_warp_draws(name: str) -> None:
     src = _smooth(44, 70, seed=1)
     rect = (3, 2, 66, 40)
     canvas = np.full((56, 64, 3), 114, np.uint8)
-    warp_into(canvas, src, WARPS[name], rect)
     plan = plan_warp((44, 70), (56, 64), WARPS[name], rect)
     assert plan is not None and (plan.dst is not None) == (name in ("scale and shift", "flipped"))
+    apply_warp(canvas, src, plan)
     got = torch.full((3, 56, 64), 114.0)
     dr.draw_warp(got, torch.from_numpy(src[..., ::-1].copy()).permute(2, 0, 1).float(), plan)
     want = torch.from_numpy(canvas[..., ::-1].copy()).permute(2, 0, 1).float()

@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "detrain"
 
 # The layers from low to high; the names of one layer may import each other (but not round a cycle).
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "assets", "system", "log"),  # the ground: the standard library, torch, numpy, and each other
+    ("errors", "system", "log"),  # the ground: the standard library, torch, numpy, and each other
     ("distributed",),
     ("config",),
     ("nn",),

@@ -175,7 +175,7 @@ def test_same_draws_keep_the_same_boxes(ul, coco8, imgsz, affine):
         cls = np.asarray(theirs["cls"]).reshape(-1)
         # the same objects, in the same order (tiles in the same order, each tile's labels in file order)
         assert ours.cls.tolist() == cls.tolist(), f"seed {seed}: classes {ours.cls.tolist()} != {cls.tolist()}"
-        # the same boxes, up to the half pixel the scale-only fast path may shift a tile by (affine.warp_into)
+        # the same boxes, up to the half pixel the scale-only fast path may shift a tile by (affine.plan_warp)
         np.testing.assert_allclose(ours.boxes_xyxy, boxes, atol=1.0, err_msg=f"seed {seed}")
         # the same pixels up to resampling (one warp here, a copy then a warp there, sampled a fraction of a pixel
         # apart): seen at most 9.6 grey levels apart on average, 3.6 once both are blurred 5x5 (texture aside);

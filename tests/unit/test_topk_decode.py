@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from detrain.nn.topk_decode import decode_xyxy, filter_detections, topk_detections, topk_postprocess
+from detrain.nn.topk_decode import decode_xyxy, filter_detections, topk_detections
 
 
 def test_decode_places_each_level_s_anchors_in_pixels() -> None:
@@ -54,7 +54,7 @@ def test_fewer_anchors_than_max_det_and_the_confidence_filter() -> None:
     preds[0, 5] = torch.tensor([0.0, 0.6, 0.0])
     dets = topk_detections(preds, max_det=300)
     assert dets.shape == (2, 3, 6)
-    out = topk_postprocess(preds, conf_thres=0.25)
+    out = filter_detections(dets, conf_thres=0.25)
     assert dets[0, :, 4].tolist() == torch.tensor([0.9, 0.6, 0.25]).tolist()
     assert [d[:, 4].tolist() for d in out] == [torch.tensor([0.9, 0.6]).tolist(), []]
     assert out[0][:, 5].tolist() == [0.0, 1.0]

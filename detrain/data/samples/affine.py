@@ -154,8 +154,8 @@ def box_candidates(
 
 @dataclass(frozen=True)
 class WarpPlan:
-    """How :func:`warp_into` moves a source into a canvas, worked out from shapes alone (no pixels), so the labels
-    and a renderer elsewhere (``device_render.py``) follow the very same geometry.
+    """How :func:`apply_warp` moves a source into a canvas, worked out from shapes alone (no pixels) by
+    :func:`plan_warp`, so the labels and a renderer elsewhere (``device_render.py``) follow the very same geometry.
 
     ``matrix``: source pixels -> canvas as applied; ``rect``: the source pixels read (x1, y1, x2, y2); ``dst``:
     for the scale + shift fast path, the whole destination pixels (x1, y1, x2, y2, before clipping to the canvas)
@@ -169,8 +169,14 @@ class WarpPlan:
 def plan_warp(
     src_hw: tuple[int, int], canvas_hw: tuple[int, int], m: np.ndarray, src_rect: tuple[int, int, int, int] | None
 ) -> WarpPlan | None:
-    """The :class:`WarpPlan` of :func:`warp_into` for a source of ``src_hw`` pixels; None when nothing is drawn
-    (then the matrix applied counts as ``m``)."""
+    """The :class:`WarpPlan` of ``m`` (continuous coordinates, src -> canvas) for a source of ``src_hw`` pixels (only
+    its ``src_rect`` = x1, y1, x2, y2 when given) into a canvas of ``canvas_hw``; None when nothing is drawn (then
+    the matrix applied counts as ``m``).
+
+    The plan's matrix is ``m`` itself, except for a pure scale + translation (+ flips, the default augmentation):
+    that case uses ``cv2.resize`` of the part that lands in the output and a paste, which is several times faster
+    than ``cv2.warpAffine``, on whole destination pixels; the matrix applied then differs from ``m`` by at most half
+    a pixel of shift (and the matching tiny scale change), and labels must move with it."""
     h, w = src_hw
     x1, y1, x2, y2 = src_rect if src_rect is not None else (0, 0, w, h)
     if x1 >= x2 or y1 >= y2:
@@ -180,35 +186,16 @@ def plan_warp(
     return WarpPlan(m, (x1, y1, x2, y2))
 
 
-def warp_into(
-    canvas: np.ndarray, src: np.ndarray, m: np.ndarray, src_rect: tuple[int, int, int, int] | None = None
-) -> np.ndarray:
-    """Warp ``src`` (HWC uint8) by ``m`` (continuous coordinates, src -> canvas) into ``canvas`` in place.
-
-    Only the canvas pixels that the (optionally restricted, ``src_rect`` = x1, y1, x2, y2 in ``src`` pixels)
-    source covers change, so several sources compose on one canvas like tiles, and the work is limited to the area
-    the source covers in the output.
-
-    Returns the matrix actually applied. It is ``m`` itself, except for a pure scale + translation (+ flips, the
-    default augmentation): that case uses ``cv2.resize`` of the part that lands in the output and a paste, which
-    is several times faster than ``cv2.warpAffine``, on whole destination pixels; the returned matrix then
-    differs from ``m`` by at most half a pixel of shift (and the matching tiny scale change), and labels must
-    move with it.
+def apply_warp(canvas: np.ndarray, src: np.ndarray, plan: WarpPlan) -> None:
+    """Draw ``src`` (HWC uint8) into ``canvas`` in place as ``plan`` (from :func:`plan_warp`) says. Only the canvas
+    pixels that the (restricted) source covers change, so several sources compose on one canvas like tiles, and
+    the work is limited to the area the source covers in the output.
 
     >>> canvas = np.zeros((4, 4, 3), np.uint8)
-    >>> _ = warp_into(canvas, np.full((2, 2, 3), 9, np.uint8), translation(1, 1))
+    >>> apply_warp(canvas, np.full((2, 2, 3), 9, np.uint8), plan_warp((2, 2), (4, 4), translation(1, 1), None))
     >>> canvas[..., 0].tolist()
     [[0, 0, 0, 0], [0, 9, 9, 0], [0, 9, 9, 0], [0, 0, 0, 0]]
     """
-    plan = plan_warp(src.shape[:2], canvas.shape[:2], m, src_rect)
-    if plan is None:
-        return m
-    apply_warp(canvas, src, plan)
-    return plan.matrix
-
-
-def apply_warp(canvas: np.ndarray, src: np.ndarray, plan: WarpPlan) -> None:
-    """Draw ``src`` into ``canvas`` as ``plan`` (from :func:`plan_warp`) says."""
     x1, y1, x2, y2 = plan.rect
     if plan.dst is None:
         _warp_general(canvas, src[y1:y2, x1:x2], plan.matrix @ translation(x1, y1))
@@ -291,4 +278,4 @@ def _warp_general(canvas: np.ndarray, src: np.ndarray, m: np.ndarray) -> None:
     else:
         out = cv2.warpAffine(src, mi[:2], size, dst=dst, flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_TRANSPARENT)
     if not np.shares_memory(out, canvas):  # cv2 only writes in place into a uint8 HWC view of the right size
-        raise RuntimeError(f"warp_into needs a writable uint8 (H, W, 3) canvas, got {canvas.dtype} {canvas.shape}")
+        raise RuntimeError(f"apply_warp needs a writable uint8 (H, W, 3) canvas, got {canvas.dtype} {canvas.shape}")

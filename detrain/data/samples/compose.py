@@ -2,7 +2,7 @@
 
 A tile sits on a virtual canvas (the 2x mosaic canvas, or just the image itself) at ``origin_xy`` with size
 ``size_wh``; what lies outside the canvas is cut, as YOLO's mosaic cuts it. The canvas is never allocated: each
-tile is warped straight into the output with ``m @ placement @ resize`` (see ``affine.warp_into``), whatever the
+tile is warped straight into the output with ``m @ placement @ resize`` (see ``affine.plan_warp``), whatever the
 resolution of its pixels (decoded at reduced scale, or from a cache at load size). The pixels span the whole tile,
 except a reduced JPEG decode that overhangs its file (``image_io.pixel_extent``): it is placed by its true scale.
 """

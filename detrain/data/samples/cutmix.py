@@ -10,14 +10,14 @@ bring no box is not pasted. Without a free rectangle the sample stays as it is.
 All draws (:func:`cutmix_areas` and the ``pick`` in [0, 1)) happen before anything is rendered, so a training
 sample stays a function of its (seed, epoch, index) generator: which rectangle is free is known only once the
 sample's boxes are, and ``pick`` chooses among the free ones then (:func:`choose_area`). ``train_sample.py``
-plans the draws and renders only the chosen rectangle of the partner before :func:`paste` writes it in.
+plans the draws, places the chosen rectangle of the partner with its boxes (``place_sample``: none if it holds no
+box) and renders only that rectangle over the sample (``render_geometry``; ``device_render.draw_sample`` on the
+training device).
 """
 
 from __future__ import annotations
 
 import numpy as np
-
-from detrain.data.samples.instances import Labels
 
 CUTMIX_AREAS = 3  # candidate rectangles per sample
 CUTMIX_BETA = 1.0  # lam ~ Beta(1, 1): the pasted fraction of the area is uniform
@@ -69,15 +69,3 @@ def choose_area(areas: np.ndarray, boxes_xyxy: np.ndarray, pick: float) -> tuple
     if not len(free):
         return None
     return tuple(int(v) for v in free[min(int(pick * len(free)), len(free) - 1)])  # type: ignore[return-value]
-
-
-def paste(
-    img: np.ndarray, labels: Labels, area: tuple[int, int, int, int], patch: np.ndarray, patch_labels: Labels
-) -> tuple[np.ndarray, Labels]:
-    """``patch`` (the rectangle's pixels) written into ``img`` at ``area`` and its labels (patch pixels) added;
-    nothing changes when the patch holds no box."""
-    if not len(patch_labels):
-        return img, labels
-    x1, y1, x2, y2 = area
-    img[y1:y2, x1:x2] = patch
-    return img, Labels.concat([labels, patch_labels.scaled(1.0, 1.0, x1, y1)])

@@ -261,7 +261,7 @@ def place_sample(
             x1, y1, x2, y2 = area
             layer = plan.layers[-1]
             patch_layout, patch_labels = place(layer, translation(-x1, -y1) @ layer.m, (x2 - x1, y2 - y1))
-            if len(patch_labels):  # a patch without boxes is not pasted (cutmix.paste)
+            if len(patch_labels):  # a patch without boxes is not pasted (the rule in cutmix.py)
                 patch = (area, patch_layout)
                 out_labels = Labels.concat([out_labels, patch_labels.scaled(1.0, 1.0, x1, y1)])
     return SampleLayout([layout for layout, _ in placed], plan.mix_ratio, patch, out_labels, plan.hsv)
