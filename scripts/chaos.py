@@ -59,6 +59,7 @@ import csv
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -238,8 +239,12 @@ def make_data(root: Path, n_train: int) -> Path:
     return folder
 
 
+RUN_SECRET = secrets.token_hex(16)  # the secret of every run this script starts (DETRAIN_RUN_SECRET)
+
+
 def child_env(tag: str) -> dict[str, str]:
-    """This checkout's detrain, one thread per process, outside any launcher or SLURM job, tagged."""
+    """This checkout's detrain, one thread per process, outside any launcher or SLURM job, tagged, with the runs'
+    secret."""
     drop = (
         "RANK",
         "WORLD_SIZE",
@@ -255,6 +260,7 @@ def child_env(tag: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
     env[TAG_ENV] = tag
+    env["DETRAIN_RUN_SECRET"] = RUN_SECRET  # every node of a case is given the run's secret, as a user would
     return env
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -63,10 +64,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# The run secret of the runs of several nodes the tests start on 127.0.0.1 (each node's launcher is given it, as
+# a user gives every node DETRAIN_RUN_SECRET); a run on one node makes its own and ignores it.
+RUN_SECRET = "tests-" + secrets.token_hex(16)
+
+
 def child_env(**extra: str) -> dict[str, str]:
-    """A child environment outside any launcher or SLURM job: one thread per process, this checkout's detrain."""
+    """A child environment outside any launcher or SLURM job: one thread per process, this checkout's detrain, the
+    tests' run secret (:data:`RUN_SECRET`, for runs of several nodes)."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("SLURM_")}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
+    env["DETRAIN_RUN_SECRET"] = RUN_SECRET
     env.update(extra)
     return env

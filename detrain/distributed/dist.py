@@ -40,8 +40,8 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from detrain.distributed import heartbeat, nccl_watch, netif
-from detrain.distributed.master_store import host_store
+from detrain.distributed import heartbeat, nccl_watch, netif, wire
+from detrain.distributed.master_store import SECRET_ENV, host_store, sealed
 from detrain.distributed.slurm import map_slurm_env
 from detrain.distributed.store_barrier import Absent, StoreBarrier
 from detrain.distributed.world import World
@@ -71,6 +71,9 @@ class DistInfo:
 
 _info: DistInfo | None = None
 _barriers: StoreBarrier | None = None  # barrier() on gloo: every rank's wait is bounded
+# the group's store, held here while the group lives: a SealedStore is a Python object, which the process group
+# (C++) does not keep alive, and rank 0's holds the store's server
+_group_store: Any = None
 
 
 # ----------------------------------------------------------------------------------------- setup
@@ -96,7 +99,7 @@ def setup(
         (1, False)
         >>> cleanup()
     """
-    global _info, _barriers
+    global _info, _barriers, _group_store
     if _info is not None and (not _info.distributed or tdist.is_initialized()):
         return _info
     map_slurm_env()
@@ -110,31 +113,46 @@ def setup(
         return _info
 
     rank_, size = world.rank, world.world_size
-    missing = "MASTER_ADDR" if not world.master_addr else "MASTER_PORT" if world.master_port is None else None
-    if missing:
-        raise DistributedError(f"WORLD_SIZE={size} is set but {missing} is not; start through detrain or torchrun")
+    _check_world(world)
     addr, port = world.master_addr, int(world.master_port or 0)
     backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
     where = f"{addr}:{port}"
     startup = timedelta(seconds=startup_timeout_s)
     _keep_transport_on_master_interface(addr, world.whole_world_here)
     try:
+        joined = _store_args(world, startup)
+        _group_store = joined["store"]
         tdist.init_process_group(
             backend=backend,
             timeout=startup,
             device_id=torch.device(device) if device.startswith("cuda") else None,
-            **_store_args(world, startup),
+            **joined,
         )
     except Exception as e:  # a dead master, a bad address: say which rank could not join where
         msg = f"rank {rank_} of {size} could not join the process group at {where}: {_cause(e)}"
         raise DistributedError(msg) from e
     _info = DistInfo(rank_, world.local_rank, size, world.local_world_size, device, backend, timeout, restarts)
-    _barriers = StoreBarrier.connect(addr, port, restarts, startup)
+    _barriers = StoreBarrier.connect(addr, port, restarts, startup, world.secret)
     heartbeat.start(addr, port, restarts, rank_, size)
     # Every rank has reached this point before training begins: a slow start is not a hang.
     barrier("setup", timeout_s=startup_timeout_s)
     _set_group_timeout(timeout)
     return _info
+
+
+def _check_world(world: World) -> None:
+    """What a world of several ranks needs before it joins: where the master is, and for srun's tasks on several
+    nodes the run's secret (one line each)."""
+    missing = "MASTER_ADDR" if not world.master_addr else "MASTER_PORT" if world.master_port is None else None
+    if missing:
+        raise DistributedError(
+            f"WORLD_SIZE={world.world_size} is set but {missing} is not; start through detrain or torchrun"
+        )
+    if world.launcher == "slurm" and not world.whole_world_here and not world.secret:
+        raise DistributedError(
+            f"srun's tasks on several nodes need the run's secret: export {SECRET_ENV} in the job script (srun "
+            "passes it to every task); python -c 'import secrets; print(secrets.token_hex(16))' makes one"
+        )
 
 
 def cleanup() -> None:
@@ -143,11 +161,11 @@ def cleanup() -> None:
     Example:
         >>> cleanup()
     """
-    global _info, _barriers
+    global _info, _barriers, _group_store
     heartbeat.stop()  # the others' counters stay readable: a failed rank names the silent ones after leaving
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
-    _info, _barriers = None, None
+    _info, _barriers, _group_store = None, None, None
 
 
 def info() -> DistInfo | None:
@@ -264,7 +282,9 @@ def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order, on every rank.
+    """Every rank's ``obj``, in rank order, on every rank. ``obj`` travels as a message of
+    :mod:`detrain.distributed.wire` (plain data, arrays, tensors, marked dataclasses; never a pickle), so a rank
+    builds only data from what the others sent; anything else a rank sends is one line, refused.
 
     Example:
         >>> all_gather_object({"tp": 3})
@@ -272,10 +292,10 @@ def all_gather_object(obj: Any) -> list[Any]:
     """
     if not is_distributed():
         return [obj]
-    out: list[Any] = [None] * world_size()
+    data = wire.encode(obj)
     with _named("all_gather_object"):
-        tdist.all_gather_object(out, obj)
-    return out
+        parts = _all_gather_bytes(data)
+        return [_decoded(part, f"rank {i}") for i, part in enumerate(parts)]
 
 
 def gather_to_main(t: torch.Tensor) -> list[torch.Tensor] | None:
@@ -297,7 +317,8 @@ def gather_to_main(t: torch.Tensor) -> list[torch.Tensor] | None:
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s picklable ``obj`` on every rank (the others' ``obj`` is ignored).
+    """Rank ``src``'s ``obj`` on every rank (the others' ``obj`` is ignored), as a message of
+    :mod:`detrain.distributed.wire` (see :func:`all_gather_object`).
 
     Example:
         >>> broadcast_object([1, 2])
@@ -305,10 +326,55 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """
     if not is_distributed():
         return obj
-    box = [obj]
+    mine = rank() == src
+    data = wire.encode(obj) if mine else b""
     with _named(f"broadcast_object(src={src})"):
-        tdist.broadcast_object_list(box, src=src)
-    return box[0]
+        device = _p2p_device()
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        tdist.broadcast(size, src=src)
+        _check_size(int(size.item()), src)
+        payload = _as_tensor(data, device) if mine else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+        if payload.numel():
+            tdist.broadcast(payload, src=src)
+        return obj if mine else _decoded(payload.cpu().numpy().tobytes(), f"rank {src}")
+
+
+def _all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every rank's ``data`` (of any length), in rank order: the lengths first, each checked against the bound
+    before anything is allocated, then one all-gather of the bytes padded to the longest."""
+    device = _p2p_device()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size())]
+    tdist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device))
+    lengths = [int(s.item()) for s in sizes]
+    for sender, n in enumerate(lengths):
+        _check_size(n, sender)
+    longest = max(lengths)
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    mine[: len(data)] = _as_tensor(data, device)
+    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in lengths]
+    tdist.all_gather(out, mine)
+    return [t[:n].cpu().numpy().tobytes() for t, n in zip(out, lengths, strict=True)]
+
+
+def _as_tensor(data: bytes, device: torch.device) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+
+
+def _check_size(n: int, sender: int) -> None:
+    if not 0 <= n <= wire.MAX_MESSAGE:
+        raise DistributedError(
+            f"rank {sender} announced a message of {n} bytes, over the bound of {wire.MAX_MESSAGE}; refused"
+        )
+
+
+def _decoded(data: bytes, sender: str) -> Any:
+    """The value ``sender`` sent, or one line saying it was refused (nothing of it was built)."""
+    try:
+        return wire.decode(data)
+    except wire.WireError as e:
+        raise DistributedError(f"rank {rank()} of {world_size()} refused what {sender} sent: {e}") from None
 
 
 def agree(value: Any) -> Any:
@@ -467,12 +533,18 @@ def _store_args(world: World, timeout: timedelta) -> dict[str, Any]:
 
     Otherwise (srun, plain env://, detrain's c10d rounds) rank 0 hosts the store as env:// would, but listening
     only on MASTER_ADDR (see ``netif.listen_address``), where binding that address is possible here.
+
+    Either way every value this group puts there is sealed with the run's secret (``world.secret``, which
+    detrain's launcher hands its workers; :class:`detrain.distributed.master_store.SealedStore`): the ranks'
+    addresses, NCCL's unique id. srun's tasks on several nodes must be given one (``DETRAIN_RUN_SECRET``, which srun
+    passes to every task: :func:`setup` says so first); under torchrun, or srun on one node, a group without one
+    is not sealed.
     """
     addr, port, size = world.master_addr, int(world.master_port or 0), world.world_size
     if world.agent_store:
         client = tdist.TCPStore(addr, port, world_size=size, is_master=False, timeout=timeout)
         prefixed = tdist.PrefixStore(f"detrain/attempt_{world.restart_count}", client)
-        return {"store": prefixed, "rank": world.rank, "world_size": size}
+        return {"store": sealed(prefixed, world.secret), "rank": world.rank, "world_size": size}
     if world.rank == 0:
         try:
             ip = netif.listen_address(addr, world.whole_world_here)
@@ -484,7 +556,11 @@ def _store_args(world: World, timeout: timedelta) -> dict[str, Any]:
     else:
         store = tdist.TCPStore(addr, port, world_size=size, is_master=False, timeout=timeout)
     # the prefix env:// gives its store, so that keys stay where torch's own tools expect them
-    return {"store": tdist.PrefixStore("default_pg", store), "rank": world.rank, "world_size": size}
+    return {
+        "store": sealed(tdist.PrefixStore("default_pg", store), world.secret),
+        "rank": world.rank,
+        "world_size": size,
+    }
 
 
 def _keep_transport_on_master_interface(master_addr: str, whole_world_here: bool) -> None:

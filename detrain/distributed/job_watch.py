@@ -41,6 +41,7 @@ import torch.distributed as tdist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from detrain.distributed.launch_failures import signal_stop
+from detrain.distributed.master_store import sealed
 from detrain.distributed.restart_policy import AgreedStop
 from detrain.errors import DistributedError, Preempted
 
@@ -50,8 +51,9 @@ MAX_REASON = 300
 PREEMPTED = "preempted"  # node 0 stopped on a preemption signal: every node saved and is ending by itself
 
 
-def _client(addr: str, port: int, timeout_s: float) -> Any:
-    return tdist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+def _client(addr: str, port: int, timeout_s: float, secret: str = "") -> Any:
+    client = tdist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    return sealed(client, secret)  # the reason is sealed like every value there (master_store.SealedStore)
 
 
 class JobWatch:
@@ -67,8 +69,10 @@ class JobWatch:
         lost_after_s: float = 10.0,
         kill_after_s: float = 2.0,
         exit_after_s: float = 15.0,
+        secret: str = "",
     ) -> None:
         self.addr, self.port, self.node_rank, self.nnodes = addr, port, node_rank, nnodes
+        self.secret = secret
         self.poll_s, self.lost_after_s, self.kill_after_s = poll_s, lost_after_s, kill_after_s
         self.exit_after_s = exit_after_s
         self.reason: str | None = None
@@ -89,7 +93,7 @@ class JobWatch:
 
     def _connect(self) -> Any:
         if self._store is None:
-            self._store = _client(self.addr, self.port, min(5.0, self.lost_after_s))
+            self._store = _client(self.addr, self.port, min(5.0, self.lost_after_s), self.secret)
         return self._store
 
     def _read_end(self) -> str | None:
@@ -178,12 +182,12 @@ class JobWatch:
 
 @contextlib.contextmanager
 def ended_together(
-    addr: str, port: int, node_rank: int, lo: int, hi: int, lost_after_s: float = 10.0
+    addr: str, port: int, node_rank: int, lo: int, hi: int, lost_after_s: float = 10.0, secret: str = ""
 ) -> Iterator[JobWatch | None]:
     """Around a launch of ``lo:hi`` nodes (nothing to do for one): watch for the run's end; when this launch ends
     with a ``DistributedError`` or an interrupt, raise the other node's reason instead if that is what stopped it,
     else publish this node's (with ``nnodes=MIN:MAX``, node 0's only); a completed run says so for the others."""
-    watch = JobWatch(addr, port, node_rank, hi, lost_after_s=lost_after_s).start() if hi > 1 else None
+    watch = JobWatch(addr, port, node_rank, hi, lost_after_s=lost_after_s, secret=secret).start() if hi > 1 else None
     try:
         yield watch
     except Preempted:

@@ -44,11 +44,19 @@ from detrain.distributed.devices import (
 from detrain.distributed.job_watch import ended_together
 from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
 from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
-from detrain.distributed.master_store import host_store
+from detrain.distributed.master_store import (
+    SECRET_ENV,
+    host_store,
+    missing_secret,
+    new_secret,
+    rendezvous_backend,
+    sealed,
+)
 from detrain.distributed.nccl_watch import relayed_stderr
 from detrain.distributed.preempt_mark import MARK_ENV, MARK_SPARE_S, SIGNALS, read_mark, stop_path
 from detrain.distributed.world import LAUNCHER_ENV, World
 from detrain.errors import DistributedError, Preempted
+from detrain.log import console
 
 if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
@@ -105,11 +113,14 @@ def launch(
     whose ``run_id`` is not the master's ends with one line naming both (``run_args``: the arguments a derived id
     came from, so that the line names those that differ).
 
-    The rendezvous store listens only on ``master_addr`` (loopback for the default 127.0.0.1) and gloo on the
-    interface that reaches it; ``socket_ifname`` names the interface(s) gloo and NCCL use instead (checked to
-    exist here). Failures raise ``DistributedError`` with one line naming the rank and the cause; Ctrl-C stops
-    every worker and raises ``KeyboardInterrupt``. ``grace_s`` > 0: SIGTERM or SIGUSR1 to this launcher or a worker
-    ends the run as ``Preempted`` once every rank saved (:mod:`detrain.engine.train.state.preemption`). With several
+    Every value in the rendezvous store is sealed with the run's secret (:mod:`master_store`): on one node one this
+    launcher makes, with several ``world.secret`` (``DETRAIN_RUN_SECRET``), the same on every node; node 0 makes and
+    prints one where none is given, and another node without it ends with one line. The workers get it in their
+    environment. The rendezvous store listens only on ``master_addr`` (loopback for the default 127.0.0.1) and gloo
+    on the interface that reaches it; ``socket_ifname`` names the interface(s) gloo and NCCL use instead (checked to
+    exist here). Failures raise ``DistributedError`` with one line naming the rank and the cause; Ctrl-C stops every
+    worker and raises ``KeyboardInterrupt``. ``grace_s`` > 0: SIGTERM or SIGUSR1 to this launcher or a worker ends
+    the run as ``Preempted`` once every rank saved (:mod:`detrain.engine.train.state.preemption`). With several
     nodes each launcher ends when node 0's store has not answered for ``lost_after_s`` seconds (the run's
     ``dist_timeout``: a node waits for node 0 as long as a collective waits for a rank).
 
@@ -127,11 +138,34 @@ def launch(
     check_entry(entry)
     if max_restarts < 0:
         raise DistributedError(f"max_restarts={max_restarts} must be >= 0")
+    secret = _run_secret(world, hi, node_rank)
     rdzv = _meet_nodes(
-        (lo, hi), node_rank, master_addr, master_port, rdzv_backend, run_id, run_args, start_timeout, connect_timeout
+        (lo, hi),
+        node_rank,
+        master_addr,
+        master_port,
+        rdzv_backend,
+        (run_id, run_args, secret),
+        start_timeout,
+        connect_timeout,
     )
     timing = _Timing(monitor_interval, start_timeout, grace_s, lost_after_s)  # grace_s > 0: SIGTERM / SIGUSR1 save
     return _launch_workers(entry, args, plan, rdzv, transport, run_id, max_restarts, timing)
+
+
+def _run_secret(world: World, max_nodes: int, node_rank: int) -> str:
+    """The secret that seals this launch's rendezvous store: on one node a new one (the workers get it from this
+    launcher); on several the one given (``DETRAIN_RUN_SECRET``, read into ``world``), the same on every node. Node 0
+    makes one where none is given and prints it, for the other nodes; another node without one ends here."""
+    if max_nodes == 1:
+        return new_secret()
+    if world.secret:
+        return world.secret
+    if node_rank > 0:
+        raise missing_secret(node_rank)
+    secret = new_secret()
+    console.print(f"run secret: start every other node with {SECRET_ENV}={secret} in its environment")
+    return secret
 
 
 @dataclass(frozen=True)
@@ -159,6 +193,7 @@ class _Rendezvous:
     configs: dict[str, Any]
     local_addr: str | None  # the address this node's workers' store listens on (see rendezvous_address)
     store: torch.distributed.TCPStore | None = None  # node 0: the server torch's rendezvous uses (master_store.py)
+    secret: str = dataclasses.field(default="", repr=False)  # seals every value in the store (master_store.py)
 
 
 def _call_here(
@@ -183,15 +218,16 @@ def _meet_nodes(
     master_addr: str,
     master_port: int,
     rdzv_backend: str | None,
-    run_id: str,
-    run_args: dict[str, Any] | None,
+    identity: tuple[str, dict[str, Any] | None, str],
     start_timeout: float,
     connect_timeout: float,
 ) -> _Rendezvous:
     """Node 0 hosts the rendezvous store and the run's identity (and with a fixed node count waits for every node
     to come); another node waits until the store is reachable and joins with its run id. Then the settings torch's
-    rendezvous gets, the same on every node."""
+    rendezvous gets, the same on every node. ``identity``: the run id, the arguments a derived id came from, and
+    the secret that seals every value in the store."""
     lo, hi = nodes
+    run_id, run_args, secret = identity
     where = netif.listen_address(master_addr, whole_world_here=hi == 1)
     store = None
     if node_rank == 0:
@@ -199,9 +235,10 @@ def _meet_nodes(
         # one, listening only on the master's address (see detrain.distributed.master_store).
         store = host_store(master_addr, master_port, bind=where, timeout=timedelta(seconds=start_timeout))
         master_port, local_addr = store.port, where
-        run_identity.host(store, run_id, run_args)
+        run_identity.host(sealed(store, secret), run_id, run_args)
         if lo == hi:
-            run_identity.wait_for_nodes(store, run_id, run_args, hi - 1, start_timeout, f"{master_addr}:{master_port}")
+            where_ = f"{master_addr}:{master_port}"
+            run_identity.wait_for_nodes(sealed(store, secret), run_id, run_args, hi - 1, start_timeout, where_)
     else:
         wait_reachable(master_addr, master_port, connect_timeout)
         run_identity.join(
@@ -213,12 +250,15 @@ def _meet_nodes(
             wait_go=lo == hi,
             connect_timeout_s=connect_timeout,
             start_timeout_s=start_timeout,
+            secret=secret,
         )
         local_addr = netif.route_source(where) if where else None
     backend, endpoint, configs = rendezvous_settings(lo, hi, node_rank, master_addr, master_port, rdzv_backend)
     if backend == "c10d":
         local_addr = rendezvous_address(local_addr, node_rank, hi)
-    return _Rendezvous(nodes, node_rank, master_addr, master_port, backend, endpoint, configs, local_addr, store)
+    return _Rendezvous(
+        nodes, node_rank, master_addr, master_port, backend, endpoint, configs, local_addr, store, secret
+    )
 
 
 def _launch_workers(
@@ -242,19 +282,19 @@ def _launch_workers(
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    # Elastic keeps per-attempt error files in a log folder; ours goes away with the launch (torch's
-    # default would leave a torchelastic_* folder in /tmp per run). The failures are parsed before that.
+    # elastic's per-attempt error files: in a folder that goes with the launch (read before), not torch's in /tmp
     log_dir = tempfile.TemporaryDirectory(prefix="detrain_elastic_")
     config = _launch_config(plan, rdzv, run_id, max_restarts, timing, log_dir.name)
     mark = os.path.join(log_dir.name, "preempted")
     threads = cpu_threads_per_worker(plan.nprocs)
     (lo, hi), node_rank, endpoint = rdzv.nodes, rdzv.node_rank, rdzv.endpoint
+    env = _workers_environ(transport, rdzv.backend, mark if timing.grace_s > 0 else None, log_dir.name, rdzv.secret)
     with (
         log_dir,
         _restore_signal_handlers(),
-        _environ(_workers_environ(transport, rdzv.backend, mark if timing.grace_s > 0 else None, log_dir.name)),
+        _environ(env),
         _held_elastic_logs() as held,
-        ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi, timing.lost_after_s),
+        ended_together(rdzv.master_addr, rdzv.master_port, node_rank, lo, hi, timing.lost_after_s, rdzv.secret),
         relayed_stderr(_nccl_workers(plan)) as watch,  # NCCL's watchdog ends a rank with a line there, and SIGABRT
     ):  # several nodes end as one
         if timing.grace_s > 0:
@@ -361,7 +401,7 @@ def _launch_config(
         run_id=run_id,
         local_addr=rdzv.local_addr,  # c10d: the workers' store listens there (MASTER_ADDR), not on the FQDN's address
         role="detrain",
-        rdzv_backend=rdzv.backend,
+        rdzv_backend=rendezvous_backend(rdzv.backend),  # torch's, with every value in the store sealed
         rdzv_endpoint=rdzv.endpoint,
         rdzv_configs=rdzv.configs,
         rdzv_timeout=int(timing.start_timeout),
@@ -373,15 +413,22 @@ def _launch_config(
 
 
 def _workers_environ(
-    transport: dict[str, str], backend: str, mark: str | None = None, launch_dir: str | None = None
+    transport: dict[str, str],
+    backend: str,
+    mark: str | None = None,
+    launch_dir: str | None = None,
+    secret: str = "",
 ) -> dict[str, str]:
-    """What the spawned workers inherit: the transport's interface, that detrain's launcher started them,
-    (preemption on) where they leave their line, and where in ``launch_dir`` they note each attempt
-    (:mod:`restart_policy`); the agent here also catches SIGUSR1, to pass it on."""
+    """What the spawned workers inherit: the transport's interface, that detrain's launcher started them, the run's
+    secret (which torch's rendezvous here reads too: :func:`master_store.rendezvous_backend`), (preemption on)
+    where they leave their line, and where in ``launch_dir`` they note each attempt (:mod:`restart_policy`); the
+    agent here also catches SIGUSR1, to pass it on."""
     # c10d: let every rendezvous round start a fresh store for the workers instead of sharing the agent's,
     # whose stale keys break restarts and membership changes (pytorch/pytorch#135712).
     env = {**transport, **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if backend == "c10d" else {})}
     env[LAUNCHER_ENV] = "detrain"  # the workers inherit it: World.launcher tells them who started them
+    if secret:
+        env[SECRET_ENV] = secret  # World.secret in the workers
     if launch_dir is not None:  # the workers' notes of each attempt (restart_policy)
         env[restart_policy.ATTEMPTS_ENV] = os.path.join(launch_dir, "attempts")
         os.makedirs(env[restart_policy.ATTEMPTS_ENV], exist_ok=True)

@@ -101,7 +101,7 @@ def node_record(world: World, dataset: Mapping[str, Any], settings: Mapping[str,
     and the git commit (shown, not compared)."""
     return {
         "detrain": detrain.__version__,
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion: plain text travels (detrain.distributed.wire)
         "code": code_hash(),
         "devices per node": world.local_world_size,
         **dataset,

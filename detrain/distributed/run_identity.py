@@ -24,7 +24,9 @@ from typing import Any
 
 import torch.distributed as tdist
 
+from detrain.distributed.master_store import SECRET_ENV, Unsealed, sealed
 from detrain.errors import DistributedError
+from detrain.log import console
 
 _KEYS = "detrain/run/"
 _ID, _ARGS, _COUNT, _VERDICT = (f"{_KEYS}{k}" for k in ("id", "args", "arrivals", "verdict"))
@@ -70,7 +72,12 @@ def wait_for_nodes(
         while len(came) < count:
             arrived = int(store.add(_COUNT, 0))
             while seen < arrived and store.check([f"{_KEYS}arrival/{seen}"]):
-                theirs, node_rank, their_args = _arrival(store.get(f"{_KEYS}arrival/{seen}"))
+                try:
+                    theirs, node_rank, their_args = _arrival(store.get(f"{_KEYS}arrival/{seen}"))
+                except Unsealed:  # written without this run's secret: not a node of this run, and not a reason to stop
+                    console.print(f"warning: a process without this run's secret tried to join at {where}; ignored")
+                    seen += 1
+                    continue
                 seen += 1
                 if theirs != run_id:
                     raise DistributedError(
@@ -103,16 +110,26 @@ def join(
     wait_go: bool,
     connect_timeout_s: float,
     start_timeout_s: float,
+    secret: str = "",
 ) -> None:
     """On every other node: compare this node's run id with the master's before joining; with ``wait_go`` (a
-    fixed number of nodes) then wait for the master's word that all of them came."""
+    fixed number of nodes) then wait for the master's word that all of them came. Every value is sealed with
+    ``secret`` (:class:`detrain.distributed.master_store.SealedStore`): a master whose values it does not open seals
+    them with another secret, and this node ends with one line saying so."""
     where = f"{addr}:{port}"
     try:
-        store = tdist.TCPStore(addr, port, None, False, timedelta(seconds=max(1.0, connect_timeout_s)))
+        client = tdist.TCPStore(addr, port, None, False, timedelta(seconds=max(1.0, connect_timeout_s)))
     except Exception as e:  # noqa: BLE001 - any failure to connect is the same story for the user
         raise DistributedError(f"cannot reach the rendezvous at {where}: {_first_line(e)}") from None
+    store = sealed(client, secret)
     try:
-        theirs = _read(store, _ID, connect_timeout_s, where, "publish its run_id")[:200]
+        try:
+            theirs = _read(store, _ID, connect_timeout_s, where, "publish its run_id")[:200]
+        except Unsealed:
+            raise DistributedError(
+                f"the master at {where} seals its rendezvous with another secret than this node's {SECRET_ENV} "
+                f"(node_rank={node_rank}): give every node the value node_rank=0 was given or printed"
+            ) from None
         index = int(store.add(_COUNT, 1)) - 1
         store.set(f"{_KEYS}arrival/{index}", json.dumps({"run_id": run_id, "node_rank": node_rank, "args": args}))
         if theirs != run_id:
@@ -132,7 +149,7 @@ def join(
     except Exception as e:  # noqa: BLE001 - the master went away (its own output says why)
         raise DistributedError(f"lost the master at {where} before the group formed: {_first_line(e)}") from None
     finally:
-        del store
+        del store, client
 
 
 def _read(store: tdist.Store, key: str, timeout_s: float, where: str, what: str) -> str:

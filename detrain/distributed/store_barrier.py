@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as tdist
 
+from detrain.distributed.master_store import sealed
+
 
 class Absent(Exception):
     """Ranks that did not come to a barrier in time."""
@@ -32,14 +34,15 @@ class StoreBarrier:
         self.count = 0
 
     @classmethod
-    def connect(cls, addr: str, port: int, restarts: int, timeout: timedelta) -> StoreBarrier | None:
+    def connect(cls, addr: str, port: int, restarts: int, timeout: timedelta, secret: str = "") -> StoreBarrier | None:
         """A client of the rendezvous store at ``addr:port`` (the elastic agent's, or rank 0's under env://),
-        with keys of its own per restart attempt; None where no such store can be reached."""
+        with keys of its own per restart attempt, their values sealed with ``secret`` where there is one
+        (:mod:`detrain.distributed.master_store`); None where no such store can be reached."""
         try:
             client = tdist.TCPStore(addr, port, is_master=False, timeout=timeout)
         except Exception:  # noqa: BLE001 - e.g. a store that is not a TCPStore: the caller keeps torch's barrier
             return None
-        return cls(tdist.PrefixStore(f"detrain/barriers/attempt_{restarts}", client))
+        return cls(sealed(tdist.PrefixStore(f"detrain/barriers/attempt_{restarts}", client), secret))
 
     def wait(self, rank: int, world: int, timeout_s: float) -> None:
         """Mark this rank's arrival at the next barrier and wait, at most ``timeout_s``, for every rank's mark;

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 
 from detrain.distributed import slurm
+from detrain.distributed.master_store import run_secret
 from detrain.distributed.slurm import env_int
 from detrain.errors import DistributedError
 
@@ -67,6 +68,9 @@ class World:
     # this worker's torch device: the launcher's, from the device plan (World.on); from_env alone gives
     # cuda:LOCAL_RANK with CUDA, else cpu
     device: str = "cpu"
+    # the run's secret (DETRAIN_RUN_SECRET: detrain's launcher sets it for its workers; given for several nodes),
+    # which seals every value in the rendezvous store (master_store.SealedStore); never shown
+    secret: str = field(default="", repr=False)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> World:
@@ -117,6 +121,7 @@ class World:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             omp_threads=env.get("OMP_NUM_THREADS", ""),
             device=device,
+            secret=run_secret(env) or "",
         )
 
     def on(self, device: str) -> World:

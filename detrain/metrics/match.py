@@ -1,7 +1,8 @@
 """Per-image matching of detections to ground truth with the COCO evaluation rules.
 
-The result of one image is an :class:`ImageStats`: small numpy arrays that pickle cheaply, so ranks can
-gather them and :func:`detrain.metrics.coco_summary` can accumulate them once, in image-id order.
+The result of one image is an :class:`ImageStats`: small numpy arrays, which travel between ranks as arrays
+(:mod:`detrain.distributed.wire`), so ranks can gather them and :func:`detrain.metrics.coco_summary` can
+accumulate them once, in image-id order.
 
 The rules are those of the COCO reference evaluation (pycocotools ``COCOeval.evaluateImg``):
 
@@ -24,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from detrain.distributed.wire import carried
+
 # The reference's grids, built with the same calls so that every threshold has the same bits.
 IOU_THRESHOLDS: np.ndarray = np.linspace(0.5, 0.95, int(np.round((0.95 - 0.5) / 0.05)) + 1, endpoint=True)
 RECALL_THRESHOLDS: np.ndarray = np.linspace(0.0, 1.0, int(np.round((1.0 - 0.0) / 0.01)) + 1, endpoint=True)
@@ -34,9 +37,10 @@ MAX_DETS: tuple[int, ...] = (1, 10, 100)
 _A, _T = len(AREA_RANGES), len(IOU_THRESHOLDS)
 
 
+@carried  # gathered from every rank: see detrain.distributed.wire
 @dataclass
 class ImageStats:
-    """What one image contributes to the metrics; numpy only, so it pickles small and fast.
+    """What one image contributes to the metrics; numpy only, so it travels small and fast.
 
     Detections are those kept for evaluation (the top ``max_dets`` per class), grouped by class and, within
     a class, in evaluation order. ``det_matched``/``det_ignored`` hold, bit-packed along the last axis, a

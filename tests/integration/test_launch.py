@@ -19,6 +19,7 @@ from pathlib import Path
 import _dist_workers as workers
 import pytest
 import torch
+from _processes import RUN_SECRET
 
 from detrain.data.synthetic import generate_shapes
 from detrain.distributed.devices import cpu_threads_per_worker
@@ -48,6 +49,7 @@ def _env() -> dict[str, str]:
     """A child environment outside any launcher, with detrain importable."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env["DETRAIN_RUN_SECRET"] = RUN_SECRET  # the nodes of one run share its secret
     return env
 
 
@@ -213,8 +215,18 @@ def test_port_in_use_is_a_clear_error() -> None:
 def test_unreachable_master_is_a_clear_error() -> None:
     port = _free_port()  # nothing listens there
     t0 = time.monotonic()
+    node = World.from_env({"DETRAIN_RUN_SECRET": RUN_SECRET})  # a node of several is given the run's secret
     with pytest.raises(DistributedError, match=f"cannot reach the master at 127.0.0.1:{port}"):
-        launch(workers.report, {}, parse_device("cpu"), nnodes=2, node_rank=1, master_port=port, connect_timeout=1.0)
+        launch(
+            workers.report,
+            {},
+            parse_device("cpu"),
+            nnodes=2,
+            node_rank=1,
+            master_port=port,
+            connect_timeout=1.0,
+            world=node,
+        )
     assert time.monotonic() - t0 < 20
 
 

@@ -10,11 +10,16 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import cv2
 import pytest
+import torch
 from _processes import one_thread  # noqa: F401 (a fixture)
+from torch import nn
 
 from detrain import Model
 from detrain.data.synthetic import generate_shapes
+from detrain.nn.model import DetectionModel
+from detrain.weights.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LOSSES = ("train/box_loss", "train/cls_loss", "train/dfl_loss")
@@ -39,3 +44,42 @@ def test_a_batch_of_256_learns_more_with_the_scaled_rate(tmp_path: Path) -> None
     assert loss["none"][0] == pytest.approx(loss["auto"][0], rel=0.02)  # warmup's first epoch: hardly apart
     # AdamW (optimizer=auto) at 4 x lr0 (256 / 64); at 2 x (lr_scale=sqrt) 4.32 against 4.73 was measured
     assert loss["auto"][-1] < loss["none"][-1] - 0.2, loss
+
+
+def _stale(run: Path, images: list[Path]) -> float:
+    """How far last.pt's BatchNorm running means are from its weights' own: the relative distance to the means
+    recomputed over ``images`` (training-mode forward passes, every image counted alike)."""
+    ckpt = load_checkpoint(run / "weights" / "last.pt")
+    model = DetectionModel(ckpt["model"]["yaml"], nc=ckpt["model"]["nc"])
+    model.load_state_dict(ckpt["model"]["state_dict"])
+    saved = [m.running_mean.clone() for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.reset_running_stats()
+            m.momentum = None  # a cumulative average
+    x = torch.stack([torch.from_numpy(cv2.resize(cv2.imread(str(p)), (32, 32))[:, :, ::-1].copy()) for p in images])
+    with torch.no_grad():
+        model.train()(x.permute(0, 3, 1, 2).float() / 255)
+    fresh = [m.running_mean for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    return float(torch.cat([a - b for a, b in zip(saved, fresh)]).norm() / torch.cat(fresh).norm())
+
+
+def test_a_batch_of_256_keeps_the_batchnorm_statistics_of_its_weights(tmp_path: Path) -> None:
+    """The same training (AdamW at one rate: 4 x 0.001 scaled, or 0.004 given with lr_scale=none) with BatchNorm's
+    momentum following the batch (0.386 for forward passes of 256 images) or at 0.03: the same losses to the bit
+    (training-mode BatchNorm normalises with the batch's statistics), but at 0.03 the 6 updates leave the running
+    statistics (what validation and the saved model normalise with) mostly at their start."""
+    root = generate_shapes(tmp_path / "shapes", n_train=512, n_val=2, imgsz=64, seed=0)
+    data = root / "fit.yaml"
+    data.write_text("path: .\ntrain: images/train\nval: images/train\nnames: [circle, rectangle, triangle]\n")
+    common = dict(data=str(data), epochs=3, imgsz=32, batch=256, device="cpu", workers=0, warmup_epochs=1,
+                  close_mosaic=0, mosaic=0.0, val=False, plots=False, verbose=False, optimizer="AdamW",
+                  project=str(tmp_path / "runs"))  # fmt: skip
+    runs = {
+        name: Path(Model("n.yaml").train(**common, **keys, name=name).save_dir)
+        for name, keys in {"scaled": {"lr0": 0.001}, "none": {"lr0": 0.004, "lr_scale": "none"}}.items()
+    }
+    assert _losses(str(runs["scaled"])) == _losses(str(runs["none"]))
+    images = sorted((root / "images" / "train").glob("*"))[:128]
+    stale = {name: _stale(run, images) for name, run in runs.items()}
+    assert stale["scaled"] < 0.5 * stale["none"], stale

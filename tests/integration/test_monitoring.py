@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _processes import one_thread, run_together  # noqa: F401 (a fixture)
+from _processes import RUN_SECRET, one_thread, run_together  # noqa: F401 (a fixture)
 from torch import nn
 
 from detrain.config.cfg import make_cfg
@@ -65,6 +65,7 @@ def _env() -> dict[str, str]:
     }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
+    env["DETRAIN_RUN_SECRET"] = RUN_SECRET  # the nodes of one run share its secret
     return env
 
 

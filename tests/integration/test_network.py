@@ -20,6 +20,7 @@ from typing import Any
 import _dist_workers as workers
 import pytest
 import torch.distributed as tdist
+from _processes import RUN_SECRET
 from _sockets import listening
 
 from detrain.config.cfg import make_cfg
@@ -47,6 +48,7 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(("SLURM_", "TORCHELASTIC"))}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = "1"
+    env["DETRAIN_RUN_SECRET"] = RUN_SECRET  # the nodes of one run share its secret
     return env
 
 

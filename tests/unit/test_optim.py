@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -240,3 +241,60 @@ def test_the_recipe_follows_the_planned_update_whatever_the_world():
     full, shrunk = batch_plan(256, 256, world=4, planned_world=4), batch_plan(256, 256, world=2, planned_world=4)
     assert full.update_images == shrunk.update_images == 256 and shrunk.accumulate == 2
     assert optim.lr_scale_factor(cfg, "AdamW", shrunk.update_images) == optim.lr_scale_factor(cfg, "AdamW", 256) == 4
+
+
+def test_batchnorm_momentum_follows_the_global_batch_past_16_images():
+    """BatchNorm's momentum remembers as many images at any global batch as 0.03 does at 16: 0.03 up to 16 images a
+    forward pass (every batch of today's small runs trains as before), 1 - 0.97 ** (n / 16) past it; lr_scale=none
+    keeps Ultralytics' 0.03 whatever the batch."""
+    auto = make_cfg()
+    got = [optim.batchnorm_momentum(auto, n) for n in (4, 16, 32, 256, 1024)]
+    assert got[:2] == [0.03, 0.03]
+    assert got[2:] == pytest.approx([1 - 0.97**2, 1 - 0.97**16, 1 - 0.97**64])
+    for rule in ("linear", "sqrt"):
+        assert optim.batchnorm_momentum(make_cfg({"lr_scale": rule}), 256) == got[3]
+    assert optim.batchnorm_momentum(make_cfg({"lr_scale": "none"}), 1024) == 0.03
+
+
+def test_batchnorm_momentum_per_update_is_the_same_when_the_world_shrinks():
+    """Half the planned workers: forward passes of half the images, two of them an update; what the running
+    statistics keep of the past after an update is what the whole world's one forward pass keeps."""
+    from detrain.engine.train.batch_plan import batch_plan
+
+    cfg = make_cfg()
+    full, shrunk = batch_plan(256, 256, world=4, planned_world=4), batch_plan(256, 256, world=2, planned_world=4)
+    kept = [
+        (1 - optim.batchnorm_momentum(cfg, p.step_images)) ** p.accumulate for p in (full, shrunk)
+    ]  # fmt: skip
+    assert kept[0] == pytest.approx(kept[1])
+
+
+def test_the_recipe_sets_every_batchnorm_layer_s_momentum():
+    """build_recipe gives every BatchNorm layer (SyncBatchNorm's too) the momentum of the planned forward pass, and
+    says it on the optimizer line; at 16 images nothing changes."""
+    from detrain.engine.train.batch_plan import batch_plan
+    from detrain.engine.train.setup import build_recipe, recipe_lines
+
+    for batch, expected in ((16, 0.03), (256, 1 - 0.97**16)):
+        net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.SyncBatchNorm(4))
+        plan = batch_plan(batch, batch, world=1, planned_world=1)
+        recipe = build_recipe(net, make_cfg({"batch": batch}), nc=3, plan=plan, total_iters=100)
+        assert [m.momentum for m in (net[1], net[2])] == pytest.approx([expected] * 2)
+        line = recipe_lines(recipe, make_cfg({"batch": batch}), plan, 1, 10, "cpu")[0]
+        assert ("BatchNorm momentum 0.386" in line) == (batch == 256), line
+
+
+@pytest.mark.parametrize("name", ["Adamax", "NAdam", "RAdam", "RMSProp"])
+def test_the_rest_of_ultralytics_optimizers_build_its_three_groups(name: str) -> None:
+    """Ultralytics' other optimizers (any case, as its optimizer= takes them): torch's class over the three groups,
+    the momentum key as Adam's beta1 or RMSprop's momentum (which warmup then raises), the decay on weights only."""
+    cfg = make_cfg({"optimizer": name.lower(), "lr0": 0.002, "momentum": 0.8})
+    opt, chosen, lr = optim.build_optimizer(_net(), cfg, nc=3, total_iterations=100, weight_decay=0.01)
+    assert chosen == name and lr == 0.002
+    assert type(opt).__name__ == {"RMSProp": "RMSprop"}.get(name, name)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.01, 0.0]
+    first = opt.param_groups[0]
+    assert (first["momentum"] if name == "RMSProp" else first["betas"][0]) == 0.8
+    optim.apply_warmup(opt, cfg, ni=0, n_warmup=10, epoch_factor=1.0, lr0=0.002, momentum=0.8, accumulate_target=1)
+    if name == "RMSProp":
+        assert opt.param_groups[1]["momentum"] == cfg.train.warmup_momentum

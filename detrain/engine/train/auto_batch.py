@@ -36,6 +36,7 @@ import torch
 from detrain.config.keys import Loss
 from detrain.config.values import auto_batch_fraction
 from detrain.distributed import dist
+from detrain.distributed.wire import carried
 from detrain.nn.head import LossGains
 from detrain.nn.model import DetectionModel
 
@@ -154,6 +155,7 @@ def measure(memory: Memory, step: Callable[[int], object], sizes: Sequence[int])
     return peaks + [None] * (len(sizes) - len(peaks))
 
 
+@carried  # gathered from every rank: see detrain.distributed.wire
 @dataclass(frozen=True)
 class LocalFit:
     """What one rank's GPU fits: ``images`` per step (at least 1), the bytes a step of that many is predicted to

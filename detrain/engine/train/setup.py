@@ -114,6 +114,7 @@ class Recipe:
     momentum: float
     weight_decay: float
     lf: Callable[[float], float]
+    bn_momentum: float = optim.BN_MOMENTUM  #: BatchNorm's, for forward passes of the step's images
 
 
 def build_recipe(model: nn.Module, cfg: Cfg, nc: int, plan: BatchPlan, total_iters: int) -> Recipe:
@@ -127,7 +128,9 @@ def build_recipe(model: nn.Module, cfg: Cfg, nc: int, plan: BatchPlan, total_ite
     optimizer, opt_name, lr0 = optim.build_optimizer(unwrap(model), cfg, nc, total_iters, weight_decay, lr_factor)
     first = optimizer.param_groups[0]
     momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # (Mu)SGD or Adam(W)
-    return Recipe(optimizer, opt_name, lr0, lr_factor, momentum, weight_decay, optim.lr_lambda(cfg))
+    bn_momentum = optim.batchnorm_momentum(cfg, plan.step_images)  # this world's forward passes
+    optim.set_batchnorm_momentum(unwrap(model), bn_momentum)
+    return Recipe(optimizer, opt_name, lr0, lr_factor, momentum, weight_decay, optim.lr_lambda(cfg), bn_momentum)
 
 
 def recipe_lines(recipe: Recipe, cfg: Cfg, plan: BatchPlan, world_size: int, nb: int, device: str) -> list[str]:
@@ -141,10 +144,13 @@ def recipe_lines(recipe: Recipe, cfg: Cfg, plan: BatchPlan, world_size: int, nb:
     if recipe.lr_factor != 1.0:
         rule = optim.lr_scale_rule(cfg, recipe.name)
         scaled = f" ({rule} in the update of {plan.update_images} images: {recipe.lr_factor:.3g} x; lr_scale=none: off)"
+    norm = ""
+    if recipe.bn_momentum != optim.BN_MOMENTUM:
+        norm = f"; BatchNorm momentum {recipe.bn_momentum:.3g} for forward passes of {plan.step_images} images"
     lines = [
         f"optimizer: {recipe.name} lr0={recipe.lr0:g}{scaled} momentum={momentum} "
         f"weight_decay={recipe.weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
-        f"images; {world_size} worker(s) on {device}"
+        f"images; {world_size} worker(s) on {device}{norm}"
     ]
     if plan.planned_world != world_size:
         lines.append(
