@@ -37,8 +37,7 @@ from detrain.engine.train.batch_plan import check_split
 def bench_worker(args: dict[str, Any], here: World) -> dict[str, float]:
     """Time ``iters`` training steps on this rank's share of the global batch; rank 0's numbers come back."""
     from detrain.config.keys import Loss
-    from detrain.nn.head import LossGains
-    from detrain.nn.loss import DetectionLoss
+    from detrain.nn.loss import DetectionLoss, LossGains
     from detrain.nn.model import DetectionModel
 
     torch.set_num_threads(args["threads"])

@@ -146,8 +146,7 @@ def rank_main(args: dict[str, Any], here: World) -> dict[str, Any]:
     from detrain.config.keys import Loss
     from detrain.distributed import dist
     from detrain.engine.train.batch_plan import check_split
-    from detrain.nn.head import LossGains
-    from detrain.nn.loss import DetectionLoss
+    from detrain.nn.loss import DetectionLoss, LossGains
     from detrain.nn.model import DetectionModel
 
     dist.setup(here, timeout_s=1800.0)

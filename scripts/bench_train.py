@@ -38,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 
 from detrain.config.keys import Loss
 from detrain.engine.train.optim import kernel_options
-from detrain.nn.head import LossGains
 from detrain.nn.model import DetectionModel
 
 EPOCHS = 100  # the run length a loss with a schedule (YOLO26's) is built for; both sides at its first epoch
@@ -104,7 +103,7 @@ def detrain_parts(
         model.compile(backend="aot_eager")
     elif compile_mode is not None:
         model.compile(mode=None if compile_mode == "default" else compile_mode)
-    criterion = model.criterion(LossGains(**asdict(Loss())), epochs=EPOCHS)
+    criterion = model.criterion(asdict(Loss()), epochs=EPOCHS)
     criterion.set_epoch(0)
     # the update kernel detrain's trainer picks (engine/optim.py: fused where torch has one)
     optimizer = _sgd(model, **kernel_options(list(model.parameters())))

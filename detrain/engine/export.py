@@ -40,7 +40,15 @@ from detrain.weights.limits import imgsz_problem
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
 
-__all__ = ["SUFFIXES", "TORCHSCRIPT_META", "export_model", "export_onnx", "export_torchscript", "training_imgsz"]
+__all__ = [
+    "OUTPUTS",
+    "SUFFIXES",
+    "TORCHSCRIPT_META",
+    "export_model",
+    "export_onnx",
+    "export_torchscript",
+    "training_imgsz",
+]
 
 #: export format -> file suffix (the ``format=`` values ``detrain export`` takes)
 SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript"}
@@ -48,6 +56,12 @@ SUFFIXES = {"onnx": ".onnx", "torchscript": ".torchscript"}
 TORCHSCRIPT_META = "detrain.json"
 #: the image size of a model that records none (built from a yaml)
 DEFAULT_IMGSZ = 640
+#: what an exported graph gives, by its head's output kind (``head.output``: :data:`detrain.nn.head.OUTPUT_KINDS`),
+#: as the file's metadata says it; the served files (:mod:`detrain.engine.backends`) run one of these two
+OUTPUTS = {
+    "boxes": "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS",
+    "detections": "detections (B, max_det, 6): x1 y1 x2 y2 score class, best first, no NMS needed",
+}
 
 
 def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[int, int]:
@@ -83,7 +97,7 @@ def _graph_model(
     for p in graph_model.parameters():
         p.requires_grad_(False)
     example = torch.zeros(1, 3, h, w)
-    other = free_size and not graph_model.head.end2end
+    other = free_size and _output(graph_model) == "boxes"
     with torch.no_grad():
         graph_model(torch.zeros(1, 3, h + stride, w + stride) if other else example)  # the anchor cache (above)
     return graph_model, example, (h, w), stride
@@ -91,7 +105,18 @@ def _graph_model(
 
 def _free_size(graph_model: DetectionModel, asked: bool) -> bool:
     """Whether the traced graph takes any input size (a multiple of the stride): only one ending in NMS's input."""
-    return asked and not graph_model.head.end2end
+    return asked and _output(graph_model) == "boxes"
+
+
+def _output(graph_model: DetectionModel) -> str:
+    """The kind of output the model's head gives now (:attr:`detrain.nn.head.Head.output`), one that is served."""
+    kind = graph_model.head.output
+    if kind not in OUTPUTS:
+        raise ConfigError(
+            f"cannot export: the model's head gives {kind!r} output; an exported graph gives one of "
+            f"{', '.join(OUTPUTS)} (detrain.nn.head.OUTPUT_KINDS)"
+        )
+    return kind
 
 
 @contextlib.contextmanager
@@ -115,13 +140,6 @@ def _atomic_file(out: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def _output_kind(graph_model: DetectionModel) -> str:
-    """What the exported graph outputs, as its metadata says it."""
-    if graph_model.head.end2end:
-        return "detections (B, max_det, 6): x1 y1 x2 y2 score class, best first, no NMS needed"
-    return "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS"
-
-
 def _metadata(
     graph_model: DetectionModel, imgsz: tuple[int, int], stride: int, dynamic: bool, free_size: bool
 ) -> dict[str, object]:
@@ -131,7 +149,7 @@ def _metadata(
     (``end2end``: final top-k detections, ``max_det`` rows; else boxes and scores for NMS)."""
     from detrain import __version__
 
-    head = graph_model.head
+    head, kind = graph_model.head, _output(graph_model)
     meta: dict[str, object] = {
         "producer": "detrain",
         "version": __version__,
@@ -142,11 +160,11 @@ def _metadata(
         "batch": 1,
         "dynamic": dynamic,
         "free_size": free_size,
-        "end2end": bool(head.end2end),
-        "output": _output_kind(graph_model),
+        "end2end": kind == "detections",
+        "output": OUTPUTS[kind],
         "names": {int(k): str(v) for k, v in dict(getattr(graph_model, "names", {}) or {}).items()},
     }
-    if head.end2end:
+    if kind == "detections":
         meta["max_det"] = int(getattr(head, "max_det", 300))
     return meta
 

@@ -9,27 +9,40 @@ dense branch teaches it. Inference runs only the one-to-one branch and takes its
 (:mod:`detrain.nn.topk_decode`): a fixed (B, max_det, 6) output with no NMS.
 
 Attribute names and nesting are Ultralytics' (``Detect`` with ``end2end=True``), so a YOLO26 checkpoint's head
-loads by key (``tests/unit/test_parity_e2e.py``).
+loads by key (``tests/unit/test_parity_e2e.py``). A yaml row names it ``DetectE2E``, or ``Detect`` under the yaml's
+``end2end: True`` as Ultralytics' YOLO26 yamls do (:func:`detrain.nn.yaml_plan.head_name`).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import math
-from typing import cast
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from detrain.nn.boxes import dist2bbox, make_anchors
-from detrain.nn.head import Criterion, InferenceOptions, LossGains, nms
+from detrain.nn.head import BOXES, DETECTIONS, Criterion, HeadRow, InferenceOptions, nms, register_head
+from detrain.nn.loss import YOLO_GAINS, LossGains
 from detrain.nn.loss_e2e import ITEM_NAMES, E2EHeadMaps, EndToEndLoss
-from detrain.nn.modules import Conv, class_convs, final_conv, replace_final_conv, run_branch
+from detrain.nn.modules import (
+    Conv,
+    branch_inputs,
+    class_convs,
+    cls_width_setting,
+    final_conv,
+    replace_final_conv,
+    run_branch,
+)
 from detrain.nn.topk_decode import decode_xyxy, filter_detections, topk_detections
 
 BOX_BIAS = 2.0  # initial distances of 2 strides to every side: a box of 4 strides about each anchor
 
 
+@register_head
 class DetectE2E(nn.Module):
     """End-to-end detection head with a one-to-many and a one-to-one branch (YOLO26).
 
@@ -78,6 +91,29 @@ class DetectE2E(nn.Module):
         if strides is not None:
             self.bias_init()
 
+    family = "yolo26"  # whatever blocks the yaml's body uses (detrain.nn.model.family)
+
+    @classmethod
+    def from_row(cls, row: HeadRow) -> DetectE2E:
+        """The head of a yaml row; the one form detrain builds is reg_max 1 with the depthwise class branch (a yaml
+        with C3k2 blocks), as every YOLO26 is.
+
+        >>> DetectE2E.from_row(HeadRow(nc=2, channels=(16,), strides=(8.0,), reg_max=16, depthwise_cls=True))
+        Traceback (most recent call last):
+        ...
+        ValueError: an end-to-end head with reg_max 16 (DFL bins); detrain builds it with reg_max 1
+        """
+        if row.reg_max != 1:
+            raise ValueError(
+                f"an end-to-end head with reg_max {row.reg_max} (DFL bins); detrain builds it with reg_max 1"
+            )
+        if not row.depthwise_cls:
+            raise ValueError(
+                "an end-to-end head with YOLOv8's class branch (the yaml has no C3k2); detrain builds it with the "
+                "depthwise one"
+            )
+        return cls(row.nc, row.channels, row.strides, cls_channels=row.cls_channels)
+
     def bias_init(self) -> None:
         """Both branches: distances of 2 strides, class logits at a prior of ~5 objects per 640 px image.
 
@@ -121,22 +157,37 @@ class DetectE2E(nn.Module):
         return topk_detections(decode_xyxy(maps.one2one, self.stride), self.max_det, self.agnostic)
 
     loss_names = ITEM_NAMES
+    loss_gains = YOLO_GAINS  # box, cls, and dfl for the L1 term
 
-    def criterion(self, gains: LossGains, epochs: int, world_size: int = 1) -> Criterion:
+    @property
+    def output(self) -> str:
+        """The inference output's kind: the one-to-one branch's top-k detections, or (``set_inference(nms=True)``)
+        the one-to-many branch's boxes and scores for NMS."""
+        return DETECTIONS if self.end2end else BOXES
+
+    def criterion(self, gains: Mapping[str, float], epochs: int, world_size: int = 1) -> Criterion:
         """The end-to-end loss (:class:`detrain.nn.loss_e2e.EndToEndLoss`): both branches, the one-to-many one's
         weight moving to the one-to-one one over ``epochs``; the ``dfl`` gain weighs the L1 distance term.
 
         >>> head = DetectE2E(nc=2, ch=(16,), strides=(8,))
-        >>> head.criterion(LossGains(box=1.0, cls=1.0, dfl=1.0), epochs=3).item_names
+        >>> head.criterion({"box": 1.0, "cls": 1.0, "dfl": 1.0}, epochs=3).item_names
         ('box_loss', 'cls_loss', 'l1_loss')
         """
         return EndToEndLoss(
             nc=self.nc,
             strides=self.stride,
             epochs=epochs,
-            gains=gains,
+            gains=LossGains.of(gains),
             world_size=world_size,
         )
+
+    def class_parameters(self) -> Iterator[nn.Parameter]:
+        """Both branches' class convolutions (``cv3``, ``one2one_cv3``)."""
+        return itertools.chain(self.cv3.parameters(), self.one2one_cv3.parameters())
+
+    def yaml_args(self) -> list[Any]:
+        """``[nc, [channels read at each level], "end2end"]``."""
+        return [self.nc, branch_inputs(self.cv2), "end2end"]
 
     def set_inference(self, max_det: int = 300, agnostic: bool = False, nms: bool = False) -> None:
         """The one-to-one branch's top-k size and class-agnostic selection; ``nms`` switches inference to the
@@ -176,12 +227,13 @@ class DetectE2E(nn.Module):
             return nms(preds, options)
         return filter_detections(preds, options.conf, options.max_det, options.classes)
 
-    def reset_classes(self, nc: int) -> None:
-        """Swap the final class conv of every class branch, both branches, for one with ``nc`` outputs.
+    def reset_classes(self, nc: int) -> dict[str, Any]:
+        """Swap the final class conv of every class branch, both branches, for one with ``nc`` outputs; the class
+        branches keep their width (:func:`detrain.nn.modules.cls_width_setting`).
 
         >>> head = DetectE2E(nc=80, ch=(16, 32), strides=(8, 16))
-        >>> head.reset_classes(3); head.one2one_cv3[1][2].out_channels, head.no
-        (3, 7)
+        >>> head.reset_classes(3), head.one2one_cv3[1][2].out_channels, head.no
+        ({'head_cls_channels': 80}, 3, 7)
         """
         for branches in (self.cv3, self.one2one_cv3):
             for branch in branches:
@@ -189,3 +241,4 @@ class DetectE2E(nn.Module):
         self.nc = nc
         self.no = nc + 4
         self.bias_init()
+        return cls_width_setting(self)

@@ -23,8 +23,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from detrain.errors import ConfigError
 from detrain.nn.blocks11 import C2PSA, C3k2
-from detrain.nn.head_e2e import DetectE2E
-from detrain.nn.modules import SPPF, C2f, Concat, Conv, Detect
+from detrain.nn.head import Head, is_head
+from detrain.nn.modules import SPPF, C2f, Concat, Conv
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -94,8 +94,8 @@ def layer_args(layer: nn.Module) -> list[Any]:
     Conv: [c_in, c_out, kernel, stride]; C2f: [c_in, c_out, repeats, shortcut]; C3k2: [c_in, c_out, repeats,
     c3k], and ``"attn"`` after them for YOLO26's attention form; C2PSA: [c_in, c_out, repeats]; SPPF: [c_in,
     c_out, kernel], and for YOLO26's form (linear cv1) [c_in, c_out, kernel, pools, residual]; Upsample:
-    [scale_factor, mode]; Concat: [dimension]; Detect: [nc, [c_in per level]], and ``"end2end"`` after them for
-    YOLO26's end-to-end head.
+    [scale_factor, mode]; Concat: [dimension]; a head: its own (:meth:`detrain.nn.head.Head.yaml_args`; Detect:
+    [nc, [c_in per level]], and ``"end2end"`` after them for YOLO26's end-to-end head).
 
     >>> layer_args(Conv(3, 16, 3, 2)), layer_args(C2f(32, 32, 1, True)), layer_args(C3k2(32, 64, 2, True))
     ([3, 16, 3, 2], [32, 32, 1, True], [32, 64, 2, True])
@@ -120,9 +120,8 @@ def layer_args(layer: nn.Module) -> list[Any]:
         return [layer.scale_factor, layer.mode]
     if isinstance(layer, Concat):
         return [layer.d]
-    if isinstance(layer, (Detect, DetectE2E)):
-        ch = [cast(Conv, cast(nn.Sequential, branch)[0]).conv.in_channels for branch in layer.cv2]
-        return [layer.nc, ch, "end2end"] if isinstance(layer, DetectE2E) else [layer.nc, ch]
+    if is_head(layer):
+        return cast(Head, layer).yaml_args()
     return []
 
 
@@ -148,8 +147,8 @@ def _count_flops(model: DetectionModel, h: int, w: int) -> tuple[float, list[flo
 
     The weights are swapped for meta tensors of the same shapes only for this call (``functional_call``),
     so the model is neither copied nor changed. The head runs without decoding (its decoding is
-    elementwise: nothing to count) because anchors cannot be built from meta strides; an end-to-end head runs
-    as in training (its own flag only, its BatchNorms stay in eval), so both of its branches are counted.
+    elementwise: nothing to count) because anchors cannot be built from meta strides: it gives the raw maps its
+    criterion reads, so both branches of an end-to-end head are counted.
     """
     meta = {name: torch.empty_like(t, device="meta") for name, t in [*model.named_parameters(), *model.named_buffers()]}
     layers = list(model.model)
@@ -158,8 +157,6 @@ def _count_flops(model: DetectionModel, h: int, w: int) -> tuple[float, list[flo
     hooks = [layer.register_forward_pre_hook(lambda *_: marks.append(counter.get_total_flops())) for layer in layers]
     was_training = model.training
     model.eval()  # BatchNorm must not try to update (meta) running statistics
-    head = layers[-1]
-    head.training = isinstance(head, DetectE2E)  # raw maps of both branches, no top-k over meta scores
     try:
         x = torch.empty(1, 3, h, w, device="meta")
         with torch.no_grad(), counter:

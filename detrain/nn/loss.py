@@ -4,22 +4,50 @@ The three components are normalised by the sum of the soft target scores. Under 
 all-reduced so that W ranks holding B/W images each produce, after DDP's gradient averaging, exactly the gradient
 one process would get on all B images. The trainer calls the two halves itself, with the all-reduce between them in
 plain sight (``assign``, then ``dist.all_reduce_sum`` of the scores' sum, then ``score``); calling the loss does
-both, with ``normalizer_reduce`` as the all-reduce.
+both, with ``normalizer_reduce`` as the all-reduce (the template of :class:`detrain.nn.head.Criterion`).
+
+The YOLO heads' gains (:data:`YOLO_GAINS`, :class:`LossGains`) are the config's loss section: ``box``, ``cls`` and
+``dfl``, their defaults in ``config/keys.py`` only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from detrain.config.keys import Loss
 from detrain.nn.assigner import SparseAssignment, TaskAlignedAssigner
 from detrain.nn.boxes import bbox2dist, bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
-from detrain.nn.head import LossGains
+from detrain.nn.head import Criterion
 from detrain.nn.memory_format import memory_format_of
+
+#: the gains YOLOv8's, YOLO11's and YOLO26's losses take, with their defaults: the config's loss section
+YOLO_GAINS: Mapping[str, float] = MappingProxyType(asdict(Loss()))
+
+
+@dataclass(frozen=True)
+class LossGains:
+    """The YOLO losses' per-term gains (the ``box``, ``cls`` and ``dfl`` keys): the third weighs DFL for a ``reg_max``
+    > 1 head and the L1 distance term for a ``reg_max`` 1 head, as Ultralytics' ``dfl`` gain does. No defaults here:
+    the run's come from its config, whose ``loss`` section holds the one copy of the default gains.
+
+    >>> LossGains.of({"box": 1.0, "cls": 2.0, "dfl": 3.0})
+    LossGains(box=1.0, cls=2.0, dfl=3.0)
+    """
+
+    box: float
+    cls: float
+    dfl: float
+
+    @classmethod
+    def of(cls, gains: Mapping[str, float]) -> LossGains:
+        """The three gains of a head's mapping (:func:`detrain.nn.head.head_gains`)."""
+        return cls(box=gains["box"], cls=gains["cls"], dfl=gains["dfl"])
 
 
 def distribution_focal_loss(pred_logits: Tensor, target: Tensor) -> Tensor:
@@ -165,7 +193,7 @@ class Targets:
     score_sum: Tensor
 
 
-class DetectionLoss:
+class DetectionLoss(Criterion):
     """YOLOv8-style detection loss over raw head maps.
 
     ``loss, items = criterion(head_maps, batch_idx, cls, bboxes_xywhn)``: ``items`` is the detached (3,)
@@ -209,39 +237,8 @@ class DetectionLoss:
 
     item_names = ("box_loss", "cls_loss", "dfl_loss")
 
-    def set_epoch(self, epoch: float) -> None:
-        """Nothing follows the epoch here (the loss has no schedule); the trainer calls it for every head's loss."""
-
-    def __call__(
-        self,
-        head_maps: list[Tensor],
-        batch_idx: Tensor,
-        cls: Tensor,
-        bboxes_xywhn: Tensor,
-        global_batch: int | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Loss for head maps (B, 4*reg_max + nc, H_i, W_i) and flat labels; see the class docstring."""
-        targets = self.assign(head_maps, batch_idx, cls, bboxes_xywhn)
-        # every rank must reach this collective, with or without boxes of its own
-        summed = None if self.normalizer_reduce is None else self.normalizer_reduce(targets.score_sum.detach().clone())
-        return self.score(targets, summed, global_batch)
-
-    def assign(self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> Targets:
-        """Which anchors learn which boxes, for head maps (B, 4*reg_max + nc, H_i, W_i) and flat labels (in float32,
-        whatever autocast the caller runs under)."""
-        # a caller's autocast would run the DFL expectation (a matmul) in half precision: boxes off by
-        # ~0.1 px and a noisy CIoU; the loss is cheap next to the model, so it always runs in float32
-        with torch.autocast(head_maps[0].device.type, enabled=False):
-            return self._assign(head_maps, batch_idx, cls, bboxes_xywhn)
-
-    def score(
-        self, targets: Targets, summed_scores: Tensor | None = None, global_batch: int | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """``(loss, items)`` of ``assign``'s ``targets``, normalised by ``summed_scores`` (the target scores summed
-        over every rank: an all-reduce of each rank's ``score_sum``), or by this rank's own sum when None."""
-        with torch.autocast(targets.pred_logits.device.type, enabled=False):
-            return self._score(targets, summed_scores, global_batch)
-
+    # assign and score (the template's, in float32: autocast would run the DFL expectation, a matmul, in half
+    # precision, boxes off by ~0.1 px and a noisy CIoU) for head maps (B, 4*reg_max + nc, H_i, W_i)
     def _assign(self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> Targets:
         batch = head_maps[0].shape[0]
         # box logits (B, N, 4 * reg_max) are only ever read at a few rows; the class logits (B, N, nc) go

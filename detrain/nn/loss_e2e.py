@@ -27,8 +27,8 @@ from torch import Tensor
 
 from detrain.nn.assigner import SparseAssignment, TaskAlignedAssigner, pair_overlap
 from detrain.nn.boxes import bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
-from detrain.nn.head import LossGains
-from detrain.nn.loss import bce_with_logits_sum_sparse, pad_targets, split_head_maps
+from detrain.nn.head import Criterion
+from detrain.nn.loss import LossGains, bce_with_logits_sum_sparse, pad_targets, split_head_maps
 
 ITEM_NAMES = ("box_loss", "cls_loss", "l1_loss")
 O2M_TOPK = 10  # candidates per box, one-to-many branch
@@ -226,7 +226,7 @@ class E2ETargets:
     score_sum: Tensor
 
 
-class EndToEndLoss:
+class EndToEndLoss(Criterion):
     """End-to-end detection loss over an end-to-end head's raw maps (:class:`E2EHeadMaps`).
 
     ``loss, items = criterion(head_maps, batch_idx, cls, bboxes_xywhn)``: ``loss`` is ``(w_o2m * sum(o2m terms) +
@@ -274,38 +274,21 @@ class EndToEndLoss:
         """Weigh the branches for ``epoch`` (0-based); a resumed run calls it with its first epoch."""
         self.weights = branch_weights(epoch, self.epochs, self.o2m_start, self.o2m_end)
 
-    def __call__(
-        self,
-        head_maps: E2EHeadMaps,
-        batch_idx: Tensor,
-        cls: Tensor,
-        bboxes_xywhn: Tensor,
-        global_batch: int | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """Loss for both branches' maps and flat labels; see the class docstring."""
-        targets = self.assign(head_maps, batch_idx, cls, bboxes_xywhn)
-        # every rank must reach this collective, with or without boxes of its own
-        summed = None if self.normalizer_reduce is None else self.normalizer_reduce(targets.score_sum.detach().clone())
-        return self.score(targets, summed, global_batch)
-
-    def assign(self, head_maps: E2EHeadMaps, batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> E2ETargets:
-        """Both branches' assignments (in float32, whatever autocast the caller runs under)."""
-        with torch.autocast(head_maps.one2many[0].device.type, enabled=False):
-            o2m = self.one2many.assign(head_maps.one2many, batch_idx, cls, bboxes_xywhn)
-            o2o = self.one2one.assign(head_maps.one2one, batch_idx, cls, bboxes_xywhn)
+    # assign and score: the template's (detrain.nn.head.Criterion), both branches under one autocast-free section
+    def _assign(self, head_maps: E2EHeadMaps, batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> E2ETargets:
+        o2m = self.one2many.assign(head_maps.one2many, batch_idx, cls, bboxes_xywhn)
+        o2o = self.one2one.assign(head_maps.one2one, batch_idx, cls, bboxes_xywhn)
         return E2ETargets(o2m, o2o, torch.stack((o2m.score_sum, o2o.score_sum)))
 
-    def score(
-        self, targets: E2ETargets, summed_scores: Tensor | None = None, global_batch: int | None = None
+    def _score(
+        self, targets: E2ETargets, summed_scores: Tensor | None, global_batch: int | None
     ) -> tuple[Tensor, Tensor]:
-        """``(loss, items)`` of ``assign``'s ``targets``, normalised by ``summed_scores`` ((2,): each branch's target
-        scores summed over every rank), or by this rank's own sums when None."""
-        with torch.autocast(targets.one2one.pred_logits.device.type, enabled=False):
-            normalizer = (targets.score_sum if summed_scores is None else summed_scores).clamp(min=1.0)
-            scale_items = self.world_size if summed_scores is not None else 1
-            o2m = self.one2many.items(targets.one2many, normalizer[0]) * scale_items
-            o2o = self.one2one.items(targets.one2one, normalizer[1]) * scale_items
-            if global_batch is None:
-                global_batch = targets.one2one.batch * self.world_size
-            w_o2m, w_o2o = self.weights
-            return (o2m.sum() * w_o2m + o2o.sum() * w_o2o) * global_batch, o2o.detach()
+        # summed_scores (2,): each branch's target scores summed over every rank
+        normalizer = (targets.score_sum if summed_scores is None else summed_scores).clamp(min=1.0)
+        scale_items = self.world_size if summed_scores is not None else 1
+        o2m = self.one2many.items(targets.one2many, normalizer[0]) * scale_items
+        o2o = self.one2one.items(targets.one2one, normalizer[1]) * scale_items
+        if global_batch is None:
+            global_batch = targets.one2one.batch * self.world_size
+        w_o2m, w_o2o = self.weights
+        return (o2m.sum() * w_o2m + o2o.sum() * w_o2o) * global_batch, o2o.detach()

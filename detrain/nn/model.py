@@ -3,13 +3,16 @@
 The layers live in ``self.model`` (an ``nn.Sequential`` indexed as in the yaml), so state-dict keys are
 ``model.<i>.…`` exactly as in Ultralytics' checkpoints. The yaml format is Ultralytics' (the packaged
 ``cfg/models/yolov8.yaml``, ``yolo11.yaml`` and ``yolo26.yaml``, or the dict a checkpoint records), read by our
-own builder. A yaml that sets ``end2end`` (YOLO26) gets the end-to-end head (:class:`detrain.nn.head_e2e.DetectE2E`).
+own builder. The last row's module name picks the head from the registry of :mod:`detrain.nn.head` (``Detect``;
+``DetectE2E``, which Ultralytics' YOLO26 yamls write as ``Detect`` under ``end2end: True``; or a head a user
+registered), and the model reaches it only through that seam.
 """
 
 from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,10 +21,9 @@ from torch import Tensor, nn
 
 from detrain.errors import ConfigError
 from detrain.nn.blocks11 import C2PSA, C3k2
-from detrain.nn.head import Criterion, Head, InferenceOptions, LossGains
-from detrain.nn.head_e2e import DetectE2E
-from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Detect, Upsample
-from detrain.nn.yaml_plan import MAX_CLASSES, LayerPlan, Plan, check_nc, plan_layers, where
+from detrain.nn.head import Criterion, Head, InferenceOptions, head_class, head_gains
+from detrain.nn.modules import BN_EPS, BN_MOMENTUM, SPPF, C2f, Concat, Conv, Upsample
+from detrain.nn.yaml_plan import MAX_CLASSES, LayerPlan, Plan, check_nc, head_name, plan_layers, where
 from detrain.nn.yaml_plan import MAX_LAYERS as MAX_LAYERS  # re-exported: the builder's bounds
 from detrain.nn.yaml_plan import MAX_REPEATS as MAX_REPEATS
 from detrain.system.assets import asset_dir
@@ -82,22 +84,24 @@ def bundled_scale(name: str | Path) -> str | None:
 
 
 def family(d: dict) -> str:
-    """The family of an architecture dict: ``"yolo26"`` for an end-to-end (NMS-free) one; ``"yolo11"`` when it
-    uses YOLO11's blocks (C3k2, C2PSA), which YOLO26 shares; else ``"yolov8"``. Layers of two families do not
-    correspond, even where a key and shape happen to agree.
+    """The family of an architecture dict: the one its head names (``"yolo26"`` for the end-to-end head); else
+    ``"yolo11"`` when it uses YOLO11's blocks (C3k2, C2PSA), which YOLO26 shares; else ``"yolov8"``. Layers of two
+    families do not correspond, even where a key and shape happen to agree.
 
     >>> family(load_model_yaml("yolo11n.yaml")[0]), family(load_model_yaml("n.yaml")[0])
     ('yolo11', 'yolov8')
     >>> family(load_model_yaml("yolo26s.yaml")[0])
     'yolo26'
     """
-    if d.get("end2end"):
-        return "yolo26"
     specs = list(d.get("backbone") or []) + list(d.get("head") or [])
-    names = {
+    names = [
         spec[2] for spec in specs if isinstance(spec, (list, tuple)) and len(spec) == 4 and isinstance(spec[2], str)
-    }
-    return "yolo11" if names & _YOLO11_BLOCKS else "yolov8"
+    ]
+    head = head_class(head_name(names[-1], d.get("end2end") is True)) if names else None
+    own = getattr(head, "family", None)
+    if isinstance(own, str):
+        return own
+    return "yolo11" if set(names) & _YOLO11_BLOCKS else "yolov8"
 
 
 def _own_scale(d: dict, source: str) -> str | None:
@@ -197,11 +201,12 @@ def build_layers(
     The yaml is first checked and planned by :func:`detrain.nn.yaml_plan.plan_layers` (every field typed and
     bounded, the parameter count computed), so nothing is allocated for a yaml that asks too much; ``source``
     names the yaml in its one-line errors. Strides are traced through the layers rather than measured with a dummy
-    forward, so building even the x scale costs no compute. Rules that follow Ultralytics so its YOLO11 and
-    YOLO26 yamls and checkpoints build the same: a C3k2 uses C3k inner blocks at scales m, l and x whatever its
-    own flag says (its attention flag still wins), a yaml with any C3k2 gets the head's depthwise class branch,
-    and a yaml that sets ``end2end`` gets the end-to-end head (:class:`DetectE2E`; reg_max 1 and the depthwise
-    class branch are the only form detrain builds).
+    forward, so building even the x scale costs no compute. The head is the registered class the last row names,
+    built from its planned row (:meth:`detrain.nn.head.Head.from_row`). Rules that follow Ultralytics so its
+    YOLO11 and YOLO26 yamls and checkpoints build the same: a C3k2 uses C3k inner blocks at scales m, l and x
+    whatever its own flag says (its attention flag still wins), a yaml with any C3k2 gets the head's depthwise
+    class branch, and a ``Detect`` row in a yaml that sets ``end2end`` builds the end-to-end head (``DetectE2E``;
+    reg_max 1 and the depthwise class branch are the only form detrain builds).
 
     >>> d, _ = load_model_yaml("yolov8.yaml")
     >>> layers, save, strides = build_layers(d, "n", 80); len(layers), strides
@@ -244,11 +249,9 @@ def _module(spec: LayerPlan, plan: Plan, nc: int) -> nn.Module:
         return Upsample(scale_factor=opts[0], mode=opts[1])
     if name == "Concat":
         return Concat(opts[0])
-    if name == "Detect":
-        channels = [c for c, _ in spec.inputs]
-        if plan.end2end:
-            return DetectE2E(nc, channels, plan.head_strides, cls_channels=plan.cls_channels)
-        return Detect(nc, channels, plan.head_strides, plan.reg_max, plan.cls_channels, plan.depthwise_cls)
+    if spec.index == len(plan.layers) - 1:  # the head: its registered class, from the row the plan checked
+        head, row = opts
+        return cast(nn.Module, head.from_row(row))
     if name == "Conv":
         return Conv(c_in, c_out, opts[0], opts[1])
     if name == "C2f":
@@ -304,7 +307,7 @@ def initialize_weights(model: nn.Module) -> None:
 
 
 class DetectionModel(nn.Module):
-    """YOLOv8-, YOLO11- or YOLO26-class detector (:attr:`family`).
+    """YOLOv8-, YOLO11- or YOLO26-class detector (:attr:`family`), or any body and registered head a yaml names.
 
     ``cfg`` is a packaged yaml name (``"yolov8.yaml"``, ``"yolo11.yaml"``, ``"yolo26.yaml"``, or ``"yolov8s.yaml"``,
     ``"yolo26s.yaml"`` meaning scale s), a path, or a dict (e.g. another model's ``.yaml``). ``scale`` defaults
@@ -317,8 +320,8 @@ class DetectionModel(nn.Module):
     branches' maps, :class:`detrain.nn.loss_e2e.E2EHeadMaps`); eval mode returns the head's inference output:
     (B, 4 + nc, N) xywh boxes in input pixels and sigmoid class scores for NMS, or YOLO26's (B, 300, 6) top-k
     detections. ``decode=`` overrides the choice (e.g. raw maps for a validation loss while BN uses running
-    statistics). What the engine needs of the head (loss, loss names, postprocess) it asks here:
-    :meth:`criterion`, :attr:`loss_names`, :meth:`set_inference`, :meth:`postprocess` (:mod:`detrain.nn.head`).
+    statistics). What the engine needs of the head it asks the head itself through :attr:`head` (:class:`detrain.nn.
+    head.Head`), or here: :meth:`criterion`, :attr:`loss_names`, :meth:`set_inference`, :meth:`postprocess`.
 
     >>> model = DetectionModel("yolov8.yaml", scale="n", nc=3).eval()
     >>> model(torch.zeros(1, 3, 64, 64)).shape
@@ -354,7 +357,7 @@ class DetectionModel(nn.Module):
         self.yaml = d
         self.scale = scale
         self.nc = nc
-        self.reg_max = self.head.reg_max
+        self.reg_max = int(getattr(self.head, "reg_max", 1))  # DFL bins of the box distances (1: none, plain ones)
         self.names = names or {i: str(i) for i in range(nc)}
         initialize_weights(self)
 
@@ -374,9 +377,15 @@ class DetectionModel(nn.Module):
         """The head's loss item names, e.g. ``("box_loss", "cls_loss", "dfl_loss")`` for YOLOv8 and YOLO11."""
         return self.head.loss_names
 
-    def criterion(self, gains: LossGains, epochs: int, world_size: int = 1) -> Criterion:
-        """The loss this model trains with (its head's; see :class:`detrain.nn.head.Head`)."""
-        return self.head.criterion(gains, epochs, world_size)
+    def criterion(self, loss: Mapping[str, float], epochs: int, world_size: int = 1) -> Criterion:
+        """The loss this model trains with (its head's; see :class:`detrain.nn.head.Head`), its terms weighed by the
+        gains of ``loss`` (the config's loss section, as a mapping) that the head takes, its own defaults for the
+        others (:func:`detrain.nn.head.head_gains`).
+
+        >>> DetectionModel(nc=2).criterion({"box": 1.0, "cls": 2.0, "dfl": 3.0}, epochs=3).gains
+        (1.0, 2.0, 3.0)
+        """
+        return self.head.criterion(head_gains(self.head, loss), epochs, world_size)
 
     def set_inference(self, max_det: int = 300, agnostic: bool = False, nms: bool = False) -> DetectionModel:
         """Shape the inference output (an end-to-end head's top-k count and class-agnostic selection; ``nms``: its
@@ -431,23 +440,20 @@ class DetectionModel(nn.Module):
     def reset_classes(self, nc: int, names: dict[int, str] | None = None) -> DetectionModel:
         """Replace only the final class conv of each head branch for ``nc`` classes; keep all other weights.
 
-        The head keeps its class-branch width, recorded in ``yaml["head_cls_channels"]`` when it differs from
-        what a fresh model with ``nc`` classes would use, so ``DetectionModel(model.yaml)`` rebuilds the same
-        shapes.
+        The head keeps its other shapes, and says which of the yaml's settings rebuild them (a YOLO head: its
+        class-branch width, in ``yaml["head_cls_channels"]`` when it differs from what a fresh model with ``nc``
+        classes would use), so ``DetectionModel(model.yaml)`` rebuilds the same shapes.
 
         >>> m = DetectionModel(nc=80).reset_classes(2, {0: "cat", 1: "dog"}); m.nc, m.model[22].cv3[0][2].out_channels
         (2, 2)
         """
         if names is not None and len(names) != nc:
             raise ConfigError(f"nc={nc} but {len(names)} class names were given")
-        head: Any = self.model[-1]  # either head: both keep cv2 and cls_channels under these names
-        head.reset_classes(nc)
-        # the class branch reads the first level's channels, as the box branch does (its first layer is a Conv)
-        fresh_width = max(cast(Conv, cast(nn.Sequential, head.cv2[0])[0]).conv.in_channels, min(nc, 100))
-        if head.cls_channels != fresh_width:
-            self.yaml["head_cls_channels"] = head.cls_channels
-        else:
-            self.yaml.pop("head_cls_channels", None)
+        for key, value in self.head.reset_classes(nc).items():  # what rebuilds the head's shapes from the yaml
+            if value is None:
+                self.yaml.pop(key, None)
+            else:
+                self.yaml[key] = value
         self.nc = self.yaml["nc"] = nc
         self.names = {int(k): str(v) for k, v in names.items()} if names else {i: str(i) for i in range(nc)}
         return self

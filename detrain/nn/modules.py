@@ -8,15 +8,15 @@ YOLO11 checkpoints are loaded by key. YOLO11's own blocks (C3k2, C2PSA, ...) are
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from detrain.nn.boxes import dist2bbox, make_anchors
-from detrain.nn.head import Criterion, InferenceOptions, LossGains, nms
-from detrain.nn.loss import DetectionLoss
+from detrain.nn.head import BOXES, Criterion, HeadRow, InferenceOptions, nms, register_head
+from detrain.nn.loss import YOLO_GAINS, DetectionLoss, LossGains
 from detrain.nn.memory_format import memory_format_of
 
 BN_EPS = 1e-3
@@ -334,6 +334,19 @@ def run_branch(seq: nn.Module, x: Tensor) -> Tensor:
     return conv2d(cast(nn.Conv2d, last), x)
 
 
+def branch_inputs(branches: nn.ModuleList) -> list[int]:
+    """The channels of the feature map each branch reads (its first layer is a Conv)."""
+    return [cast(Conv, cast(nn.Sequential, branch)[0]).conv.in_channels for branch in branches]
+
+
+def cls_width_setting(head: Any) -> dict[str, Any]:
+    """The yaml setting that rebuilds ``head``'s class-branch width after ``reset_classes``: ``head_cls_channels``
+    when it differs from the width a fresh head with ``head.nc`` classes would take, else None (the key goes).
+    The class branch reads the first level's channels, as the box branch does."""
+    fresh_width = max(branch_inputs(head.cv2)[0], min(head.nc, 100))
+    return {"head_cls_channels": head.cls_channels if head.cls_channels != fresh_width else None}
+
+
 def class_convs(c_in: int, width: int, depthwise: bool) -> tuple[nn.Module, nn.Module]:
     """The two feature stages of a class branch, before its final 1x1 convolution (see :class:`Detect`)."""
     if depthwise:
@@ -344,6 +357,7 @@ def class_convs(c_in: int, width: int, depthwise: bool) -> tuple[nn.Module, nn.M
     return Conv(c_in, width, 3), Conv(width, width, 3)
 
 
+@register_head
 class Detect(nn.Module):
     """Anchor-free decoupled head: per level a box branch (``cv2``, 4 * reg_max DFL logits) and a class
     branch (``cv3``, nc logits).
@@ -399,6 +413,16 @@ class Detect(nn.Module):
         if strides is not None:
             self.bias_init()
 
+    @classmethod
+    def from_row(cls, row: HeadRow) -> Detect:
+        """The head of a yaml row: its ``reg_max``, class-branch width and (YOLO11) depthwise class branch are the
+        yaml's settings.
+
+        >>> Detect.from_row(HeadRow(nc=2, channels=(16, 32), strides=(8.0, 16.0), reg_max=4)).yaml_args()
+        [2, [16, 32]]
+        """
+        return cls(row.nc, row.channels, row.strides, row.reg_max, row.cls_channels, row.depthwise_cls)
+
     def bias_init(self) -> None:
         """Box logits start at 1.0; class logits at a prior of ~5 objects per 640 px image.
 
@@ -449,23 +473,32 @@ class Detect(nn.Module):
         return self._anchors, self._anchor_strides
 
     loss_names = ("box_loss", "cls_loss", "dfl_loss")
-    end2end = False  # inference gives every anchor's boxes and scores, for NMS
+    loss_gains = YOLO_GAINS  # box, cls, dfl
+    output = BOXES  # inference gives every anchor's boxes and scores, for NMS
 
-    def criterion(self, gains: LossGains, epochs: int, world_size: int = 1) -> Criterion:
+    def criterion(self, gains: Mapping[str, float], epochs: int, world_size: int = 1) -> Criterion:
         """YOLOv8's loss (:class:`detrain.nn.loss.DetectionLoss`) for this head; it has no schedule, so ``epochs``
         does not change it.
 
         >>> head = Detect(nc=2, ch=(16,), strides=(8,), reg_max=4)
-        >>> head.criterion(LossGains(box=1.0, cls=1.0, dfl=1.0), epochs=3).item_names == head.loss_names
+        >>> head.criterion({"box": 1.0, "cls": 1.0, "dfl": 1.0}, epochs=3).item_names == head.loss_names
         True
         """
         return DetectionLoss(
             nc=self.nc,
             strides=self.stride,
             reg_max=self.reg_max,
-            gains=gains,
+            gains=LossGains.of(gains),
             world_size=world_size,
         )
+
+    def class_parameters(self) -> Iterator[nn.Parameter]:
+        """The class branches' (``cv3``) parameters."""
+        return self.cv3.parameters()
+
+    def yaml_args(self) -> list[Any]:
+        """``[nc, [channels read at each level]]``."""
+        return [self.nc, branch_inputs(self.cv2)]
 
     def set_inference(self, max_det: int = 300, agnostic: bool = False, nms: bool = False) -> None:
         """Nothing to set: this head's inference output is every anchor's box and scores; NMS (in
@@ -481,12 +514,13 @@ class Detect(nn.Module):
         """
         return nms(preds, options)
 
-    def reset_classes(self, nc: int) -> None:
-        """Swap only the final class conv of every ``cv3`` branch for one with ``nc`` outputs.
+    def reset_classes(self, nc: int) -> dict[str, Any]:
+        """Swap only the final class conv of every ``cv3`` branch for one with ``nc`` outputs; the class branches
+        keep their width (:func:`cls_width_setting`).
 
         >>> head = Detect(nc=80, ch=(16, 32, 64), strides=(8, 16, 32))
-        >>> head.reset_classes(3); head.cv3[0][2].out_channels, head.no
-        (3, 67)
+        >>> head.reset_classes(3), head.cv3[0][2].out_channels, head.no
+        ({'head_cls_channels': 80}, 3, 67)
         """
         for branch in self.cv3:
             replace_final_conv(branch, nc)
@@ -494,3 +528,4 @@ class Detect(nn.Module):
         self.no = nc + 4 * self.reg_max
         self._anchor_key = None
         self.bias_init()
+        return cls_width_setting(self)

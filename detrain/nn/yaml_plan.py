@@ -7,8 +7,9 @@ its own): widths, repeats or ``reg_max`` in the millions asked torch for 129 GB 
 refuses, in one :class:`~detrain.errors.ConfigError` line naming the key or layer and what is valid:
 
 * a row that is not ``[from, repeats, module, args]`` of the right types: ``from`` a layer index (a list of them
-  for Concat and Detect) of a layer already built, ``repeats`` a whole number, ``module`` one detrain builds,
-  ``args`` a list of that module's arguments, each of its type (whole numbers, True/False, a number);
+  for Concat and a head) of a layer already built, ``repeats`` a whole number, ``module`` one detrain builds (a
+  layer of :data:`MODULE_NAMES`, or as the last row a registered head: :mod:`detrain.nn.head`), ``args`` a list
+  of that module's arguments, each of its type (whole numbers, True/False, a number);
 * a layer wider than :data:`MAX_CHANNELS` after width scaling, more than :data:`MAX_REPEATS` repeats after depth
   scaling, a kernel above :data:`MAX_KERNEL`, a stride above :data:`MAX_CONV_STRIDE`, an upsampling factor above
   :data:`MAX_UPSAMPLE`, ``nc`` outside 1 to :data:`MAX_CLASSES`, ``reg_max`` outside 1 to 64, depth and width
@@ -16,6 +17,10 @@ refuses, in one :class:`~detrain.errors.ConfigError` line naming the key or laye
 * a model of more than :data:`MAX_PARAMETERS` parameters or :data:`MAX_MODULES` modules, as counted from the plan
   (exactly what the builder then makes: ``tests/unit/test_model_yaml_bounds.py`` compares both counts for every
   packaged and Ultralytics detect yaml at every scale).
+
+The head's cost is counted from the head itself, built on the meta device from its planned row (shapes only:
+nothing is allocated), so any registered head is counted exactly as the builder then makes it; the head's own
+refusal of a row (:meth:`detrain.nn.head.Head.from_row`) is the layer's one line.
 
 The bounds sit far above the detectors detrain builds: YOLOv8x has 68 million parameters in 461 modules, at most
 640 channels in a block (1,280 where a Concat joins two) and 6 repeats; Ultralytics' YOLO26-P6 x, the largest
@@ -39,7 +44,14 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from detrain.errors import ConfigError
+from detrain.nn.head import HeadRow, head_class, registered_heads
+
+# the built-in heads: registered where they are defined; imported so that every plan knows them
+from detrain.nn.head_e2e import DetectE2E
+from detrain.nn.modules import Detect
 from detrain.system.text import excerpt, listed
 
 # Bounds on what a yaml may ask for (see the module docstring for the largest values real detectors use).
@@ -57,7 +69,7 @@ MAX_HEAD_STRIDE = 4096  # a Detect level's stride (P6 models: 64)
 MAX_PARAMETERS = 1_000_000_000  # 4 GB of float32 weights, 15x YOLOv8x
 MAX_MODULES = 10_000  # torch modules made (YOLOv8x: 461, YOLO26x: 848, YOLO26-P6 x: 1141); build time: seconds
 
-MODULE_NAMES = ("Conv", "C2f", "C3k2", "C2PSA", "SPPF", "Upsample", "nn.Upsample", "Concat", "Detect")
+MODULE_NAMES = ("Conv", "C2f", "C3k2", "C2PSA", "SPPF", "Upsample", "nn.Upsample", "Concat")  # the layers (heads apart)
 _REPEATED = frozenset({"C2f", "C3k2", "C2PSA"})  # the modules that take ``repeats``; the others are built once
 _MOST_ARGS = {"Conv": 3, "C2f": 2, "C3k2": 4, "C2PSA": 1, "SPPF": 4, "Concat": 1, "Upsample": 3, "nn.Upsample": 3}
 UPSAMPLE_MODES = ("nearest", "nearest-exact", "bilinear", "bicubic", "area")
@@ -104,6 +116,7 @@ class Plan:
 
     layers: list[LayerPlan] = field(default_factory=list)
     save: set[int] = field(default_factory=set)
+    head: type | None = None  # the head class the last row builds (detrain.nn.head's registry)
     head_strides: list[float] = field(default_factory=list)
     reg_max: int = 16
     end2end: bool = False
@@ -253,8 +266,10 @@ def plan_layers(d: dict, scale: str, nc: int, in_channels: int = 3, source: str 
         plan.layers.append(layer)
         plan.params += layer.cost.params
         plan.modules += layer.cost.modules
-    if plan.layers[-1].name != "Detect":
-        raise ConfigError(f"{_at(source)}the last model layer must be Detect")
+    if plan.head is None:
+        raise ConfigError(
+            f"{_at(source)}the last model layer must be Detect or another head ({listed(registered_heads(), 80)})"
+        )
     plan.modules += 2  # the model and its Sequential of layers
     if plan.params > MAX_PARAMETERS or plan.modules > MAX_MODULES:
         raise ConfigError(
@@ -282,8 +297,8 @@ class _Context:
         if not isinstance(spec, (list, tuple)) or len(spec) != 4:
             raise ConfigError(f"{_layer(i, source)} must be [from, repeats, module, args], got {excerpt(spec, 80)}")
         f, n, name, args = spec
-        if not isinstance(name, str) or name not in MODULE_NAMES:
-            raise ConfigError(f"{_layer(i, source)}: unknown module {excerpt(name, 60)}; known: {_KNOWN}")
+        if not isinstance(name, str) or (name not in MODULE_NAMES and self._head_class(name) is None):
+            raise ConfigError(f"{_layer(i, source)}: unknown module {excerpt(name, 60)}; known: {_known()}")
         args = [self.nc if a == "nc" else a for a in args] if isinstance(args, list) else args
         try:
             if args is None:
@@ -297,18 +312,23 @@ class _Context:
             ) from None
         return layer
 
+    def _head_class(self, name: str) -> type | None:
+        """The registered head a row's module name builds (:func:`head_name`), else None (a layer, or nothing)."""
+        return None if name in MODULE_NAMES else head_class(head_name(name, self.plan.end2end))
+
     def _planned(self, i: int, f: Any, n: Any, name: str, args: list[Any]) -> LayerPlan:
+        head = self._head_class(name)
         repeats = _repeats(n, self.depth, name)
-        froms = _froms(i, f, multiple=name in ("Concat", "Detect"))
+        froms = _froms(i, f, multiple=name == "Concat" or head is not None)
         _check_arg_types(args, _MOST_ARGS.get(name, 4), name)
         for j in froms:
             if j != -1:
                 self.plan.save.add(i + j if j < 0 else j)
         inputs = [self._source(i, j) for j in froms]
-        if name == "Detect":
+        if head is not None:
             if i != self.last:
-                raise LayerRefused("Detect must be the last layer")
-            return self._detect(i, f, args, inputs)
+                raise LayerRefused(f"{name} must be the last layer")
+            return self._head(i, f, name, head, args, inputs)
         c_in, s_in = inputs[0]
         if name in ("Upsample", "nn.Upsample"):
             factor, mode = _upsample_options(args)
@@ -324,8 +344,8 @@ class _Context:
         if k < 0:
             return self.in_channels, 1.0
         layer = self.plan.layers[k]
-        if layer.name == "Detect":
-            raise LayerRefused(f"it reads layer {j}, a Detect layer, which has no feature map")
+        if self._head_class(layer.name) is not None:
+            raise LayerRefused(f"it reads layer {j}, a {layer.name} layer, which has no feature map")
         return layer.c_out, layer.stride
 
     def _channels(self, args: list[Any]) -> int:
@@ -350,27 +370,50 @@ class _Context:
             raise LayerRefused(f"{c_out} output channels; detrain builds at most {MAX_CHANNELS} per layer")
         return LayerPlan(i, f, "Concat", args, repeats, inputs, c_out, inputs[0][1], (dim,), Cost(0, 1))
 
-    def _detect(self, i: int, f: Any, args: list[Any], inputs: list[tuple[int, float]]) -> LayerPlan:
+    def _head(
+        self, i: int, f: Any, name: str, head: Any, args: list[Any], inputs: list[tuple[int, float]]
+    ) -> LayerPlan:
+        """The head row: its class and :class:`HeadRow` as the layer's options; its cost counted from the head
+        built on the meta device (nothing allocated), its own refusal of the row the layer's reason."""
         plan = self.plan
         strides = [s for _, s in inputs]
         if not all(1.0 <= s <= MAX_HEAD_STRIDE for s in strides):
             raise LayerRefused(f"it reads maps of strides {excerpt(strides, 60)}; a head reads 1 to {MAX_HEAD_STRIDE}")
-        if plan.end2end and plan.reg_max != 1:
+        if plan.end2end and head is not DetectE2E:
             raise LayerRefused(
-                f"an end-to-end head with reg_max {plan.reg_max} (DFL bins); detrain builds it with reg_max 1"
+                f"the yaml sets end2end (Ultralytics' flag for YOLO26's Detect), which {name} does not take"
             )
-        if plan.end2end and not plan.depthwise_cls:
-            raise LayerRefused(
-                "an end-to-end head with YOLOv8's class branch (the yaml has no C3k2); detrain builds it with the "
-                "depthwise one"
-            )
-        plan.head_strides = strides
-        channels = [c for c, _ in inputs]
-        cost = _detect_cost(self.nc, channels, plan.reg_max, plan.cls_channels, plan.depthwise_cls, plan.end2end)
-        return LayerPlan(i, f, "Detect", args, 1, inputs, 0, 0.0, (), cost)
+        channels = tuple(c for c, _ in inputs)
+        row = HeadRow(
+            self.nc, channels, tuple(strides), tuple(args), plan.reg_max, plan.cls_channels, plan.depthwise_cls
+        )
+        try:
+            with torch.device("meta"):
+                built = head.from_row(row)
+        except LayerRefused:
+            raise
+        except ValueError as e:  # the head's own refusal of this row: one line
+            raise LayerRefused(str(e)) from None
+        except (TypeError, IndexError, KeyError, ArithmeticError, RuntimeError) as e:
+            raise LayerRefused(f"{name} cannot be built from this row: {excerpt(str(e), 160, quote=False)}") from None
+        plan.head, plan.head_strides = head, strides
+        cost = Cost(sum(p.numel() for p in built.parameters()), len(list(built.modules())))
+        return LayerPlan(i, f, name, args, 1, inputs, 0, 0.0, (head, row), cost)
 
 
-_KNOWN = ", ".join(sorted(MODULE_NAMES))
+def head_name(name: str, end2end: bool) -> str:
+    """The registered head a last row's module name builds: the name itself, except that Ultralytics' YOLO26 yamls
+    write their end-to-end head as ``Detect`` under the yaml's ``end2end: True``, which builds ``DetectE2E``.
+
+    >>> head_name("Detect", False), head_name("Detect", True), head_name("DetectE2E", False)
+    ('Detect', 'DetectE2E', 'DetectE2E')
+    """
+    return DetectE2E.__name__ if end2end and name == Detect.__name__ else name
+
+
+def _known() -> str:
+    """The module names a row may use: the layers, and the heads registered now."""
+    return ", ".join(sorted([*MODULE_NAMES, *registered_heads()]))
 
 
 def _layer(i: int, source: str) -> str:
@@ -500,8 +543,9 @@ def _block(name: str, c_in: int, c_out: int, n: int, args: list[Any], scale: str
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# What each module costs, from the same widths its constructor computes (detrain/nn/modules.py, blocks11.py,
-# head_e2e.py); tests/unit/test_model_yaml_bounds.py checks these against the built models.
+# What each layer costs, from the same widths its constructor computes (detrain/nn/modules.py, blocks11.py; a head
+# is counted from itself, built on the meta device); tests/unit/test_model_yaml_bounds.py checks these against the
+# built models.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -510,11 +554,6 @@ def conv_cost(c1: int, c2: int, k: int = 1, g: int = 1) -> Cost:
     if c1 < 1 or c2 < 1:
         raise LayerRefused(f"it would make a convolution of {c1} -> {c2} channels")
     return Cost(c2 * (c1 // g) * k * k + 2 * c2, 4)
-
-
-def _conv2d(c1: int, c2: int) -> Cost:
-    """A head's final 1x1 nn.Conv2d with bias."""
-    return Cost(c2 * c1 + c2, 1)
 
 
 def bottleneck_cost(c1: int, c2: int, e: float) -> Cost:
@@ -559,24 +598,3 @@ def c2psa_cost(c1: int, n: int) -> Cost:
 def sppf_cost(c1: int, c2: int, pools: int) -> Cost:
     hidden = c1 // 2
     return Cost(0, 2) + conv_cost(c1, hidden) + conv_cost(hidden * (pools + 1), c2)
-
-
-def _detect_cost(
-    nc: int, ch: list[int], reg_max: int, cls_channels: int | None, depthwise: bool, end2end: bool
-) -> Cost:
-    """Detect (or DetectE2E: both branches, reg_max 1): per level a box branch and a class branch."""
-    c2 = max(16, ch[0] // 4, reg_max * 4)
-    c3 = cls_channels if cls_channels is not None else max(ch[0], min(nc, 100))
-    branches = Cost(0, 2)  # the two ModuleLists
-    for c in ch:
-        box = Cost(0, 1) + conv_cost(c, c2, 3) + conv_cost(c2, c2, 3) + _conv2d(c2, 4 * reg_max)
-        if depthwise:
-            stages = Cost(0, 2) + conv_cost(c, c, 3, g=c) + conv_cost(c, c3) + conv_cost(c3, c3, 3, g=c3)
-            stages += conv_cost(c3, c3)
-        else:
-            stages = conv_cost(c, c3, 3) + conv_cost(c3, c3, 3)
-        branches += box + Cost(0, 1) + stages + _conv2d(c3, nc)
-    if end2end:
-        return Cost(0, 1) + branches * 2
-    dfl = Cost(reg_max, 2) if reg_max > 1 else Cost(0, 1)
-    return Cost(0, 1) + branches + dfl

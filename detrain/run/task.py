@@ -19,7 +19,7 @@ from detrain.config.values import is_auto_batch
 from detrain.distributed import launch, netif, restart_policy, run_identity, slurm
 from detrain.distributed.world import World
 from detrain.engine.build import increment_run_dir
-from detrain.engine.run_plan import RunPlan
+from detrain.engine.run_plan import RunPlan, user_heads
 from detrain.engine.train.batch_plan import check_split
 from detrain.engine.train.callbacks import CallbackFn, check_sendable
 from detrain.errors import Preempted
@@ -67,7 +67,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     # this launch's id goes into its checkpoints: after any restart, rank 0 resumes from those and not from an
     # older run's in the same folder (engine/train/state/resume_state.py); a requeued SLURM job finds them by its job id
     launch_id = uuid.uuid4().hex if task == "train" and not world.launched and cfg.distributed.node_rank == 0 else None
-    args["plan"] = RunPlan(nodes, save_dir, launch_id)
+    args["plan"] = RunPlan(nodes, save_dir, launch_id, user_heads())  # a user's heads, for spawned workers too
     with _requeued_when_preempted(task, world, cfg):  # under SLURM node 0 puts the job back in the queue
         return restart_policy.finished(  # every rank agreed to stop (restart_policy.py): its line, raised
             launch.launch(

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _gains import DEFAULT_GAINS
+from _gains import DEFAULT_LOSS
 from _ultralytics import load_ultralytics_checkpoint, offline_ultralytics, to_detrain_model
 from torch import Tensor, nn
 
@@ -79,7 +79,7 @@ EPOCHS = 100  # Ultralytics' default, which its loss schedule reads from the mod
 def trainer_loss(model: DetectionModel, epoch: int) -> OurLoss:
     """The model's own criterion (the head seam) as the trainer builds and calls it: ``set_epoch``, ``assign``,
     then ``score`` with the summed target scores (one process: its own) and the step's batch as the global batch."""
-    criterion = model.criterion(DEFAULT_GAINS, epochs=EPOCHS)
+    criterion = model.criterion(DEFAULT_LOSS, epochs=EPOCHS)
     criterion.set_epoch(epoch)
 
     def loss(maps: Any, batch: Batch) -> tuple[Tensor, Tensor]:

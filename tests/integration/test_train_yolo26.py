@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from _faults import fault_env
-from _gains import DEFAULT_GAINS
+from _gains import DEFAULT_LOSS
 from _processes import child_env, one_thread  # noqa: F401 (a fixture)
 
 from detrain import Model
@@ -73,7 +73,7 @@ def test_the_branch_weights_follow_the_planned_epochs() -> None:
     """What the trainer builds for a 2-epoch run: (0.8, 0.2) in the first epoch, (0.1, 0.9) in the last."""
     from detrain.nn.model import DetectionModel
 
-    criterion = DetectionModel("yolo26n.yaml", nc=3).criterion(DEFAULT_GAINS, epochs=2)
+    criterion = DetectionModel("yolo26n.yaml", nc=3).criterion(DEFAULT_LOSS, epochs=2)
     assert isinstance(criterion, EndToEndLoss)
     criterion.set_epoch(0)
     first = criterion.weights

@@ -1,5 +1,6 @@
 """docs/architecture.md stays the map of the package: every module is named in its Layout block with one line, every
-name there is a module, and every package folder says in its ``__init__`` docstring what it holds."""
+name there is a module, every package folder says in its ``__init__`` docstring what it holds, and every head detrain
+registers is a row of its head table (and every row a registered head)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import re
 from pathlib import Path
 
 import pytest
+
+from detrain.nn import yaml_plan  # noqa: F401 (imports the built-in heads, which register themselves)
+from detrain.nn.head import registered_heads
 
 pytestmark = pytest.mark.unit
 
@@ -67,3 +71,27 @@ def test_the_package_top_level_stays_at_most_14_entries() -> None:
     # issue 39 item 4: a new top-level module or folder has to displace one, or go into a package that fits it
     entries = sorted(p.name for p in PACKAGE.iterdir() if p.name not in ("__init__.py", "__pycache__"))
     assert len(entries) <= 14, entries
+
+
+def head_table(text: str) -> dict[str, str]:
+    """The rows of the "registered heads" table under "## Model and head contract": {name: the row}."""
+    section = text.split("\n## Model and head contract", 1)[1].split("\n## ", 1)[0]
+    table = section.split("The registered heads:", 1)[1]
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", table, re.M)}
+
+
+def test_every_head_detrain_registers_is_a_row_of_the_head_table() -> None:
+    # heads of detrain's own modules; a test's or a user's own head (tests/_toy_head.py) is theirs to document
+    own = {name for name, cls in registered_heads().items() if cls.__module__.startswith("detrain.")}
+    rows = head_table(DOC.read_text())
+    assert own >= {"Detect", "DetectE2E"}
+    assert sorted(own - set(rows)) == [], "registered heads missing from docs/architecture.md's head table"
+    assert sorted(set(rows) - own) == [], "rows of docs/architecture.md's head table that are no registered head"
+    for name, row in rows.items():  # the row names the module that defines the head
+        module = registered_heads()[name].__module__.removeprefix("detrain.").replace(".", "/") + ".py"
+        assert module in row, f"{name}'s row should name {module}"
+
+
+def test_the_head_table_parser_reads_the_rows() -> None:
+    text = "x\n## Model and head contract\nx\nThe registered heads:\n\n| a | b |\n|---|---|\n| `Foo` | x |\n\n## Next\n"
+    assert head_table(text) == {"Foo": "| `Foo` | x |"}

@@ -11,7 +11,7 @@ from _gains import DEFAULT_GAINS
 from torch import nn
 
 from detrain.nn.assigner import pair_overlap
-from detrain.nn.head import LossGains
+from detrain.nn.loss import LossGains
 from detrain.nn.loss_e2e import (
     E2EHeadMaps,
     EndToEndLoss,

@@ -4,6 +4,8 @@ weight decay after the Muon step), the parameter groups, the auto choice, warmup
 from __future__ import annotations
 
 import copy
+import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ from detrain.engine.train.musgd import (
     musgd_param_groups,
     orthogonalize,
 )
+from detrain.nn.model import DetectionModel
 
 
 @pytest.mark.parametrize("shape", [(16, 64), (64, 16), (24, 24)])
@@ -116,6 +119,9 @@ class _Head(nn.Module):
         self.cv3 = nn.ModuleList([nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1))])
         self.one2one_cv3 = nn.ModuleList([nn.Conv2d(4, 2, 1)])
 
+    def class_parameters(self) -> Iterator[nn.Parameter]:  # what a detrain head answers (detrain.nn.head.Head)
+        return itertools.chain(self.cv3.parameters(), self.one2one_cv3.parameters())
+
 
 class _Model(nn.Module):
     def __init__(self) -> None:
@@ -149,6 +155,37 @@ def test_groups_by_role_with_the_head_class_branches_at_three_times_the_lr() -> 
     assert all(g["momentum"] == 0.9 and g["nesterov"] for g in groups)
     opt = build_musgd(model, 0.01, 0.9, 5e-4)
     assert [g["initial_lr"] for g in opt.param_groups] == [g["lr"] for g in groups]
+
+
+@pytest.mark.parametrize(("yaml", "branches"), [("yolov8n.yaml", {"cv3"}), ("yolo26n.yaml", {"cv3", "one2one_cv3"})])
+def test_the_boosted_groups_are_the_class_branches_the_head_names(yaml: str, branches: set[str]) -> None:
+    model = DetectionModel(yaml, nc=2)
+    names = {id(p): n for n, p in model.named_parameters()}
+    boosted = [names[id(p)] for g in musgd_param_groups(model, 0.01, 0.9, 0.0) if g["lr"] == 0.03 for p in g["params"]]
+    assert {n.split(".")[2] for n in boosted} == branches and all(
+        n.startswith(f"model.{len(model.model) - 1}.") for n in boosted
+    )
+    assert len(boosted) == sum(1 for _ in model.head.class_parameters())
+
+
+def test_the_boosted_groups_follow_the_head_not_a_branch_name() -> None:
+    """A head whose class branch has a name of its own (a user's head): its class_parameters() are boosted."""
+
+    class Logits(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.box, self.logits = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 2, 1)
+
+        def class_parameters(self) -> Iterator[nn.Parameter]:
+            return self.logits.parameters()
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), Logits())
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = musgd_param_groups(model, lr=0.01, momentum=0.9, weight_decay=0.0, head=model[1])
+    assert sorted(names[id(p)] for g in groups if g["lr"] == 0.03 for p in g["params"]) == [
+        "1.logits.bias",
+        "1.logits.weight",
+    ]
 
 
 def test_auto_picks_musgd_only_above_10000_updates() -> None:

@@ -19,8 +19,7 @@ from detrain.data.dataset import DetectionDataset
 from detrain.data.memory.ram_cache import RamCache
 from detrain.distributed import run_identity
 from detrain.engine.train.shared_settings import BY_WHAT_THEY_NAME, shared_settings
-from detrain.nn.head import LossGains
-from detrain.nn.loss import DetectionLoss
+from detrain.nn.loss import DetectionLoss, LossGains
 from detrain.nn.loss_e2e import EndToEndLoss, RegMax1BranchLoss
 
 pytestmark = pytest.mark.unit

@@ -52,6 +52,7 @@ def test_warmup_hands_musgd_to_its_per_group_rule():
     net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     net.head = nn.Module()
     net.head.cv3 = nn.Conv2d(4, 2, 1)  # a class branch: 3x lr
+    net.head.class_parameters = net.head.cv3.parameters  # as a detrain head names it (detrain.nn.head.Head)
     for name, bias_start in (("MuSGD", 0.1), ("auto", 0.0)):  # auto: no bias-lr kick, as for AdamW
         cfg = make_cfg({"optimizer": name, "lr0": 0.01})
         opt, _, _ = optim.build_optimizer(net, cfg, nc=2, total_iterations=20_000, weight_decay=0.0)

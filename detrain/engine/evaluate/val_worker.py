@@ -118,6 +118,7 @@ def val_worker(args: dict[str, Any], world: World) -> dict[str, Any]:
     is this worker's place and device, as the launcher handed it."""
     cfg: Cfg = args["cfg"]
     plan: RunPlan = args["plan"]
+    plan.register_heads()  # a spawned worker: the heads the launching process registered
     dist.setup(world, timeout_s=cfg.distributed.dist_timeout)  # collective: every rank joins the group (a barrier)
     try:
         return run_val(cfg, world, plan.save_dir)

@@ -37,7 +37,6 @@ from detrain.config.keys import Loss
 from detrain.config.values import auto_batch_fraction
 from detrain.distributed import dist
 from detrain.distributed.wire import carried
-from detrain.nn.head import LossGains
 from detrain.nn.model import DetectionModel
 
 GIB = 1 << 30
@@ -226,7 +225,7 @@ def model_steps(
     >>> steps.train(2); steps.val(2)
     """
     net = copy.deepcopy(model).to(device)
-    criterion = net.criterion(LossGains(**asdict(Loss())), epochs=1)  # the default gains (memory is the same)
+    criterion = net.criterion(asdict(Loss()), epochs=1)  # the default gains (memory is the same)
     k = min(max(objects, 1), MAX_PROBE_OBJECTS)
     nc = int(net.nc)
     train_dtype, val_dtype = dtypes

@@ -15,8 +15,9 @@ padding. In bfloat16 that batching changes the rounding, so it follows Ultralyti
 then equal Ultralytics' after the same steps (``tests/unit/test_parity_e2e.py``).
 
 Groups (:func:`musgd_param_groups`): Muon for every 2-D and 4-D parameter, with weight decay; SGD for biases and
-normalisation weights without it and for any other weight with it; the head's class branches (``cv3``,
-``one2one_cv3``) in groups of their own at 3x the learning rate. Each group carries ``param_group`` (weight,
+normalisation weights without it and for any other weight with it; the head's class branches (the parameters its
+``class_parameters()`` gives: YOLO's ``cv3``, and YOLO26's ``one2one_cv3``) in groups of their own at 3x the
+learning rate. Each group carries ``param_group`` (weight,
 bn, bias, muon), so warmup (:func:`apply_group_warmup`) finds the biases by name rather than by position.
 """
 
@@ -194,9 +195,8 @@ def musgd_param_groups(
     layers = getattr(model, "model", None)
     if head is None and isinstance(layers, nn.Sequential):
         head = layers[-1]
-    boosted = {
-        id(p) for name in ("cv3", "one2one_cv3") for m in [getattr(head, name, None)] if m for p in m.parameters()
-    }
+    class_parameters = getattr(head, "class_parameters", None)  # a detrain head's (detrain.nn.head.Head)
+    boosted = {id(p) for p in class_parameters()} if callable(class_parameters) else set()
     norm_types = tuple(v for k, v in nn.__dict__.items() if "Norm" in k and isinstance(v, type))
     roles: dict[str, list[nn.Parameter]] = {"weight": [], "bn": [], "bias": [], "muon": []}
     for module_name, module in model.named_modules():

@@ -13,7 +13,7 @@ import random
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -48,7 +48,6 @@ from detrain.engine.train.shared_settings import shared_settings
 from detrain.engine.train.state.checkpointer import Checkpointer, Loop, Parts, agree_start
 from detrain.errors import Preempted
 from detrain.log import EpochProgress, ResultsCSV, console, epoch_line, metric_columns
-from detrain.nn.head import LossGains
 from detrain.plots.train import plot_train_batch
 
 if TYPE_CHECKING:
@@ -242,11 +241,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
 
     def _build_loss(self) -> None:
-        """The model's own loss (its head's: :mod:`detrain.nn.head`); the normaliser's all-reduce is the training
-        step's own (_step)."""
+        """The model's own loss (its head's: :mod:`detrain.nn.head`), given the loss section as a mapping (the head
+        takes the gains it names); the normaliser's all-reduce is the training step's own (_step)."""
         cfg, bare = self.cfg, self._bare()
-        gains = LossGains(box=cfg.loss.box, cls=cfg.loss.cls, dfl=cfg.loss.dfl)
-        self.criterion = bare.criterion(gains, epochs=cfg.train.epochs, world_size=self.world.world_size)
+        self.criterion = bare.criterion(asdict(cfg.loss), epochs=cfg.train.epochs, world_size=self.world.world_size)
         self.loss_names = bare.loss_names
 
     def _start_point(self) -> None:
@@ -580,6 +578,7 @@ def train_worker(args: dict[str, Any], world: World) -> dict[str, Any] | restart
     here), the launching process's :class:`detrain.engine.run_plan.RunPlan` (``plan``) and the callbacks (``callbacks``,
     rank 0's); ``world`` is this worker's place and device, as the launcher handed it."""
     cfg: Cfg = args["cfg"]
+    args["plan"].register_heads()  # a spawned worker: the heads the launching process registered
     d = cfg.distributed  # a restart waits longer each time (restart_policy.py)
     restart_policy.pause_before_restart(world, d.restart_backoff, d.restart_backoff_max, d.dist_timeout)
     dist.setup(world, timeout_s=d.dist_timeout)  # collective: every rank joins the group (a barrier)
