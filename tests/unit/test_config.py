@@ -60,7 +60,7 @@ def test_cli_strings_are_coerced():
         ({"epoch": 3}, "unknown argument 'epoch'; did you mean 'epochs'?"),
         ({"imgsz": "abc"}, "invalid value for 'imgsz': 'abc'; expected an integer"),
         ({"imgsz": 0}, "'imgsz': 0; expected a value from 1 to 8192"),
-        ({"optimizer": "sgdd"}, "expected one of auto, SGD, AdamW, Adam, MuSGD"),
+        ({"optimizer": "sgdd"}, "expected one of auto, SGD, AdamW, Adam, Adamax, NAdam, RAdam, RMSProp, MuSGD"),
         ({"lrf": 2}, "from 0.0 to 1.0"),
         ({"amp": "maybe"}, "expected true, false, bf16, fp16 or fp32"),
         ({"cache": "gpu"}, "expected one of false, ram, disk"),
