@@ -281,6 +281,19 @@ def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
     return t
 
 
+def broadcast_many_(tensors: list[torch.Tensor]) -> None:
+    """Rank 0's values of ``tensors`` on every rank, in place: one broadcast per dtype of one flat tensor (a
+    collective)."""
+    with torch.no_grad():
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = broadcast_(torch.cat([t.detach().reshape(-1) for t in group]))
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank. ``obj`` travels as a message of
     :mod:`detrain.distributed.wire` (plain data, arrays, tensors, marked dataclasses; never a pickle), so a rank

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain.distributed import shard_probe
+from detrain.distributed import dist, shard_probe
 from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
 from detrain.distributed.world import World
 from detrain.errors import ConfigError
@@ -107,16 +107,7 @@ def share_main_buffers(model: nn.Module) -> nn.Module:
     """
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return model
-    buffers = [b for b in unwrap(model).buffers() if b.is_floating_point()]
-    with torch.no_grad():
-        for dtype in sorted({b.dtype for b in buffers}, key=str):
-            group = [b for b in buffers if b.dtype == dtype]
-            flat = torch.cat([b.detach().reshape(-1) for b in group])
-            torch.distributed.broadcast(flat, src=0)  # collective
-            offset = 0
-            for b in group:
-                b.copy_(flat[offset : offset + b.numel()].view_as(b))
-                offset += b.numel()
+    dist.broadcast_many_([b for b in unwrap(model).buffers() if b.is_floating_point()])  # collective
     return model
 
 

@@ -41,7 +41,7 @@ def shard(model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
     """``model`` (on ``device``) sharded in place over ``world_size`` ranks, and returned: each entry of its layer
     list (``model.model``, a DetectionModel's) is one ``fully_shard`` unit, the model itself the root. Parameters
     stay float32 (AMP stays autocast). Collective: every rank gets rank 0's weights and buffers first."""
-    _broadcast(list(model.parameters()) + list(model.buffers()))  # collective: rank 0's start, as DDP's
+    dist.broadcast_many_(list(model.parameters()) + list(model.buffers()))  # collective: rank 0's start, as DDP's
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.contiguous()  # fully_shard takes contiguous parameters only (not channels-last ones)
@@ -68,7 +68,7 @@ class BufferSync:
 
     def _before(self, *_: Any) -> None:
         if self.due and torch.is_grad_enabled():
-            _broadcast(list(self.model.buffers()))  # collective: rank 0's buffers, one broadcast per dtype
+            dist.broadcast_many_(list(self.model.buffers()))  # collective: rank 0's buffers, one broadcast per dtype
 
     def _after(self, *_: Any) -> None:
         if torch.is_grad_enabled():
@@ -89,18 +89,6 @@ def buffer_sync(model: nn.Module) -> BufferSync:
     sync = getattr(model, _SYNC)
     assert isinstance(sync, BufferSync)
     return sync
-
-
-def _broadcast(tensors: list[torch.Tensor]) -> None:
-    """Rank 0's values of ``tensors`` on every rank, in place: one broadcast per dtype of one flat tensor."""
-    with torch.no_grad():
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            group = [t for t in tensors if t.dtype == dtype]
-            flat = dist.broadcast_(torch.cat([t.detach().reshape(-1) for t in group]))  # collective
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
 
 
 # ---------------------------------------------------------------------------------- rows of whole tensors
