@@ -255,14 +255,15 @@ def test_local_function_cannot_be_spawned() -> None:
 # ---------------------------------------------------------------------------- real launches
 
 
-def test_workers_get_their_device_and_threads() -> None:
+def test_workers_get_their_device_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # tests/conftest.py sets it under xdist: the launcher's share
     before = signal.getsignal(signal.SIGINT)
     result = launch(workers.device_env, {}, parse_device("cpu,cpu"))
     assert result is not None
     assert (result["world_device"], result["launcher"]) == ("cpu", "detrain")  # handed over in the worker's World
     assert result["device_vars"] == []  # no device travels through the environment
     cores = len(os.sched_getaffinity(0))
-    assert result["omp"] == result["world_omp"] == os.environ.get("OMP_NUM_THREADS", str(max(1, cores // 2)))
+    assert result["omp"] == result["world_omp"] == str(max(1, cores // 2))
     assert signal.getsignal(signal.SIGINT) is before  # elastic's handler does not outlive the launch
 
 
