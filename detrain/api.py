@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from detrain.config.cfg import command_values, make_cfg
+from detrain.config.values import ImageSize, image_hw, note
 from detrain.engine.build import build_model, check_exported, increment_run_dir, is_exported, is_weights
 from detrain.engine.predict.results import Results
 from detrain.engine.train.callbacks import CallbackFn, check_event
@@ -178,7 +179,7 @@ class Model:
             self._prepared = (self.net, key, prepare_model(self.net, device, half))
         return self._prepared[2]
 
-    def info(self, imgsz: int = 640, verbose: bool = True) -> ModelInfo:
+    def info(self, imgsz: int | list[int] = 640, verbose: bool = True) -> ModelInfo:
         """Layers, parameters (as is and fused), gradients, GFLOPs at ``imgsz``, strides and classes.
 
         With ``verbose`` the per-layer table (index, from, repeats, params, module, arguments, GFLOPs) and
@@ -193,7 +194,7 @@ class Model:
 
         cfg = make_cfg({"model": self.source, "imgsz": imgsz, "verbose": verbose}, "info")
         self._refuse_exported("info")
-        report = model_info(self.net, cfg.inputs.imgsz)
+        report = model_info(self.net, image_hw(cfg.inputs.imgsz))
         if cfg.output.verbose:
             print_info(report, title=self.source)
         return report
@@ -207,6 +208,8 @@ class Model:
 
         cfg = make_cfg({"model": self.source, **kwargs}, "export")
         self._refuse_exported("export")
+        if cfg.predict.half:  # Ultralytics, exporting on a CPU, exports float32 too
+            note("note: half=True: export traces the model on the CPU, which runs float32; the graph is float32")
         given_imgsz = "imgsz" in command_values(kwargs, "export")  # a cfg= file's imgsz counts as given
         suffix = SUFFIXES[cfg.export.format]
         out = (
@@ -219,7 +222,7 @@ class Model:
             self.net,
             out,
             format=cfg.export.format,
-            imgsz=cfg.inputs.imgsz if given_imgsz else None,  # None: the weights' own training size
+            imgsz=export_size(cfg.inputs.imgsz) if given_imgsz else None,  # None: the weights' own training size
             opset=cfg.export.opset,
             dynamic_batch=cfg.export.dynamic,
             nms=cfg.predict.nms,
@@ -234,6 +237,11 @@ class Model:
         if is_exported(self.source):
             return f"Model({self.source!r}: exported {self.net.format}, {self.net.nc} classes)"
         return f"Model({self.source!r}: scale {self.net.scale}, {self.net.nc} classes)"
+
+
+def export_size(imgsz: int) -> int | tuple[int, int]:
+    """What export traces at for an ``imgsz``: a rectangle's (h, w), else the one size."""
+    return imgsz.hw if isinstance(imgsz, ImageSize) else imgsz
 
 
 def _trained_on(ckpt: dict[str, Any] | None) -> str | None:

@@ -44,6 +44,7 @@ from detrain.config.values import (
     EXPORTED_SUFFIXES,
     INT_LIMIT,
     WEIGHTS_SUFFIXES,
+    ImageSize,
     coerce,
     fail,
     is_auto_batch,
@@ -216,6 +217,9 @@ def make_cfg(overrides: Mapping[str, Any] | None = None, command: str | None = N
     _check_together(values)
     if command in ("val", "predict") and is_auto_batch(values["batch"]):
         raise fail("batch", values["batch"], f"a number of images for 'detrain {command}' (AutoBatch sizes training)")
+    if command == "train" and isinstance(values["imgsz"], ImageSize):  # Ultralytics trains at the long side too
+        note(f"note: imgsz={values['imgsz']}: training takes one size, the long side: imgsz={int(values['imgsz'])}")
+        values["imgsz"] = int(values["imgsz"])
     return _build(values)
 
 

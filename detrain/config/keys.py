@@ -5,7 +5,8 @@ This file is the one source: ``make_cfg`` (``detrain.config.cfg``) checks values
 ``cfg/default.yaml`` is generated from it (``python -m detrain.config``;
 a unit test fails when the shipped file differs). Keys stay flat where users give them (``epochs=10``,
 ``Model.train(epochs=10)``, args.yaml, a checkpoint's train_args); code reads them by section:
-``cfg.train.epochs``. No key is named like a section.
+``cfg.train.epochs``. No key is named like a section but ``augment``: Ultralytics' key for test-time augmentation
+(``cfg.predict.augment``), while the section of training's augmentation is ``cfg.augment``.
 
 >>> SECTION_OF["epochs"], SPECS["lrf"].low, SPECS["lrf"].high, SPECS["optimizer"].choices
 ('train', 0.0, 1.0, ('auto', 'SGD', 'AdamW', 'Adam', 'Adamax', 'NAdam', 'RAdam', 'RMSProp', 'MuSGD'))
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from detrain.config.values import (
+    ImageSize,
     amp_mode,
     auto_or_count,
     batch_size,
@@ -31,6 +33,8 @@ from detrain.config.values import (
     flag_or_weights,
     folder,
     freeze,
+    idle_device,
+    image_size,
     node_count,
     node_range,
     same_failures,
@@ -171,9 +175,13 @@ class Inputs:
     )
     imgsz: int = key(
         640,
-        "input size in pixels, a multiple of 32 (the largest stride); another is rounded up to one, with a warning",
+        "input size in pixels, a multiple of 32 (the largest stride; another is rounded up to one, with a warning); "
+        "val, predict, export and info also take a rectangle [h, w] (imgsz=480,640, each a multiple of 32): val "
+        "letterboxes every image into it, predict fits each picture in it, export traces it; train takes its long "
+        "side, as Ultralytics does",
         low=1,
         high=8192,
+        parse=image_size,
         check=stride_multiple,
         commands=COMMANDS,
     )
@@ -306,8 +314,9 @@ class Train:
     close_mosaic: int = key(10, "turn mosaic off for the last N epochs", low=0)
     freeze: int | list | None = key(
         None,
-        "freeze the first N layers (freeze=10) or the layers listed "
-        "(freeze=0,1,2): their weights stay fixed, BatchNorm statistics still adapt",
+        "freeze the first N layers (freeze=10), the layers listed (freeze=0,1,2) or, as Ultralytics lists them, "
+        "parts of a layer by name (freeze=[0, 22.cv3]: parameters named model.22.cv3.*): their weights stay fixed, "
+        "BatchNorm statistics still adapt",
         parse=freeze,
     )
     multi_scale: bool = key(
@@ -375,7 +384,9 @@ class Distributed:
 
     device: Device = key(
         "",
-        "'' (first GPU, else cpu), cpu, cpu,cpu (2 gloo workers), 0, 0,1 (one worker per GPU)",
+        "'' (first GPU, else cpu), cpu, cpu,cpu (2 gloo workers), 0, 0,1 (one worker per GPU), -1 (the idlest "
+        "GPU, at least 20% of its memory free; no GPU: cpu)",
+        check=idle_device,
         commands=("train", "val", "predict"),
         launch=True,
         per_node=True,
@@ -593,6 +604,13 @@ class Predict:
         "one-to-one top-k (other models always use NMS); export: the graph then ends in that branch's boxes",
         commands=("train", "val", "predict", "export"),
     )
+    augment: bool = key(
+        False,
+        "val and predict: test-time augmentation as Ultralytics does it, the model run at scales 1, 0.83 "
+        "(flipped left-right) and 0.67 and the boxes merged by one NMS (about 3x the time; an end-to-end head "
+        "without nms=true, or an exported file, runs at one scale with a note)",
+        commands=("val", "predict"),
+    )
     save_json: bool = key(
         False, "write predictions.json (COCO results format) next to metrics.json", commands=("train", "val")
     )
@@ -606,7 +624,11 @@ class Predict:
         commands=("predict",),
     )
     half: bool = key(
-        False, "predict: half-precision inference on CUDA (ignored, with a note, on CPU)", commands=("predict",)
+        False,
+        "val and predict: float16 inference on CUDA (val: the forward under autocast, NMS and scores in float32); "
+        "elsewhere, and for an exported graph, float32 with a note; export: the graph is traced on the CPU, in "
+        "float32 (a note says so), as Ultralytics exports on a CPU",
+        commands=("val", "predict", "export"),
     )
     save_txt: bool = key(
         False,
@@ -620,6 +642,33 @@ class Predict:
         low=0,
         high=32767,
         commands=("predict",),
+    )
+    save_crop: bool = key(
+        False,
+        "predict: each detection cut out as crops/<class name>/<picture stem>.jpg (video frames <stem>_<frame>.jpg), "
+        "as Ultralytics lays them out and cuts them (the box 2% and 10 pixels larger; a second of one class in a "
+        "picture <stem>2.jpg)",
+        commands=("predict",),
+    )
+    vid_stride: int = key(
+        1,
+        "predict: every n-th frame of a video, camera or stream (frames 0, n, 2n...; the annotated video plays "
+        "at the source's rate / n)",
+        low=1,
+        commands=("predict",),
+    )
+    show: bool = key(
+        False,
+        "predict: show each drawn picture in a window where a display exists; without one, the drawings are saved "
+        "in the run folder and one line says where",
+        commands=("predict",),
+    )
+    show_labels: bool = key(True, "predict: draw each box's label (false: the boxes alone)", commands=("predict",))
+    show_conf: bool = key(
+        True, "predict: the confidence in each label (false: the class name alone)", commands=("predict",)
+    )
+    show_boxes: bool = key(
+        True, "predict: draw the boxes and labels (false: the picture as it is)", commands=("predict",)
     )
 
 
@@ -674,6 +723,8 @@ class Cfg:
 
 
 def _copy(value: Any) -> Any:
+    if isinstance(value, ImageSize):  # imgsz=[h, w]: written as the list it was given as
+        return list(value.hw)
     return list(value) if isinstance(value, list) else value
 
 
@@ -705,9 +756,8 @@ COMMAND_KEYS: dict[str, tuple[str, ...]] = {
 ULTRALYTICS_ONLY = frozenset(
     """
     overlap_mask mask_ratio retina_masks pose kobj rle angle cls_pw dis dlog dgrad dlam distill_model tracker
-    profile channels_last dropout quantize dnn vid_stride stream_buffer visualize augment embed show save_frames
-    save_crop show_labels show_conf show_boxes optimize simplify workspace bgr copy_paste_mode auto_augment erasing
-    cls_remap
+    profile channels_last dropout quantize dnn stream_buffer visualize embed save_frames optimize simplify workspace
+    bgr copy_paste_mode auto_augment erasing cls_remap
     """.split()
 )
 # where and how the workers run: this launch's values, kept over a resumed checkpoint's

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 import types
 import unicodedata
 from typing import Any, Union, get_args, get_origin
@@ -181,16 +182,33 @@ def class_ids(key: str, value: Any) -> list[int] | None:
     return sorted(set(ids)) or None
 
 
-def freeze(key: str, value: Any) -> int | list[int] | None:
-    """``freeze``: null / '' (nothing frozen), a count N (the first N layers: ``freeze=10``), or layer indices as a
-    list or a string (``freeze=0,1,2``, ``freeze=[0, 1]``) -> N, or the sorted unique indices.
+def freeze(key: str, value: Any) -> int | list[int | str] | None:
+    """``freeze``: null / '' (nothing frozen), a count N (the first N layers: ``freeze=10``), or a list of layer
+    indices and, as Ultralytics' list takes them, names below a layer (``22.cv3``: the parameters whose names start
+    ``model.22.cv3.``; a leading ``model.`` is taken too), as a list or a string (``freeze=0,1,2``,
+    ``freeze=[0, 22.cv3]``) -> N, or the sorted unique indices, then the names.
 
     >>> freeze("freeze", "10"), freeze("freeze", "0,2,1"), freeze("freeze", "[5]"), freeze("freeze", [3, 3])
     (10, [0, 1, 2], [5], [3])
+    >>> freeze("freeze", "[0, 22.cv3, model.22.cv2]"), freeze("freeze", "22.dfl")
+    ([0, '22.cv2', '22.cv3'], ['22.dfl'])
     """
-    valid = "a number of first layers (freeze=10) or layer indices (freeze=0,1,2 or [0, 1]), each at least 0"
+    valid = (
+        "a number of first layers (freeze=10), or layer indices and names below a layer (freeze=0,1,2 or "
+        "[0, 22.cv3]), each index at least 0"
+    )
     if isinstance(value, str):
         check_text(key, value)
+    named = _layer_names(value)
+    if named is not None:
+        ids = [i for i in named if isinstance(i, int)]
+        if any(i > INT_LIMIT for i in ids):
+            raise fail(key, value, f"layer numbers of at most {INT_LIMIT}")
+        names = [n for n in named if isinstance(n, str)]
+        for name in names:
+            if not re.fullmatch(FREEZE_NAME, name):
+                raise fail(key, value, valid + f" ({name!r} is no layer's name)")
+        return [*sorted(set(ids)), *sorted(set(names))] or None
     found = _id_list(key, value, valid)
     if found is None:
         return None
@@ -200,6 +218,40 @@ def freeze(key: str, value: Any) -> int | list[int] | None:
     if any(i > INT_LIMIT for i in ids):
         raise fail(key, value, f"layer numbers of at most {INT_LIMIT}")
     return (sorted(set(ids)) or None) if listed else ids[0]
+
+
+# A name below a layer in a ``freeze`` list: the layer's index, then attribute names (``22.cv3``, ``9.cv1.conv``).
+FREEZE_NAME = r"\d+(\.[A-Za-z_][A-Za-z0-9_]*)+"
+
+
+def _is_name(part: Any) -> bool:
+    """Whether a ``freeze`` entry names something below a layer (``22.cv3``), not a number (``10``, ``10.0``)."""
+    return isinstance(part, str) and re.search(r"\.[A-Za-z_]", part) is not None
+
+
+def _layer_names(value: Any) -> list[int | str] | None:
+    """The entries of a ``freeze`` list that holds at least one name (``22.cv3``; ``model.22.cv3`` without its
+    ``model.``), indices as integers; None when it holds none (then it is read as indices or a count)."""
+    if isinstance(value, str):
+        text = value.strip()
+        parts: list[Any] = [p.strip().strip("'\"") for p in text.strip("[]()").split(",")]
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        return None
+    if not any(_is_name(p) for p in parts):
+        return None
+    out: list[int | str] = []
+    for part in parts:
+        if _is_name(part):
+            name = part.strip()
+            out.append(name[len("model.") :] if name.startswith("model.") else name)
+        else:
+            number = coerce("freeze", part, int)
+            if number < 0:
+                raise fail("freeze", value, "layer indices of at least 0")
+            out.append(number)
+    return out
 
 
 def cache_mode(key: str, value: Any) -> bool | str:
@@ -248,19 +300,99 @@ def flag_or_half(key: str, value: Any) -> bool:
     raise fail(key, value, "true or 0.5 (imgsz varied by +-50% per batch), or false or 0 (off)")
 
 
+class ImageSize(int):
+    """An ``imgsz`` given as a rectangle, ``[h, w]`` (``imgsz=480,640``): the int of its long side, which is what
+    training and every reader of one size take, and its ``hw``, which val, predict and export take. Written back
+    (args.yaml, ``Cfg.to_dict``) as the list ``[h, w]``.
+
+    >>> size = ImageSize(480, 640)
+    >>> size, int(size), size.hw, image_hw(size), image_hw(320)
+    ([480, 640], 640, (480, 640), (480, 640), (320, 320))
+    """
+
+    hw: tuple[int, int]
+
+    def __new__(cls, h: int, w: int) -> ImageSize:
+        size = super().__new__(cls, max(h, w))
+        size.hw = (int(h), int(w))
+        return size
+
+    def __getnewargs__(self) -> tuple[int, int]:  # type: ignore[override]
+        return self.hw
+
+    def __repr__(self) -> str:
+        return f"[{self.hw[0]}, {self.hw[1]}]"
+
+    __str__ = __repr__
+
+
+def image_hw(imgsz: int) -> tuple[int, int]:
+    """(h, w) of an ``imgsz``: a rectangle's own, else the square of its one size."""
+    return imgsz.hw if isinstance(imgsz, ImageSize) else (int(imgsz), int(imgsz))
+
+
+def image_size(key: str, value: Any) -> int:
+    """``imgsz``: one size (``640``; checked by :func:`stride_multiple`), or Ultralytics' rectangle ``[h, w]``
+    (``480,640``, ``[480, 640]``, a list or tuple) whose sides must each be a multiple of the largest stride, from 1
+    to 8192 -> an :class:`ImageSize` (``[640, 640]`` is 640).
+
+    >>> image_size("imgsz", "480,640"), image_size("imgsz", [640, 640]), image_size("imgsz", "[320]")
+    ([480, 640], 640, 320)
+    >>> image_size("imgsz", "480,650")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    detrain.errors.ConfigError: invalid value for 'imgsz': '480,650'; expected one size, or [h, w] with h and w ...
+    """
+    valid = f"one size, or [h, w] with h and w multiples of {STRIDE} (the largest stride) from {STRIDE} to 8192, e.g. "
+    valid += "imgsz=480,640"
+    given = value
+    if isinstance(value, str):
+        check_text(key, value)
+        text = value.strip()
+        if "," in text or text.startswith(("[", "(")):
+            inner = text.strip("[]()").strip()
+            value = [p.strip() for p in inner.split(",")] if inner else []
+    if isinstance(value, (list, tuple)):
+        try:
+            sides = [coerce(key, side, int) for side in value]
+        except ConfigError:
+            raise fail(key, given, valid) from None
+        if len(sides) == 1:
+            return sides[0]
+        if len(sides) != 2 or any(side < STRIDE or side > 8192 or side % STRIDE for side in sides):
+            raise fail(key, given, valid)
+        return sides[0] if sides[0] == sides[1] else ImageSize(sides[0], sides[1])
+    return coerce(key, value, int)
+
+
 def stride_multiple(key: str, value: int) -> int:
     """``imgsz``: a size that is no multiple of the largest stride is rounded up to the next one (at least one
-    stride), with one line naming both, as Ultralytics' check_imgsz does.
+    stride), with one line naming both, as Ultralytics' check_imgsz does; a rectangle was checked whole where it
+    was read (:func:`image_size`).
 
     >>> stride_multiple("imgsz", 640), stride_multiple("imgsz", 100), stride_multiple("imgsz", 16)
     warning: imgsz=100 is not a multiple of the largest stride 32; using imgsz=128
     warning: imgsz=16 is not a multiple of the largest stride 32; using imgsz=32
     (640, 128, 32)
     """
+    if isinstance(value, ImageSize):
+        return value
     rounded = max(-(-value // STRIDE) * STRIDE, STRIDE)
     if rounded != value:
         note(f"warning: {key}={value} is not a multiple of the largest stride {STRIDE}; using {key}={rounded}")
     return rounded
+
+
+def idle_device(key: str, value: Any) -> Any:
+    """``device``: Ultralytics' ``-1`` (the idlest GPU; ``-1,-1`` two of them) resolved here, once, to the GPU
+    indices picked (one line says which), or to '' (the CPU) where there is no GPU; any other value as given
+    (:func:`detrain.distributed.devices.parse_device` checks it where the workers start)."""
+    from detrain.distributed.devices import resolve_idle
+
+    resolved, line = resolve_idle(value)
+    if line:
+        note(f"note: {line}")
+    return resolved
 
 
 def amp_mode(key: str, value: Any) -> bool | str:

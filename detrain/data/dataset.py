@@ -185,10 +185,13 @@ class DetectionDataset(Dataset):
         launched: bool = False,
         max_pixels: int = MAX_PIXELS,
         augment_device: str = "cpu",
+        fixed_hw: tuple[int, int] | None = None,
     ):
         if not records:
             raise DatasetError("the dataset has no images")
         self.imgsz, self.augment, self.rect = int(imgsz), bool(augment), bool(rect)
+        # what an unaugmented image without rect is letterboxed to: (h, w), by default the square of imgsz
+        self.fixed_hw = fixed_hw or (self.imgsz, self.imgsz)
         self.batch_size, self.stride, self.pad = int(batch_size), int(stride), float(pad)
         self.seed = int(seed) % 2**32
         self.hyp = Augment() if hyp is None else hyp
@@ -407,7 +410,7 @@ class DetectionDataset(Dataset):
             lh, lw = self.load_sizes_hw[index]
             img, labels = np.full((lh, lw, 3), 114, np.uint8), Labels.empty()
         h, w = img.shape[:2]
-        img, (r, _), (left, top) = letterbox(img, shape or (self.imgsz, self.imgsz), auto=False, scaleup=False)
+        img, (r, _), (left, top) = letterbox(img, shape or self.fixed_hw, auto=False, scaleup=False)
         ratio_pad = ((h / h0 * r, w / w0 * r), (left, top))
         return _Rendered(img, labels.scaled(r, r, left, top), index, ratio_pad)
 

@@ -43,13 +43,18 @@ class Frame:
 
 
 def read_frames(
-    source: Source, warn: Callable[[str], None] = lambda message: None, max_pixels: int = MAX_PIXELS
+    source: Source,
+    warn: Callable[[str], None] = lambda message: None,
+    max_pixels: int = MAX_PIXELS,
+    vid_stride: int = 1,
 ) -> Iterator[Frame]:
-    """Every frame of every item, in order. ``warn`` gets one line per item skipped as unreadable (a FIFO or
-    device, an image whose header declares more than ``max_pixels`` pixels, a decoder error), with the reason."""
+    """Every frame of every item, in order; of a video, camera or stream every ``vid_stride``-th (frames 0, n,
+    2n...: those between are grabbed, not decoded; each Frame keeps its number in the source and an ``fps`` of the
+    source's rate / n). ``warn`` gets one line per item skipped as unreadable (a FIFO or device, an image whose
+    header declares more than ``max_pixels`` pixels, a decoder error), with the reason."""
     for item in source.items:
         if item.is_video:
-            yield from _video_frames(item, source.single, warn)
+            yield from _video_frames(item, source.single, warn, max(1, vid_stride))
             continue
         image, why = (
             (as_bgr(item.pixels), "") if item.pixels is not None else read_image_why(item.target, 1, max_pixels)
@@ -112,7 +117,7 @@ def _unreadable(item: SourceItem, why: str) -> str:
     return f"cannot read video '{item.name}': {why} (videos OpenCV decodes: {', '.join(sorted(VIDEO_SUFFIXES))})"
 
 
-def _video_frames(item: SourceItem, single: bool, warn: Callable[[str], None]) -> Iterator[Frame]:
+def _video_frames(item: SourceItem, single: bool, warn: Callable[[str], None], stride: int = 1) -> Iterator[Frame]:
     cap = open_capture(item)
     if cap is None:
         message = _unreadable(item, "OpenCV cannot open it")
@@ -127,10 +132,15 @@ def _video_frames(item: SourceItem, single: bool, warn: Callable[[str], None]) -
         total = int(count) if item.kind == "video" and math.isfinite(count) and count > 0 else None
         index = 0
         while True:
+            if index % stride:  # a frame vid_stride skips: read past, not decoded
+                if not cap.grab():
+                    break
+                index += 1
+                continue
             ok, image = cap.read()
             if not ok or image is None:
                 break
-            yield Frame(item, as_bgr(image), index, total, fps)
+            yield Frame(item, as_bgr(image), index, total, fps / stride)
             index += 1
         if index == 0:
             message = _unreadable(item, "no frame could be decoded")

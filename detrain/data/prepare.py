@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from detrain.config.cfg import Cfg
 from detrain.config.keys import MAX_PIXELS, PREPARE_TIMEOUT_S
+from detrain.config.values import ImageSize, image_hw
 from detrain.data.dataset import DetectionDataset
 from detrain.data.dataset_yaml import DatasetInfo, load_dataset_yaml
 from detrain.data.download import DownloadLimits
@@ -177,13 +178,16 @@ def build_train_loader(
 
 def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World, rect: bool = True) -> DataLoader:
     """Rectangular, unaugmented batches over disjoint shards of the ranks of ``world`` (no padded duplicates);
-    ``rect=False``: every image letterboxed to imgsz x imgsz, for a model of one fixed input size (an export)."""
+    ``rect=False``, or an ``imgsz`` rectangle ``[h, w]``: every image letterboxed to imgsz (h x w, or the square of
+    one size), for a model of one fixed input size (an export) or a size the user fixed."""
+    fixed = isinstance(cfg.inputs.imgsz, ImageSize)
     dataset = DetectionDataset(
         data.records,
-        imgsz=cfg.inputs.imgsz,
+        imgsz=int(cfg.inputs.imgsz),
         augment=False,
         hyp=cfg.augment,
-        rect=rect,
+        rect=rect and not fixed,
+        fixed_hw=image_hw(cfg.inputs.imgsz),
         batch_size=local_batch,
         stride=32,
         seed=cfg.train.seed,

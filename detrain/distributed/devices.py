@@ -7,7 +7,9 @@ Accepted ``device`` values (``parse_device``):
 * ``"cpu"``: one CPU process; ``"cpu,cpu"`` (or ``["cpu", "cpu"]``): two CPU workers on gloo;
 * ``0``, ``"0"``, ``"cuda:0"``, ``"cuda"``: one GPU; ``"0,1"``, ``[0, 1]``, ``"cuda:0,cuda:1"``: one
   worker per listed GPU on nccl (indices count the GPUs visible through CUDA_VISIBLE_DEVICES);
-* ``"mps"``: Apple's GPU, one process.
+* ``"mps"``: Apple's GPU, one process;
+* ``-1`` (``-1,-1`` for two): the idlest GPU(s), as Ultralytics picks them; resolved once, where the arguments are
+  read (:func:`resolve_idle`), to the indices above, or to ``""`` (the CPU) where there is no GPU.
 
 Everything wrong with the value is a :class:`DistributedError` before any process starts.
 """
@@ -148,6 +150,64 @@ def parse_device(device: str | int | Sequence[str | int] | None) -> DevicePlan:
             f"device={shown}: cuda:{missing[0]} does not exist; {count} CUDA GPU(s) are visible (valid: 0..{count - 1})"
         )
     return DevicePlan("cuda", tuple(ids), len(ids))
+
+
+#: a GPU ``device=-1`` may pick keeps at least this fraction of its memory free (as Ultralytics asks)
+IDLE_FREE_FRACTION = 0.2
+
+
+def resolve_idle(device: str | int | Sequence[str | int] | None) -> tuple[str | int | Sequence[str | int] | None, str]:
+    """``device`` with each ``-1`` replaced by the idlest visible GPU not named otherwise (lowest utilisation where
+    the driver reports it, then the most free memory; at least :data:`IDLE_FREE_FRACTION` of it free), and the one
+    line that says what was picked ('' when ``device`` holds no ``-1``). A ``-1`` no GPU qualifies for is dropped,
+    as Ultralytics drops it: with nothing left the default device runs (the first GPU, else the CPU).
+
+    Example:
+        >>> resolve_idle("cpu"), resolve_idle(0)
+        (('cpu', ''), (0, ''))
+    """
+    try:
+        tokens = _tokens(device)
+    except DistributedError:
+        return device, ""  # parse_device names what is wrong with it
+    if "-1" not in tokens:
+        return device, ""
+    named = {int(t.lower().removeprefix("cuda:")) for t in tokens if t.lower().removeprefix("cuda:").isdigit()}
+    wanted = tokens.count("-1")
+    picked = _idlest_gpus(wanted, named)
+    rest = [t for t in tokens if t != "-1"]
+    resolved = ",".join(rest + [str(i) for i in picked])
+    if not torch.cuda.is_available():
+        where = "using the CPU" if not resolved else f"device={resolved}"
+        return resolved, f"device={_show(device)}: no CUDA GPU here to pick an idle one from; {where}"
+    if len(picked) < wanted:
+        shown_rest = f"device={resolved}" if resolved else "the default device (cuda:0)"
+        return resolved, (
+            f"device={_show(device)}: {len(picked)} of the {wanted} GPU(s) asked for have {IDLE_FREE_FRACTION:.0%} "
+            f"of their memory free; using {shown_rest}"
+        )
+    return resolved, f"device={_show(device)}: the idlest GPU(s) picked: {', '.join(f'cuda:{i}' for i in picked)}"
+
+
+def _idlest_gpus(count: int, named: set[int]) -> list[int]:
+    """Up to ``count`` visible GPUs, outside ``named``, idlest first (see :func:`resolve_idle`)."""
+    if not torch.cuda.is_available():
+        return []
+    ranked = []
+    for i in range(torch.cuda.device_count()):
+        if i in named:
+            continue
+        try:
+            free, total = torch.cuda.mem_get_info(i)
+        except RuntimeError:  # a GPU that cannot be queried (busy in exclusive mode, lost) is not idle
+            continue
+        try:
+            busy = int(torch.cuda.utilization(i))
+        except Exception:  # noqa: BLE001 - no NVML (pynvml) or its own error: free memory alone ranks them
+            busy = 0
+        if total and free / total >= IDLE_FREE_FRACTION:
+            ranked.append((busy, -free, i))
+    return [i for _, _, i in sorted(ranked)[:count]]
 
 
 def cpu_threads_per_worker(workers_on_node: int) -> int | None:

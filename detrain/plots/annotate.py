@@ -26,10 +26,18 @@ def draw_detections(
     cls: np.ndarray,
     names: dict[int, str],
     line_width: int = 0,
+    *,
+    boxes: bool = True,
+    labels: bool = True,
+    show_conf: bool = True,
 ) -> np.ndarray:
     """A copy of ``img_bgr`` with the boxes (pixels, x1 y1 x2 y2) and their labels drawn; ``line_width`` 0 =
-    from the picture's size. Labels sit above the box, or inside it at the top edge, always inside the picture."""
+    from the picture's size. Labels sit above the box, or inside it at the top edge, always inside the picture.
+    As Ultralytics' ``show_boxes``, ``show_labels`` and ``show_conf``: ``boxes=False`` draws nothing, ``labels=False``
+    the boxes alone, ``show_conf=False`` labels of the class name alone."""
     out = img_bgr.copy()
+    if not boxes:
+        return out
     lw = line_width or line_width_for(out.shape)
     scale, thickness = lw / 3, max(lw - 1, 1)
     for (x1, y1, x2, y2), score, c in zip(
@@ -38,7 +46,9 @@ def draw_detections(
         color = class_color(int(c))
         p1, p2 = (int(x1), int(y1)), (int(x2), int(y2))
         cv2.rectangle(out, p1, p2, color, lw, cv2.LINE_AA)
-        label = f"{names.get(int(c), str(int(c)))} {score:.2f}"
+        if not labels:
+            continue
+        label = names.get(int(c), str(int(c))) + (f" {score:.2f}" if show_conf else "")
         (tw, th), _ = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, thickness)
         above = p1[1] - th - 3 >= 0
         x0 = max(0, min(p1[0], out.shape[1] - tw))  # keep the label inside the picture

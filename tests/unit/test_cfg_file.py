@@ -270,8 +270,8 @@ def test_ultralytics_default_yaml_keys_of_other_tasks_are_a_note_not_a_refusal(t
     out = capsys.readouterr().out
     assert f"{len(ULTRALYTICS_ONLY)} Ultralytics keys detrain does not have are left out" in out
     assert out.count("Ultralytics keys") == 1
-    with pytest.raises(ConfigError, match="unknown argument 'save_crop'"):  # typed: still unknown
-        make_cfg({"save_crop": "true"}, "train")
+    with pytest.raises(ConfigError, match="unknown argument 'visualize'"):  # typed: still unknown
+        make_cfg({"visualize": "true"}, "train")
 
 
 def test_the_real_ultralytics_default_yaml_runs_every_command():

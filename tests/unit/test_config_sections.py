@@ -40,7 +40,9 @@ def test_every_key_is_in_exactly_one_section_and_no_section_is_named_like_a_key(
             seen[f.name] = section
     assert seen == SECTION_OF
     assert set(seen) == set(defaults()) == set(make_cfg().to_dict()) == set().union(*COMMAND_KEYS.values())
-    assert not set(SECTIONS) & set(SECTION_OF)  # cfg.train.val can never be read as a key again
+    # cfg.train.val can never be read as a key again; augment is Ultralytics' key (test-time augmentation,
+    # cfg.predict.augment) beside training's augmentation section (cfg.augment)
+    assert set(SECTIONS) & set(SECTION_OF) == {"augment"} and SECTION_OF["augment"] == "predict"
     assert not {"to_dict", "get", "replace"} & set(SECTION_OF)
     assert [f.name for f in dataclasses.fields(Cfg)] == list(SECTIONS)
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from detrain.config.cfg import Cfg, replace_cfg
+from detrain.config.values import image_hw
 from detrain.data.labels.report_file import write_label_reports
 from detrain.data.prepare import build_val_loader, load_split
 from detrain.distributed import dist
@@ -28,7 +29,7 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
     """Validate on this rank's shard of ``world`` (on its device); every rank returns the same metrics. ``save_dir``:
     the run folder the launching process picked (None: rank 0 picks it). ``model=`` may be weights, an architecture
     (random weights) or an exported file (:mod:`detrain.engine.backends`: at its own input size, images letterboxed
-    to that square)."""
+    to that size), in float16 on CUDA with ``half``."""
     device = torch.device(world.device)
     set_cpu_threads(device, world)
     # collective: rank 0 decides the run folder (other nodes may not know the one the launching node picked)
@@ -56,10 +57,33 @@ def run_val(cfg: Cfg, world: World, save_dir: str | Path | None = None) -> dict[
             f"with {world.world_size} worker(s); results in {save_dir}"
         )
     metrics = validate(
-        model, loader, data, cfg, device, world, save_dir=save_dir, plots=cfg.output.plots, verbose=cfg.output.verbose
+        model,
+        loader,
+        data,
+        cfg,
+        device,
+        world,
+        save_dir=save_dir,
+        plots=cfg.output.plots,
+        verbose=cfg.output.verbose,
+        amp_dtype=_half_dtype(cfg, device, isinstance(model, ExportedModel), world.is_main),
     )
     metrics["save_dir"] = str(save_dir)
     return metrics
+
+
+def _half_dtype(cfg: Cfg, device: torch.device, exported: bool, is_main: bool) -> torch.dtype | None:
+    """``half=True``: the forward in float16 on CUDA (autocast; NMS and scoring stay float32), as Ultralytics
+    validates in half precision there; elsewhere, and for an exported graph (float32 as exported), one line says
+    that it runs float32."""
+    if not cfg.predict.half:
+        return None
+    if device.type == "cuda" and not exported:
+        return torch.float16
+    if is_main:
+        why = f"{cfg.inputs.model} is an exported float32 graph" if exported else "half=True runs on CUDA only"
+        console.print(f"note: {why}; validating in float32 on {device.type}", markup=False, highlight=False)
+    return None
 
 
 def _pt_model(cfg: Cfg, data: Any, device: torch.device, is_main: bool) -> torch.nn.Module:
@@ -90,7 +114,7 @@ def _pt_model(cfg: Cfg, data: Any, device: torch.device, is_main: bool) -> torch
 
 def _exported_model(cfg: Cfg, nc: int, device: torch.device, is_main: bool) -> tuple[ExportedModel, Cfg]:
     """(the exported file of ``model=``, ``cfg`` with the input size it runs at): a graph that takes any size runs
-    at ``imgsz`` as the ``.pt`` does; one of a fixed size at the one square size it was exported at, whatever
+    at ``imgsz`` as the ``.pt`` does; one of a fixed size at the size (h, w) it was exported at, whatever
     ``imgsz=`` says (a line says so when they differ), as Ultralytics' validator does."""
     model = load_exported(cfg.inputs.model, device, trust=cfg.inputs.trust_export)
     if model.nc != nc and not cfg.inputs.single_cls:
@@ -98,17 +122,14 @@ def _exported_model(cfg: Cfg, nc: int, device: torch.device, is_main: bool) -> t
     if model.fixed_imgsz is None:
         return model, cfg
     h, w = model.fixed_imgsz
-    if h != w:
-        raise ConfigError(
-            f"{cfg.inputs.model} was exported at imgsz={h},{w}: val letterboxes to a square; export it at one size"
-        )
-    if cfg.inputs.imgsz != h:
+    if image_hw(cfg.inputs.imgsz) != (h, w):
+        size = str(h) if h == w else f"{h},{w}"
         if is_main:
             console.print(
-                f"note: {cfg.inputs.model} was exported at imgsz={h}: validating at {h} (imgsz={cfg.inputs.imgsz} "
-                "is not used; an exported model's input size is fixed)"
+                f"note: {cfg.inputs.model} was exported at imgsz={size}: validating at {size} (imgsz="
+                f"{cfg.inputs.imgsz} is not used; an exported model's input size is fixed)"
             )
-        cfg = replace_cfg(cfg, {"imgsz": h})
+        cfg = replace_cfg(cfg, {"imgsz": [h, w]})
     return model, cfg
 
 

@@ -28,8 +28,9 @@ from detrain.distributed import dist
 from detrain.distributed.world import World
 from detrain.engine.evaluate.val_outputs import LastValidation, ValOutputs, print_table
 from detrain.engine.evaluate.val_speed import STAGES, ValSpeed
+from detrain.engine.tta import augmented_forward, tta_problem
 from detrain.errors import DatasetError
-from detrain.log import atomic_write_text
+from detrain.log import atomic_write_text, console
 from detrain.metrics import ConfusionMatrix, ImageStats, coco_summary, match_image_coco
 from detrain.metrics.coco_json import coco_rounded
 from detrain.metrics.det_metrics import curves_of
@@ -56,13 +57,15 @@ def predict_batch(
     agnostic: bool = False,
     amp_dtype: torch.dtype | None = None,
     speed: ValSpeed | None = None,
+    augment: bool = False,
 ) -> list[torch.Tensor]:
     """Detections (n, 6: x1 y1 x2 y2 score cls) per image in the input's pixels, by the model's own postprocess
     (NMS, or an end-to-end head's top-k) on the device.
 
     ``multi_label`` keeps every (box, class) pair above ``conf``, as validation does (YOLOv8's val too);
     ``classes`` keeps only those classes (before NMS), ``agnostic`` runs NMS across classes; ``amp_dtype`` runs
-    the forward (only) under autocast in that dtype, the postprocess in float32; ``speed`` times each stage."""
+    the forward (only) under autocast in that dtype, the postprocess in float32; ``speed`` times each stage;
+    ``augment``: the forward at three scales and a flip (:mod:`detrain.engine.tta`), merged by the one NMS."""
 
     def stage(name: str, images: int = 0) -> contextlib.AbstractContextManager[None]:
         return speed.stage(name, images) if speed is not None else contextlib.nullcontext()
@@ -73,7 +76,7 @@ def predict_batch(
             imgs = imgs.contiguous(memory_format=torch.channels_last)
     with stage("inference"):
         with torch.autocast(device.type, dtype=amp_dtype) if amp_dtype is not None else contextlib.nullcontext():
-            preds = model(imgs)
+            preds = augmented_forward(model, imgs) if augment else model(imgs)
         if isinstance(preds, (tuple, list)):
             preds = preds[0]
         if amp_dtype is not None:
@@ -171,6 +174,7 @@ def validate(
     drawn: list[dict[str, Any]] = []
     draw = plots and (save_dir is not None or keep is not None) and world.is_main
     speed = ValSpeed(device)
+    augment = cfg.predict.augment and _can_augment(model, world.is_main)
     try:
         for bi, batch in enumerate(loader):
             dets = predict_batch(
@@ -185,6 +189,7 @@ def validate(
                 agnostic=agnostic,
                 amp_dtype=amp_dtype,
                 speed=speed,
+                augment=augment,
             )
             if single:
                 for det in dets:
@@ -199,6 +204,14 @@ def validate(
     ms = speed.per_image_ms()  # rank 0's speed is the one reported
     metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn, ms, keep) if world.is_main else None
     return dist.broadcast_object(metrics)  # collective: rank 0's metrics on every rank
+
+
+def _can_augment(model: nn.Module, is_main: bool) -> bool:
+    """Whether ``augment=True`` runs augmented on ``model``; where it cannot, rank 0 says why in one line."""
+    problem = tta_problem(model)
+    if problem is not None and is_main:
+        console.print(f"note: augment=True: {problem}; validating at one scale", markup=False, highlight=False)
+    return problem is None
 
 
 def _class_options(cfg: Cfg) -> tuple[bool, list[int] | None, bool]:

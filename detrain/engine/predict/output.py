@@ -5,7 +5,10 @@
 * ``<rel stem>.avi``: a video, camera or stream with every frame annotated (MJPG, the source's frame rate);
   written beside its name and renamed when it ends, or when the user interrupts, so it is always playable;
 * ``labels/<rel stem>.txt``, ``labels/<rel stem>_<frame>.txt`` for video frames (``save_txt=True``): YOLO rows
-  ``class cx cy w h`` normalised, with the confidence when ``save_conf``; none when nothing was detected.
+  ``class cx cy w h`` normalised, with the confidence when ``save_conf``; none when nothing was detected;
+* ``crops/<class name>/<stem>.jpg``, ``<stem>_<frame>.jpg`` for video frames (``save_crop=True``): each
+  detection cut out as Ultralytics cuts it (:meth:`~detrain.engine.predict.results.Results.save_crop`), a second
+  of one class in one picture ``<stem>2.jpg``.
 
 Two sources that would share an output (``a.jpg`` and ``a.png`` share ``labels/a.txt``; ``a.mp4`` and ``a.mkv``
 share ``a.avi``; one file listed twice) keep separate files: the later one gets ``_2``, ``_3``... after its stem.
@@ -24,7 +27,6 @@ from detrain.data.sources import SourceItem, shown
 from detrain.engine.predict.results import Results
 from detrain.errors import DatasetError
 from detrain.log import atomic_write_bytes
-from detrain.plots.annotate import draw_detections
 from detrain.system.tempfiles import open_folder, temp_beside
 
 VIDEO_SUFFIX, VIDEO_FOURCC = ".avi", "MJPG"  # Ultralytics' choice on Linux: every OpenCV build writes it
@@ -64,9 +66,20 @@ class VideoSink:
 class PredictionWriter:
     """Writes each frame's outputs under ``save_dir`` as the module docstring says; call :meth:`close` at the end."""
 
-    def __init__(self, save_dir: Path, save: bool, save_txt: bool, save_conf: bool, line_width: int = 0) -> None:
+    def __init__(
+        self,
+        save_dir: Path,
+        save: bool,
+        save_txt: bool,
+        save_conf: bool,
+        line_width: int = 0,
+        *,
+        save_crop: bool = False,
+        draw: dict[str, bool] | None = None,
+    ) -> None:
         self.save_dir, self.save, self.save_txt, self.save_conf = save_dir, save, save_txt, save_conf
-        self.line_width = line_width
+        self.line_width, self.save_crop = line_width, save_crop
+        self.draw = draw or {}  # Results.plot's boxes, labels, conf (show_boxes, show_labels, show_conf)
         self._places: dict[SourceItem, tuple[PurePosixPath, PurePosixPath]] = {}
         self._taken_out: set[PurePosixPath] = set()
         self._taken_labels: set[PurePosixPath] = set()
@@ -75,18 +88,20 @@ class PredictionWriter:
 
     @property
     def active(self) -> bool:
-        return self.save or self.save_txt
+        return self.save or self.save_txt or self.save_crop
 
-    def add(self, frame: Frame, result: Results) -> None:
-        """The outputs of one frame: its drawing (image, or the next frame of its video) and its label file."""
+    def add(self, frame: Frame, result: Results) -> np.ndarray | None:
+        """The outputs of one frame: its drawing (image, or the next frame of its video), its label file and its
+        crops; returns the drawing when it made one."""
+        drawn = None
         if self._video is not None and self._video[0] is not frame.item:
             self._close_video(keep=True)
         if not self.active:
-            return
+            return drawn
         out_rel, label_rel = self._place(frame.item)
+        name = label_rel.name + ("" if frame.index is None else f"_{frame.index}")
         if self.save:
-            boxes = result.boxes.xyxy
-            drawn = draw_detections(frame.image, boxes, result.conf, result.cls, result.names, self.line_width)
+            drawn = result.plot(self.line_width, **self.draw)
             if frame.item.is_video:
                 if self._video is None:
                     h, w = drawn.shape[:2]
@@ -99,9 +114,11 @@ class PredictionWriter:
                     raise DatasetError(f"cannot encode '{shown(str(out_rel))}' as {out_rel.suffix}")
                 self.written.append(atomic_write_bytes(self.save_dir / out_rel, data.tobytes(), self.save_dir))
         if self.save_txt and len(result):
-            name = label_rel.name + ("" if frame.index is None else f"_{frame.index}")
             label = self.save_dir / "labels" / label_rel.parent / f"{name}.txt"
             result.save_txt(label, self.save_conf, root=self.save_dir)
+        if self.save_crop and len(result):  # Ultralytics' layout: crops/<class name>/<picture stem>[_frame].jpg
+            result.save_crop(self.save_dir / "crops", f"{name}.jpg")
+        return drawn
 
     def close(self, keep: bool = True) -> None:
         """Finish the video being written (kept, or removed when ``keep`` is False: a run that failed)."""

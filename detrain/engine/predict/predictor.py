@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from detrain.config.cfg import Cfg
+from detrain.config.values import image_hw
 from detrain.data.frames import Frame, read_frames
 from detrain.data.samples.augment import letterbox
 from detrain.data.sources import Source, parse_source, shown
@@ -48,11 +49,13 @@ from detrain.engine.build import (
     run_dir_problem,
 )
 from detrain.engine.predict.output import PredictionWriter
-from detrain.engine.predict.results import Results
+from detrain.engine.predict.results import Results, show_image
+from detrain.engine.tta import augmented_forward, tta_problem
 from detrain.errors import ConfigError, DatasetError
 from detrain.log import console
 from detrain.nn.boxes import scale_boxes_to_original
 from detrain.nn.head import InferenceOptions, detections, set_inference
+from detrain.system.process_env import has_display
 
 PREDICT_CONF = 0.25
 Batch = list[tuple[Frame, np.ndarray, float, tuple[int, int]]]  # (frame, letterboxed BGR, gain, (pad x, pad y))
@@ -105,13 +108,13 @@ def exported_half(cfg: Cfg, net: ExportedModel, half: bool) -> bool:
 
 
 def input_shape(cfg: Cfg, net: nn.Module) -> tuple[tuple[int, int], bool]:
-    """((h, w), auto) of the letterbox: ``imgsz`` with the short side padded only to the next multiple of the stride
-    (``auto``), or the one input size of an exported graph that has one, padded to it whole (a line when ``imgsz``
-    says otherwise)."""
+    """((h, w), auto) of the letterbox: ``imgsz`` (a rectangle ``[h, w]``, or the square of one size: each picture
+    scaled to fit in it) with the short side padded only to the next multiple of the stride (``auto``), or the one
+    input size of an exported graph that has one, padded to it whole (a line when ``imgsz`` says otherwise)."""
     fixed = net.fixed_imgsz if isinstance(net, ExportedModel) else None
     if fixed is None:
-        return (cfg.inputs.imgsz, cfg.inputs.imgsz), True
-    if fixed != (cfg.inputs.imgsz, cfg.inputs.imgsz):
+        return image_hw(cfg.inputs.imgsz), True
+    if fixed != image_hw(cfg.inputs.imgsz):
         size = str(fixed[0]) if fixed[0] == fixed[1] else f"{fixed[0]},{fixed[1]}"
         say(
             f"note: {cfg.inputs.model} was exported at imgsz={size}: predicting at {size} (imgsz={cfg.inputs.imgsz} is "
@@ -130,13 +133,22 @@ def check_classes(classes: list[int] | None, names: dict[int, str]) -> None:
 
 
 def batches(
-    frames: Iterable[Frame], size: int, shape: tuple[int, int], stride: int, auto: bool = True
+    frames: Iterable[Frame],
+    size: int,
+    shape: tuple[int, int],
+    stride: int,
+    auto: bool = True,
+    letterbox_s: list[float] | None = None,
 ) -> Iterator[Batch]:
     """Consecutive frames letterboxed to ``shape`` (with ``auto``, padded only to a multiple of ``stride``) and
-    grouped: up to ``size`` of one shape; a live source's frames alone."""
+    grouped: up to ``size`` of one shape; a live source's frames alone. ``letterbox_s``: its one number grows by
+    the seconds spent letterboxing (the caller reads and resets it per batch)."""
     pending: Batch = []
     for frame in frames:
+        started = time.perf_counter()
         img, (gain, _), pad = letterbox(frame.image, shape, auto=auto, stride=stride)
+        if letterbox_s is not None:
+            letterbox_s[0] += time.perf_counter() - started
         if pending and pending[0][1].shape != img.shape:
             yield pending
             pending = []
@@ -159,17 +171,34 @@ def infer(
     max_det: int,
     classes: list[int] | None = None,
     agnostic: bool = False,
+    times: dict[str, float] | None = None,
+    augment: bool = False,
 ) -> list[torch.Tensor]:
-    """Detections (n, 6: x1 y1 x2 y2 conf cls, float32, CPU) per letterboxed BGR image of one shape, in its pixels."""
+    """Detections (n, 6: x1 y1 x2 y2 conf cls, float32, CPU) per letterboxed BGR image of one shape, in its pixels.
+    ``times`` gets the seconds of each stage: ``preprocess`` (to a tensor), ``inference``, ``postprocess``;
+    ``augment``: the forward at three scales and a flip (:mod:`detrain.engine.tta`), merged by the one NMS."""
+    clock = [time.perf_counter()]
+
+    def lap(stage: str) -> None:
+        if times is not None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            clock.append(time.perf_counter())
+            times[stage] = clock[-1] - clock[-2]
+
     x = torch.from_numpy(np.stack(images)).to(device)  # (B, H, W, 3) BGR uint8
     x = x.flip(-1).permute(0, 3, 1, 2)  # RGB, (B, 3, H, W) in channels-last memory, as validation feeds it
     x = (x.half() if half else x.float()).div_(255)
-    preds = net(x)
+    lap("preprocess")
+    preds = augmented_forward(net, x) if augment else net(x)
     if isinstance(preds, (tuple, list)):
         preds = preds[0]
+    lap("inference")
     max_wh = max(7680, 2 * max(x.shape[2:]))  # class offsets in NMS must exceed any coordinate
     options = InferenceOptions(conf=conf, iou=iou, max_det=max_det, classes=classes, agnostic=agnostic, max_wh=max_wh)
-    return [d.float().cpu() for d in detections(net, preds, options)]
+    out = [d.float().cpu() for d in detections(net, preds, options)]
+    lap("postprocess")
+    return out
 
 
 def stream_predict(
@@ -218,13 +247,19 @@ def stream_predict(
         )
     save_dir = (
         increment_run_dir(cfg.output.project, cfg.output.name, "predict", cfg.output.exist_ok)
-        if cfg.output.save or cfg.predict.save_txt
+        if _draws_files(cfg) or cfg.predict.save_txt or cfg.predict.save_crop
         else None
     )
     problem = run_dir_problem(save_dir) if save_dir is not None else None
     if problem is not None:
         raise ConfigError(problem)
     return _run(cfg, net, names, src, device, half, save_dir)
+
+
+def _draws_files(cfg: Cfg) -> bool:
+    """Whether the drawn pictures are written: ``save``, or ``show`` where no window can open (they are shown
+    where they are saved)."""
+    return cfg.output.save or (cfg.predict.show and not has_display())
 
 
 def predict(cfg: Cfg, model: nn.Module | None = None, source: Any = None) -> list[Results]:
@@ -251,23 +286,44 @@ def _run(
         first = ", ".join(src.skipped[:3]) + (", ..." if len(src.skipped) > 3 else "")
         say(f"skipped {len(src.skipped)} file(s) that are neither images nor videos: {first}")
     order = {item: i for i, item in enumerate(src.items, 1)}
+    p = cfg.predict
+    draw = {"boxes": p.show_boxes, "labels": p.show_labels, "conf": p.show_conf}
     writer = (
-        PredictionWriter(save_dir, cfg.output.save, cfg.predict.save_txt, cfg.predict.save_conf, cfg.predict.line_width)
+        PredictionWriter(
+            save_dir, _draws_files(cfg), p.save_txt, p.save_conf, p.line_width, save_crop=p.save_crop, draw=draw
+        )
         if save_dir
         else None
     )
+    problem = tta_problem(net) if p.augment else None
+    if problem is not None:
+        say(f"note: augment=True: {problem}; predicting at one scale")
+    augment = p.augment and problem is None
+    if p.show and not has_display():
+        say(f"show=True: no display here; the drawn pictures are saved in {save_dir}")
     count, seconds, keep = 0, 0.0, False
-    try:
-        frames = read_frames(src, warn=say, max_pixels=cfg.inputs.max_pixels)  # a generator: nothing read yet
-        for batch in batches(frames, cfg.train.batch_images, shape, stride, auto):
+    try:  # a generator: nothing read yet
+        frames = read_frames(src, warn=say, max_pixels=cfg.inputs.max_pixels, vid_stride=p.vid_stride)
+        letterbox_s = [0.0]
+        for batch in batches(frames, cfg.train.batch_images, shape, stride, auto, letterbox_s):
+            prep_s, letterbox_s[0] = letterbox_s[0], 0.0  # this batch's letterboxing (the next batch's not begun)
             start = time.perf_counter()
-            dets = _infer_batch(cfg, net, batch, device, half, conf)
+            times: dict[str, float] = {}
+            dets = _infer_batch(cfg, net, batch, device, half, conf, times, augment)
             elapsed = time.perf_counter() - start
             seconds += elapsed
             for (frame, _, gain, pad), det in zip(batch, dets):
+                started = time.perf_counter()
                 result = _result(frame, det, gain, pad, names)
-                if writer is not None:
-                    writer.add(frame, result)
+                result.speed = {
+                    "preprocess": 1000 * (prep_s + times["preprocess"]) / len(batch),
+                    "inference": 1000 * times["inference"] / len(batch),
+                    "postprocess": 1000 * (times["postprocess"] / len(batch) + time.perf_counter() - started),
+                }
+                drawn = writer.add(frame, result) if writer is not None else None
+                if p.show and has_display():
+                    image = drawn if drawn is not None else result.plot(p.line_width, **draw)
+                    show_image(str(result.path), image, 1 if frame.index is not None else 300)
                 count += 1
                 show(
                     f"{_where(frame, order[frame.item], len(src.items))}: {result.summary()}, "
@@ -296,7 +352,14 @@ def _run(
 
 
 def _infer_batch(
-    cfg: Cfg, net: nn.Module, batch: Batch, device: torch.device, half: bool, conf: float
+    cfg: Cfg,
+    net: nn.Module,
+    batch: Batch,
+    device: torch.device,
+    half: bool,
+    conf: float,
+    times: dict[str, float] | None = None,
+    augment: bool = False,
 ) -> list[torch.Tensor]:
     """The detections of a batch of letterboxed pictures, (n, 6) each on the letterboxed size, after NMS."""
     return infer(
@@ -309,6 +372,8 @@ def _infer_batch(
         cfg.predict.max_det,
         cfg.inputs.classes,
         cfg.predict.agnostic_nms,
+        times=times,
+        augment=augment,
     )
 
 
