@@ -391,7 +391,16 @@ class Distributed:
         launch=True,
         per_node=True,
     )
-    workers: int = key(4, "dataloader worker processes per rank", low=0, high=64, launch=True, per_node=True)
+    workers: int | str = key(
+        "auto",
+        "dataloader worker processes per rank: auto = the cores this process may use shared by the node's ranks "
+        "(at least 1, at most 16), or a number (0: load in the rank's own process)",
+        low=0,
+        high=64,
+        parse=auto_or_count,
+        launch=True,
+        per_node=True,
+    )
     nnodes: str = key(
         "1", "number of nodes, or MIN:MAX for elastic membership (as torchrun)", check=node_count, launch=True
     )

@@ -276,11 +276,12 @@ def compile_mode(key: str, value: Any) -> bool | str:
 
 
 def auto_or_count(key: str, value: Any) -> int | str:
-    """``nbs``: the word auto (any case) or an integer (its bounds are checked next); any other word is refused."""
+    """``nbs``, ``bn_images``: the word auto (any case) or an integer (its bounds are checked next); any other word
+    is refused."""
     value = coerce(key, value, int | str)
     if isinstance(value, str):
         if value.strip().lower() != "auto":
-            raise fail(key, value, "auto or an integer of at least 1")
+            raise fail(key, value, "auto or an integer of at least 1" if key == "nbs" else "auto or an integer")
         return "auto"
     return value
 

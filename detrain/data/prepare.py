@@ -24,6 +24,7 @@ from detrain.data.labels.record import LabelReport
 from detrain.data.labels.verify import LabelRecord, img2label_path, load_labels
 from detrain.data.loader import build_dataloader
 from detrain.distributed import dist
+from detrain.distributed.devices import loader_workers
 from detrain.distributed.world import World
 from detrain.errors import DatasetError
 
@@ -168,7 +169,7 @@ def build_train_loader(
         dataset,
         batch_size=local_batch,
         shuffle=not cfg.train.rect,
-        workers=cfg.distributed.workers,
+        workers=loader_workers(cfg.distributed.workers, world.local_world_size),
         rank=world.rank,
         world_size=world.world_size,
         seed=cfg.train.seed,
@@ -181,6 +182,7 @@ def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World, 
     ``rect=False``, or an ``imgsz`` rectangle ``[h, w]``: every image letterboxed to imgsz (h x w, or the square of
     one size), for a model of one fixed input size (an export) or a size the user fixed."""
     fixed = isinstance(cfg.inputs.imgsz, ImageSize)
+    workers = loader_workers(cfg.distributed.workers, world.local_world_size)
     dataset = DetectionDataset(
         data.records,
         imgsz=int(cfg.inputs.imgsz),
@@ -198,7 +200,7 @@ def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World, 
         dataset,
         batch_size=local_batch,
         shuffle=False,
-        workers=min(cfg.distributed.workers, 2) if world.distributed else cfg.distributed.workers,
+        workers=min(workers, 2) if world.distributed else workers,
         rank=world.rank,
         world_size=world.world_size,
         seed=cfg.train.seed,

@@ -220,6 +220,24 @@ def cpu_threads_per_worker(workers_on_node: int) -> int | None:
     return max(1, _cores() // max(1, workers_on_node))
 
 
+#: the most loader processes ``workers=auto`` gives a rank: each holds its own decode buffers and open files
+AUTO_WORKERS_MAX = 16
+
+
+def loader_workers(workers: int | str, workers_on_node: int) -> int:
+    """DataLoader processes for each of ``workers_on_node`` ranks on this node: ``workers`` as given, or for
+    ``auto`` an equal share of the cores this process may run on (at least 1, at most 16). A GPU's rank waits on
+    the GPU, so its share of the cores decodes and augments (the loader was what held whole epochs back on a
+    16-core GPU machine, docs/benchmarks.md); a fixed 4 left most of a large node idle.
+
+    >>> loader_workers(3, 8), loader_workers("auto", 10**6)
+    (3, 1)
+    """
+    if workers != "auto":
+        return int(workers)
+    return min(AUTO_WORKERS_MAX, max(1, _cores() // max(1, workers_on_node)))
+
+
 def _cores() -> int:
     """The cores this process may run on (its affinity: a SLURM allocation, taskset), else every core."""
     try:
