@@ -284,6 +284,13 @@ class Train:
         "the global batch past 16 images (0.386 at 256; none: 0.03)",
         choices=("auto", "linear", "sqrt", "none"),
     )
+    bn_images: int = key(
+        0,
+        "images each BatchNorm layer normalises over in a training forward pass (ghost batches, each a run of "
+        "the worker's batch; the running statistics take one update per run): 16 on one worker of batch 256 "
+        "normalises as 16 workers of 16 do; 0 = the whole pass (as Ultralytics)",
+        low=0,
+    )
     clip_grad: float = key(10.0, "clip the gradient norm to this value (0 = off)", low=0.0)
     nonfinite_limit: int = key(
         10,

@@ -276,8 +276,8 @@ def compile_mode(key: str, value: Any) -> bool | str:
 
 
 def auto_or_count(key: str, value: Any) -> int | str:
-    """``nbs``, ``bn_images``: the word auto (any case) or an integer (its bounds are checked next); any other word
-    is refused."""
+    """``nbs``, ``workers``: the word auto (any case) or an integer (its bounds are checked next); any other word is
+    refused."""
     value = coerce(key, value, int | str)
     if isinstance(value, str):
         if value.strip().lower() != "auto":

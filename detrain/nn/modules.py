@@ -130,6 +130,50 @@ def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     return fused
 
 
+class GhostBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` that in training normalises each run of about ``ghost_images`` images of a forward pass
+    on its own ("ghost batches", Hoffer et al. 2017), as ranks of that many images each would; the running
+    statistics take one update per run. The same parameters, buffers and state-dict keys; outside training, or for
+    a pass of at most ``ghost_images`` images, it is the plain layer. The batch is cut into ``ceil(n / ghost_images)``
+    near-equal runs, so no run is a lone image.
+
+    >>> bn = use_ghost_batches(nn.Sequential(nn.BatchNorm2d(2)), 4)[0]
+    >>> x = torch.randn(8, 2, 3, 3)
+    >>> torch.allclose(bn(x)[:4], nn.BatchNorm2d(2)(x[:4]), atol=1e-6), int(bn.num_batches_tracked)
+    (True, 2)
+    """
+
+    ghost_images: int = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        g = self.ghost_images
+        if not self.training or g <= 0 or x.shape[0] <= g:
+            return super().forward(x)
+        runs = []
+        for run in torch.tensor_split(x, -(-x.shape[0] // g)):
+            runs.append(super().forward(run))
+        return torch.cat(runs)
+
+
+def use_ghost_batches(model: nn.Module, images: int) -> nn.Module:
+    """Every plain ``nn.BatchNorm2d`` of ``model`` normalises ghost batches of ``images`` in training (0: the whole
+    pass again), in place (the tensors stay the same objects: optimizers and the EMA are unaffected). Layers already
+    synchronised over ranks (``sync_bn``) are left alone: they were asked for the global batch. Returns ``model``."""
+    for m in model.modules():
+        if type(m) is nn.BatchNorm2d and images > 0:
+            m.__class__ = GhostBatchNorm2d
+        if isinstance(m, GhostBatchNorm2d):
+            m.ghost_images = images
+            if images <= 0:
+                m.__class__ = nn.BatchNorm2d  # type: ignore[assignment]
+    return model
+
+
+def ghost_batch_images(model: nn.Module) -> int:
+    """The ghost batch the model's BatchNorm layers normalise in training (0: the whole pass)."""
+    return next((m.ghost_images for m in model.modules() if isinstance(m, GhostBatchNorm2d)), 0)
+
+
 class Bottleneck(nn.Module):
     """Two 3x3 Convs with an optional residual (only when the channel counts agree).
 

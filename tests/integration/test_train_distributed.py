@@ -147,6 +147,30 @@ def test_two_workers_equal_one_worker_at_the_same_global_batch(two_workers, data
     _same_run(tmp_path / "run", dist_run, atol=1e-5, losses=("box_loss", "cls_loss", "dfl_loss"))
 
 
+def test_ghost_batches_make_one_worker_train_as_two_without_sync_bn(data: Path, tmp_path: Path) -> None:
+    """bn_images=8: one worker of batch 16 normalises each half of its pass on its own, as two workers of 8 do
+    with BatchNorm left per worker (sync_bn=false, the default): the same losses and, after the epoch's one update,
+    the same weights. The whole pass (bn_images=0) normalises otherwise and trains otherwise. The running statistics
+    are left out: the two workers keep rank 0's half's, the ghost batches both halves in turn."""
+    runs = {
+        "two": {"device": "cpu,cpu"},
+        "ghost": {"device": "cpu", "bn_images": 8},
+        "whole": {"device": "cpu"},
+    }
+    for name, keys in runs.items():
+        args = {**EXACT, "sync_bn": False, "data": str(data), "epochs": 1, **keys, "project": str(tmp_path)}
+        _ok(_run(_cli(*_kv({**args, "name": name})), child_env()))
+    losses = {name: [float(_rows(tmp_path / name)[0][f"train/{k}"]) for k in ("box_loss", "cls_loss", "dfl_loss")]
+              for name in runs}  # fmt: skip
+    assert losses["ghost"] == pytest.approx(losses["two"], rel=2e-5)
+    assert losses["whole"] != pytest.approx(losses["two"], rel=1e-3)
+    params = {name: {k: v for k, v in _weights(tmp_path / name)["model"].items() if "running_" not in k and
+                     "num_batches" not in k} for name in runs}  # fmt: skip
+    for key, a in params["two"].items():
+        torch.testing.assert_close(params["ghost"][key], a, atol=1e-5, rtol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
+    assert any(not torch.allclose(params["whole"][k], a, atol=1e-5, rtol=1e-4) for k, a in params["two"].items())
+
+
 def test_two_workers_equal_one_worker_for_yolo26(data: Path, tmp_path: Path) -> None:
     """The end-to-end loss too: both branches' normalisers summed over the ranks in one all-reduce, the branch
     weights at the same point of their schedule on every rank (2 epochs: 0.8/0.2, then 0.1/0.9)."""

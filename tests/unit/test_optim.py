@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -279,10 +281,65 @@ def test_the_recipe_sets_every_batchnorm_layer_s_momentum():
     for batch, expected in ((16, 0.03), (256, 1 - 0.97**16)):
         net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.SyncBatchNorm(4))
         plan = batch_plan(batch, batch, world=1, planned_world=1)
-        recipe = build_recipe(net, make_cfg({"batch": batch}), nc=3, plan=plan, total_iters=100)
+        cfg = make_cfg({"batch": batch})
+        recipe = build_recipe(net, cfg, nc=3, plan=plan, total_iters=100)
         assert [m.momentum for m in (net[1], net[2])] == pytest.approx([expected] * 2)
-        line = recipe_lines(recipe, make_cfg({"batch": batch}), plan, 1, 10, "cpu")[0]
+        assert type(net[1]) is nn.BatchNorm2d and recipe.ghost_images == 0
+        line = recipe_lines(recipe, cfg, plan, 1, 10, "cpu")[0]
         assert ("BatchNorm momentum 0.386" in line) == (batch == 256), line
+        assert "ghost" not in line
+
+
+def test_one_process_of_256_can_normalise_as_16_ranks_of_16():
+    """bn_images=16: a pass of 256 images in one process is normalised in ghost batches of 16 whose statistics
+    each take 0.03 (as 16 passes of 16 would), 16 ranks of 16 keep whole passes at the global batch's momentum
+    (0.386), and sync_bn's layers are left to the global batch; the optimizer line says which. The default (0)
+    normalises the whole pass."""
+    from detrain.engine.train.batch_plan import batch_plan
+    from detrain.engine.train.setup import build_recipe, recipe_lines
+    from detrain.nn.modules import GhostBatchNorm2d
+
+    cfg = make_cfg({"batch": 256, "bn_images": 16})
+    for world, ghost, momentum in ((1, 16, 0.03), (16, 0, 1 - 0.97**16)):
+        net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.SyncBatchNorm(4))
+        plan = batch_plan(256, 256, world=world, planned_world=world)
+        recipe = build_recipe(net, cfg, nc=3, plan=plan, total_iters=100)
+        assert recipe.ghost_images == ghost
+        assert (type(net[1]) is GhostBatchNorm2d) == bool(ghost) and type(net[2]) is nn.SyncBatchNorm
+        assert [m.momentum for m in (net[1], net[2])] == pytest.approx([momentum] * 2)
+        line = recipe_lines(recipe, cfg, plan, world, 10, "cpu")[0]
+        assert ("BatchNorm over ghost batches of 16 images" in line) == bool(ghost), line
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))  # the default: the whole pass
+    assert build_recipe(net, make_cfg({"batch": 256}), 3, batch_plan(256, 256, 1, 1), 100).ghost_images == 0
+    assert type(net[1]) is nn.BatchNorm2d
+
+
+def test_a_ghost_batch_layer_is_the_layer_run_on_each_run_of_images():
+    """Training: each run of 16 of a pass of 64 is normalised as a BatchNorm2d would normalise it alone, the
+    running statistics update once per run (as four passes of 16 in a row), gradients flow to every run; eval:
+    the plain layer; the state-dict keys are BatchNorm2d's; 0 turns it back."""
+    from detrain.nn.modules import GhostBatchNorm2d, use_ghost_batches
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 4, 5, 5) * 3 + 1
+    plain = nn.BatchNorm2d(4, momentum=0.1)
+    ghost = use_ghost_batches(nn.Sequential(copy.deepcopy(plain)), 16)[0]
+    assert type(ghost) is GhostBatchNorm2d and list(ghost.state_dict()) == list(plain.state_dict())
+    xg = x.clone().requires_grad_(True)
+    out = ghost(xg)
+    expected = torch.cat([plain(run) for run in x.split(16)])  # four passes of 16, one after another
+    torch.testing.assert_close(out, expected)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(ghost, name), getattr(plain, name))
+    out.square().sum().backward()
+    assert xg.grad is not None and bool((xg.grad.abs().sum((1, 2, 3)) > 0).all())
+    assert not torch.allclose(out, nn.BatchNorm2d(4)(x))  # the whole pass normalises differently
+    ghost.eval(), plain.eval()
+    torch.testing.assert_close(ghost(x), plain(x))
+    uneven = use_ghost_batches(nn.Sequential(nn.BatchNorm2d(4)), 16)[0]
+    uneven(torch.randn(33, 4, 2, 2))  # runs of 11: no run is a lone image
+    assert int(uneven.num_batches_tracked) == 3
+    assert type(use_ghost_batches(nn.Sequential(ghost), 0)[0]) is nn.BatchNorm2d
 
 
 @pytest.mark.parametrize("name", ["Adamax", "NAdam", "RAdam", "RMSProp"])

@@ -26,6 +26,7 @@ from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.precision import train_dtype
 from detrain.engine.train.reproduce import carry_to_compiler
 from detrain.engine.train.state.checkpointer import Checkpointer
+from detrain.nn import modules
 
 if TYPE_CHECKING:
     from detrain.nn.model import DetectionModel
@@ -114,7 +115,8 @@ class Recipe:
     momentum: float
     weight_decay: float
     lf: Callable[[float], float]
-    bn_momentum: float = optim.BN_MOMENTUM  #: BatchNorm's, for forward passes of the step's images
+    bn_momentum: float = optim.BN_MOMENTUM  #: BatchNorm's, per update of its running statistics
+    ghost_images: int = 0  #: the images BatchNorm normalises over in training (0: a rank's whole forward pass)
 
 
 def build_recipe(model: nn.Module, cfg: Cfg, nc: int, plan: BatchPlan, total_iters: int) -> Recipe:
@@ -128,9 +130,16 @@ def build_recipe(model: nn.Module, cfg: Cfg, nc: int, plan: BatchPlan, total_ite
     optimizer, opt_name, lr0 = optim.build_optimizer(unwrap(model), cfg, nc, total_iters, weight_decay, lr_factor)
     first = optimizer.param_groups[0]
     momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # (Mu)SGD or Adam(W)
-    bn_momentum = optim.batchnorm_momentum(cfg, plan.step_images)  # this world's forward passes
+    # ghost batches: plain BatchNorm layers only (sync_bn's, converted by the wrap, normalise the global batch)
+    bare = modules.use_ghost_batches(unwrap(model), optim.ghost_images(cfg, plan.local_batch))
+    ghost = modules.ghost_batch_images(bare)
+    # the images over all ranks that one update of the running statistics sees: this world's forward passes, cut
+    # into ghost batches
+    per_update = plan.step_images // -(-plan.local_batch // ghost) if ghost else plan.step_images
+    bn_momentum = optim.batchnorm_momentum(cfg, per_update)
     optim.set_batchnorm_momentum(unwrap(model), bn_momentum)
-    return Recipe(optimizer, opt_name, lr0, lr_factor, momentum, weight_decay, optim.lr_lambda(cfg), bn_momentum)
+    lf = optim.lr_lambda(cfg)
+    return Recipe(optimizer, opt_name, lr0, lr_factor, momentum, weight_decay, lf, bn_momentum, ghost)
 
 
 def recipe_lines(recipe: Recipe, cfg: Cfg, plan: BatchPlan, world_size: int, nb: int, device: str) -> list[str]:
@@ -145,8 +154,10 @@ def recipe_lines(recipe: Recipe, cfg: Cfg, plan: BatchPlan, world_size: int, nb:
         rule = optim.lr_scale_rule(cfg, recipe.name)
         scaled = f" ({rule} in the update of {plan.update_images} images: {recipe.lr_factor:.3g} x; lr_scale=none: off)"
     norm = ""
+    if recipe.ghost_images:
+        norm = f"; BatchNorm over ghost batches of {recipe.ghost_images} images (bn_images=0: the whole pass)"
     if recipe.bn_momentum != optim.BN_MOMENTUM:
-        norm = f"; BatchNorm momentum {recipe.bn_momentum:.3g} for forward passes of {plan.step_images} images"
+        norm += f"; BatchNorm momentum {recipe.bn_momentum:.3g} for forward passes of {plan.step_images} images"
     lines = [
         f"optimizer: {recipe.name} lr0={recipe.lr0:g}{scaled} momentum={momentum} "
         f"weight_decay={recipe.weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
