@@ -1,0 +1,137 @@
+"""Checkpoint writes off the training loop's critical path: :func:`snapshot` and :class:`Writer`.
+
+A save stops the loop only for as long as it takes to copy the checkpoint's tensors to host memory at the step's
+end (:func:`snapshot`: a real copy, so the next step may change the weights at once; from a GPU into pinned
+memory, non-blocking, with an event the writer waits on before it reads them). Rank 0's :class:`Writer` then
+writes the files in a thread of its own while training goes on: temporary file, fsync, rename, the previous
+``last.pt`` kept as ``last.prev.pt`` (:func:`detrain.weights.checkpoint.save_checkpoint`, unchanged). The rules:
+
+* one write at a time, in order: a save first waits for the one before it (:meth:`Writer.submit`), so that no
+  generation overtakes another and host memory holds at most two snapshots;
+* a write's error is raised in the loop, the very exception a synchronous save raised (a full disk: the one-line
+  CheckpointError, the previous generation intact), at the next save or when the run ends (:meth:`Writer.wait`);
+* before a run ends, however it ends (its last epoch, an early stop, a preemption, an exception), the write in
+  flight finishes: the final ``last.pt``, ``best.pt`` and ``mid.pt`` are on disk before the process leaves and
+  before the run's end event records their sha256 (:meth:`Writer.finish` on an exception, which reports a write's
+  own error as a line and leaves the run's error the one raised);
+* a crash mid-write (a kill, a power loss) loses only the write in flight: a file is replaced by a rename, so the
+  previous generation is whole and a resume finds the latest completed one (the temporary file goes at the next
+  start).
+
+Why a thread and not a process: the snapshot is already in this process's memory; a thread shares it for nothing,
+and serialising, writing and fsync release the GIL for most of their time. Why the copies on other nodes
+(:mod:`.replicas`) stay on the loop's thread: they are collectives, which must run in the same order on every rank
+and never interleave with the loop's own; a thread of their own would need a process group of their own on every
+rank, and a target node would need a thread waiting for them. The checkpointer sends a save's copies instead when
+the next save waits for this one, or at the run's end or a preemption: the same point of the loop on every rank,
+once rank 0's file is whole (the copies on other nodes lag one save behind node 0's files).
+
+>>> w = Writer(); done = []; w.submit(lambda: done.append(1)); w.wait(); done
+[1]
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from detrain.log import console
+
+
+def snapshot(state: Any) -> tuple[Any, torch.cuda.Event | None]:
+    """A copy of ``state`` that no later step changes: every tensor copied to host memory (a clone on the CPU; from
+    a GPU into pinned memory, non-blocking), dicts, lists and tuples rebuilt, other values (numbers, strings, bytes)
+    shared; and the CUDA event after which the copies from a GPU are complete (None: nothing came from one).
+
+    >>> w = torch.zeros(2); copy, ready = snapshot({"w": w, "n": [1, w]}); w += 1; copy, ready
+    ({'w': tensor([0., 0.]), 'n': [1, tensor([0., 0.])]}, None)
+    """
+    from_gpu = False
+
+    def copy(value: Any) -> Any:
+        nonlocal from_gpu
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+            if tensor.device.type == "cuda":
+                from_gpu = True
+                host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+                return host.copy_(tensor, non_blocking=True)
+            return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")
+        if isinstance(value, OrderedDict):
+            return OrderedDict((k, copy(v)) for k, v in value.items())
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [copy(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(copy(v) for v in value)
+        return value
+
+    copied = copy(state)
+    ready = None
+    if from_gpu:  # after the copies on the current stream: the next step's kernels come after them too
+        ready = torch.cuda.Event()
+        ready.record()
+    return copied, ready
+
+
+class Writer:
+    """Rank 0's checkpoint writes, one at a time, in a thread beside the loop (see the module). ``background``
+    False: each write runs at once in the caller's thread (how saves went before; the benchmark's baseline)."""
+
+    def __init__(self, background: bool = True) -> None:
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.blocked_s = 0.0  # seconds the loop waited for writes in flight (submit and wait), for measurements
+
+    def busy(self) -> bool:
+        """Whether a write is in flight."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, write: Callable[[], object], ready: torch.cuda.Event | None = None) -> None:
+        """Run ``write`` (it writes a snapshot's files) once the write before it has finished (whose error is raised
+        here, and ``write`` then never runs); ``ready``: the snapshot's event (:func:`snapshot`), waited for in the
+        writer's thread before ``write`` reads anything."""
+        self.wait()
+
+        def run() -> None:
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                write()
+            except BaseException as e:  # noqa: BLE001 - the loop's thread raises it (wait)
+                self._error = e
+
+        if not self.background:
+            run()
+            self.wait()
+            return
+        thread = threading.Thread(target=run, name="detrain-checkpoint-writer", daemon=True)
+        thread.start()
+        self._thread = thread
+
+    def wait(self) -> None:
+        """Block until the write in flight has finished; its error, if it failed, raised here (once)."""
+        thread = self._thread
+        if thread is not None:
+            start = time.perf_counter()
+            thread.join()
+            self.blocked_s += time.perf_counter() - start
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def finish(self) -> None:
+        """The run ends on an error of its own: the write in flight finishes (its files whole on disk), and a
+        failure of it is one line, not raised (the run's own error is the one to report)."""
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - said, not raised: the run's error is already on its way
+            console.print(f"warning: the last checkpoint write failed too: {e}")
