@@ -156,3 +156,20 @@ def test_without_background_each_write_runs_at_once() -> None:
     assert log == [True] and not writer.busy()
     with pytest.raises(ValueError, match="at once"):
         writer.submit(lambda: (_ for _ in ()).throw(ValueError("raised at once")))
+
+
+def test_the_next_snapshot_reuses_the_host_copy_only_once_its_write_has_finished() -> None:
+    """Writer.snapshot copies into the tensors of the snapshot before (no allocation per save), so it first waits
+    for that snapshot's write: the write reads the values it was given, never the next save's."""
+    writer, weights, seen = Writer(), torch.zeros(1000), []
+    first, _ = writer.snapshot({"w": weights})
+
+    def slow_write() -> None:
+        time.sleep(0.5)
+        seen.append(first["w"].clone())
+
+    writer.submit(slow_write)
+    weights += 1  # the next step
+    second, _ = writer.snapshot({"w": weights})  # waits for slow_write
+    assert torch.equal(seen[0], torch.zeros(1000)) and torch.equal(second["w"], torch.ones(1000))
+    assert second["w"].data_ptr() == first["w"].data_ptr()  # the same host memory, reused

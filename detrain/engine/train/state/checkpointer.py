@@ -49,7 +49,7 @@ from detrain.engine.train.state.mid_epoch import MidEpoch
 from detrain.engine.train.state.preemption import Preemption
 from detrain.engine.train.state.replicas import Replicas
 from detrain.engine.train.state.run_lock import RunLock
-from detrain.engine.train.state.writer import Writer, snapshot
+from detrain.engine.train.state.writer import Writer
 from detrain.errors import ConfigError, Preempted
 from detrain.log import console, save_yaml
 from detrain.system.tempfiles import remove_unfinished
@@ -341,9 +341,9 @@ class Checkpointer:
             self.writer.wait()
 
     def _write(self, state: dict[str, Any], write: Callable[[dict[str, Any]], object]) -> None:
-        """Rank 0: ``state`` copied to host memory now (:func:`.writer.snapshot`), ``write`` given the copy in the
+        """Rank 0: ``state`` copied to host memory now (:meth:`Writer.snapshot`), ``write`` given the copy in the
         writer's thread once the write before it has finished (:meth:`Writer.submit`)."""
-        copy, ready = snapshot(state)
+        copy, ready = self.writer.snapshot(state)
         self.writer.submit(lambda: write(copy), ready)
 
     def copy_last(self) -> None:

@@ -43,25 +43,37 @@ import torch
 from detrain.log import console
 
 
-def snapshot(state: Any) -> tuple[Any, torch.cuda.Event | None]:
-    """A copy of ``state`` that no later step changes: every tensor copied to host memory (a clone on the CPU; from
-    a GPU into pinned memory, non-blocking), dicts, lists and tuples rebuilt, other values (numbers, strings, bytes)
+def snapshot(state: Any, pool: dict[tuple[Any, ...], list[torch.Tensor]] | None = None) -> tuple[Any, Any]:
+    """A copy of ``state`` that no later step changes: every tensor copied to host memory (on the CPU a copy; from a
+    GPU into pinned memory, non-blocking), dicts, lists and tuples rebuilt, other values (numbers, strings, bytes)
     shared; and the CUDA event after which the copies from a GPU are complete (None: nothing came from one).
+
+    ``pool``: host tensors of an earlier snapshot, whose write has finished, to copy into again instead of new ones
+    (a fresh allocation of hundreds of MB costs its page faults at every save; pinned memory costs more); it is
+    updated to this snapshot's tensors.
 
     >>> w = torch.zeros(2); copy, ready = snapshot({"w": w, "n": [1, w]}); w += 1; copy, ready
     ({'w': tensor([0., 0.]), 'n': [1, tensor([0., 0.])]}, None)
     """
     from_gpu = False
+    free = {key: list(tensors) for key, tensors in (pool or {}).items()}
+    used: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal from_gpu
+        gpu = tensor.device.type == "cuda"
+        from_gpu = from_gpu or gpu
+        if not tensor.is_contiguous():  # not worth a pool: a plain copy (state tensors are contiguous)
+            return tensor.to("cpu", copy=True)
+        key = (tensor.dtype, tuple(tensor.shape), gpu)
+        spare = free.get(key)
+        out = spare.pop() if spare else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=gpu)
+        used.setdefault(key, []).append(out)
+        return out.copy_(tensor, non_blocking=gpu)
 
     def copy(value: Any) -> Any:
-        nonlocal from_gpu
         if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            if tensor.device.type == "cuda":
-                from_gpu = True
-                host = torch.empty_like(tensor, device="cpu", pin_memory=True)
-                return host.copy_(tensor, non_blocking=True)
-            return tensor.clone() if tensor.device.type == "cpu" else tensor.to("cpu")
+            return host(value.detach())
         if isinstance(value, OrderedDict):
             return OrderedDict((k, copy(v)) for k, v in value.items())
         if isinstance(value, dict):
@@ -73,6 +85,9 @@ def snapshot(state: Any) -> tuple[Any, torch.cuda.Event | None]:
         return value
 
     copied = copy(state)
+    if pool is not None:
+        pool.clear()
+        pool.update(used)  # what this snapshot holds; the next one reuses it once this one is written
     ready = None
     if from_gpu:  # after the copies on the current stream: the next step's kernels come after them too
         ready = torch.cuda.Event()
@@ -89,12 +104,19 @@ class Writer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.blocked_s = 0.0  # seconds the loop waited for writes in flight (submit and wait), for measurements
+        self._pool: dict[tuple[Any, ...], list[torch.Tensor]] = {}  # the host tensors of the last snapshot
+
+    def snapshot(self, state: dict[str, Any]) -> tuple[Any, Any]:
+        """:func:`snapshot` of ``state`` into the host tensors of the snapshot before, once its write has finished
+        (its error raised here): each save after the first copies into memory already in place."""
+        self.wait()
+        return snapshot(state, self._pool)
 
     def busy(self) -> bool:
         """Whether a write is in flight."""
         return self._thread is not None and self._thread.is_alive()
 
-    def submit(self, write: Callable[[], object], ready: torch.cuda.Event | None = None) -> None:
+    def submit(self, write: Callable[[], object], ready: Any = None) -> None:
         """Run ``write`` (it writes a snapshot's files) once the write before it has finished (whose error is raised
         here, and ``write`` then never runs); ``ready``: the snapshot's event (:func:`snapshot`), waited for in the
         writer's thread before ``write`` reads anything."""
