@@ -8,8 +8,9 @@ The real Checkpointer of a one-process run writes into a scratch run folder; the
 classes) has its EMA and an SGD optimizer whose momentum buffers are filled, as after the first update. Between two
 saves the weights change in place and the loop "trains" for ``--gap`` seconds (a sleep, so that the writer's thread
 has the CPU to itself, as it has while a GPU trains): with saves further apart than a write takes, the next save
-never waits for the one before. ``write s`` is how long the writer's thread took for a save's files (background);
-the run's files are removed at the end.
+never waits for the one before. The two ways take turns, a synchronous save then a background one, so that the load
+of a shared machine falls on both alike. ``write`` is how long a background save took until the writer's thread had
+written its files (the snapshot included); the run's files are removed at the end.
 
     python scripts/bench_save_block.py --scales n x --imgsz 640 --saves 3 --gap 10
 """
@@ -46,42 +47,52 @@ def _parts(scale: str) -> Parts:
     return Parts(model, ModelEMA(model), optimizer, scheduler, torch.amp.GradScaler("cpu", enabled=False))
 
 
-def _saves(scale: str, imgsz: int, background: bool, saves: int, gap: float, root: Path) -> dict[str, float]:
-    """Seconds the loop was blocked by each save (median), the writer's seconds per save, and last.pt's size."""
-    parts = _parts(scale)
+def _checkpointer(scale: str, imgsz: int, background: bool, root: Path) -> Checkpointer:
     mode = "background" if background else "sync"
     cfg = make_cfg({"model": f"{scale}.yaml", "imgsz": imgsz, "project": str(root), "name": f"{scale}-{mode}"})
     launch = resume_state.Launch(None, None, 0, 0, False)
     ckpt = Checkpointer(resume_state.Start(cfg, None, None, launch), World(), torch.device("cpu"))
     ckpt.writer = Writer(background=background)
     ckpt.open_folder(cfg)
-    loop = Loop(cfg, batches_per_epoch=100, accumulate=1, step_images=16, best_fitness=0.0)
-    blocked, writes = [], []
+    return ckpt
+
+
+def _saves(scale: str, imgsz: int, saves: int, gap: float, root: Path) -> dict[str, float]:
+    """Both ways in turn (a synchronous save, then a background one, ``saves`` times: the machine's load falls on
+    both alike): the seconds the loop was blocked by each save (median, max), the writer's seconds per save, and
+    last.pt's size."""
+    parts = _parts(scale)
+    runs = {background: _checkpointer(scale, imgsz, background, root) for background in (False, True)}
+    blocked: dict[bool, list[float]] = {False: [], True: []}
+    writes = []
     for epoch in range(saves):
-        with torch.no_grad():
-            for p in parts.model.parameters():
-                p.add_(1e-4)  # a step's change, in place: the save must hold the weights as they were
-        start = time.perf_counter()
-        ckpt.gather(parts, False)
-        ckpt.save_epoch(parts, loop, epoch, {"fitness": float(epoch)}, improved=True)
-        blocked.append(time.perf_counter() - start)
-        thread = ckpt.writer._thread  # the write in flight (background)
-        if thread is not None:
-            thread.join()
-            writes.append(time.perf_counter() - start)
-        time.sleep(gap)  # the loop trains meanwhile
-    ckpt.drain()
-    size = (ckpt.wdir / "last.pt").stat().st_size
-    assert torch.load(ckpt.wdir / "last.pt", map_location="cpu", weights_only=True)["epoch"] == saves - 1
-    ckpt.lock.release() if ckpt.lock is not None else None
-    shutil.rmtree(ckpt.save_dir, ignore_errors=True)
-    return {
-        "blocked_s": statistics.median(blocked),
-        "blocked_max_s": max(blocked),
-        "write_s": statistics.median(writes) if writes else statistics.median(blocked),
-        "mb": size / 1e6,
-        "params_m": sum(p.numel() for p in parts.model.parameters()) / 1e6,
-    }
+        for background, ckpt in runs.items():
+            with torch.no_grad():
+                for p in parts.model.parameters():
+                    p.add_(1e-4)  # a step's change, in place: the save must hold the weights as they were
+            loop = Loop(ckpt.cfg, batches_per_epoch=100, accumulate=1, step_images=16, best_fitness=0.0)
+            start = time.perf_counter()
+            ckpt.gather(parts, False)
+            ckpt.save_epoch(parts, loop, epoch, {"fitness": float(epoch)}, improved=True)
+            blocked[background].append(time.perf_counter() - start)
+            thread = ckpt.writer._thread  # the write in flight (background)
+            if thread is not None:
+                thread.join()
+                writes.append(time.perf_counter() - start)
+            time.sleep(gap)  # the loop trains meanwhile
+    out: dict[str, float] = {"params_m": sum(p.numel() for p in parts.model.parameters()) / 1e6, "write_s": 0.0}
+    for background, ckpt in runs.items():
+        ckpt.drain()
+        last = ckpt.wdir / "last.pt"
+        assert torch.load(last, map_location="cpu", weights_only=True)["epoch"] == saves - 1
+        out["mb"] = last.stat().st_size / 1e6
+        if ckpt.lock is not None:
+            ckpt.lock.release()
+        shutil.rmtree(ckpt.save_dir, ignore_errors=True)
+        mode = "bg" if background else "sync"
+        out[f"{mode}_s"], out[f"{mode}_max_s"] = statistics.median(blocked[background]), max(blocked[background])
+    out["write_s"] = statistics.median(writes)
+    return out
 
 
 def main() -> None:
@@ -97,12 +108,10 @@ def main() -> None:
     header = "| scale | params | last.pt | sync: loop blocked per save | background: loop blocked per save | write |"
     rows = [header, "|---|---|---|---|---|---|"]
     for scale in args.scales:
-        sync = _saves(scale, args.imgsz, False, args.saves, args.gap, root)
-        bg = _saves(scale, args.imgsz, True, args.saves, args.gap, root)
+        r = _saves(scale, args.imgsz, args.saves, args.gap, root)
         rows.append(
-            f"| {scale} | {sync['params_m']:.1f} M | {sync['mb']:.0f} MB | {sync['blocked_s']:.3f} s "
-            f"(max {sync['blocked_max_s']:.3f}) | {bg['blocked_s']:.3f} s (max {bg['blocked_max_s']:.3f}) | "
-            f"{bg['write_s']:.3f} s |"
+            f"| {scale} | {r['params_m']:.1f} M | {r['mb']:.0f} MB | {r['sync_s']:.2f} s (max {r['sync_max_s']:.2f}) | "
+            f"{r['bg_s']:.2f} s (max {r['bg_max_s']:.2f}) | {r['write_s']:.2f} s |"
         )
         print(rows[-1], flush=True)
     print(f"\nimgsz {args.imgsz}, {args.saves} epoch saves each (last.pt + last.prev.pt + best.pt), gap {args.gap:g} s")
