@@ -88,6 +88,22 @@ def test_a_write_error_is_raised_in_the_loop_at_the_next_save_and_the_next_write
     writer.wait()  # raised once
 
 
+def test_check_raises_a_finished_writes_error_at_once_and_never_waits_for_one_in_flight() -> None:
+    writer, release = Writer(), threading.Event()
+    writer.submit(lambda: release.wait(10))
+    start = time.perf_counter()
+    writer.check()  # in flight: nothing to say, and no wait
+    assert time.perf_counter() - start < 1 and writer.busy()
+    release.set()
+    writer.wait()
+    writer.submit(lambda: (_ for _ in ()).throw(CheckpointError("cannot write last.pt: disk full")))
+    while writer.busy():
+        time.sleep(0.01)
+    with pytest.raises(CheckpointError, match="disk full"):
+        writer.check()  # the step after the write failed
+    writer.check()  # raised once
+
+
 def test_a_write_error_is_raised_at_the_drain_and_finish_only_says_it(capsys: pytest.CaptureFixture) -> None:
     writer = Writer()
     writer.submit(lambda: (_ for _ in ()).throw(CheckpointError("cannot write last.pt: disk full")))

@@ -370,7 +370,10 @@ class Checkpointer:
     ) -> None:
         """Every rank after batch ``i`` of ``epoch``: ``mid.pt`` when ``save_interval`` says (a collective when on:
         rank 0's clock), or when a preemption was agreed, which then ends the run (:class:`Preempted`; at an
-        epoch's last batch the epoch finishes first and ``last.pt`` is the place: :meth:`preempted`)."""
+        epoch's last batch the epoch finishes first and ``last.pt`` is the place: :meth:`preempted`). Rank 0 first
+        raises the error of a write that failed (:meth:`Writer.check`)."""
+        if self.main:
+            self.writer.check()  # a save that failed ends the run now (its one line), as it did when synchronous
         nb = loop.batches_per_epoch
         saved = self.mid.due(i, nb)  # collective (save_interval > 0): an all-reduce of rank 0's clock
         if saved:

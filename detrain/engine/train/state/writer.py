@@ -9,7 +9,10 @@ writes the files in a thread of its own while training goes on: temporary file, 
 * one write at a time, in order: a save first waits for the one before it (:meth:`Writer.submit`), so that no
   generation overtakes another and host memory holds at most two snapshots;
 * a write's error is raised in the loop, the very exception a synchronous save raised (a full disk: the one-line
-  CheckpointError, the previous generation intact), at the next save or when the run ends (:meth:`Writer.wait`);
+  CheckpointError, the previous generation intact), at the first step's end after the write failed
+  (:meth:`Writer.check`), or at the next save or the run's end if those come first (:meth:`Writer.wait`); as a
+  synchronous save's error did, it ends rank 0 while the other ranks wait in a collective, and the launcher stops
+  them;
 * before a run ends, however it ends (its last epoch, an early stop, a preemption, an exception), the write in
   flight finishes: the final ``last.pt``, ``best.pt`` and ``mid.pt`` are on disk before the process leaves and
   before the run's end event records their sha256 (:meth:`Writer.finish` on an exception, which reports a write's
@@ -149,6 +152,12 @@ class Writer:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+    def check(self) -> None:
+        """A write that has finished with an error raises it now (never waits): the loop asks after every step, so
+        that a failed save ends the run at the next step, not at the next save."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
 
     def finish(self) -> None:
         """The run ends on an error of its own: the write in flight finishes (its files whole on disk), and a
