@@ -84,7 +84,8 @@ def snapshot(state: Any, pool: dict[tuple[Any, ...], list[torch.Tensor]] | None 
         if isinstance(value, list):
             return [copy(v) for v in value]
         if isinstance(value, tuple):
-            return tuple(copy(v) for v in value)
+            items = [copy(v) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # a named tuple stays one
         return value
 
     copied = copy(state)
