@@ -6,8 +6,9 @@ memory, non-blocking, with an event the writer waits on before it reads them). R
 writes the files in a thread of its own while training goes on: temporary file, fsync, rename, the previous
 ``last.pt`` kept as ``last.prev.pt`` (:func:`detrain.weights.checkpoint.save_checkpoint`, unchanged). The rules:
 
-* one write at a time, in order: a save first waits for the one before it (:meth:`Writer.submit`), so that no
-  generation overtakes another and host memory holds at most two snapshots;
+* one write at a time, in order: a save first waits for the one before it (:meth:`Writer.snapshot`,
+  :meth:`Writer.submit`), so that no generation overtakes another; host memory holds one snapshot (model, EMA,
+  optimizer state: about 3 x the weights with SGD), kept for the run and copied into again at the next save;
 * a write's error is raised in the loop, the very exception a synchronous save raised (a full disk: the one-line
   CheckpointError, the previous generation intact), at the first step's end after the write failed
   (:meth:`Writer.check`), or at the next save or the run's end if those come first (:meth:`Writer.wait`); as a
