@@ -26,8 +26,9 @@ def fault_env(
 ) -> dict[str, str]:
     """A child environment (:func:`_processes.child_env`) whose rank 0, on the launcher's first attempt, kills
     itself (``then="kill"``) or waits for the file ``until`` (``then="hold"``, after writing ``<until>.held``)
-    right after it wrote ``weights/<after>`` (``"last.pt"`` or ``"mid.pt"``) holding ``epoch`` (and, for mid.pt,
-    a ``next_batch`` at least this)."""
+    right after it wrote ``weights/<after>`` (``"last.pt"`` or ``"mid.pt"``: in rank 0's checkpoint writer thread,
+    while the loop goes on) holding ``epoch`` (and, for mid.pt, a ``next_batch`` at least this), or ``results.csv``
+    with epoch ``epoch``'s row (0-based: in the loop's own thread, just before that epoch's save)."""
     rule: dict[str, object] = {"after": after, "epoch": epoch, "then": then}
     if next_batch is not None:
         rule["next_batch"] = next_batch

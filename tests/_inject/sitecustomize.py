@@ -5,9 +5,12 @@ this module at the start of that child and of every process it spawns (launcher,
 ranks). It does nothing unless ``TEST_FAULT`` holds a rule, a JSON object:
 
 * ``after``: ``"last.pt"`` or ``"mid.pt"``, the checkpoint whose atomic write is the point (the rule acts in rank
-  0's process only, the one that writes checkpoints; other nodes' copies of them are not the point);
+  0's process only, the one that writes checkpoints; other nodes' copies of them are not the point), or
+  ``"results.csv"``, whose rewrite at an epoch's end is the point in the training loop's own thread (checkpoints
+  are written by rank 0's writer thread while the loop goes on: holding the writer does not hold the loop);
 * ``epoch``: the written checkpoint's ``epoch`` field (the last finished epoch, 0-based: a last.pt with epoch 0
-  is written at the end of the first epoch, a mid.pt with epoch 0 within the second);
+  is written at the end of the first epoch, a mid.pt with epoch 0 within the second); for results.csv the last
+  row's epoch, 0-based (0: the first epoch's row, written just before that epoch's last.pt is handed to the writer);
 * ``next_batch`` (mid.pt only): act at the first mid.pt of that epoch whose ``mid_epoch.next_batch`` is at least
   this;
 * ``then``: ``"kill"`` (SIGKILL this process once the file is in place), ``"hold"`` (write ``<until>.held``
@@ -44,6 +47,10 @@ def _first_attempt() -> bool:
 
 
 def _matches(src: str) -> bool:
+    if _RULE["after"] == "results.csv":
+        with open(src) as f:
+            rows = [line for line in f.read().splitlines() if line.strip()]
+        return len(rows) - 2 == _RULE["epoch"]  # a header, then one row per finished epoch
     import torch
 
     ckpt = torch.load(src, map_location="cpu", weights_only=True)
@@ -83,7 +90,8 @@ def _audit(event: str, args: tuple) -> None:
     if event != "os.rename" or _RULE is None or _busy:
         return
     src, dst = _in_folder(args[0], args[2]), _in_folder(args[1], args[3])
-    if os.path.basename(dst) != _RULE["after"] or os.path.basename(os.path.dirname(dst)) != "weights":
+    folder = os.path.basename(os.path.dirname(dst))
+    if os.path.basename(dst) != _RULE["after"] or (folder != "weights" and _RULE["after"] != "results.csv"):
         return
     _busy = True
     try:

@@ -3,8 +3,10 @@ one of two gloo workers, or the launcher above them), sent from outside by the t
 the same step, the run exits 75 with one line, and a resumed run ends with the uninterrupted run's weights, bit for
 bit; under SLURM the job is requeued and its next start resumes by itself.
 
-Where the signal lands is made exact with ``tests/_inject``'s hold: rank 0 waits right after writing epoch 1's
-``last.pt`` while the test sends the signal, so the agreed stop is the first step of epoch 2 (``1/4 batches done``).
+Where the signal lands is made exact with ``tests/_inject``'s hold: rank 0's training loop waits right after writing
+epoch 1's ``results.csv`` row (just before that epoch's save: checkpoints are written by a thread beside the loop, so
+holding that thread would not hold the loop) while the test sends the signal, so the agreed stop is the first step of
+epoch 2 (``1/4 batches done``), whose ``mid.pt`` is written once epoch 1's ``last.pt`` is.
 """
 
 from __future__ import annotations
@@ -102,11 +104,11 @@ def _preempt(
     torchrun: bool = False,
     **extra: object,
 ) -> tuple[subprocess.CompletedProcess, Path]:
-    """Start a run whose rank 0 holds after epoch 1's last.pt, send ``sig`` to ``target`` ("launcher": the
+    """Start a run whose rank 0 holds after epoch 1's results.csv row, send ``sig`` to ``target`` ("launcher": the
     process the test started; "rank 1": the second worker; "group": every process of the run), release rank 0,
     and collect the run's end. ``torchrun``: the ranks of ``device`` started by torchrun instead of detrain."""
     until = project / "release"
-    env = {**fault_env("last.pt", 0, "hold", until=until), **(env or {})}
+    env = {**fault_env("results.csv", 0, "hold", until=until), **(env or {})}
     args = {**ARGS, "data": str(data), "project": str(project), "device": device, "nbs": NBS[device], **extra}
     cmd = _cmd(args)
     if torchrun:  # torchrun gives each rank its place; detrain's own device list is not given
@@ -190,7 +192,7 @@ def test_sigterm_to_both_nodes_process_groups_saves_on_node_0_and_ends_both_resu
     process group: every rank saves at the same step, node 0 holds mid.pt, both launchers end 75; the resume (two
     workers on one node: the same world of two) ends with the uninterrupted run's weights."""
     until = tmp_path / "release"
-    env = fault_env("last.pt", 0, "hold", until=until)
+    env = fault_env("results.csv", 0, "hold", until=until)
     port = free_port()
     procs = []
     for node in (0, 1):

@@ -134,6 +134,11 @@ class Callbacks:
     def fns(self, event: str) -> list[CallbackFn]:
         return list(self._fns.get(event, ()))
 
+    def registered(self) -> bool:
+        """Whether the run has any callback: then each epoch's checkpoints are written whole before the callbacks
+        after the save run (the trainer waits for its writer, :mod:`detrain.engine.train.state.writer`)."""
+        return bool(self._fns)
+
     def fire(
         self,
         event: str,

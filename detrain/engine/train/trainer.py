@@ -99,7 +99,7 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         """Run every epoch; returns the final metrics (the same dict on every rank). However it ends, rank 0 says
         how in the run folder's events.jsonl (detrain.engine.telemetry.run_trace)."""
-        with self.state.held(), run_trace.ended(self):  # the run folder locked, preemption signals caught
+        with self.state.held(run_trace.ended(self)):  # the run folder locked, preemption signals caught
             self._prepare()  # data, model, optimizer; the run folder's files; the starting weights' score
             epoch = self.start_epoch
             while epoch < self.cfg.train.epochs:  # time= re-plans cfg.train.epochs after every epoch
@@ -117,6 +117,7 @@ class Trainer:
                     self._say(f"early stop: no improvement in the last {self.cfg.train.patience} epochs")
                     break
                 epoch += 1
+            self.state.drain()  # collective: the last save's files whole on disk, its copies sent
             return self._finish()
 
     # ------------------------------------------------------------------ before the first epoch
@@ -494,8 +495,8 @@ class Trainer:
             self.metrics = self._validate(epoch)
 
     def _save_and_log(self, epoch: int, trained: EpochResult, improved: bool) -> None:
-        """The epoch's row in results.csv and TensorBoard, last.pt (best.pt when it improved), the epoch's line and
-        the callbacks after it (rank 0; every rank first gives what differs between ranks for last.pt)."""
+        """The epoch's row in results.csv and TensorBoard, last.pt (best.pt when it improved; written in the
+        background, whole before callbacks run), the epoch's line, the callbacks (rank 0; all ranks gather first)."""
         cfg = self.cfg
         row = {
             "epoch": epoch + 1,
@@ -512,7 +513,7 @@ class Trainer:
         self.csv.add(row)
         scalars = {k: float(v) for k, v in row.items() if k != "epoch"}
         self.loggers.add_row(scalars, epoch + 1)
-        self.state.save_epoch(self._parts(), self._loop(), epoch, self.metrics, improved)  # last.pt, best.pt, ...
+        self.state.save_epoch(self._parts(), self._loop(), epoch, self.metrics, improved, self.callbacks.registered())
         if cfg.output.save:  # after last.pt (and best.pt) are written whole: a raising callback loses no epoch
             self.callbacks.fire("on_model_save", self, epoch + 1, scalars, improved)
         console.print(epoch_line(epoch + 1, cfg.train.epochs, row, trained.speed, trained.seconds))

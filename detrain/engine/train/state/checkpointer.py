@@ -14,7 +14,10 @@ checkpoint is read or made, and never sees the trainer. What it does, in the ord
 * the gather (collective): what differs between ranks, and under ``parallel=fsdp`` the whole tensors, to rank 0
   (sharded questions go to :mod:`detrain.distributed.parallel`);
 * the saves: ``last.pt`` (the one before kept as ``last.prev.pt``), ``best.pt``, ``epochN.pt``, ``mid.pt`` every
-  ``save_interval`` minutes, each copied to the next nodes' disks (:mod:`.replicas`);
+  ``save_interval`` minutes: the loop copies the state to host memory at the step's end and goes on, while rank 0's
+  writer writes, fsyncs and renames the files in a thread (:mod:`.writer`); the next save first waits for that one
+  (its error raised then), and then every rank sends its copies to the next nodes' disks (:mod:`.replicas`); before
+  the run ends, however it ends, the last write finishes (:meth:`Checkpointer.drain`, :meth:`Checkpointer.held`);
 * the preemption line: a signal on any rank becomes one agreed step at which every rank saves ``mid.pt`` and the run
   ends resumable (:mod:`.preemption`).
 
@@ -24,7 +27,7 @@ Only rank 0 writes; every method says where it is a collective (call it on every
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -46,6 +49,7 @@ from detrain.engine.train.state.mid_epoch import MidEpoch
 from detrain.engine.train.state.preemption import Preemption
 from detrain.engine.train.state.replicas import Replicas
 from detrain.engine.train.state.run_lock import RunLock
+from detrain.engine.train.state.writer import Writer
 from detrain.errors import ConfigError, Preempted
 from detrain.log import console, save_yaml
 from detrain.system.tempfiles import remove_unfinished
@@ -136,6 +140,8 @@ class Checkpointer:
         self.per_rank: dict[str, Any] = {}  # what differs between ranks, gathered when a checkpoint is saved
         self.gathered: dict[str, Any] | None = None  # parallel=fsdp: rank 0's whole tensors for the next checkpoint
         self.start_epoch = 0
+        self.writer = Writer()  # rank 0's writes, in a thread beside the loop (state/writer.py)
+        self.unsent: list[Callable[[], list[str]]] = []  # every rank: the copies of the save in flight, in order
         self.lock = self._lock()  # collective: rank 0 holds the run folder, or every rank stops with its line
 
     # ------------------------------------------------------------------ the run folder
@@ -155,12 +161,20 @@ class Checkpointer:
         return lock
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """The run's life: preemption signals caught (:meth:`Preemption.installed`), and the run folder's lock let
-        go after it, however it ends."""
+    def held(self, inner: contextlib.AbstractContextManager[Any] | None = None) -> Iterator[None]:
+        """The run's life: preemption signals caught (:meth:`Preemption.installed`), ``inner`` entered within them,
+        the write in flight finished before ``inner`` sees an error (:meth:`Writer.finish`: the run's end event
+        finds the files whole), and the run folder's lock let go after it, however it ends."""
         try:
-            with self.preempt.installed():
-                yield
+            with self.preempt.installed(), inner or contextlib.nullcontext():
+                try:
+                    yield
+                except BaseException:
+                    if self.main:
+                        self.writer.finish()
+                    raise
+                if self.main:
+                    self.writer.wait()  # nothing in flight after drain(); a write's error is the run's
         finally:
             if self.lock is not None:
                 self.lock.release()
@@ -262,6 +276,7 @@ class Checkpointer:
         and the EMA's rows. Nothing where the run saves no checkpoints (``save=false``)."""
         if not self.save:
             return
+        self.drain()  # the save before this one finished and sent (collective where it has copies to send)
         self.per_rank = resume_state.gather_per_rank(self.world)  # collective
         parts.ema.gather(parts.model)  # collective where sharded: one all-gather per weight
         whole = parallel.gathered_state(parts.model, parts.optimizer, pending)  # collective where sharded
@@ -277,8 +292,8 @@ class Checkpointer:
         self.gathered = None  # used once: the next checkpoint gathers its own
         grads = whole["pending_grads"] if whole is not None else (accumulation.saved(bare) if pending else None)
         return {
-            "model": {**meta, "state_dict": whole["model"] if whole is not None else _cpu_state(bare)},
-            "ema": {"state_dict": _cpu_state(parts.ema.ema), "updates": parts.ema.updates},
+            "model": {**meta, "state_dict": whole["model"] if whole is not None else _weights(bare)},
+            "ema": {"state_dict": _weights(parts.ema.ema), "updates": parts.ema.updates},
             "optimizer": whole["optimizer"] if whole is not None else parts.optimizer.state_dict(),
             "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict() if parts.scaler.is_enabled() else None,
@@ -297,41 +312,68 @@ class Checkpointer:
             **self.launch.stamp(),  # which launch wrote it: a restart of this launch resumes from it
         }
 
-    def save_epoch(self, parts: Parts, loop: Loop, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
+    def save_epoch(
+        self, parts: Parts, loop: Loop, epoch: int, metrics: dict[str, Any], improved: bool, wait: bool = False
+    ) -> None:
         """Rank 0, after :meth:`gather`: ``last.pt`` (the one before kept as ``last.prev.pt``), ``best.pt`` when
-        the epoch improved, ``epochN.pt`` every ``save_period`` epochs; the epoch's ``mid.pt`` then is superseded."""
-        if self.save:
-            self._save_epoch(parts, loop, epoch, metrics, improved)
-        self.mid.epoch_done()
-
-    def _save_epoch(self, parts: Parts, loop: Loop, epoch: int, metrics: dict[str, Any], improved: bool) -> None:
+        the epoch improved, ``epochN.pt`` every ``save_period`` epochs, then the epoch's ``mid.pt`` removed (it is
+        superseded), all written by the writer while the loop goes on (``wait``: written before this returns, for
+        callbacks that read the files)."""
+        if not self.save:
+            return
         cfg = loop.cfg
         state = self.state(parts, loop, epoch, metrics, loop.pending(loop.batches_per_epoch * (epoch + 1) - 1))
         # the last.pt before becomes last.prev.pt, which a resume falls back to when last.pt is damaged; a run
         # resumed from last.prev.pt keeps it: the last.pt it replaces was the damaged one
         keep = None if Path(str(cfg.train.resume)).name == PREVIOUS and epoch == self.start_epoch else PREVIOUS
-        save_checkpoint(state, self.wdir / "last.pt", keep_previous=keep)
-        if improved:
-            save_checkpoint({k: v for k, v in state.items() if k not in _RESUME_ONLY}, self.wdir / "best.pt")
-        if cfg.output.save_period > 0 and (epoch + 1) % cfg.output.save_period == 0:
-            save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
+        period = cfg.output.save_period > 0 and (epoch + 1) % cfg.output.save_period == 0
+
+        def write(state: dict[str, Any]) -> None:
+            save_checkpoint(state, self.wdir / "last.pt", keep_previous=keep)
+            if improved:
+                save_checkpoint({k: v for k, v in state.items() if k not in _RESUME_ONLY}, self.wdir / "best.pt")
+            if period:
+                save_checkpoint(state, self.wdir / f"epoch{epoch + 1}.pt")  # complete: a run can resume from it
+            self.mid.epoch_done()  # once last.pt holds the epoch
+
+        self._write(state, write)
+        if wait:
+            self.writer.wait()
+
+    def _write(self, state: dict[str, Any], write: Callable[[dict[str, Any]], object]) -> None:
+        """Rank 0: ``state`` copied to host memory now (:meth:`Writer.snapshot`), ``write`` given the copy in the
+        writer's thread once the write before it has finished (:meth:`Writer.submit`)."""
+        copy, ready = self.writer.snapshot(state)
+        self.writer.submit(lambda: write(copy), ready)
 
     def copy_last(self) -> None:
-        """Every rank, once rank 0 has written the epoch's ``last.pt``: its copies on the next nodes (point to
-        point: rank 0 and the nodes keeping a copy, :mod:`.replicas`), where the epoch's ``mid.pt`` goes, and the
-        rest of the run's record."""
+        """Every rank, after the epoch's save: its copies on the next nodes (:mod:`.replicas`), sent once rank 0's
+        writer has written the files (:meth:`drain`, at the next save): ``last.pt``, where the epoch's ``mid.pt``
+        goes, and the rest of the run's record."""
         if self.save:
-            self._copied(
-                self.replicas.copy(self.wdir / "last.pt", keep_previous=PREVIOUS, supersedes=self.mid.path.name)
-            )
-            self._copied(self.replicas.copy_record(self.save_dir))  # results, events, args, manifest, best, epochN
+            last = self.wdir / "last.pt"
+            self.unsent.append(lambda: self.replicas.copy(last, keep_previous=PREVIOUS, supersedes=self.mid.path.name))
+            self.unsent.append(lambda: self.replicas.copy_record(self.save_dir))  # results, events, args, best...
+
+    def drain(self) -> None:
+        """Every rank (a collective where copies are due: point to point, rank 0 and the nodes keeping one): rank
+        0's write in flight finished (its error raised here, as a synchronous save raised it), then the copies of
+        the saves before sent, in their order. The next save calls it first; the trainer before the run's end."""
+        if self.main:
+            self.writer.wait()
+        unsent, self.unsent = self.unsent, []
+        for send in unsent:
+            self._copied(send())
 
     def after_batch(
         self, parts: Parts, loop: Loop, epoch: int, i: int, mean_items: torch.Tensor, n_images: int
     ) -> None:
         """Every rank after batch ``i`` of ``epoch``: ``mid.pt`` when ``save_interval`` says (a collective when on:
         rank 0's clock), or when a preemption was agreed, which then ends the run (:class:`Preempted`; at an
-        epoch's last batch the epoch finishes first and ``last.pt`` is the place: :meth:`preempted`)."""
+        epoch's last batch the epoch finishes first and ``last.pt`` is the place: :meth:`preempted`). Rank 0 first
+        raises the error of a write that failed (:meth:`Writer.check`)."""
+        if self.main:
+            self.writer.check()  # a save that failed ends the run now (its one line), as it did when synchronous
         nb = loop.batches_per_epoch
         saved = self.mid.due(i, nb)  # collective (save_interval > 0): an all-reduce of rank 0's clock
         if saved:
@@ -350,12 +392,15 @@ class Checkpointer:
             accumulation.average_over_ranks(unwrap(parts.model))
         self.gather(parts, pending)  # collective
         state = self.state(parts, loop, epoch - 1, {}, pending) if self.main else None
-        self.mid.save(state, i, loop.step_images, mean_items, n_images)
-        self._copied(self.replicas.copy(self.mid.path))  # point to point: rank 0 and the nodes keeping a copy
+        state = self.mid.stamp(state, i, loop.step_images, mean_items, n_images)  # the clock starts again
+        if state is not None:
+            self._write(state, lambda state: save_checkpoint(state, self.mid.path))
+        self.unsent.append(lambda: self.replicas.copy(self.mid.path))  # sent at the next drain()
 
     def preempted(self, path: Path, where: str) -> Preempted:
         """The one line of a run stopped by a preemption signal once ``path`` holds ``where`` it stands (a
-        collective: after it, every rank knows rank 0 has written ``path``)."""
+        collective: after it, every rank knows rank 0 has written ``path``, and its copies are sent)."""
+        self.drain()  # collective where copies are due: rank 0's writer has written path
         dist.barrier("preempted")  # collective: rank 0 has written path when every rank is past it
         return Preempted(
             f"preempted by {self.preempt.signal}: saved {path} at {where}; the same command with resume={path} "
@@ -363,5 +408,6 @@ class Checkpointer:
         )
 
 
-def _cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict as a plain dict; its tensors are the model's own (the save's snapshot copies them)."""
+    return dict(model.state_dict())

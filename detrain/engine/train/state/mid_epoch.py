@@ -11,7 +11,8 @@ When to save is read on rank 0's clock and shared with one all-reduce of one num
 ``save_interval`` > 0, :meth:`MidEpoch.due`), because every rank must save at the same step: saving needs
 collectives. The trainer then makes the checkpoint, as at an epoch's end: gradients still waiting for an update
 averaged over the ranks (:mod:`detrain.engine.train.accumulation`), what differs between ranks (random
-generators) gathered; :meth:`MidEpoch.save` adds where the epoch stands and writes it. This module never
+generators) gathered; :meth:`MidEpoch.stamp` adds where the epoch stands, and the checkpointer's writer writes it
+while training goes on (:mod:`.writer`). This module never
 sees the trainer: it is told the batch, the plan's step and the running losses. Under elastic
 membership a mid-epoch checkpoint of another world size continues at the batch of this run's plan that its images
 reach (a few images may be seen twice).
@@ -27,7 +28,6 @@ import torch
 
 from detrain.distributed import dist
 from detrain.engine.train.state.resume_state import MID
-from detrain.weights.checkpoint import save_checkpoint
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader
@@ -80,11 +80,12 @@ class MidEpoch:
         # collective: rank 0's clock on every rank, so that all of them save at this step or none
         return bool(dist.all_reduce_sum(torch.tensor([float(mine)], device=self.device)).item())
 
-    def save(
+    def stamp(
         self, state: dict[str, Any] | None, i: int, step_images: int, mean_items: torch.Tensor, n_images: int
-    ) -> None:
-        """Write ``mid.pt``: ``state`` (the run's checkpoint after batch ``i``, which rank 0 alone gives; None on the
-        other ranks) with where the epoch stands; the clock starts again on every rank."""
+    ) -> dict[str, Any] | None:
+        """``mid.pt``'s content: ``state`` (the run's checkpoint after batch ``i``, which rank 0 alone gives; None on
+        the other ranks) with where the epoch stands (the checkpointer's writer writes it to :attr:`path`); the
+        clock starts again on every rank."""
         if state is not None:
             state["mid_epoch"] = {
                 "next_batch": i + 1,
@@ -92,8 +93,8 @@ class MidEpoch:
                 "mean_items": mean_items.detach().float().cpu(),
                 "n_images": int(n_images),
             }
-            save_checkpoint(state, self.path)
         self.last_save = time.monotonic()
+        return state
 
     def epoch_done(self) -> None:
         """Rank 0, once ``last.pt`` holds the finished epoch: the epoch's ``mid.pt`` is superseded."""

@@ -4,7 +4,9 @@ Only rank 0 writes files, on node 0's disk. With ``save_replicas=N`` (2 by defau
 nodes only) every ``last.pt`` and ``mid.pt`` rank 0 writes is also sent, as the file's bytes, to the first process
 of each of the next N - 1 nodes (in the order of their lowest rank), which writes it into the same run folder on its
 own disk, atomically and keeping the previous generation as rank 0 does (``last.prev.pt``). Sending is point to
-point: only rank 0 and those processes take part, and the others go on.
+point: only rank 0 and those processes take part, and the others go on. Rank 0 writes its files in a thread beside
+the loop (:mod:`.writer`); a save's copies are sent by the loop's thread on every rank once that write has finished,
+when the next save begins or the run ends (:meth:`Checkpointer.drain`), so a copy lags one save behind node 0.
 
 After each epoch the rest of the run folder follows (:meth:`Replicas.copy_record`): ``results.csv``,
 ``events.jsonl``, ``args.yaml``, ``manifest.json``, ``weights/best.pt`` and the ``weights/epochN.pt`` of
