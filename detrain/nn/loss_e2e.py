@@ -162,8 +162,10 @@ class RegMax1BranchLoss:
         anchors, stride_per_anchor = self._anchors(head_maps, pred_logits.dtype, pred_logits.device)
         img_h, img_w = (float(s) * self.strides[0] for s in head_maps[0].shape[2:])
         imgsz_whwh = pred_logits.new_tensor([img_w, img_h, img_w, img_h])
-        boxes_xyxy = xywh2xyxy(bboxes_xywhn.to(imgsz_whwh) * imgsz_whwh)
-        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx.to(imgsz_whwh.device), cls.to(imgsz_whwh), boxes_xyxy, batch)
+        # padded where the labels are (host memory in training: no device sync for the largest count), then moved
+        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx, cls, bboxes_xywhn, batch)
+        gt_cls, mask_gt = gt_cls.to(imgsz_whwh, non_blocking=True), mask_gt.to(imgsz_whwh.device, non_blocking=True)
+        gt_boxes = xywh2xyxy(gt_boxes.to(imgsz_whwh, non_blocking=True) * imgsz_whwh)
 
         def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
             dist = pred_box.detach()[img, anchor]
