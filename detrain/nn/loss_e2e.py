@@ -152,6 +152,7 @@ class RegMax1BranchLoss:
         min_side = self.strides[1] if len(self.strides) > 1 else self.strides[0]
         self.assigner = TaskAlignedAssigner(topk=topk, num_classes=nc, alpha=0.5, beta=6.0, min_side=min_side)
         self._anchor_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._sizes: dict[tuple, Tensor] = {}  # the input's (4,) width, height, width, height, for the last size
 
     def assign(self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> BranchTargets:
         """Which anchors learn which boxes, for head maps (B, 4 + nc, H_i, W_i) and flat labels; in float32."""
@@ -161,11 +162,18 @@ class RegMax1BranchLoss:
             pred_box, pred_logits = pred_box.float(), pred_logits.float()
         anchors, stride_per_anchor = self._anchors(head_maps, pred_logits.dtype, pred_logits.device)
         img_h, img_w = (float(s) * self.strides[0] for s in head_maps[0].shape[2:])
-        imgsz_whwh = pred_logits.new_tensor([img_w, img_h, img_w, img_h])
-        # padded where the labels are (host memory in training: no device sync for the largest count), then moved
-        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx, cls, bboxes_xywhn, batch)
-        gt_cls, mask_gt = gt_cls.to(imgsz_whwh, non_blocking=True), mask_gt.to(imgsz_whwh.device, non_blocking=True)
-        gt_boxes = xywh2xyxy(gt_boxes.to(imgsz_whwh, non_blocking=True) * imgsz_whwh)
+        key = (img_w, img_h, pred_logits.dtype, pred_logits.device)  # made once per size: no copy every step
+        if key not in self._sizes:
+            self._sizes = {key: pred_logits.new_tensor([img_w, img_h, img_w, img_h])}
+        imgsz_whwh = self._sizes[key]
+        # the ground truth padded and in pixels where the labels are (host memory in training), with the anchor points
+        # there: the assigner finds the numbers of boxes and candidate pairs without waiting for the device
+        host, dtype = batch_idx.device, pred_logits.dtype
+        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx, cls.to(dtype), bboxes_xywhn.to(dtype), batch)
+        gt_boxes = xywh2xyxy(gt_boxes * gt_boxes.new_tensor([img_w, img_h, img_w, img_h]))
+        points, point_strides = make_anchors(
+            [torch.empty(0, 0, *m.shape[2:], dtype=dtype, device=host) for m in head_maps], self.strides
+        )
 
         def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
             dist = pred_box.detach()[img, anchor]
@@ -173,7 +181,14 @@ class RegMax1BranchLoss:
 
         assigner = self.assigner
         target = assigner.assign_sparse(
-            pred_logits.detach(), boxes_at, anchors * stride_per_anchor, gt_cls, gt_boxes, mask_gt, logits=True
+            pred_logits.detach(),
+            boxes_at,
+            anchors * stride_per_anchor,
+            gt_cls,
+            gt_boxes,
+            mask_gt,
+            logits=True,
+            host_anchor_points=points * point_strides,
         )
         if self.keep is not None and target.fg_mask.any():
             # the alignment and overlap of each positive, as the assigner computed them, to pick the best per box
