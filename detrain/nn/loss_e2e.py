@@ -86,7 +86,7 @@ def keep_best_per_box(
     max_iou = k_iou.new_zeros(b * boxes_per_image).scatter_reduce_(0, k_box, k_iou, "amax")
 
     fg_mask = torch.zeros_like(target.fg_mask)
-    fg_mask[k_img, k_anchor] = True
+    fg_mask[k_img, k_anchor] = torch.ones_like(k_img, dtype=torch.bool)  # made on the device, not copied there
     score = torch.zeros_like(target.score)
     score[k_img, k_anchor] = (k_align * max_iou[k_box] / (max_align[k_box] + eps)).to(score.dtype)
     dropped = target.fg_mask & ~fg_mask  # the dropped anchors become background
@@ -153,6 +153,7 @@ class RegMax1BranchLoss:
         self.assigner = TaskAlignedAssigner(topk=topk, num_classes=nc, alpha=0.5, beta=6.0, min_side=min_side)
         self._anchor_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
         self._sizes: dict[tuple, Tensor] = {}  # the input's (4,) width, height, width, height, for the last size
+        self._gains: Tensor | None = None  # the gains as a tensor, on the device
 
     def assign(self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> BranchTargets:
         """Which anchors learn which boxes, for head maps (B, 4 + nc, H_i, W_i) and flat labels; in float32."""
@@ -220,7 +221,10 @@ class RegMax1BranchLoss:
         else:
             # zero but still attached to the box channels, so DDP sees every parameter take part
             loss_box = loss_l1 = t.pred_box.sum() * 0.0
-        return torch.stack((loss_box, loss_cls, loss_l1)) / normalizer * t.pred_logits.new_tensor(self.gains)
+        like = t.pred_logits
+        if self._gains is None or self._gains.dtype != like.dtype or self._gains.device != like.device:
+            self._gains = like.new_tensor(self.gains)  # made once: no copy to the device every step
+        return torch.stack((loss_box, loss_cls, loss_l1)) / normalizer * self._gains
 
     def _anchors(self, head_maps: list[Tensor], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
         """Anchor points (N, 2) and strides (N, 1), cached per feature shapes."""
