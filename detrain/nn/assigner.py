@@ -12,8 +12,10 @@ overlap. These are the rules of Ultralytics' current assigner (``tests/unit/test
 loss and its gradients against it when it is importable).
 
 Candidates are found on (V, N) tensors for the V real (unpadded) boxes; predictions are read only at
-candidate (box, anchor) pairs, and everything after the per-box top-k works on the at most V * topk positive
-pairs. There is no Python loop over images, boxes or anchors.
+candidate (box, anchor) pairs, and everything after the per-box top-k works on tensors of fixed shape ((V, topk)
+picks, (B * N,) anchors), so that the one host sync of an assignment on a GPU is the number of candidate pairs
+(V, the number of real boxes, is read where the labels are: host memory in training). There is no Python loop
+over images, boxes or anchors.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def widen_small_boxes(boxes_xyxy: Tensor, min_side: float) -> Tensor:
         return boxes_xyxy
     centre = (boxes_xyxy[..., :2] + boxes_xyxy[..., 2:]) / 2
     size = boxes_xyxy[..., 2:] - boxes_xyxy[..., :2]
-    half = torch.where(size < min_side, size.new_tensor(min_side), size) / 2
+    half = torch.where(size < min_side, min_side, size) / 2  # a Python number: no tensor copied to the device
     return torch.cat((centre - half, centre + half), -1)
 
 
@@ -173,25 +175,24 @@ class TaskAlignedAssigner:
         gt_bboxes_xyxy: Tensor,
         mask_gt: Tensor,
         logits: bool = False,
+        host_anchor_points: Tensor | None = None,
     ) -> SparseAssignment:
         """Assign targets, reading predictions only where an anchor centre lies inside a box.
 
         Arguments as for ``__call__``, except: ``pd_scores`` may be raw logits (``logits=True``; the sigmoid is
         then taken only at the candidate pairs) and need not be contiguous, and ``pd_bboxes_xyxy`` may be a
         function ``(img, anchor) -> (K, 4)`` that decodes boxes only at the K candidate pairs. Everything
-        past the candidates works on the at most B * M * topk positive pairs, never on another (B, N, nc).
-        """
+        past the candidates works on the at most B * M * topk positive pairs, never on another (B, N, nc). The ground
+        truth (all on one device) may lie in host memory, with ``host_anchor_points`` there: the numbers of real
+        boxes and candidate pairs are then found there and moved without waiting (the device waits for nothing)."""
         b, n, _ = pd_scores.shape
-        m = gt_bboxes_xyxy.shape[1]
         device = pd_scores.device
-        # work on the real boxes only (V of the B * M padded slots), so padding to the fullest image is free
-        v_img, v_box = mask_gt.reshape(b, m).bool().nonzero(as_tuple=True)
-        v_boxes = gt_bboxes_xyxy[v_img, v_box]  # (V, 4)
-        candidates = anchors_inside_boxes(anchor_points, widen_small_boxes(v_boxes, self.min_side)[None], self.eps)[0]
-        row, anchor = candidates.nonzero(as_tuple=True)  # (V, N) -> candidate pairs
-        if row.numel() == 0:
+        points = anchor_points.to(gt_bboxes_xyxy.device) if host_anchor_points is None else host_anchor_points
+        found = self._candidates(points, gt_labels, gt_bboxes_xyxy, mask_gt, device, host_anchor_points is not None)
+        if found is None:
             return self._background(b, n, gt_bboxes_xyxy.dtype, pd_scores.dtype, device)
-        v_labels = gt_labels.reshape(b, m)[v_img, v_box].long()  # (V,)
+        real, candidates, row, anchor = found
+        v_img, v_labels, v_boxes = real.img, real.labels, real.xyxy
         img = v_img[row]
 
         # overlap and alignment at the candidate pairs only, scattered into (V, N) for the per-box top-k
@@ -209,47 +210,71 @@ class TaskAlignedAssigner:
         overlaps[row, anchor] = iou.to(dtype)
         align_metric[row, anchor] = (score.pow(self.alpha) * iou.pow(self.beta)).to(dtype)
 
-        # top-k by alignment per box; picks outside the candidates (ties at zero) are dropped
+        # top-k by alignment per box; picks outside the candidates (ties at zero) are dropped. From here on every
+        # tensor has a fixed shape (V, k) or (B * N,): no host sync however many anchors are picked or contested
         k = min(self.topk, n)
         topk_idx = align_metric.topk(k, dim=-1).indices  # (V, k)
-        p_row, p_slot = candidates.gather(-1, topk_idx).nonzero(as_tuple=True)
-        p_anchor = topk_idx[p_row, p_slot]
-
-        a_row, a_anchor = _one_box_per_anchor(p_row, p_anchor, v_img, row, img * n + anchor, iou, b, n)
-        a_metric, a_iou = align_metric[a_row, a_anchor], overlaps[a_row, a_anchor]
+        picked = candidates.gather(-1, topk_idx)
+        a_row = _one_box_per_anchor(topk_idx, picked, v_img, row, img * n + anchor, iou, b, n)  # (B * N,), V: none
+        fg = a_row < v
+        box = torch.where(fg, a_row, v)  # background anchors go to a spare row V, read by nobody
+        a_box, a_anchor = box.clamp(max=v - 1), torch.arange(b * n, device=device) % n  # a real row to read anywhere
+        a_metric, a_iou = align_metric[a_box, a_anchor], overlaps[a_box, a_anchor]
 
         # normalise per box: its best-aligned anchor gets the box's best overlap
-        max_metric = a_metric.new_zeros(v).scatter_reduce_(0, a_row, a_metric, "amax")
-        max_iou = a_iou.new_zeros(v).scatter_reduce_(0, a_row, a_iou, "amax")
-        norm_align = a_metric * max_iou[a_row] / (max_metric[a_row] + self.eps)
-        real = _RealBoxes(v_img, v_box, v_labels, v_boxes)
-        return self._targets((b, n), real, a_row, a_anchor, norm_align, gt_bboxes_xyxy, pd_scores.dtype)
+        max_metric = a_metric.new_zeros(v + 1).scatter_reduce_(0, box, a_metric, "amax")
+        max_iou = a_iou.new_zeros(v + 1).scatter_reduce_(0, box, a_iou, "amax")
+        norm_align = a_metric * max_iou[box] / (max_metric[box] + self.eps)
+        return self._targets((b, n), real, fg, a_box, norm_align, pd_scores.dtype)
+
+    def _candidates(
+        self,
+        points: Tensor,
+        gt_labels: Tensor,
+        gt_bboxes_xyxy: Tensor,
+        mask_gt: Tensor,
+        device: torch.device,
+        moved: bool,
+    ) -> tuple[_RealBoxes, Tensor, Tensor, Tensor] | None:
+        """The real boxes (V of the B * M padded slots: padding to the fullest image is free), the (V, N) candidates
+        (anchor ``points`` inside a box, widened when small) and the (row, anchor) candidate pairs, found where the
+        ground truth lies and given on ``device``; None without a pair. ``moved``: the ground truth lies elsewhere
+        (host memory), so the candidates are made again on ``device`` from the pairs."""
+        b, m = mask_gt.shape[:2]
+        v_img, v_box = mask_gt.reshape(b, m).bool().nonzero(as_tuple=True)
+        v_boxes = gt_bboxes_xyxy[v_img, v_box]  # (V, 4)
+        inside = anchors_inside_boxes(points, widen_small_boxes(v_boxes, self.min_side)[None], self.eps)[0]
+        row, anchor = (t.to(device, non_blocking=True) for t in inside.nonzero(as_tuple=True))
+        if row.numel() == 0:
+            return None
+        v_labels = gt_labels.reshape(b, m)[v_img, v_box].long()  # (V,)
+        real = _RealBoxes(*(t.to(device, non_blocking=True) for t in (v_img, v_box, v_labels, v_boxes)))
+        candidates = inside
+        if moved:  # the same (V, N) candidates on the device, from the pairs
+            ones = torch.ones_like(row, dtype=torch.bool)  # made on the device (not a Python True copied there)
+            candidates = torch.zeros_like(inside, device=device).index_put_((row, anchor), ones)
+        return real, candidates, row, anchor
 
     def _targets(
         self,
         shape: tuple[int, int],
         real: _RealBoxes,
+        fg: Tensor,
         a_row: Tensor,
-        a_anchor: Tensor,
         a_score: Tensor,
-        gt_bboxes_xyxy: Tensor,
         score_dtype: torch.dtype,
     ) -> SparseAssignment:
-        """The (B, N) targets of the assigned pairs (``a_row`` of the real boxes, ``a_anchor``): their box's slot,
-        class, corners and ``a_score`` (the normalised alignment); background everywhere else."""
-        (b, n), device = shape, a_score.device  # pd_scores': the alignment was computed there
-        a_img = real.img[a_row]
-        fg_mask = torch.zeros(b, n, dtype=torch.bool, device=device)
-        fg_mask[a_img, a_anchor] = True
-        gt_idx = torch.zeros(b, n, dtype=torch.long, device=device)
-        gt_idx[a_img, a_anchor] = real.slot[a_row]
-        target_labels = torch.full((b, n), self.num_classes, dtype=torch.long, device=device)
-        target_labels[a_img, a_anchor] = real.labels[a_row]
-        target_bboxes = gt_bboxes_xyxy.new_zeros(b, n, 4)
-        target_bboxes[a_img, a_anchor] = real.xyxy[a_row]
-        target_score = torch.zeros(b, n, dtype=score_dtype, device=device)
-        target_score[a_img, a_anchor] = a_score.to(score_dtype)
-        return SparseAssignment(target_labels, target_bboxes, target_score, fg_mask, gt_idx)
+        """The (B, N) targets of the flat (B * N,) anchors: where ``fg``, the slot, class and corners of the real box
+        at ``a_row`` and ``a_score`` (the normalised alignment); background everywhere else."""
+        b, n = shape
+        fg_box = fg[:, None]
+        return SparseAssignment(
+            torch.where(fg, real.labels[a_row], self.num_classes).view(b, n),
+            torch.where(fg_box, real.xyxy[a_row], 0.0).view(b, n, 4),
+            torch.where(fg, a_score.to(score_dtype), 0.0).view(b, n),
+            fg.view(b, n),
+            torch.where(fg, real.slot[a_row], 0).view(b, n),
+        )
 
     def _background(
         self, b: int, n: int, box_dtype: torch.dtype, score_dtype: torch.dtype, device: torch.device
@@ -265,21 +290,21 @@ class TaskAlignedAssigner:
 
 
 def _one_box_per_anchor(
-    p_row: Tensor, p_anchor: Tensor, v_img: Tensor, row: Tensor, flat_c: Tensor, iou: Tensor, b: int, n: int
-) -> tuple[Tensor, Tensor]:
-    """(box row, anchor) of every assigned pair, from the top-k picks (``p_row``, ``p_anchor``) of the V boxes
-    (``v_img``: each box's image). An anchor picked by several boxes goes to the box its prediction overlaps most
-    among *all* the boxes it is a candidate of (the lowest box index among equals), even one whose top-k did not
-    pick it; ``row``, ``flat_c`` (image * N + anchor) and ``iou`` are every candidate pair's."""
-    flat = v_img[p_row] * n + p_anchor
-    claims = torch.bincount(flat, minlength=b * n)
-    single = claims[flat] == 1
-    a_row, a_anchor = p_row[single], p_anchor[single]
-    contested = (claims > 1).nonzero(as_tuple=True)[0]
-    if contested.numel():
-        best = iou.new_full((b * n,), -1.0).scatter_reduce_(0, flat_c, iou, "amax")
-        top = (iou == best[flat_c]) & (claims[flat_c] > 1)
-        winner = row.new_full((b * n,), v_img.shape[0]).scatter_reduce_(0, flat_c[top], row[top], "amin")
-        a_row = torch.cat((a_row, winner[contested]))
-        a_anchor = torch.cat((a_anchor, contested % n))
-    return a_row, a_anchor
+    topk_idx: Tensor, picked: Tensor, v_img: Tensor, row: Tensor, flat_c: Tensor, iou: Tensor, b: int, n: int
+) -> Tensor:
+    """(B * N,) the box row each anchor (image * N + anchor) is assigned to, V (the number of real boxes) where
+    none, from the (V, k) top-k anchors of each box (``topk_idx``; ``picked`` where they are candidates) and
+    ``v_img``, each box's image. An anchor picked by several boxes goes to the box its prediction overlaps most among
+    *all* the boxes it is a candidate of (the lowest box index among equals), even one whose top-k did not pick it;
+    ``row``, ``flat_c`` (image * N + anchor) and ``iou`` are every candidate pair's. Fixed shapes throughout: no
+    host sync."""
+    v = topk_idx.shape[0]
+    flat = (v_img[:, None] * n + topk_idx).reshape(-1)
+    p_row = torch.where(picked, torch.arange(v, device=row.device)[:, None], v).reshape(-1)
+    claims = torch.zeros(b * n, dtype=torch.long, device=row.device).scatter_add_(0, flat, picked.reshape(-1).long())
+    claimed = row.new_full((b * n,), v).scatter_reduce_(0, flat, p_row, "amin")  # the one box, where one picked it
+    contested = claims > 1
+    best = iou.new_full((b * n,), -1.0).scatter_reduce_(0, flat_c, iou, "amax")
+    top = torch.where((iou == best[flat_c]) & contested[flat_c], row, v)
+    winner = row.new_full((b * n,), v).scatter_reduce_(0, flat_c, top, "amin")
+    return torch.where(contested, winner, claimed)

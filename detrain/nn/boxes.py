@@ -7,6 +7,7 @@ normalised to [0, 1] by the image size. Anchor points are cell centres in featur
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -18,7 +19,7 @@ def xywh2xyxy(boxes_xywh: Tensor) -> Tensor:
     return torch.cat((xy - wh, xy + wh), -1)
 
 
-def make_anchors(feats: list[Tensor], strides: Tensor, offset: float = 0.5) -> tuple[Tensor, Tensor]:
+def make_anchors(feats: list[Tensor], strides: Tensor | Sequence[float], offset: float = 0.5) -> tuple[Tensor, Tensor]:
     """Anchor centres (N, 2) in feature units and their strides (N, 1) for feature maps (B, C, H, W)."""
     points, stride_list = [], []
     dtype, device = feats[0].dtype, feats[0].device

@@ -234,6 +234,7 @@ class DetectionLoss(Criterion):
         min_side = self.strides[1] if len(self.strides) > 1 else self.strides[0]
         self.assigner = TaskAlignedAssigner(topk=10, num_classes=nc, alpha=0.5, beta=6.0, min_side=min_side)
         self._anchor_cache: dict[tuple, tuple[Tensor, Tensor, Tensor]] = {}
+        self._constants: dict[tuple, Tensor] = {}  # _cached's
 
     item_names = ("box_loss", "cls_loss", "dfl_loss")
 
@@ -248,10 +249,14 @@ class DetectionLoss(Criterion):
             pred_distri, pred_logits = pred_distri.float(), pred_logits.float()
         anchors, stride_per_anchor, proj = self._anchors(head_maps, pred_logits.dtype, pred_logits.device)
 
-        img_h, img_w = (float(s) * self.strides[0] for s in head_maps[0].shape[2:])
-        scale = pred_logits.new_tensor([img_w, img_h, img_w, img_h])
-        gt_cls, gt_boxes, mask_gt = pad_targets(
-            batch_idx.to(scale.device), cls.to(scale), xywh2xyxy(bboxes_xywhn.to(scale) * scale), batch
+        # the ground truth padded and in pixels where the labels are (the loader's host memory in training), so
+        # that the assigner finds the real boxes and the candidate pairs there: no device sync for their numbers
+        host, dtype = batch_idx.device, pred_logits.dtype
+        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx, cls.to(dtype), bboxes_xywhn.to(dtype), batch)
+        gt_boxes = xywh2xyxy(gt_boxes * self._image_size(head_maps, dtype, host))
+        # the anchor points in pixels there too, made afresh (a few hundred microseconds on the host)
+        points, point_strides = make_anchors(
+            [torch.empty(0, 0, *m.shape[2:], dtype=dtype, device=host) for m in head_maps], self.strides
         )
 
         def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
@@ -260,7 +265,14 @@ class DetectionLoss(Criterion):
 
         # the assigner reads scores and boxes only at candidate pairs: no dense sigmoid or box decode
         target = self.assigner.assign_sparse(
-            pred_logits.detach(), boxes_at, anchors * stride_per_anchor, gt_cls, gt_boxes, mask_gt, logits=True
+            pred_logits.detach(),
+            boxes_at,
+            anchors * stride_per_anchor,
+            gt_cls,
+            gt_boxes,
+            mask_gt,
+            logits=True,
+            host_anchor_points=points * point_strides,
         )
         return Targets(batch, pred_distri, pred_logits, anchors, stride_per_anchor, proj, target, target.score.sum())
 
@@ -289,7 +301,9 @@ class DetectionLoss(Criterion):
             loss_box = loss_dfl = pred_distri.sum() * 0.0
 
         scale_items = self.world_size if summed_scores is not None else 1
-        gains = pred_logits.new_tensor(self.gains) * scale_items
+        gains = self._cached(
+            ("gains", scale_items), pred_logits, lambda: pred_logits.new_tensor(self.gains) * scale_items
+        )
         items = torch.stack((loss_box, loss_cls, loss_dfl)) / normalizer * gains
         if global_batch is None:
             global_batch = t.batch * self.world_size
@@ -298,6 +312,22 @@ class DetectionLoss(Criterion):
     def _decode(self, distri: Tensor, proj: Tensor) -> Tensor:
         """(K, 4 * reg_max) DFL logits -> (K, 4) distances: the softmax expectation over bins, per side."""
         return distri.reshape(-1, 4, self.reg_max).softmax(-1) @ proj
+
+    def _image_size(self, head_maps: list[Tensor], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """(4,) the input's width, height, width, height in pixels, as ``dtype`` on ``device`` (cached)."""
+        img_h, img_w = (float(s) * self.strides[0] for s in head_maps[0].shape[2:])
+        like = torch.empty(0, dtype=dtype, device=device)
+        return self._cached(("size", img_w, img_h), like, lambda: like.new_tensor([img_w, img_h, img_w, img_h]))
+
+    def _cached(self, key: tuple, like: Tensor, make: Callable[[], Tensor]) -> Tensor:
+        """``make()``, kept per ``key`` and ``like``'s dtype and device: a tensor made from Python numbers on a GPU
+        is a copy the host waits for, which every step would otherwise make again (a few entries: multi-scale sizes)."""
+        full = (*key, like.dtype, like.device)
+        if full not in self._constants:
+            if len(self._constants) >= 16:
+                self._constants.pop(next(iter(self._constants)))
+            self._constants[full] = make()
+        return self._constants[full]
 
     def _anchors(self, head_maps: list[Tensor], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, ...]:
         """Anchor points (N, 2), strides (N, 1) and the DFL projection, cached per feature shapes."""

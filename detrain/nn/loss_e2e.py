@@ -86,7 +86,7 @@ def keep_best_per_box(
     max_iou = k_iou.new_zeros(b * boxes_per_image).scatter_reduce_(0, k_box, k_iou, "amax")
 
     fg_mask = torch.zeros_like(target.fg_mask)
-    fg_mask[k_img, k_anchor] = True
+    fg_mask[k_img, k_anchor] = torch.ones_like(k_img, dtype=torch.bool)  # made on the device, not copied there
     score = torch.zeros_like(target.score)
     score[k_img, k_anchor] = (k_align * max_iou[k_box] / (max_align[k_box] + eps)).to(score.dtype)
     dropped = target.fg_mask & ~fg_mask  # the dropped anchors become background
@@ -152,6 +152,8 @@ class RegMax1BranchLoss:
         min_side = self.strides[1] if len(self.strides) > 1 else self.strides[0]
         self.assigner = TaskAlignedAssigner(topk=topk, num_classes=nc, alpha=0.5, beta=6.0, min_side=min_side)
         self._anchor_cache: dict[tuple, tuple[Tensor, Tensor]] = {}
+        self._sizes: dict[tuple, Tensor] = {}  # the input's (4,) width, height, width, height, for the last size
+        self._gains: Tensor | None = None  # the gains as a tensor, on the device
 
     def assign(self, head_maps: list[Tensor], batch_idx: Tensor, cls: Tensor, bboxes_xywhn: Tensor) -> BranchTargets:
         """Which anchors learn which boxes, for head maps (B, 4 + nc, H_i, W_i) and flat labels; in float32."""
@@ -161,9 +163,18 @@ class RegMax1BranchLoss:
             pred_box, pred_logits = pred_box.float(), pred_logits.float()
         anchors, stride_per_anchor = self._anchors(head_maps, pred_logits.dtype, pred_logits.device)
         img_h, img_w = (float(s) * self.strides[0] for s in head_maps[0].shape[2:])
-        imgsz_whwh = pred_logits.new_tensor([img_w, img_h, img_w, img_h])
-        boxes_xyxy = xywh2xyxy(bboxes_xywhn.to(imgsz_whwh) * imgsz_whwh)
-        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx.to(imgsz_whwh.device), cls.to(imgsz_whwh), boxes_xyxy, batch)
+        key = (img_w, img_h, pred_logits.dtype, pred_logits.device)  # made once per size: no copy every step
+        if key not in self._sizes:
+            self._sizes = {key: pred_logits.new_tensor([img_w, img_h, img_w, img_h])}
+        imgsz_whwh = self._sizes[key]
+        # the ground truth padded and in pixels where the labels are (host memory in training), with the anchor points
+        # there: the assigner finds the numbers of boxes and candidate pairs without waiting for the device
+        host, dtype = batch_idx.device, pred_logits.dtype
+        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx, cls.to(dtype), bboxes_xywhn.to(dtype), batch)
+        gt_boxes = xywh2xyxy(gt_boxes * gt_boxes.new_tensor([img_w, img_h, img_w, img_h]))
+        points, point_strides = make_anchors(
+            [torch.empty(0, 0, *m.shape[2:], dtype=dtype, device=host) for m in head_maps], self.strides
+        )
 
         def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
             dist = pred_box.detach()[img, anchor]
@@ -171,7 +182,14 @@ class RegMax1BranchLoss:
 
         assigner = self.assigner
         target = assigner.assign_sparse(
-            pred_logits.detach(), boxes_at, anchors * stride_per_anchor, gt_cls, gt_boxes, mask_gt, logits=True
+            pred_logits.detach(),
+            boxes_at,
+            anchors * stride_per_anchor,
+            gt_cls,
+            gt_boxes,
+            mask_gt,
+            logits=True,
+            host_anchor_points=points * point_strides,
         )
         if self.keep is not None and target.fg_mask.any():
             # the alignment and overlap of each positive, as the assigner computed them, to pick the best per box
@@ -203,7 +221,10 @@ class RegMax1BranchLoss:
         else:
             # zero but still attached to the box channels, so DDP sees every parameter take part
             loss_box = loss_l1 = t.pred_box.sum() * 0.0
-        return torch.stack((loss_box, loss_cls, loss_l1)) / normalizer * t.pred_logits.new_tensor(self.gains)
+        like = t.pred_logits
+        if self._gains is None or self._gains.dtype != like.dtype or self._gains.device != like.device:
+            self._gains = like.new_tensor(self.gains)  # made once: no copy to the device every step
+        return torch.stack((loss_box, loss_cls, loss_l1)) / normalizer * self._gains
 
     def _anchors(self, head_maps: list[Tensor], dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
         """Anchor points (N, 2) and strides (N, 1), cached per feature shapes."""

@@ -166,7 +166,7 @@ def _patch_trainer(module: object) -> None:
     cls = module.Trainer  # type: ignore[attr-defined]
     original = cls._train_batch
 
-    def _train_batch(self, epoch, i, batch, n_warmup):
+    def _train_batch(self, epoch, i, batch, *rest):
         ni = epoch * self.nb + i
         bad = self.rank == rule["rank"] and (ni in rule.get("at", ()) or ni >= rule.get("from", 1 << 60))
         before = _digest(self) if rule.get("dump") else None
@@ -177,7 +177,7 @@ def _patch_trainer(module: object) -> None:
         elif bad:
             self.criterion.score = _poisoned(self.criterion.score)
         try:
-            return original(self, epoch, i, batch, n_warmup)
+            return original(self, epoch, i, batch, *rest)
         finally:
             if hook is not None:
                 hook.remove()

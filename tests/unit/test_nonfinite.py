@@ -30,8 +30,9 @@ class Events:
         self.seen.append((kind, fields))
 
 
-def _batch(nf: NonFinite, loss: float, world: list[float] | None = None, norm: float | None = None) -> torch.Tensor:
-    """One batch through note -> attach -> (a simulated all-reduce mean over ``world``'s losses) -> read."""
+def _batch(nf: NonFinite, loss: float, world: list[float] | None = None, norm: float | None = None) -> list[float]:
+    """One batch through note -> attach -> (a simulated all-reduce mean over ``world``'s losses) -> read (of the
+    host numbers, as the trainer's one read of the step gives them)."""
     nf.note_loss(torch.tensor(loss))
     if norm is not None:
         nf.note_gradients(torch.tensor(norm))
@@ -41,7 +42,7 @@ def _batch(nf: NonFinite, loss: float, world: list[float] | None = None, norm: f
         torch.cat((torch.ones(3), torch.tensor([float(not torch.isfinite(torch.tensor(x))), 0.0]))) for x in world or []
     ]
     reduced = torch.stack([mine, *others]).mean(0)
-    return nf.read(reduced, 1 + len(others))
+    return nf.read(reduced.tolist(), 1 + len(others))
 
 
 def test_a_finite_step_is_not_skipped_and_resets_the_row() -> None:

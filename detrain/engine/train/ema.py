@@ -37,6 +37,8 @@ class ModelEMA:
             p.requires_grad_(False)
         self.decay, self.tau, self.updates = decay, tau, updates
         self.gathered_at: int | None = None  # parallel=fsdp: ``updates`` at the last gather (its rows then whole)
+        # (model, EMA model, the tensor lists update averages): found at the first update (_pairs)
+        self._cached: tuple[nn.Module, nn.Module, list[tuple[list[torch.Tensor], list[torch.Tensor]]]] | None = None
 
     def current_decay(self) -> float:
         return self.decay * (1 - math.exp(-self.updates / self.tau))
@@ -47,16 +49,47 @@ class ModelEMA:
         statistics). Integer buffers (BatchNorm's ``num_batches_tracked``) keep the value they were copied with:
         an averaged count means nothing, and the EMA model only ever runs in eval mode, where it is unused.
         The ``fixed`` tensors (frozen layers' weights) are left as they are: averaging a constant with itself would
-        only add rounding, and they stay bit-identical to the weights they were frozen at."""
+        only add rounding, and they stay bit-identical to the weights they were frozen at.
+
+        No host sync and no state dict built: ``v.mul_(d).add_(s, alpha=1 - d)`` for every pair, as two
+        ``torch._foreach_*`` calls per dtype over the pairs :meth:`_pairs` found once (the same two elementwise
+        operations, so the same bits). ``parallel=fsdp``'s DTensors keep the per-tensor path (this rank's rows)."""
         self.updates += 1
         d = self.current_decay()
-        model_state = unwrap(model).state_dict()
+        bare = unwrap(model)
+        if shard_probe.is_sharded(bare):
+            self._update_rows(bare, d)
+            return
+        for emas, sources in self._pairs(bare):
+            torch._foreach_mul_(emas, d)
+            torch._foreach_add_(emas, sources, alpha=1 - d)
+
+    def _pairs(self, bare: nn.Module) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """The (EMA tensors, model tensors) that :meth:`update` averages, one pair of lists per (device, dtype),
+        found once per model: parameters and buffers are changed in place (optimizer steps, ``load_state_dict``,
+        rank 0's buffers), never replaced, and a Parameter is kept itself, so its ``.data`` is always the one read."""
+        if self._cached is not None and self._cached[0] is bare and self._cached[1] is self.ema:
+            return self._cached[2]
+        model_state = bare.state_dict(keep_vars=True)
+        groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for name, value in self.ema.state_dict(keep_vars=True).items():
+            if value.dtype.is_floating_point and name not in self.fixed:
+                emas, sources = groups.setdefault((value.device, value.dtype), ([], []))
+                emas.append(value)
+                sources.append(model_state[name])
+        pairs = list(groups.values())
+        self._cached = (bare, self.ema, pairs)
+        return pairs
+
+    def _update_rows(self, bare: nn.Module, d: float) -> None:
+        """``parallel=fsdp``: each tensor's rows that this rank's shard holds (see the module), one at a time."""
+        from detrain.distributed import sharded  # imported already where a model is sharded
+
+        model_state = bare.state_dict()
         for name, value in self.ema.state_dict().items():
             if value.dtype.is_floating_point and name not in self.fixed:
                 source = model_state[name].detach()
-                if shard_probe.is_dtensor(source):  # parallel=fsdp: this rank's rows (see the module)
-                    from detrain.distributed import sharded  # imported already where a DTensor exists
-
+                if shard_probe.is_dtensor(source):  # this rank's rows
                     value, source = sharded.own_rows(value, source)
                 value.mul_(d).add_(source, alpha=1 - d)
 

@@ -5,15 +5,16 @@ weights, the EMA and every later checkpoint. So each rank notes, per batch, whet
 update whether the gradients are (after the scaler's unscale, from the norm that clipping computes anyway: one fused
 norm, :func:`gradient_norm`). The flags travel with the all-reduce every step already makes (the batch's loss items,
 as :mod:`detrain.engine.train.state.preemption`'s flag does: :meth:`NonFinite.attach` / :meth:`NonFinite.read`), so
-no collective is added and every rank reads the same verdict at the same step. An update is decided as a whole: with
-gradient accumulation, one non-finite batch among those it gathers skips it (the flags are kept, on the device, from
-the update before). A skipped update steps neither the optimizer nor the EMA; the gradients are zeroed; where a loss
-was non-finite the BatchNorm running statistics go back to what they were at the last decided update (a NaN in the
-forward reaches them before the loss says so, and a poisoned running mean would make every later checkpoint
-non-finite: :class:`RunningStats`, a copy per update, no host sync); the fp16 gradient scaler still lowers its scale
-(its own inf check, as before) and such steps are counted like the others, towards ``nonfinite_limit`` too (the
-first updates of an fp16 run often overflow a few times while the scaler finds its scale; ten in a row would have
-lowered it 1024-fold).
+no collective is added and every rank reads the same verdict at the same step: the step reads the reduced flags and
+losses to the host together, its one host sync, and :meth:`NonFinite.skip` decides from those numbers. An update is
+decided as a whole: with gradient accumulation, one non-finite batch among those it gathers skips it (the flags are
+kept from the update before). A skipped update steps neither the optimizer nor the EMA; the gradients are zeroed;
+where a loss was non-finite the BatchNorm running statistics go back to what they were at the last decided update (a
+NaN in the forward reaches them before the loss says so, and a poisoned running mean would make every later
+checkpoint non-finite: :class:`RunningStats`, a copy per update, no host sync); the fp16 gradient scaler still lowers
+its scale (its own inf check, as before) and such steps are counted like the others, towards ``nonfinite_limit`` too
+(the first updates of an fp16 run often overflow a few times while the scaler finds its scale; ten in a row would
+have lowered it 1024-fold).
 
 Counted: the epoch's ``nonfinite_skipped`` column of results.csv, one ``nonfinite`` event per skipped update in
 events.jsonl (epoch, batch, what was non-finite, how many ranks saw a non-finite loss) and one console line.
@@ -48,7 +49,7 @@ class NonFinite:
         self.epoch_skipped = 0  # this epoch's skipped updates (results.csv)
         self._loss: torch.Tensor | None = None  # this batch's own flag, on the device (no host sync)
         self._grads: torch.Tensor | None = None
-        self._seen: torch.Tensor | None = None  # agreed flags of the batches since the last update
+        self._seen: list[float] | None = None  # agreed flags of the batches since the last update (host numbers)
 
     def note_loss(self, loss: torch.Tensor) -> None:
         """This batch's loss (before backward): whether it is finite, kept on its device."""
@@ -67,19 +68,20 @@ class NonFinite:
         self._loss = self._grads = None
         return torch.cat((items, loss, grads))
 
-    def read(self, reduced: torch.Tensor, world_size: int) -> torch.Tensor:
-        """The items back from :meth:`attach`'s all-reduced (mean) tensor; the flags, as counts of ranks, are kept
-        until the update (:meth:`skip`). A batch whose loss some rank found non-finite gives the items NaN, so the
-        caller keeps them out of the epoch's mean (:meth:`finite_items`)."""
-        flags = reduced[-FLAGS:] * world_size
-        self._seen = flags if self._seen is None else torch.maximum(self._seen, flags)
+    def read(self, reduced: list[float], world_size: int) -> list[float]:
+        """The values before :meth:`attach`'s flags, from the all-reduced (mean) tensor as the step read it to the
+        host (once, with the other flags: the trainer); the flags, as counts of ranks, are kept until the update
+        (:meth:`skip`). A batch whose loss some rank found non-finite gives the items NaN, so the caller keeps them
+        out of the epoch's mean (:func:`finite_items`)."""
+        flags = [v * world_size for v in reduced[-FLAGS:]]
+        self._seen = flags if self._seen is None else [max(a, b) for a, b in zip(self._seen, flags)]
         return reduced[:-FLAGS]
 
     def skip(self, epoch: int, batch: int, nb: int) -> bool:
         """At an update (batch ``batch`` of ``epoch``, both 0-based; ``nb`` batches an epoch): whether every rank
         skips it, the same answer on every rank. Counts it, says so (rank 0) and raises once ``limit`` in a row
-        have been skipped (on every rank at this same step). One host sync: the agreed flags."""
-        seen = [0.0, 0.0] if self._seen is None else self._seen.tolist()
+        have been skipped (on every rank at this same step). No host sync: :meth:`read` holds the agreed flags."""
+        seen = [0.0, 0.0] if self._seen is None else self._seen
         self._seen = None
         ranks, grads = round(seen[0]), seen[1] > 0
         if not ranks and not grads:

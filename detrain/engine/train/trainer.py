@@ -274,18 +274,16 @@ class Trainer:
             ts = time.perf_counter()
             if isinstance(batch, DeviceBatch):  # augment_device=gpu: the images are drawn here, on the device
                 batch = batch.render(self.device)
-            items, imgsz = self._train_batch(epoch, i, batch, n_warmup)
-            items = finite_items(items, mean_items)  # a skipped batch's NaN stays out of the epoch's mean
-            mean_items = (mean_items * i + items) / (i + 1)
+            mean_items, shown, imgsz = self._train_batch(epoch, i, batch, n_warmup, mean_items)
             n_images += int(batch["img"].shape[0])
             if self.main and cfg.output.plots and epoch == self.start_epoch and i < 3:
                 plot_train_batch(batch, self.names, self.save_dir / f"train_batch{i}.jpg")
             step_times.append(time.perf_counter() - ts)
             if progress is not None:
-                progress.update(mean_items.tolist(), int(batch["cls"].shape[0]), imgsz)
+                progress.update(shown, int(batch["cls"].shape[0]), imgsz)
             release_batch(batch)  # nothing reads this batch any more: its worker may fill the memory again
-            # collective (save_interval > 0): an all-reduce of rank 0's clock, then mid.pt when it is due; a
-            # preemption agreed at this step saves mid.pt and ends the run (state/checkpointer.py)
+            # mid.pt when rank 0's clock said so at this step (save_interval > 0); a preemption agreed at this step
+            # saves mid.pt and ends the run (state/checkpointer.py)
             self.state.after_batch(self._parts(), self._loop(), epoch, i, mean_items, n_images)
         if progress is not None:
             progress.close()
@@ -319,9 +317,12 @@ class Trainer:
         self.criterion.set_epoch(epoch)  # a loss with a schedule (YOLO26's branch weights) follows the run
         self.model.train()
 
-    def _train_batch(self, epoch: int, i: int, batch: dict[str, Any], n_warmup: int) -> tuple[torch.Tensor, int]:
+    def _train_batch(
+        self, epoch: int, i: int, batch: dict[str, Any], n_warmup: int, mean: torch.Tensor
+    ) -> tuple[torch.Tensor, list[float], int]:
         """Batch ``i`` of ``epoch``: warmup's lr and momentum, forward, loss and backward, and an update once
-        ``accumulate`` batches have gathered since the last one; its loss items averaged over the ranks, its size."""
+        ``accumulate`` batches have gathered since the last one; the epoch's running ``mean`` of the loss items over
+        the ranks with this batch's (on the device, and as read to the host), its size."""
         ni = i + self.nb * epoch
         accumulate = self.accumulate_target
         if ni <= n_warmup:  # momentum rises to the key's value, as Ultralytics (auto's MuSGD is built at 0.9)
@@ -343,18 +344,20 @@ class Trainer:
             self.carried_grads = None
         if will_step:
             self.nonfinite.note_gradients(self._unscaled_norm())
-        preempt = self.state.preempt
-        # collective: the batch's loss items over the ranks, to log, whether any rank was told to stop and whether
-        # any saw a non-finite loss or gradient (the flags ride along: preemption.py, nonfinite.py)
-        reduced = dist.reduce_mean(preempt.attach(self.nonfinite.attach(items.detach())))
-        items = self.nonfinite.read(preempt.read(reduced), self.world.world_size)
+        preempt, mid, nonfinite, n = self.state.preempt, self.state.mid, self.nonfinite, items.numel()
+        # collective: the batch's loss items over the ranks, to log, with the flags every rank decides by: whether any
+        # rank was told to stop, saw a non-finite loss or gradient, rank 0's clock says mid.pt is due (nonfinite.py)
+        reduced = dist.reduce_mean(mid.attach(preempt.attach(nonfinite.attach(items.detach())), i, self.nb))
+        mean = (mean * i + finite_items(reduced[:n], mean)) / (i + 1)  # a skipped batch's NaN stays out of it
+        values = torch.cat((reduced, mean)).tolist()  # the step's one host sync: its flags and losses together
+        nonfinite.read(preempt.read(mid.read(values[: len(values) - n], i, self.nb)), self.world.world_size)
         if will_step:
             if self.nonfinite.skip(epoch, i, self.nb):  # the same answer on every rank
                 self._skip_update()
             else:
                 self._optimizer_step()
             self.last_update = ni
-        return items, imgsz
+        return mean, values[-n:], imgsz
 
     def _step(self, batch: dict[str, Any], will_step: bool) -> tuple[torch.Tensor, int]:
         """Forward, loss and backward of one batch; in a group the gradients are all-reduced in the backward pass
@@ -366,12 +369,8 @@ class Trainer:
         with parallel.gradient_sync(self.model, will_step):
             with torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
                 head_maps = self.model(imgs)
-            targets = self.criterion.assign(
-                head_maps,
-                batch["batch_idx"].to(self.device),
-                batch["cls"].to(self.device),
-                batch["bboxes"].to(self.device),
-            )
+            # the labels as the loader gave them, in host memory: the criterion moves what it needs (nn/head.py)
+            targets = self.criterion.assign(head_maps, batch["batch_idx"], batch["cls"], batch["bboxes"])
             # collective: the loss's normaliser, the target scores summed over every rank (each reaches it at every
             # step, with or without boxes of its own)
             summed_scores = dist.all_reduce_sum(targets.score_sum)

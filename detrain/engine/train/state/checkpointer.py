@@ -368,14 +368,14 @@ class Checkpointer:
     def after_batch(
         self, parts: Parts, loop: Loop, epoch: int, i: int, mean_items: torch.Tensor, n_images: int
     ) -> None:
-        """Every rank after batch ``i`` of ``epoch``: ``mid.pt`` when ``save_interval`` says (a collective when on:
-        rank 0's clock), or when a preemption was agreed, which then ends the run (:class:`Preempted`; at an
+        """Every rank after batch ``i`` of ``epoch``: ``mid.pt`` when ``save_interval`` says (rank 0's clock, agreed
+        in the step's all-reduce; the save is a collective), or when a preemption was agreed, which then ends the run (:class:`Preempted`; at an
         epoch's last batch the epoch finishes first and ``last.pt`` is the place: :meth:`preempted`). Rank 0 first
         raises the error of a write that failed (:meth:`Writer.check`)."""
         if self.main:
             self.writer.check()  # a save that failed ends the run now (its one line), as it did when synchronous
         nb = loop.batches_per_epoch
-        saved = self.mid.due(i, nb)  # collective (save_interval > 0): an all-reduce of rank 0's clock
+        saved = self.mid.due(i, nb)  # rank 0's clock, agreed in the step's all-reduce (no collective here)
         if saved:
             self._save_mid(parts, loop, epoch, i, mean_items, n_images)
         if self.preempt.agreed and i + 1 < nb:  # the same step on every rank (the items' all-reduce)

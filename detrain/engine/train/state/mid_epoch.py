@@ -7,15 +7,16 @@ A run resumed from it starts the epoch's sampler at ``next_batch``
 augmentation draws from (seed, epoch, index)), and the epoch's running losses go on from the saved means. When the
 epoch ends, ``last.pt`` supersedes it and it is removed. Written atomically, like every checkpoint.
 
-When to save is read on rank 0's clock and shared with one all-reduce of one number after each step (only when
-``save_interval`` > 0, :meth:`MidEpoch.due`), because every rank must save at the same step: saving needs
-collectives. The trainer then makes the checkpoint, as at an epoch's end: gradients still waiting for an update
-averaged over the ranks (:mod:`detrain.engine.train.accumulation`), what differs between ranks (random
-generators) gathered; :meth:`MidEpoch.stamp` adds where the epoch stands, and the checkpointer's writer writes it
-while training goes on (:mod:`.writer`). This module never
-sees the trainer: it is told the batch, the plan's step and the running losses. Under elastic
-membership a mid-epoch checkpoint of another world size continues at the batch of this run's plan that its images
-reach (a few images may be seen twice).
+When to save is read on rank 0's clock and travels with the all-reduce every step already makes (the batch's loss
+items, as :mod:`.preemption`'s flag does: :meth:`MidEpoch.attach`, :meth:`MidEpoch.read`; only when
+``save_interval`` > 0), because every rank must save at the same step: saving needs collectives. :meth:`MidEpoch.due`
+then answers from that agreed word, with no collective or host sync of its own. The trainer then makes the checkpoint,
+as at an epoch's end: gradients still waiting for an update averaged over the ranks
+(:mod:`detrain.engine.train.accumulation`), what differs between ranks (random generators) gathered;
+:meth:`MidEpoch.stamp` adds where the epoch stands, and the checkpointer's writer writes it while training goes on
+(:mod:`.writer`). This module never sees the trainer: it is told the batch, the plan's step and the running losses.
+Under elastic membership a mid-epoch checkpoint of another world size continues at the batch of this run's plan that
+its images reach (a few images may be seen twice).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from detrain.distributed import dist
 from detrain.engine.train.state.resume_state import MID
 
 if TYPE_CHECKING:
@@ -48,6 +48,8 @@ class MidEpoch:
         self.world = world
         self.last_save = time.monotonic()
         self.resume_at: tuple[int, torch.Tensor, int] | None = None
+        self._due = False  # the step's agreed word (read), until due() takes it
+        self._flags: dict[tuple[bool, torch.device, torch.dtype], torch.Tensor] = {}  # attach's, on the device
 
     def restore(self, ckpt: dict[str, Any], nb: int, step_images: int) -> int:
         """The batch a checkpoint's epoch continues at in this run's plan of ``nb`` batches of ``step_images``
@@ -71,14 +73,33 @@ class MidEpoch:
             loader.batch_sampler.start_at(first)  # type: ignore[union-attr]
         return first, items.to(self.device), images
 
-    def due(self, i: int, nb: int) -> bool:
-        """After batch ``i`` of ``nb`` (every rank, collective when enabled): whether ``mid.pt`` is to be saved now,
-        as rank 0's clock says. Never after an epoch's last batch: ``last.pt`` is saved right after it."""
+    def attach(self, items: torch.Tensor, i: int, nb: int) -> torch.Tensor:
+        """``items`` with rank 0's word appended after batch ``i`` of ``nb`` (1 where its clock says ``mid.pt`` is
+        due, on every other rank 0), for the step's all-reduce; ``items`` itself when disabled or after an epoch's
+        last batch (``last.pt`` is saved right after it). The two flags are made once on the device: no copy from
+        the host at every step."""
         if not self.enabled or i + 1 >= nb:
-            return False
+            return items
         mine = self.world.is_main and time.monotonic() - self.last_save >= self.interval_s
-        # collective: rank 0's clock on every rank, so that all of them save at this step or none
-        return bool(dist.all_reduce_sum(torch.tensor([float(mine)], device=self.device)).item())
+        key = (mine, items.device, items.dtype)
+        if key not in self._flags:
+            self._flags[key] = items.new_full((1,), float(mine))
+        return torch.cat((items, self._flags[key]))
+
+    def read(self, reduced: list[float], i: int, nb: int) -> list[float]:
+        """The values before :meth:`attach`'s flag, from the reduced tensor as the step read it to the host; whether
+        ``mid.pt`` is due after this batch is now known to every rank (:meth:`due`)."""
+        if not self.enabled or i + 1 >= nb:
+            return reduced
+        self._due = reduced[-1] > 0
+        return reduced[:-1]
+
+    def due(self, i: int, nb: int) -> bool:
+        """After batch ``i`` of ``nb`` (every rank): whether ``mid.pt`` is to be saved now, as rank 0's clock said
+        when the step's all-reduce carried it (:meth:`attach`, :meth:`read`), so that all ranks save at this step or
+        none. Never after an epoch's last batch: ``last.pt`` is saved right after it."""
+        due, self._due = self._due, False
+        return due and self.enabled and i + 1 < nb
 
     def stamp(
         self, state: dict[str, Any] | None, i: int, step_images: int, mean_items: torch.Tensor, n_images: int

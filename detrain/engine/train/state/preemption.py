@@ -75,6 +75,7 @@ class Preemption:
         self.signal: str | None = None  # the first signal that arrived here, or (once agreed) at another rank
         self.agreed = False  # some rank got one: the same on every rank after the step's all-reduce
         self._previous: dict[int, Any] = {}
+        self._flags: dict[tuple[str | None, torch.device, torch.dtype], torch.Tensor] = {}  # attach's, on the device
 
     def install(self) -> None:
         """Catch SIGTERM and SIGUSR1 in this process (main thread only; a no-op elsewhere or when disabled)."""
@@ -128,17 +129,24 @@ class Preemption:
 
     def attach(self, items: torch.Tensor) -> torch.Tensor:
         """``items`` with one flag per signal appended (1 where this process got it), for the step's all-reduce;
-        ``items`` itself when disabled. An all-reduce sums element by element: the items' values do not change."""
+        ``items`` itself when disabled. An all-reduce sums element by element: the items' values do not change.
+        The flags are made once per signal on the items' device (no copy from the host at every step)."""
         if not self.enabled:
             return items
-        return torch.cat((items, items.new_tensor([1.0 if self.signal == name else 0.0 for name in SIGNALS])))
+        key = (self.signal, items.device, items.dtype)
+        flags = self._flags.get(key)
+        if flags is None:
+            flags = self._flags[key] = items.new_zeros(len(SIGNALS))
+            if self.signal in SIGNALS:
+                flags[SIGNALS.index(self.signal)] = 1.0
+        return torch.cat((items, flags))
 
-    def read(self, reduced: torch.Tensor) -> torch.Tensor:
-        """The items back from :meth:`attach`'s reduced tensor; whether any rank was signalled, and with what, is
-        now known to every rank (:attr:`agreed`, :attr:`signal`)."""
+    def read(self, reduced: list[float]) -> list[float]:
+        """The values before :meth:`attach`'s flags, from the reduced tensor as the step read it to the host; whether
+        any rank was signalled, and with what, is now known to every rank (:attr:`agreed`, :attr:`signal`)."""
         if not self.enabled:
             return reduced
-        got = [name for name, n in zip(SIGNALS, reduced[-len(SIGNALS) :].tolist()) if n > 0]
+        got = [name for name, n in zip(SIGNALS, reduced[-len(SIGNALS) :]) if n > 0]
         if got and not self.agreed:
             self.agreed = True
             self.signal = self.signal or got[0]  # the group's word: every rank names the same signal
