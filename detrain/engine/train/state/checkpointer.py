@@ -369,9 +369,9 @@ class Checkpointer:
         self, parts: Parts, loop: Loop, epoch: int, i: int, mean_items: torch.Tensor, n_images: int
     ) -> None:
         """Every rank after batch ``i`` of ``epoch``: ``mid.pt`` when ``save_interval`` says (rank 0's clock, agreed
-        in the step's all-reduce; the save is a collective), or when a preemption was agreed, which then ends the run (:class:`Preempted`; at an
-        epoch's last batch the epoch finishes first and ``last.pt`` is the place: :meth:`preempted`). Rank 0 first
-        raises the error of a write that failed (:meth:`Writer.check`)."""
+        in the step's all-reduce; the save is a collective), or when a preemption was agreed, which then ends the
+        run (:class:`Preempted`; at an epoch's last batch the epoch finishes first and ``last.pt`` is the place:
+        :meth:`preempted`). Rank 0 first raises the error of a write that failed (:meth:`Writer.check`)."""
         if self.main:
             self.writer.check()  # a save that failed ends the run now (its one line), as it did when synchronous
         nb = loop.batches_per_epoch
