@@ -1,5 +1,5 @@
-"""Counting a training step's host syncs on a CPU, as they would be on a GPU (tests/integration/test_host_syncs.py,
-tests/unit/test_host_syncs.py, scripts/count_syncs.py).
+"""Counting a training step's host syncs on a CPU, as they would be on a GPU
+(tests/integration/test_host_syncs_in_training.py, tests/unit/test_host_syncs.py, scripts/count_syncs.py).
 
 On CUDA the host waits for the device wherever it needs a device number (``.item()``, ``.tolist()``, ``int(t)``,
 ``bool(t)``), a shape that depends on device values (``nonzero``, a boolean mask as an index, ``masked_select``,

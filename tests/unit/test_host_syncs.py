@@ -1,7 +1,7 @@
 """Host syncs, piece by piece: the EMA's update makes none and gives the per-tensor formula's bits; the flags that ride
 the step's all-reduce (non-finite, preemption, mid.pt) are made on the device and read from the step's one host
 read; the counter (tests/_host_syncs.py) sees what a GPU would wait for. A whole step is counted in
-tests/integration/test_host_syncs.py."""
+tests/integration/test_host_syncs_in_training.py."""
 
 from __future__ import annotations
 
