@@ -322,7 +322,7 @@ class Train:
     freeze: int | list | None = key(
         None,
         "freeze the first N layers (freeze=10), the layers listed (freeze=0,1,2) or, as Ultralytics lists them, "
-        "parts of a layer by name (freeze=[0, 22.cv3]: parameters named model.22.cv3.*): their weights stay fixed, "
+        "parts of a layer by name (freeze=[0, 9.cv1]: parameters named model.9.cv1.*): their weights stay fixed, "
         "BatchNorm statistics still adapt",
         parse=freeze,
     )

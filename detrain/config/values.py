@@ -195,7 +195,7 @@ def freeze(key: str, value: Any) -> int | list[int | str] | None:
     """
     valid = (
         "a number of first layers (freeze=10), or layer indices and names below a layer (freeze=0,1,2 or "
-        "[0, 22.cv3]), each index at least 0"
+        "[0, 9.cv1]), each index at least 0"
     )
     if isinstance(value, str):
         check_text(key, value)

@@ -218,18 +218,24 @@ class DetectionDataset(Dataset):
         self._state = torch.zeros(3, dtype=torch.int64).share_memory_()
         self._warned: set[str] = set()
         self._decode_cache = DecodeCache()  # per process: each loader worker fills its own
-        self._ram: RamCache | None = None
+        self._ram: RamCache | None = None  # while the cache fills, images are read from their files
+        self._ram = self._open_cache(local_rank, launched, cache_timeout_s)
+
+    def _open_cache(self, local_rank: int, launched: bool, timeout_s: float | None) -> RamCache | None:
+        """``cache=ram``: the node's shared decoded images (filled once per node, :class:`RamCache`); ``cache=disk``:
+        checked to fit the disk first; else None."""
         if self.cache == "ram":
             key = cache_key(self.im_files, self.shapes_hw, self.imgsz, run_tag(launched))
-            self._ram = RamCache.build(
+            return RamCache.build(
                 key,
                 self.load_sizes_hw,
                 self._load_for_cache,
                 local_rank=local_rank,
-                timeout_s=cache_timeout_s or PREPARE_TIMEOUT_S,
+                timeout_s=timeout_s or PREPARE_TIMEOUT_S,
             )
-        elif self.cache == "disk":
+        if self.cache == "disk":
             check_disk_cache_fits(self.im_files, self.shapes_hw)
+        return None
 
     # -- epoch and mosaic switch (shared with workers) --------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

@@ -54,7 +54,7 @@ BAD_LINES: list[tuple[list[str], str]] = [
     # out of range
     (["train", "imgsz=0"], "'imgsz': 0"),
     (["train", "imgsz=-32"], "'imgsz': -32"),
-    (["train", "imgsz=[640, 480]"], "'imgsz': '[640, 480]'; expected an integer"),  # train takes one size
+    (["train", "imgsz=[640, 481]"], "'imgsz': '[640, 481]'; expected one size, or [h, w]"),  # sides of 32s
     (["train", "imgsz=8224"], "'imgsz': 8224"),
     (["train", "epochs=-1"], "'epochs': -1"),
     (["train", "batch=0"], "'batch': 0"),
@@ -112,7 +112,7 @@ BAD_LINES: list[tuple[list[str], str]] = [
     (["train", "device=0,0"], "device=0,0 lists cuda:0 twice"),
     (["train", "device=0,cpu"], "device=0,cpu mixes cpu and cuda"),
     (["train", "device=cpu,mps"], "device=cpu,mps mixes"),
-    (["train", "device=-1"], "device=-1"),
+    (["train", "device=-2"], "device=-2"),  # -1 is Ultralytics' idlest GPU (the CPU without one)
     (["train", "device=999"], "device=999"),  # no such GPU (or no CUDA at all)
     (["train", "device=cuda:x"], "'cuda:x' is not a device"),
     (["train", "device=cpu:0"], "'cpu:0' is not a device"),

@@ -48,7 +48,8 @@ LAYERS: list[tuple[str, ...]] = [
 ENGINE_LAYERS: list[tuple[str, ...]] = [
     ("run_plan", "build", "export", "script_check"),  # what every worker receives; arguments -> model and run folder;
     # export; what a TorchScript archive's code may do
-    ("backends",),  # exported files served to val and predict (reads what export writes)
+    ("backends", "tta"),  # exported files served to val and predict (reads what export writes); test-time
+    # augmentation of val's and predict's forward
     ("telemetry",),
     ("evaluate",),
     ("train", "predict"),

@@ -118,7 +118,8 @@ def test_a_multiple_of_the_stride_is_taken_silently(recorded: list, given: int, 
         ("-32", "'imgsz': -32"),
         ("8193", "'imgsz': 8193; expected a value from 1 to 8192"),
         ("3.5", "'imgsz': '3.5'; expected an integer"),
-        ("[640,480]", "'imgsz': '[640,480]'; expected an integer"),
+        ("[640,481]", "'imgsz': '[640,481]'; expected one size, or [h, w] with h and w multiples of 32"),
+        ("[640,480,3]", "'imgsz': '[640,480,3]'; expected one size, or [h, w]"),
     ],
 )
 def test_nonsense_sizes_are_still_refused(recorded: list, value: str, fragment: str, capsys) -> None:

@@ -166,11 +166,7 @@ def validate(
     gt = split_ground_truth(data)
     single, classes, agnostic = _class_options(cfg)
     set_inference(model, cfg.predict.max_det, agnostic, cfg.predict.nms)
-    scorer = Scorer(
-        data.nc,
-        keep_detections=bool(cfg.predict.save_json) and save_dir is not None,
-        classes=None if classes is None else tuple(classes),
-    )
+    scorer = _scorer(data.nc, cfg, save_dir, classes)
     drawn: list[dict[str, Any]] = []
     draw = plots and (save_dir is not None or keep is not None) and world.is_main
     speed = ValSpeed(device)
@@ -204,6 +200,16 @@ def validate(
     ms = speed.per_image_ms()  # rank 0's speed is the one reported
     metrics = finish(gathered, data, gt, cfg, save_dir, plots, verbose, drawn, ms, keep) if world.is_main else None
     return dist.broadcast_object(metrics)  # collective: rank 0's metrics on every rank
+
+
+def _scorer(nc: int, cfg: Cfg, save_dir: Path | None, classes: list[int] | None) -> Scorer:
+    """This rank's scorer of ``nc`` classes: it keeps the detections where predictions.json is written, and scores
+    only the ``classes`` kept (``classes=``; None: all)."""
+    return Scorer(
+        nc,
+        keep_detections=bool(cfg.predict.save_json) and save_dir is not None,
+        classes=None if classes is None else tuple(classes),
+    )
 
 
 def _can_augment(model: nn.Module, is_main: bool) -> bool:

@@ -282,25 +282,9 @@ def _run(
     stride = max(int(getattr(net, "stride", torch.tensor([32.0])).max()), 32)
     show: Callable[[str], None] = say if cfg.output.verbose else (lambda text: None)
     shape, auto = input_shape(cfg, net)
-    if src.skipped:
-        first = ", ".join(src.skipped[:3]) + (", ..." if len(src.skipped) > 3 else "")
-        say(f"skipped {len(src.skipped)} file(s) that are neither images nor videos: {first}")
     order = {item: i for i, item in enumerate(src.items, 1)}
     p = cfg.predict
-    draw = {"boxes": p.show_boxes, "labels": p.show_labels, "conf": p.show_conf}
-    writer = (
-        PredictionWriter(
-            save_dir, _draws_files(cfg), p.save_txt, p.save_conf, p.line_width, save_crop=p.save_crop, draw=draw
-        )
-        if save_dir
-        else None
-    )
-    problem = tta_problem(net) if p.augment else None
-    if problem is not None:
-        say(f"note: augment=True: {problem}; predicting at one scale")
-    augment = p.augment and problem is None
-    if p.show and not has_display():
-        say(f"show=True: no display here; the drawn pictures are saved in {save_dir}")
+    writer, draw, augment = _prepare_output(cfg, net, src, save_dir)
     count, seconds, keep = 0, 0.0, False
     try:  # a generator: nothing read yet
         frames = read_frames(src, warn=say, max_pixels=cfg.inputs.max_pixels, vid_stride=p.vid_stride)
@@ -313,13 +297,7 @@ def _run(
             elapsed = time.perf_counter() - start
             seconds += elapsed
             for (frame, _, gain, pad), det in zip(batch, dets):
-                started = time.perf_counter()
-                result = _result(frame, det, gain, pad, names)
-                result.speed = {
-                    "preprocess": 1000 * (prep_s + times["preprocess"]) / len(batch),
-                    "inference": 1000 * times["inference"] / len(batch),
-                    "postprocess": 1000 * (times["postprocess"] / len(batch) + time.perf_counter() - started),
-                }
+                result = _timed_result(frame, det, gain, pad, names, prep_s, times, len(batch))
                 drawn = writer.add(frame, result) if writer is not None else None
                 if p.show and has_display():
                     image = drawn if drawn is not None else result.plot(p.line_width, **draw)
@@ -349,6 +327,54 @@ def _run(
             )
         if save_dir is not None and save_dir.exists():
             say(f"results in {save_dir}")
+
+
+def _timed_result(
+    frame: Frame,
+    det: torch.Tensor,
+    gain: float,
+    pad: tuple[int, int],
+    names: dict[int, str],
+    prep_s: float,
+    times: dict[str, float],
+    n: int,
+) -> Results:
+    """The picture's :class:`Results` with its ``speed``: its share of the batch's ``n`` pictures' letterboxing
+    (``prep_s``) and of ``times`` (preprocess, inference, postprocess seconds), plus its own result's making."""
+    started = time.perf_counter()
+    result = _result(frame, det, gain, pad, names)
+    result.speed = {
+        "preprocess": 1000 * (prep_s + times["preprocess"]) / n,
+        "inference": 1000 * times["inference"] / n,
+        "postprocess": 1000 * (times["postprocess"] / n + time.perf_counter() - started),
+    }
+    return result
+
+
+def _prepare_output(
+    cfg: Cfg, net: nn.Module, src: Source, save_dir: Path | None
+) -> tuple[PredictionWriter | None, dict[str, bool], bool]:
+    """What :func:`_run` writes and how: the writer of ``save_dir``'s files (None without one), the drawing options,
+    whether the forward is augmented (``augment``, where ``net`` can be); each a line said once (files skipped,
+    augment not possible, show without a display)."""
+    p = cfg.predict
+    if src.skipped:
+        first = ", ".join(src.skipped[:3]) + (", ..." if len(src.skipped) > 3 else "")
+        say(f"skipped {len(src.skipped)} file(s) that are neither images nor videos: {first}")
+    draw = {"boxes": p.show_boxes, "labels": p.show_labels, "conf": p.show_conf}
+    writer = (
+        PredictionWriter(
+            save_dir, _draws_files(cfg), p.save_txt, p.save_conf, p.line_width, save_crop=p.save_crop, draw=draw
+        )
+        if save_dir
+        else None
+    )
+    problem = tta_problem(net) if p.augment else None
+    if problem is not None:
+        say(f"note: augment=True: {problem}; predicting at one scale")
+    if p.show and not has_display():
+        say(f"show=True: no display here; the drawn pictures are saved in {save_dir}")
+    return writer, draw, p.augment and problem is None
 
 
 def _infer_batch(
