@@ -150,9 +150,18 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
         if not self.training or g <= 0 or x.shape[0] <= g:
             return super().forward(x)
         runs = []
-        for run in torch.tensor_split(x, -(-x.shape[0] // g)):
+        for run in torch.tensor_split(x, ghost_runs(x.shape[0], g)):
             runs.append(super().forward(run))
         return torch.cat(runs)
+
+
+def ghost_runs(images: int, ghost: int) -> int:
+    """How many near-equal runs a pass of ``images`` is cut into for ghost batches of ``ghost`` (1 when off).
+
+    >>> ghost_runs(256, 16), ghost_runs(33, 16), ghost_runs(16, 0)
+    (16, 3, 1)
+    """
+    return -(-images // ghost) if ghost > 0 else 1
 
 
 def use_ghost_batches(model: nn.Module, images: int) -> nn.Module:

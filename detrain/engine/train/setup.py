@@ -133,13 +133,16 @@ def build_recipe(model: nn.Module, cfg: Cfg, nc: int, plan: BatchPlan, total_ite
     # ghost batches: plain BatchNorm layers only (sync_bn's, converted by the wrap, normalise the global batch)
     bare = modules.use_ghost_batches(unwrap(model), optim.ghost_images(cfg, plan.local_batch))
     ghost = modules.ghost_batch_images(bare)
-    # the images over all ranks that one update of the running statistics sees: this world's forward passes, cut
-    # into ghost batches
-    per_update = plan.step_images // -(-plan.local_batch // ghost) if ghost else plan.step_images
-    bn_momentum = optim.batchnorm_momentum(cfg, per_update)
+    bn_momentum = optim.batchnorm_momentum(cfg, statistics_images(plan, ghost))
     optim.set_batchnorm_momentum(unwrap(model), bn_momentum)
     lf = optim.lr_lambda(cfg)
     return Recipe(optimizer, opt_name, lr0, lr_factor, momentum, weight_decay, lf, bn_momentum, ghost)
+
+
+def statistics_images(plan: BatchPlan, ghost: int) -> int:
+    """The images over all ranks that one update of BatchNorm's running statistics sees: this world's forward
+    passes, cut into ghost batches of ``ghost`` (0: whole)."""
+    return plan.step_images // modules.ghost_runs(plan.local_batch, ghost)
 
 
 def recipe_lines(recipe: Recipe, cfg: Cfg, plan: BatchPlan, world_size: int, nb: int, device: str) -> list[str]:
@@ -157,7 +160,8 @@ def recipe_lines(recipe: Recipe, cfg: Cfg, plan: BatchPlan, world_size: int, nb:
     if recipe.ghost_images:
         norm = f"; BatchNorm over ghost batches of {recipe.ghost_images} images (bn_images=0: the whole pass)"
     if recipe.bn_momentum != optim.BN_MOMENTUM:
-        norm += f"; BatchNorm momentum {recipe.bn_momentum:.3g} for forward passes of {plan.step_images} images"
+        images = statistics_images(plan, recipe.ghost_images)
+        norm += f"; BatchNorm momentum {recipe.bn_momentum:.3g} for forward passes of {images} images"
     lines = [
         f"optimizer: {recipe.name} lr0={recipe.lr0:g}{scaled} momentum={momentum} "
         f"weight_decay={recipe.weight_decay:g}; accumulate to {plan.step_images * plan.accumulate} "
