@@ -165,6 +165,7 @@ def test_hostile_yaml_values_and_non_finite_weights_meet_the_model_checks(bases:
     from detrain.errors import CheckpointError
 
     ends: dict[str, list[str]] = {"yaml_value": [], "weight_nonfinite": []}
+    fw.warm_up(bases, tmp_path)
     for index in range(40):
         base = bases[index % 2]
         rng = random.Random(f"aimed/{index}")
