@@ -200,29 +200,35 @@ class Model:
         return report
 
     def export(self, **kwargs: Any) -> Path:
-        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``) or TorchScript (``format=torchscript``)
-        at ``imgsz``, by default the size the weights were trained at (640 for a yaml); returns the file's path:
-        beside ``.pt`` weights (``best.onnx``, ``best.torchscript``), else ``runs/export/exp*/model.<suffix>``.
-        Names, stride, imgsz, batch and the kind of output go into the file's metadata."""
+        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``), TorchScript (``format=torchscript``) or
+        OpenVINO IR (``format=openvino``, ``dynamic``; ``half``: float16 weights) at ``imgsz``, by default the size
+        the weights were trained at (640 for a yaml); returns the file's path: beside ``.pt`` weights
+        (``best.onnx``, ``best.torchscript``, the folder ``best_openvino_model``), else
+        ``runs/export/exp*/model.<suffix>`` (``model_openvino_model``). Names, stride, imgsz, batch and the kind of
+        output go into the file's metadata."""
         from detrain.engine.export import SUFFIXES, export_model
+        from detrain.engine.openvino_ir import export_openvino, openvino_folder
 
         cfg = make_cfg({"model": self.source, **kwargs}, "export")
         self._refuse_exported("export")
-        if cfg.predict.half:  # Ultralytics, exporting on a CPU, exports float32 too
+        openvino = cfg.export.format == "openvino"
+        if cfg.predict.half and not openvino:  # Ultralytics, exporting on a CPU, exports float32 too
             note("note: half=True: export traces the model on the CPU, which runs float32; the graph is float32")
         given_imgsz = "imgsz" in command_values(kwargs, "export")  # a cfg= file's imgsz counts as given
-        suffix = SUFFIXES[cfg.export.format]
-        out = (
-            Path(self.source).with_suffix(suffix)
+        imgsz = export_size(cfg.inputs.imgsz) if given_imgsz else None  # None: the weights' own training size
+        stem = (
+            Path(self.source)
             if is_weights(self.source)
-            else increment_run_dir(cfg.output.project, cfg.output.name, "export", cfg.output.exist_ok)
-            / f"model{suffix}"
+            else increment_run_dir(cfg.output.project, cfg.output.name, "export", cfg.output.exist_ok) / "model.pt"
         )
+        if openvino:
+            out = openvino_folder(stem)
+            return export_openvino(self.net, out, imgsz, cfg.export.dynamic, cfg.predict.nms, cfg.predict.half)
         return export_model(
             self.net,
-            out,
+            stem.with_suffix(SUFFIXES[cfg.export.format]),
             format=cfg.export.format,
-            imgsz=export_size(cfg.inputs.imgsz) if given_imgsz else None,  # None: the weights' own training size
+            imgsz=imgsz,
             opset=cfg.export.opset,
             dynamic_batch=cfg.export.dynamic,
             nms=cfg.predict.nms,

@@ -642,8 +642,9 @@ class Predict:
     half: bool = key(
         False,
         "val and predict: float16 inference on CUDA (val: the forward under autocast, NMS and scores in float32); "
-        "elsewhere, and for an exported graph, float32 with a note; export: the graph is traced on the CPU, in "
-        "float32 (a note says so), as Ultralytics exports on a CPU",
+        "elsewhere, and for an exported graph, float32 with a note; export: format=openvino stores float16 "
+        "weights; onnx and torchscript graphs are traced on the CPU in float32 (a note says so), as Ultralytics "
+        "exports on a CPU",
         commands=("val", "predict", "export"),
     )
     save_txt: bool = key(
@@ -694,15 +695,16 @@ class Export:
 
     format: str = key(
         "onnx",
-        "export format: onnx (.onnx) or torchscript (.torchscript)",
-        choices=("onnx", "torchscript"),
+        "export format: onnx (.onnx), torchscript (.torchscript) or openvino (a <stem>_openvino_model folder: "
+        "OpenVINO IR, pip install detrain[openvino])",
+        choices=("onnx", "torchscript", "openvino"),
         commands=("export",),
     )
     opset: int = key(17, "ONNX opset (onnx only)", low=11, high=23, commands=("export",))
     dynamic: bool = key(
         True,
-        "ONNX: any batch and image size (multiples of 32; a YOLO26 top-k graph: any batch); false: (1, 3, imgsz, "
-        "imgsz) only (a TorchScript export takes any batch and size)",
+        "ONNX and OpenVINO: any batch and image size (multiples of 32; a YOLO26 top-k graph: any batch); false: "
+        "(1, 3, imgsz, imgsz) only (a TorchScript export takes any batch and size)",
         commands=("export",),
     )
 

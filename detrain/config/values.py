@@ -29,7 +29,7 @@ INT_LIMIT = 2**31 - 1
 # What names weights rather than an architecture yaml (as detrain.engine.build.is_weights reads model=).
 WEIGHTS_SUFFIXES = (".pt", ".pth")
 #: the suffixes of the files ``detrain export`` writes, which val and predict serve (:mod:`detrain.engine.backends`)
-EXPORTED_SUFFIXES = (".onnx", ".torchscript")
+EXPORTED_SUFFIXES = (".onnx", ".torchscript", "_openvino_model", ".xml")  # the last two: an OpenVINO folder, its graph
 # Bytes in one folder name on common filesystems (NAME_MAX).
 NAME_MAX = 255
 TRUE = {"true", "yes", "1", "on"}

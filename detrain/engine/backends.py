@@ -1,4 +1,5 @@
-"""Serving exported files: ``model=best.onnx`` or ``model=best.torchscript`` for ``detrain val`` and ``predict``.
+"""Serving exported files: ``model=best.onnx``, ``best.torchscript`` or ``best_openvino_model`` for ``detrain val``
+and ``predict``.
 
 :func:`load_exported` reads a file ``detrain export`` wrote into an :class:`ExportedModel`, a module that looks to
 the validator and the predictor like an eval-mode ``DetectionModel``: ``forward`` gives the head's inference output
@@ -18,6 +19,8 @@ every image letterboxed to it. A file exported with a fixed batch of 1 takes a b
 * ``.torchscript``: ``torch.jit.load`` onto the device (torch alone).
 * ``.onnx``: an onnxruntime ``InferenceSession`` on the CPU (``pip install "detrain[export]"``), with this process's
   torch thread count.
+* ``<stem>_openvino_model/`` (or its ``.xml``): OpenVINO's CPU plugin at float32 precision, with this process's
+  torch thread count (:mod:`detrain.engine.openvino_ir`; ``pip install "detrain[openvino]"``).
 
 An exported file is a program. A TorchScript archive holds TorchScript code, which reaches torch's file operators
 (``torch.from_file`` maps any file read-write) and runs at load (``__setstate__``): its code is read first by
@@ -42,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from detrain.engine.export import TORCHSCRIPT_META
+from detrain.engine.openvino_ir import FOLDER_SUFFIX, is_openvino, read_openvino
 from detrain.engine.script_check import check_torchscript
 from detrain.errors import ConfigError, DetrainError
 from detrain.nn.head import InferenceOptions, nms
@@ -199,6 +203,8 @@ def load_exported(path: str | Path, device: torch.device | str = "cpu", trust: b
     detrain.errors.ConfigError: exported model file not found: missing.torchscript
     """
     name = str(path)
+    if is_openvino(name):
+        return _load_openvino(name)
     file = Path(name).expanduser()
     if not file.is_file():
         raise ConfigError(f"exported model file not found: {shown(name)}")
@@ -208,7 +214,9 @@ def load_exported(path: str | Path, device: torch.device | str = "cpu", trust: b
         if not trust:
             check_torchscript(file)  # before torch.jit.load runs any of its code
         return _load_torchscript(name, file, torch.device(device))
-    raise ConfigError(f"{shown(name)}: not an exported model (.onnx or .torchscript)")
+    raise ConfigError(
+        f"{shown(name)}: not an exported model (.onnx, .torchscript or an OpenVINO {FOLDER_SUFFIX} folder)"
+    )
 
 
 def _load_torchscript(name: str, file: Path, device: torch.device) -> ExportedModel:
@@ -249,6 +257,12 @@ def _load_onnx(name: str, file: Path) -> ExportedModel:
         return torch.from_numpy(session.run(None, {input_name: array})[0]).to(x.device)
 
     return ExportedModel(name, "onnx", info, run)
+
+
+def _load_openvino(name: str) -> ExportedModel:
+    meta, run = read_openvino(name, torch.get_num_threads())
+    literal = {k: _literal(v) for k, v in meta.items()} if meta is not None else None
+    return ExportedModel(name, "openvino", export_info(literal, name), run)
 
 
 def _onnxruntime() -> Any:

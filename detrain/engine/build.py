@@ -108,13 +108,13 @@ SERVES_EXPORTED = ("val", "predict")
 
 
 def is_exported(model: str) -> bool:
-    """True when ``model`` names an exported file (``.onnx``, ``.torchscript``): a fixed graph that val and
-    predict run, but that cannot be trained or exported again.
+    """True when ``model`` names an exported file (``.onnx``, ``.torchscript``, an OpenVINO ``..._openvino_model``
+    folder or its ``.xml``): a fixed graph that val and predict run, but that cannot be trained or exported again.
 
-    >>> is_exported("runs/train/exp/weights/best.onnx"), is_exported("best.pt")
-    (True, False)
+    >>> is_exported("runs/train/exp/weights/best.onnx"), is_exported("best_openvino_model/"), is_exported("best.pt")
+    (True, True, False)
     """
-    return str(model).endswith(EXPORTED_SUFFIXES)
+    return str(model).strip().rstrip("/").endswith(EXPORTED_SUFFIXES)
 
 
 def check_exported(model: str, command: str) -> None:
@@ -132,6 +132,8 @@ def check_exported(model: str, command: str) -> None:
             f"model={shown(str(model))} is an exported file: 'detrain {command}' needs the weights it was exported "
             "from (.pt); exported files serve val and predict only"
         )
+    if str(model).strip().rstrip("/").endswith(EXPORTED_SUFFIXES[2:]):
+        return  # an OpenVINO folder or graph: detrain.engine.openvino_ir.ir_path checks it when it is read
     path = Path(model).expanduser()
     if path.is_dir():
         raise ConfigError(f"model={shown(str(model))} is a folder, not an exported file")

@@ -1,4 +1,5 @@
-"""Exported files served: ``detrain val`` and ``predict`` take ``.onnx`` and ``.torchscript`` (engine/backends.py).
+"""Exported files served: ``detrain val`` and ``predict`` take ``.onnx``, ``.torchscript`` and OpenVINO folders
+(engine/backends.py).
 
 A YOLOv8-style graph exported with a free batch (ONNX ``dynamic=true``, every TorchScript) takes any image size and
 is validated as the ``.pt`` is, in the same rectangular batches: the mAPs are compared as ``Model(...).val()`` gives
@@ -40,7 +41,7 @@ SHARED = Path(__file__).resolve().parents[3] / "shared"
 YOLOV8N = SHARED / "weights" / "yolov8n.pt"
 COCO8_YAML = SHARED / "data" / "coco8.yaml"
 TRAINED_AT = 96  # the training imgsz the small checkpoints record
-FORMATS = ("onnx", "torchscript")
+FORMATS = ("onnx", "torchscript", "openvino")
 
 
 def _perturbed(model: DetectionModel) -> DetectionModel:

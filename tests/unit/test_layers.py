@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
 ENGINE_LAYERS: list[tuple[str, ...]] = [
     ("run_plan", "build", "export", "script_check"),  # what every worker receives; arguments -> model and run folder;
     # export; what a TorchScript archive's code may do
+    ("openvino_ir",),  # OpenVINO IR: written from export's ONNX graph, read back for backends
     ("backends", "tta"),  # exported files served to val and predict (reads what export writes); test-time
     # augmentation of val's and predict's forward
     ("telemetry",),
