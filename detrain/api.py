@@ -200,9 +200,10 @@ class Model:
         return report
 
     def export(self, **kwargs: Any) -> Path:
-        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``), TorchScript (``format=torchscript``) or
-        OpenVINO IR (``format=openvino``, ``dynamic``; ``half``: float16 weights) at ``imgsz``, by default the size
-        the weights were trained at (640 for a yaml); returns the file's path: beside ``.pt`` weights
+        """Export to ONNX (``format=onnx``, ``opset``, ``dynamic``, ``half``: a float16 graph), TorchScript
+        (``format=torchscript``) or OpenVINO IR (``format=openvino``, ``dynamic``; ``half``: float16 weights) at
+        ``imgsz``, by default the size the weights were trained at (640 for a yaml); returns the file's path: beside
+        ``.pt`` weights
         (``best.onnx``, ``best.torchscript``, the folder ``best_openvino_model``), else
         ``runs/export/exp*/model.<suffix>`` (``model_openvino_model``). Names, stride, imgsz, batch and the kind of
         output go into the file's metadata."""
@@ -212,8 +213,8 @@ class Model:
         cfg = make_cfg({"model": self.source, **kwargs}, "export")
         self._refuse_exported("export")
         openvino = cfg.export.format == "openvino"
-        if cfg.predict.half and not openvino:  # Ultralytics, exporting on a CPU, exports float32 too
-            note("note: half=True: export traces the model on the CPU, which runs float32; the graph is float32")
+        if cfg.predict.half and cfg.export.format == "torchscript":  # Ultralytics, exporting on a CPU, does so too
+            note("note: half=True: a TorchScript export is traced on the CPU in float32; the graph is float32")
         given_imgsz = "imgsz" in command_values(kwargs, "export")  # a cfg= file's imgsz counts as given
         imgsz = export_size(cfg.inputs.imgsz) if given_imgsz else None  # None: the weights' own training size
         stem = (
@@ -232,6 +233,7 @@ class Model:
             opset=cfg.export.opset,
             dynamic_batch=cfg.export.dynamic,
             nms=cfg.predict.nms,
+            half=cfg.predict.half,
         )
 
     def _refuse_exported(self, command: str) -> None:

@@ -642,9 +642,8 @@ class Predict:
     half: bool = key(
         False,
         "val and predict: float16 inference on CUDA (val: the forward under autocast, NMS and scores in float32); "
-        "elsewhere, and for an exported graph, float32 with a note; export: format=openvino stores float16 "
-        "weights; onnx and torchscript graphs are traced on the CPU in float32 (a note says so), as Ultralytics "
-        "exports on a CPU",
+        "elsewhere, and for an exported graph, float32 with a note; export: onnx a float16 graph (onnxruntime "
+        "runs it on a CPU), openvino float16 weights, torchscript float32 (traced on the CPU; a note says so)",
         commands=("val", "predict", "export"),
     )
     save_txt: bool = key(

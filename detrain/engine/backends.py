@@ -250,11 +250,12 @@ def _load_onnx(name: str, file: Path) -> ExportedModel:
         raise DetrainError(f"{shown(name)}: not a readable ONNX model ({type(e).__name__})") from None
     raw = session.get_modelmeta().custom_metadata_map
     info = export_info({k: _literal(v) for k, v in raw.items()} if raw.get("producer") == "detrain" else None, name)
-    input_name = session.get_inputs()[0].name
+    graph_input = session.get_inputs()[0]
+    dtype = torch.float16 if graph_input.type == "tensor(float16)" else torch.float32  # a half=true export's
 
     def run(x: Tensor) -> Tensor:
-        array = np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
-        return torch.from_numpy(session.run(None, {input_name: array})[0]).to(x.device)
+        array = np.ascontiguousarray(x.detach().to("cpu", dtype).numpy())
+        return torch.from_numpy(session.run(None, {graph_input.name: array})[0]).to(x.device, torch.float32)
 
     return ExportedModel(name, "onnx", info, run)
 

@@ -77,10 +77,15 @@ def _image_size(imgsz: int | tuple[int, int] | list[int], stride: int) -> tuple[
 
 
 def _graph_model(
-    model: DetectionModel, imgsz: int | tuple[int, int] | list[int] | None, nms: bool = False, free_size: bool = True
+    model: DetectionModel,
+    imgsz: int | tuple[int, int] | list[int] | None,
+    nms: bool = False,
+    free_size: bool = True,
+    half: bool = False,
 ) -> tuple[DetectionModel, torch.Tensor, tuple[int, int], int]:
-    """(fused float32 eval copy on the CPU, an example input, (h, w), largest stride) for tracing; ``nms``: an
-    end-to-end head's graph ends in its one-to-many boxes and scores (for NMS) instead of its top-k detections.
+    """(fused float32 (``half``: float16) eval copy on the CPU, an example input of that type, (h, w), largest
+    stride) for tracing; ``nms``: an end-to-end head's graph ends in its one-to-many boxes and scores (for NMS)
+    instead of its top-k detections.
 
     With ``free_size`` (and a graph that ends in boxes and scores for NMS) the trace computes the anchors from the
     input's shape, so the graph takes any multiple of the stride: the warm-up runs at another size, and the head's
@@ -91,15 +96,16 @@ def _graph_model(
     """
     stride = int(max(model.stride.tolist())) if len(model.stride) else 32
     h, w = _image_size(training_imgsz(model) if imgsz is None else imgsz, stride)
-    graph_model = copy.deepcopy(model).to("cpu", torch.float32).eval()
+    dtype = torch.float16 if half else torch.float32
+    graph_model = copy.deepcopy(model).to("cpu", dtype).eval()
     graph_model.set_inference(nms=nms)
     graph_model.fuse()
     for p in graph_model.parameters():
         p.requires_grad_(False)
-    example = torch.zeros(1, 3, h, w)
+    example = torch.zeros(1, 3, h, w, dtype=dtype)
     other = free_size and _output(graph_model) == "boxes"
     with torch.no_grad():
-        graph_model(torch.zeros(1, 3, h + stride, w + stride) if other else example)  # the anchor cache (above)
+        graph_model(torch.zeros(1, 3, h + stride, w + stride, dtype=dtype) if other else example)  # anchor cache
     return graph_model, example, (h, w), stride
 
 
@@ -160,6 +166,7 @@ def _metadata(
         "batch": 1,
         "dynamic": dynamic,
         "free_size": free_size,
+        "half": next(graph_model.parameters()).dtype == torch.float16,
         "end2end": kind == "detections",
         "output": OUTPUTS[kind],
         "names": {int(k): str(v) for k, v in dict(getattr(graph_model, "names", {}) or {}).items()},
@@ -189,11 +196,12 @@ def export_model(
     opset: int = 17,
     dynamic_batch: bool = True,
     nms: bool = False,
+    half: bool = False,
 ) -> Path:
     """Write ``model`` in ``format`` (``onnx`` or ``torchscript``) and return the file's path.
 
-    ``imgsz`` None: the size the model was trained at (:func:`training_imgsz`). ``opset`` and ``dynamic_batch``
-    apply to ONNX; a TorchScript file takes any batch size. An end-to-end (YOLO26)
+    ``imgsz`` None: the size the model was trained at (:func:`training_imgsz`). ``opset``, ``dynamic_batch`` and
+    ``half`` (a float16 graph) apply to ONNX; a TorchScript file takes any batch size. An end-to-end (YOLO26)
     model's graph gives its (B, 300, 6) detections, or with ``nms`` its one-to-many boxes and scores for NMS.
 
     >>> from detrain.nn.model import DetectionModel
@@ -206,7 +214,7 @@ def export_model(
         raise ConfigError(f"invalid value for 'format': {format!r}; expected one of {', '.join(SUFFIXES)}")
     if format == "torchscript":
         return export_torchscript(model, out_path, imgsz=imgsz, nms=nms)
-    return export_onnx(model, out_path, imgsz=imgsz, opset=opset, dynamic_batch=dynamic_batch, nms=nms)
+    return export_onnx(model, out_path, imgsz=imgsz, opset=opset, dynamic_batch=dynamic_batch, nms=nms, half=half)
 
 
 def export_onnx(
@@ -216,10 +224,12 @@ def export_onnx(
     opset: int = 17,
     dynamic_batch: bool = True,
     nms: bool = False,
+    half: bool = False,
 ) -> Path:
     """Write ``model`` as an ONNX file and return its path; the model passed in is left untouched.
 
-    The graph is a fused (BatchNorm folded into convolutions) float32 copy in eval mode, input ``images``
+    The graph is a fused (BatchNorm folded into convolutions) float32 copy in eval mode (``half``: float16, input
+    and output too; onnxruntime runs it on a CPU, and the metadata's ``half`` says so), input ``images``
     (B, 3, H, W) float in [0, 1], output ``output0`` (B, 4 + nc, N), or an end-to-end model's (B, 300, 6)
     detections (see :func:`export_model`; the metadata's ``output`` says which). With ``dynamic_batch`` the batch size
     is free, and so are height and width (multiples of the stride) except for an end-to-end graph; without it the
@@ -229,7 +239,7 @@ def export_onnx(
     "model.onnx", imgsz=320)`` returns ``PosixPath('model.onnx')``.
     """
     out = Path(out_path)
-    graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms, free_size=dynamic_batch)
+    graph_model, example, (h, w), stride = _graph_model(model, imgsz, nms, free_size=dynamic_batch, half=half)
     free = _free_size(graph_model, dynamic_batch)
     axes = {"images": {0: "batch", 2: "height", 3: "width"}, "output0": {0: "batch", 2: "anchors"}}
     if not free:

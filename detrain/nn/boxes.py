@@ -25,8 +25,10 @@ def make_anchors(feats: list[Tensor], strides: Tensor | Sequence[float], offset:
     dtype, device = feats[0].dtype, feats[0].device
     for feat, stride in zip(feats, strides):
         h, w = feat.shape[2:]
-        sx = torch.arange(w, device=device, dtype=dtype) + offset
-        sy = torch.arange(h, device=device, dtype=dtype) + offset
+        # integers cast to dtype: the values a range in dtype gives (one rounding each), and an exported float16
+        # graph's Range runs on integers (ONNX has no float16 Range)
+        sx = torch.arange(w, device=device).to(dtype) + offset
+        sy = torch.arange(h, device=device).to(dtype) + offset
         yy, xx = torch.meshgrid(sy, sx, indexing="ij")
         points.append(torch.stack((xx, yy), -1).view(-1, 2))
         stride_list.append(torch.full((h * w, 1), float(stride), dtype=dtype, device=device))

@@ -164,8 +164,10 @@ def test_export_at_a_rectangle_is_served_at_it(tmp_path: Path, capsys: pytest.Ca
     pytest.importorskip("onnxruntime")
     weights = tmp_path / "yolov8n.pt"
     weights.write_bytes(YOLOV8N.read_bytes())
-    onnx = Model(str(weights)).export(format="onnx", imgsz=[256, 320], dynamic=False, half=True)
-    assert "half=True: export traces the model on the CPU" in capsys.readouterr().out
+    onnx = Model(str(weights)).export(format="onnx", imgsz=[256, 320], dynamic=False, half=True)  # float16 graph
+    assert "half" not in capsys.readouterr().out
+    Model(str(weights)).export(format="torchscript", imgsz=64, half=True)
+    assert "half=True: a TorchScript export is traced on the CPU in float32" in capsys.readouterr().out
     served = Model(str(onnx))
     assert tuple(served.net.info.imgsz) == (256, 320) and not served.net.info.free_size
     metrics = served.val(data=str(COCO8_YAML), batch=2, workers=0, device="cpu", project=str(tmp_path), plots=False)

@@ -116,6 +116,7 @@ def test_torchscript_matches_torch_for_batch_1_and_3(model: DetectionModel, tmp_
         "batch": 1,
         "dynamic": True,
         "free_size": True,
+        "half": False,
         "end2end": False,
         "output": "boxes (B, 4 + nc, N): xywh and class scores per anchor, for NMS",
         "names": {"0": "a", "1": "b", "2": "c"},
@@ -202,7 +203,7 @@ def test_unknown_format_is_a_one_line_error_listing_the_valid_ones(
 
 
 def test_formats_agree_with_the_cfg_choices() -> None:
-    assert tuple(SUFFIXES) == CHOICES["format"]
+    assert (*SUFFIXES, "openvino") == CHOICES["format"]  # one file each; OpenVINO a folder (engine/openvino_ir.py)
 
 
 def detrain(*args: str) -> subprocess.CompletedProcess:
@@ -224,7 +225,7 @@ def test_cli_exports_torchscript_beside_the_weights(model: DetectionModel, tmp_p
 
     bad = detrain("export", f"model={weights}", "format=tflite")
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: invalid value for 'format': 'tflite'; expected one of onnx, torchscript"
+    assert bad.stderr.strip() == "error: invalid value for 'format': 'tflite'; expected one of onnx, torchscript, openvino"
 
 
 # ------------------------------------------------------------------ YOLO26: the end-to-end head's (B, 300, 6)

@@ -238,12 +238,32 @@ def test_exports_validate_to_the_pt_map(tmp_path: Path, capsys: pytest.CaptureFi
     assert metrics is not None
     assert f"fixed.onnx was exported at imgsz={VAL_IMGSZ}: validating at {VAL_IMGSZ}" in capsys.readouterr().out
     maps["onnx fixed, square"] = metrics.box.map
+    half = Model(weights).export(format="onnx", imgsz=VAL_IMGSZ, half=True)  # a float16 graph, on onnxruntime
+    metrics = Model(half).val(**keys, **runs, imgsz=VAL_IMGSZ)
+    assert metrics is not None
+    maps["onnx half"] = metrics.box.map
     (tmp_path / "maps.json").write_text(json.dumps(maps))
     print("mAP50-95", maps)
     assert maps["pt"] > 0.3  # the real network: a number worth comparing
     for name in FORMATS:
         assert abs(maps[name] - maps["pt"]) < 1e-3, maps
     assert abs(maps["onnx fixed, square"] - maps["pt, square"]) < 1e-3, maps
+    assert abs(maps["onnx half"] - maps["pt"]) < 2e-3 and maps["onnx half"] != maps["pt"], maps  # rounded, close
+
+
+def test_a_half_onnx_gives_the_pt_detections_to_float16_rounding(exported: dict[str, Path], picture: Path) -> None:
+    ort = pytest.importorskip("onnxruntime")
+    half = Model(exported["pt"]).export(format="onnx", half=True)  # YOLOv8's boxes for NMS, YOLO26's top-k
+    session = ort.InferenceSession(str(half), providers=["CPUExecutionProvider"])
+    assert session.get_inputs()[0].type == session.get_outputs()[0].type == "tensor(float16)"
+    assert session.get_modelmeta().custom_metadata_map["half"] == "True"
+    want = np.asarray(Model(exported["pt"]).predict(picture, imgsz=TRAINED_AT, conf=0.05)[0].boxes.data)
+    got = np.asarray(Model(half).predict(picture, imgsz=TRAINED_AT, conf=0.05)[0].boxes.data)
+    assert len(want) > 3 and abs(len(got) - len(want)) <= 2, (len(got), len(want))
+    for row in want[:3]:  # the best boxes: each found again, corners within a pixel, score within 0.01
+        close = np.abs(got[:, :4] - row[:4]).max(1) < 1.0
+        match = close & (np.abs(got[:, 4] - row[4]) < 0.01) & (got[:, 5] == row[5])
+        assert match.any(), (row, got[:5])
 
 
 def _served_with(monkeypatch: pytest.MonkeyPatch, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
