@@ -225,7 +225,9 @@ def test_cli_exports_torchscript_beside_the_weights(model: DetectionModel, tmp_p
 
     bad = detrain("export", f"model={weights}", "format=tflite")
     assert bad.returncode == 2
-    assert bad.stderr.strip() == "error: invalid value for 'format': 'tflite'; expected one of onnx, torchscript, openvino"
+    assert (
+        bad.stderr.strip() == "error: invalid value for 'format': 'tflite'; expected one of onnx, torchscript, openvino"
+    )
 
 
 # ------------------------------------------------------------------ YOLO26: the end-to-end head's (B, 300, 6)
