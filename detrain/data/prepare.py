@@ -24,7 +24,7 @@ from detrain.data.labels.record import LabelReport
 from detrain.data.labels.verify import LabelRecord, img2label_path, load_labels
 from detrain.data.loader import build_dataloader
 from detrain.distributed import dist
-from detrain.distributed.devices import loader_workers
+from detrain.distributed.launch.devices import loader_workers
 from detrain.distributed.world import World
 from detrain.errors import DatasetError
 

@@ -23,7 +23,7 @@ import torch
 from _processes import child_env, run_together
 
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.launch.launcher import launch, parse_device
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300

@@ -23,7 +23,7 @@ import json, sys
 import torch
 from torch import nn
 
-import detrain.cli, detrain.distributed.launch, detrain.engine.train.trainer  # what a launcher imports
+import detrain.cli, detrain.distributed.launch.launcher, detrain.engine.train.trainer  # what a launcher imports
 from detrain.distributed import parallel
 from detrain.engine.train import accumulation, ema, nonfinite, optim, reproduce
 from detrain.nn.postprocess import non_max_suppression

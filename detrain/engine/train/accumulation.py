@@ -14,9 +14,9 @@ every rank then holds the same partial sum, and the update's all-reduce later av
 same result. A resumed run adds them to its first batch's gradients (:func:`add_saved`), wherever DDP keeps its
 gradient buckets.
 
-Under ``parallel=fsdp`` every backward reduce-scatters (:mod:`detrain.distributed.sharded`): the waiting
+Under ``parallel=fsdp`` every backward reduce-scatters (:mod:`detrain.distributed.parallel.fsdp`): the waiting
 gradients are each rank's rows of the mean already, nothing is averaged at an epoch's end, and the checkpoint's
-whole gradients are gathered for it (:func:`detrain.distributed.sharded.full_gradients`); a resumed run adds its
+whole gradients are gathered for it (:func:`detrain.distributed.parallel.fsdp.full_gradients`); a resumed run adds its
 own rows of them.
 """
 
@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from detrain.distributed import dist, shard_probe
+from detrain.distributed import dist
+from detrain.distributed.parallel import probe as shard_probe
 
 
 def pending_batches(last_batch: int, last_update: int) -> int:
@@ -105,7 +106,7 @@ def add_saved(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
         for name, g in grads.items():
             p = params[name]
             if shard_probe.is_dtensor(p):  # parallel=fsdp: this rank's rows of the whole gradient
-                from detrain.distributed import sharded  # imported already where a DTensor exists
+                from detrain.distributed.parallel import fsdp as sharded  # imported already where a DTensor exists
 
                 g = sharded.local_part(g, p)
             if p.grad is None:

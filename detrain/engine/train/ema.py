@@ -15,7 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from detrain.distributed import shard_probe
+from detrain.distributed.parallel import probe as shard_probe
 from detrain.distributed.parallel import unwrap
 
 
@@ -83,7 +83,7 @@ class ModelEMA:
 
     def _update_rows(self, bare: nn.Module, d: float) -> None:
         """``parallel=fsdp``: each tensor's rows that this rank's shard holds (see the module), one at a time."""
-        from detrain.distributed import sharded  # imported already where a model is sharded
+        from detrain.distributed.parallel import fsdp as sharded  # imported already where a model is sharded
 
         model_state = bare.state_dict()
         for name, value in self.ema.state_dict().items():
@@ -101,7 +101,7 @@ class ModelEMA:
         if not shard_probe.is_sharded(bare) or self.gathered_at == self.updates:
             return  # nothing sharded, or no update since the last gather (validation, then last.pt, per epoch)
         self.gathered_at = self.updates  # the same on every rank: every rank skips or gathers alike
-        from detrain.distributed import sharded  # imported already where a model is sharded
+        from detrain.distributed.parallel import fsdp as sharded  # imported already where a model is sharded
 
         model_state = bare.state_dict()
         for name, value in self.ema.state_dict().items():

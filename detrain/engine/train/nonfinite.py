@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain.distributed import shard_probe
+from detrain.distributed.parallel import probe as shard_probe
 from detrain.errors import DetrainError
 from detrain.log import console
 

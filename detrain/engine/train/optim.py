@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from detrain.config.cfg import Cfg
-from detrain.distributed import shard_probe
+from detrain.distributed.parallel import probe as shard_probe
 from detrain.engine.train.musgd import MuSGD, apply_group_warmup, build_musgd
 from detrain.nn.modules import BN_MOMENTUM
 

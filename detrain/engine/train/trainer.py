@@ -25,9 +25,10 @@ from detrain.config.values import is_auto_batch
 from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
 from detrain.data.samples.device_render import DeviceBatch
-from detrain.distributed import dist, node_consistency, parallel, restart_policy
+from detrain.distributed import dist, parallel
+from detrain.distributed.launch import node_consistency, restart_policy
+from detrain.distributed.launch.preempt_mark import exit_when_launcher_stops, leave_mark
 from detrain.distributed.parallel import unwrap
-from detrain.distributed.preempt_mark import exit_when_launcher_stops, leave_mark
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
 from detrain.engine.build import set_cpu_threads

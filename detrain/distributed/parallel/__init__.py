@@ -2,7 +2,7 @@
 
 ``parallel=ddp`` (the default) is torch's ``DistributedDataParallel``: every rank holds the whole model, its
 gradients and its optimizer state. ``parallel=fsdp`` shards them over the ranks (torch's ``fully_shard``, see
-:mod:`detrain.distributed.sharded`). Either may have BatchNorm synchronised over the ranks (``sync_bn``). The
+:mod:`detrain.distributed.parallel.fsdp`). Either may have BatchNorm synchronised over the ranks (``sync_bn``). The
 trainer asks this module, never the wrapper's class, for:
 
 * :func:`wrap` the model once it is on its device (a collective: every rank starts from rank 0's weights and
@@ -18,8 +18,8 @@ trainer asks this module, never the wrapper's class, for:
   checkpoint has one format whatever wrote it, and a DDP run resumes a sharded one and the other way round;
 * :func:`check_optimizer`: MuSGD is refused when sharded (its Newton-Schulz step needs whole matrices).
 
-:mod:`detrain.distributed.sharded` is imported inside the sharded branches only: it imports torch's fsdp and
-DTensor packages, which a DDP run never needs (:mod:`detrain.distributed.shard_probe` says what they cost).
+:mod:`detrain.distributed.parallel.fsdp` is imported inside the sharded branches only: it imports torch's fsdp and
+DTensor packages, which a DDP run never needs (:mod:`detrain.distributed.parallel.probe` says what they cost).
 
 >>> from torch import nn
 >>> from detrain.distributed.world import World
@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain.distributed import dist, shard_probe
-from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
+from detrain.distributed import dist
+from detrain.distributed.parallel import probe as shard_probe
+from detrain.distributed.parallel.sync_bn import convert_sync_batchnorm_cpu
 from detrain.distributed.world import World
 from detrain.errors import ConfigError
 
@@ -49,7 +50,7 @@ def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool,
     ``model`` itself in one process.
 
     ``sync_bn``: BatchNorm normalises with the statistics of the global batch (torch's ``SyncBatchNorm`` on GPUs;
-    on CPU, where torch's runs on no device, :mod:`detrain.distributed.sync_bn`'s). Collective: every rank gets
+    on CPU, where torch's runs on no device, :mod:`detrain.distributed.parallel.sync_bn`'s). Collective: every rank gets
     rank 0's weights and buffers here, and the sync BatchNorms all-reduce at every training forward."""
     if not world.distributed:
         return model
@@ -59,7 +60,7 @@ def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool,
     elif sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # collective: torch's, per BatchNorm
     if kind == "fsdp":
-        from detrain.distributed import sharded
+        from detrain.distributed.parallel import fsdp as sharded
 
         # collective: rank 0's weights and buffers; then each layer all-gathers its weights where it runs
         return sharded.shard(model, device, world.world_size)
@@ -88,7 +89,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContext
     if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
         return model.no_sync()
     if shard_probe.is_sharded(model):  # gradients reduce-scattered in every backward (sharded.py says why)
-        from detrain.distributed import sharded
+        from detrain.distributed.parallel import fsdp as sharded
 
         return sharded.buffer_sync(model).backward(enabled)
     return contextlib.nullcontext()
@@ -117,7 +118,7 @@ def sync_buffers_next_forward(model: nn.Module, due: bool) -> None:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model.require_forward_param_sync = due
     elif shard_probe.is_sharded(model):
-        from detrain.distributed import sharded
+        from detrain.distributed.parallel import fsdp as sharded
 
         sharded.buffer_sync(model).due = due
 
@@ -132,7 +133,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     bare = unwrap(model)
     if not shard_probe.is_sharded(bare):
         return bare.state_dict()
-    from detrain.distributed import sharded
+    from detrain.distributed.parallel import fsdp as sharded
 
     return sharded.full_state_dict(bare)
 
@@ -144,7 +145,7 @@ def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: 
     bare = unwrap(model)
     if not shard_probe.is_sharded(bare):
         return None
-    from detrain.distributed import sharded
+    from detrain.distributed.parallel import fsdp as sharded
 
     return {
         "model": sharded.full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
@@ -158,7 +159,7 @@ def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, st
     of its parameter (no communication); otherwise ``state`` itself."""
     if not is_sharded(model):
         return state
-    from detrain.distributed import sharded
+    from detrain.distributed.parallel import fsdp as sharded
 
     return sharded.local_optimizer_state(optimizer, state)
 
