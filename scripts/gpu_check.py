@@ -430,7 +430,7 @@ def fsdp_steps(device: torch.device) -> dict[str, Any]:
     from detrain.engine.train.nonfinite import gradient_norm
     from detrain.nn.model import DetectionModel
 
-    model = fsdp.shard(DetectionModel(scale="n", nc=3).to(device).train(), device, 1)
+    model = fsdp.shard(DetectionModel(scale="n", nc=3).to(device).train(), device, (1,))
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, **optim.kernel_options(params))
     amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
