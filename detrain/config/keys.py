@@ -496,8 +496,9 @@ class Distributed:
     parallel: str = key(
         "ddp",
         "several workers: ddp = every worker holds the whole model (DistributedDataParallel); fsdp = parameters, "
-        "gradients and optimizer state sharded over the workers (torch's fully_shard)",
-        choices=("ddp", "fsdp"),
+        "gradients and optimizer state sharded over the workers (torch's fully_shard); hsdp = sharded within a node, "
+        "replicated across the nodes (a nodes x workers-per-node mesh; every node the same number of workers)",
+        choices=("ddp", "fsdp", "hsdp"),
         launch=True,
     )
 

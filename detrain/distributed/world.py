@@ -149,6 +149,24 @@ class World:
         return self.rank == 0
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's place in the data-parallel group: which share of every global batch it reads, of which
+        validation shard it scores, whose images its loss normalises over. Every parallelism detrain has (ddp,
+        fsdp, hsdp: sharded within a node, replicated across nodes) gives each rank images of its own, so the group
+        is the world today; a parallelism that splits a model across ranks (tensor parallelism) would make it a
+        part of the world, and the data would follow it through here.
+
+        >>> World(rank=3, world_size=4).dp_rank, World(rank=3, world_size=4).dp_size
+        (3, 4)
+        """
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """The ranks of the data-parallel group (see :attr:`dp_rank`): the world's."""
+        return self.world_size
+
+    @property
     def whole_world_here(self) -> bool:
         """True when every rank runs on this node."""
         return self.world_size == self.local_world_size
