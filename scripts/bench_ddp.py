@@ -2,8 +2,8 @@
 
 Each worker runs real training steps of detrain's DetectionModel + DetectionLoss (SGD) on random uint8
 images and random boxes, with ``--threads`` threads (default 1). The 2-worker run goes through
-``detrain.distributed.launch.launch`` (torch's elastic launcher), wraps the model in DistributedDataParallel and
-shares the loss normaliser through ``detrain.distributed.dist``, exactly as a training run would. Rounds alternate
+``detrain.distributed.launch.launcher.launch`` (torch's elastic launcher), wraps the model in DistributedDataParallel
+and shares the loss normaliser through ``detrain.distributed.dist``, exactly as a training run would. Rounds alternate
 (1, 2, 1, 2, ...) and the best round of each is kept, so load from other processes on a shared machine
 hurts both alike. Scaling efficiency = ips(2) / (2 * ips(1)).
 
@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
 from detrain.distributed import dist
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.launch.launcher import launch, parse_device
 from detrain.distributed.world import World
 from detrain.engine.train.batch_plan import check_split
 

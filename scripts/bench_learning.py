@@ -332,7 +332,7 @@ def detrain_threads(threads: int) -> int:
     """The torch threads detrain's trainer uses for one CPU worker."""
     if threads > 0:
         return threads
-    from detrain.distributed.devices import cpu_threads_per_worker
+    from detrain.distributed.launch.devices import cpu_threads_per_worker
 
     return cpu_threads_per_worker(1) or int(os.environ["OMP_NUM_THREADS"])
 

@@ -2,11 +2,12 @@
 Ultralytics' ``cache=ram`` on the same ranks when it is importable (e.g. ``PYTHONPATH=/opt/ulib``).
 
 Each run is a fresh ``python`` process that does what ``detrain train`` does with ``device=cpu`` or
-``device=cpu,cpu``: one rank in the process itself, or two ranks started by ``detrain.distributed.launch.launch``
-(torch's elastic agent). Every rank verifies the labels, builds the training loader of ``detrain.data.prepare`` with
-``cache=ram`` and ``--workers`` loader workers, and runs ``--steps`` training steps of YOLOv8 ``--scale`` (the
-DDP model, loss and SGD of a real run) on its slice of each global batch. The Ultralytics run builds its own
-``YOLODataset(cache="ram")`` and ``InfiniteDataLoader`` on each rank instead, and trains the same detrain model.
+``device=cpu,cpu``: one rank in the process itself, or two ranks started by
+``detrain.distributed.launch.launcher.launch`` (torch's elastic agent). Every rank verifies the labels, builds the
+training loader of ``detrain.data.prepare`` with ``cache=ram`` and ``--workers`` loader workers, and runs
+``--steps`` training steps of YOLOv8 ``--scale`` (the DDP model, loss and SGD of a real run) on its slice of each
+global batch. The Ultralytics run builds its own ``YOLODataset(cache="ram")`` and ``InfiniteDataLoader`` on each rank
+instead, and trains the same detrain model.
 
 Memory is sampled every ``--interval`` s over the whole process tree (the launcher, the ranks and their loader
 workers) from ``/proc/<pid>/smaps``: the sum of every process's proportional set size (PSS: a page shared by k
@@ -234,7 +235,7 @@ def _ultralytics_loader(args: dict[str, Any], local_batch: int, rank: int, world
 
 
 def child(ns: argparse.Namespace) -> None:
-    from detrain.distributed.launch import launch, parse_device
+    from detrain.distributed.launch.launcher import launch, parse_device
 
     args = json.loads(ns.child)
     result = launch(rank_main, args, parse_device(",".join(["cpu"] * args["ranks"])))

@@ -422,15 +422,15 @@ def one_rank_group(port: int, backend: str = "nccl") -> None:
 
 
 def fsdp_steps(device: torch.device) -> dict[str, Any]:
-    """parallel=fsdp's pieces on the group that is up (one rank): detrain's ``sharded.shard`` of a YOLOv8n, three
+    """parallel=fsdp's pieces on the group that is up (one rank): detrain's ``fsdp.shard`` of a YOLOv8n, three
     SGD steps (AMP as training uses it on this device, clipped with the trainer's norm), then the whole model and
     optimizer state a checkpoint gathers, cut back to this rank's rows and loaded again."""
-    from detrain.distributed import sharded
+    from detrain.distributed.parallel import fsdp
     from detrain.engine.train import optim
     from detrain.engine.train.nonfinite import gradient_norm
     from detrain.nn.model import DetectionModel
 
-    model = sharded.shard(DetectionModel(scale="n", nc=3).to(device).train(), device, 1)
+    model = fsdp.shard(DetectionModel(scale="n", nc=3).to(device).train(), device, (1,))
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9, **optim.kernel_options(params))
     amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
@@ -442,10 +442,10 @@ def fsdp_steps(device: torch.device) -> dict[str, Any]:
         _scalar(out).backward()
         norms.append(float(gradient_norm(model.parameters(), 10.0)))
         optimizer.step()
-    whole = sharded.full_state_dict(model)
-    state = sharded.full_optimizer_state(optimizer)
-    optimizer.load_state_dict(sharded.local_optimizer_state(optimizer, state))
-    again = sharded.full_optimizer_state(optimizer)["state"]
+    whole = fsdp.full_state_dict(model)
+    state = fsdp.full_optimizer_state(optimizer)
+    optimizer.load_state_dict(fsdp.local_optimizer_state(optimizer, state))
+    again = fsdp.full_optimizer_state(optimizer)["state"]
     assert all(math.isfinite(n) for n in norms), norms
     assert all(torch.isfinite(v).all() for v in whole.values() if v.is_floating_point())
     assert all(torch.equal(again[k]["momentum_buffer"], v["momentum_buffer"]) for k, v in state["state"].items())
@@ -474,7 +474,7 @@ def check_nccl_watchdog(ctx: Context) -> tuple[str, dict[str, Any]]:
         raise Skip("no CUDA")
     if ctx.gpus < 2:
         raise Skip("needs 2 GPUs: NCCL refuses two ranks on one GPU (Duplicate GPU detected, NCCL >= 2.5)")
-    from detrain.distributed.nccl_watch import watchdog_finding
+    from detrain.distributed.launch.nccl_watch import watchdog_finding
 
     port, marker = _free_port(), ctx.work / "watchdog-started"
     env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
@@ -502,7 +502,9 @@ def check_nccl_watchdog(ctx: Context) -> tuple[str, dict[str, Any]]:
     findings = [f for f in map(watchdog_finding, out.splitlines()) if f is not None]
     figures = {"timeout_s": WATCHDOG_TIMEOUT_S, "abort_s": abort_s, "exit": procs[0].returncode}
     assert procs[0].returncode != 0, "rank 0 finished a collective that its peer never joined"
-    assert findings, "no line of rank 0's output is recognised as NCCL's watchdog by detrain.distributed.nccl_watch"
+    assert findings, (
+        "no line of rank 0's output is recognised as NCCL's watchdog by detrain.distributed.launch.nccl_watch"
+    )
     return f"rank 0 ended {abort_s:.1f} s into a {WATCHDOG_TIMEOUT_S} s collective timeout: {findings[0].text}", figures
 
 

@@ -246,7 +246,7 @@ def _main(argv: list[str]) -> int:
 
     import _dist_workers as mod  # by module name, so spawned workers can import the entry
 
-    from detrain.distributed.launch import launch, parse_device
+    from detrain.distributed.launch.launcher import launch, parse_device
 
     mode = argv[0]
     if mode == "torchrun":

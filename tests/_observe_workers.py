@@ -49,7 +49,7 @@ def slow_loader_train(args: dict[str, Any], world: World) -> dict[str, Any]:
 def _main(argv: list[str]) -> int:
     import _observe_workers as mod  # by module name, so spawned workers can import the entry
 
-    from detrain.distributed.launch import launch, parse_device
+    from detrain.distributed.launch.launcher import launch, parse_device
 
     if argv[0] != "node":
         raise SystemExit(f"unknown mode {argv[0]!r}")

@@ -69,7 +69,7 @@ class Spec:
     the workers run: this launch's value is kept over a resumed checkpoint's arguments. ``per_node``: the nodes of
     one job may give the key different values (a node's own devices, loader processes, interface and run id, and
     what only rank 0 acts on: the run folder, plots, trackers, printing); every other key every node gives alike,
-    so a derived run id hashes them (:mod:`detrain.distributed.run_identity`) and training's start check compares
+    so a derived run id hashes them (:mod:`detrain.distributed.launch.run_identity`) and training's start check compares
     them, or what they name (:mod:`detrain.engine.train.shared_settings`). ``guard``: a value other
     than the default lifts a safety guard (a download anywhere, code in an export run unchecked), so it is taken
     from the command line or the API only: a ``cfg=`` file that sets it is refused (:mod:`detrain.config.cfg`)."""
@@ -496,8 +496,9 @@ class Distributed:
     parallel: str = key(
         "ddp",
         "several workers: ddp = every worker holds the whole model (DistributedDataParallel); fsdp = parameters, "
-        "gradients and optimizer state sharded over the workers (torch's fully_shard)",
-        choices=("ddp", "fsdp"),
+        "gradients and optimizer state sharded over the workers (torch's fully_shard); hsdp = sharded within a node, "
+        "replicated across the nodes (a nodes x workers-per-node mesh; every node the same number of workers)",
+        choices=("ddp", "fsdp", "hsdp"),
         launch=True,
     )
 

@@ -18,7 +18,7 @@ import types
 import unicodedata
 from typing import Any, Union, get_args, get_origin
 
-from detrain.distributed.launch_checks import parse_nnodes
+from detrain.distributed.launch.checks import parse_nnodes
 from detrain.errors import ConfigError, DistributedError
 from detrain.log import console
 from detrain.system.net import is_sha256
@@ -387,8 +387,8 @@ def stride_multiple(key: str, value: int) -> int:
 def idle_device(key: str, value: Any) -> Any:
     """``device``: Ultralytics' ``-1`` (the idlest GPU; ``-1,-1`` two of them) resolved here, once, to the GPU
     indices picked (one line says which), or to '' (the CPU) where there is no GPU; any other value as given
-    (:func:`detrain.distributed.devices.parse_device` checks it where the workers start)."""
-    from detrain.distributed.devices import resolve_idle
+    (:func:`detrain.distributed.launch.devices.parse_device` checks it where the workers start)."""
+    from detrain.distributed.launch.devices import resolve_idle
 
     resolved, line = resolve_idle(value)
     if line:

@@ -275,7 +275,7 @@ def _worker_init(seed: int, rank: int, worker_id: int) -> None:
 def worker_start_method() -> str | None:
     """``fork`` on Linux, else the platform's default (macOS's system frameworks are not fork-safe).
 
-    The ranks that :func:`detrain.distributed.launch.launch` starts are spawned, and a spawned process inherits
+    The ranks that :func:`detrain.distributed.launch.launcher.launch` starts are spawned, and a spawned process inherits
     ``spawn`` as its default start method; its loader workers would then each import torch again (about 300 MB of
     private memory and seconds of start-up per worker) instead of sharing the rank's pages copy-on-write. The workers
     never touch CUDA (pinning happens in the rank's own thread), so forking a rank that holds a CUDA context is

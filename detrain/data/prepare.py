@@ -24,7 +24,7 @@ from detrain.data.labels.record import LabelReport
 from detrain.data.labels.verify import LabelRecord, img2label_path, load_labels
 from detrain.data.loader import build_dataloader
 from detrain.distributed import dist
-from detrain.distributed.devices import loader_workers
+from detrain.distributed.launch.devices import loader_workers
 from detrain.distributed.world import World
 from detrain.errors import DatasetError
 
@@ -170,15 +170,16 @@ def build_train_loader(
         batch_size=local_batch,
         shuffle=not cfg.train.rect,
         workers=loader_workers(cfg.distributed.workers, world.local_world_size),
-        rank=world.rank,
-        world_size=world.world_size,
+        rank=world.dp_rank,  # the data-parallel group's: every rank of it its own images
+        world_size=world.dp_size,
         seed=cfg.train.seed,
         planned_world=planned_world,
     )
 
 
 def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World, rect: bool = True) -> DataLoader:
-    """Rectangular, unaugmented batches over disjoint shards of the ranks of ``world`` (no padded duplicates);
+    """Rectangular, unaugmented batches over disjoint shards of the data-parallel group of ``world`` (no padded
+    duplicates);
     ``rect=False``, or an ``imgsz`` rectangle ``[h, w]``: every image letterboxed to imgsz (h x w, or the square of
     one size), for a model of one fixed input size (an export) or a size the user fixed."""
     fixed = isinstance(cfg.inputs.imgsz, ImageSize)
@@ -201,7 +202,7 @@ def build_val_loader(data: SplitData, cfg: Cfg, local_batch: int, world: World, 
         batch_size=local_batch,
         shuffle=False,
         workers=min(workers, 2) if world.distributed else workers,
-        rank=world.rank,
-        world_size=world.world_size,
+        rank=world.dp_rank,  # the data-parallel group's: every rank of it its own images
+        world_size=world.dp_size,
         seed=cfg.train.seed,
     )

@@ -18,7 +18,7 @@ every later operation on the group, DDP's gradient all-reduces included. For glo
 collective raises in Python, which this module turns into a one-line ``DistributedError`` naming
 the operation, the rank and the cause. For NCCL the watchdog aborts the process instead (CUDA work
 is asynchronous, so raising is not safe) after one line on stderr, which detrain's launcher reads
-(:mod:`detrain.distributed.nccl_watch`) to report the rank that stopped, or the one the watchdog ended and why.
+(:mod:`detrain.distributed.launch.nccl_watch`) to report the rank that stopped, or the one the watchdog ended and why.
 A phase that is known to take long (the first process of a node downloading a dataset, checking its labels
 or filling ``cache=ram``) passes ``timeout_s`` (the config's ``prepare_timeout``) to ``barrier`` for that one
 wait. On gloo, barriers go through the rendezvous store (each rank marks its arrival, then waits for every
@@ -40,9 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as tdist
 
-from detrain.distributed import heartbeat, nccl_watch, netif, wire
-from detrain.distributed.master_store import SECRET_ENV, host_store, sealed
-from detrain.distributed.slurm import map_slurm_env
+from detrain.distributed import heartbeat, wire
+from detrain.distributed.launch import nccl_watch, netif
+from detrain.distributed.launch.master_store import SECRET_ENV, host_store, sealed
+from detrain.distributed.launch.slurm import map_slurm_env
 from detrain.distributed.store_barrier import Absent, StoreBarrier
 from detrain.distributed.world import World
 from detrain.errors import DistributedError
@@ -89,9 +90,9 @@ def setup(
 
     ``world`` (:class:`detrain.distributed.world.World`, as the launcher handed it to the worker's entry) gives the
     ranks, MASTER_ADDR / MASTER_PORT (set by torch's elastic launcher or torchrun, or mapped from SLURM's variables
-    under ``srun``) and the device (the device plan's for this worker, chosen by ``detrain.distributed.launch``).
-    Backend: nccl for CUDA, gloo otherwise. Under ``srun`` torch's variables are also put into the environment, for
-    libraries that read them there.
+    under ``srun``) and the device (the device plan's for this worker, chosen by
+    ``detrain.distributed.launch.launcher``). Backend: nccl for CUDA, gloo otherwise. Under ``srun`` torch's
+    variables are also put into the environment, for libraries that read them there.
 
     Example:
         >>> info = setup(World())     # a plain process: no group, rank 0 of 1
@@ -548,7 +549,7 @@ def _store_args(world: World, timeout: timedelta) -> dict[str, Any]:
     only on MASTER_ADDR (see ``netif.listen_address``), where binding that address is possible here.
 
     Either way every value this group puts there is sealed with the run's secret (``world.secret``, which
-    detrain's launcher hands its workers; :class:`detrain.distributed.master_store.SealedStore`): the ranks'
+    detrain's launcher hands its workers; :class:`detrain.distributed.launch.master_store.SealedStore`): the ranks'
     addresses, NCCL's unique id. srun's tasks on several nodes must be given one (``DETRAIN_RUN_SECRET``, which srun
     passes to every task: :func:`setup` says so first); under torchrun, or srun on one node, a group without one
     is not sealed.

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as tdist
 
-from detrain.distributed.master_store import sealed
+from detrain.distributed.launch.master_store import sealed
 
 
 class Absent(Exception):
@@ -37,7 +37,7 @@ class StoreBarrier:
     def connect(cls, addr: str, port: int, restarts: int, timeout: timedelta, secret: str = "") -> StoreBarrier | None:
         """A client of the rendezvous store at ``addr:port`` (the elastic agent's, or rank 0's under env://),
         with keys of its own per restart attempt, their values sealed with ``secret`` where there is one
-        (:mod:`detrain.distributed.master_store`); None where no such store can be reached."""
+        (:mod:`detrain.distributed.launch.master_store`); None where no such store can be reached."""
         try:
             client = tdist.TCPStore(addr, port, is_master=False, timeout=timeout)
         except Exception:  # noqa: BLE001 - e.g. a store that is not a TCPStore: the caller keeps torch's barrier

@@ -3,10 +3,10 @@
 Launchers tell a worker where it sits through environment variables: torch's elastic agent (under detrain's
 launcher and under torchrun) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT and TORCHELASTIC_* (and torchrun OMP_NUM_THREADS); ``srun`` sets SLURM_*, translated to
-torch's names by :mod:`detrain.distributed.slurm`; detrain's launcher marks the workers it spawned
+torch's names by :mod:`detrain.distributed.launch.slurm`; detrain's launcher marks the workers it spawned
 (DETRAIN_LAUNCHER). :meth:`World.from_env` is the one place that reads them, once per process: the launching
 process in :func:`detrain.run.task.run_task`, a spawned worker in the launcher's worker entry
-(:mod:`detrain.distributed.launch`). The launcher then completes the world with the worker's device, taken from
+(:mod:`detrain.distributed.launch.launcher`). The launcher then completes the world with the worker's device, taken from
 the device plan for its local rank (:meth:`World.on`; no device travels through the environment), and hands it
 to the entry (``train_worker(args, world)``), which passes it on to whatever needs it (``dist.setup``, the
 trainer, the checkpoint search, the run's trace, the loaders). Nothing under ``detrain/engine`` reads the
@@ -33,9 +33,9 @@ from typing import Literal
 
 import torch
 
-from detrain.distributed import slurm
-from detrain.distributed.master_store import run_secret
-from detrain.distributed.slurm import env_int
+from detrain.distributed.launch import slurm
+from detrain.distributed.launch.master_store import run_secret
+from detrain.distributed.launch.slurm import env_int
 from detrain.errors import DistributedError
 
 Launcher = Literal["detrain", "torchrun", "slurm", "none"]
@@ -126,7 +126,7 @@ class World:
 
     def on(self, device: str) -> World:
         """This world with ``device`` as this worker's: the launcher's choice from the device plan for its local rank
-        (:func:`detrain.distributed.launch.launch`), which the environment does not carry.
+        (:func:`detrain.distributed.launch.launcher.launch`), which the environment does not carry.
 
         >>> World().on("cuda:1").device
         'cuda:1'
@@ -147,6 +147,24 @@ class World:
     def is_main(self) -> bool:
         """True on global rank 0, the rank that logs and writes files."""
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place in the data-parallel group: which share of every global batch it reads, of which
+        validation shard it scores, whose images its loss normalises over. Every parallelism detrain has (ddp,
+        fsdp, hsdp: sharded within a node, replicated across nodes) gives each rank images of its own, so the group
+        is the world today; a parallelism that splits a model across ranks (tensor parallelism) would make it a
+        part of the world, and the data would follow it through here.
+
+        >>> World(rank=3, world_size=4).dp_rank, World(rank=3, world_size=4).dp_size
+        (3, 4)
+        """
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """The ranks of the data-parallel group (see :attr:`dp_rank`): the world's."""
+        return self.world_size
 
     @property
     def whole_world_here(self) -> bool:

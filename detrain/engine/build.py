@@ -13,7 +13,7 @@ import torch
 from detrain.config.keys import Output
 from detrain.config.values import EXPORTED_SUFFIXES
 from detrain.distributed import dist
-from detrain.distributed.devices import cpu_threads_per_worker
+from detrain.distributed.launch.devices import cpu_threads_per_worker
 from detrain.errors import ConfigError
 from detrain.system.tempfiles import folder_problem
 from detrain.system.text import shown
@@ -232,7 +232,7 @@ def architecture(model: str) -> tuple[str, str]:
 
 def set_cpu_threads(device: torch.device, world: World) -> None:
     """On the CPU, unless the user or the launcher set OMP_NUM_THREADS (``world.omp_threads``): this worker's share
-    of the cores (:func:`detrain.distributed.devices.cpu_threads_per_worker` for the ranks on its node)."""
+    of the cores (:func:`detrain.distributed.launch.devices.cpu_threads_per_worker` for the ranks on its node)."""
     threads = None if world.omp_threads else cpu_threads_per_worker(world.local_world_size)
     if device.type == "cpu" and threads is not None:
         torch.set_num_threads(threads)

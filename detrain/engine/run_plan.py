@@ -2,7 +2,7 @@
 
 ``detrain train`` / ``detrain val`` make it in :func:`detrain.run.task.run_task`, before any worker starts; every
 worker (spawned here, on another node by its own launcher, or restarted) receives it as it is and computes none
-of it again. The devices themselves go to the launcher (:class:`detrain.distributed.devices.DevicePlan`), which
+of it again. The devices themselves go to the launcher (:class:`detrain.distributed.launch.devices.DevicePlan`), which
 gives each worker its own device through its :class:`detrain.distributed.world.World`.
 It lives in the engine, which receives it, so that no worker reaches up into :mod:`detrain.run`, which makes it.
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from detrain.config.cfg import Cfg
 from detrain.config.values import is_auto_batch
-from detrain.distributed import launch, netif, restart_policy, run_identity, slurm
+from detrain.distributed.launch import launcher, netif, restart_policy, run_identity, slurm
 from detrain.distributed.world import World
 from detrain.engine.build import increment_run_dir
 from detrain.engine.run_plan import RunPlan, user_heads
@@ -42,7 +42,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     world = World.from_env()  # this process: a plain one, or already a rank of torchrun's or srun's world
     if cfg.distributed.socket_ifname:
         netif.check_ifname(cfg.distributed.socket_ifname)  # before anything is planned or created
-    devices = launch.parse_device(cfg.distributed.device)
+    devices = launcher.parse_device(cfg.distributed.device)
     check_inputs(task, cfg, world)  # every named file, before a process starts or a folder is made
     nodes = cfg.distributed.node_range  # (MIN, MAX), parsed when the config was checked
     args: dict[str, Any] = {"cfg": cfg}  # checked once, by make_cfg: the workers take it as it is
@@ -70,7 +70,7 @@ def run_task(task: str, cfg: Cfg, callbacks: Mapping[str, list[CallbackFn]] | No
     args["plan"] = RunPlan(nodes, save_dir, launch_id, user_heads())  # a user's heads, for spawned workers too
     with _requeued_when_preempted(task, world, cfg):  # under SLURM node 0 puts the job back in the queue
         return restart_policy.finished(  # every rank agreed to stop (restart_policy.py): its line, raised
-            launch.launch(
+            launcher.launch(
                 entry,
                 args,
                 devices,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.launch.launcher import launch, parse_device
 from detrain.engine.train import accumulation
 
 

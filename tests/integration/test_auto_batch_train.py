@@ -19,7 +19,7 @@ from detrain import Model
 from detrain.config.cfg import make_cfg
 from detrain.data.prepare import load_split
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.launch.launcher import launch, parse_device
 from detrain.engine.train import auto_batch
 from detrain.engine.train.auto_batch import GIB
 

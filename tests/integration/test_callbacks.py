@@ -261,7 +261,7 @@ def _failure(message: str, timestamp: int) -> types.SimpleNamespace:
 
 def test_the_report_names_the_rank_whose_callback_raised_not_the_peer_that_lost_it() -> None:
     """Which rank wrote its error file first is a race (whole seconds): rank 1's gloo error may come first."""
-    from detrain.distributed.launch_failures import describe_failure
+    from detrain.distributed.launch.failures import describe_failure
 
     failures = {
         0: _failure("RuntimeError: callback failed on purpose at on_train_start", 101),

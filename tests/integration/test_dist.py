@@ -1,6 +1,6 @@
 """dist: collectives are identities in one process, and correct and bounded across two gloo workers.
 
-The multi-process tests launch tiny workers from ``_dist_workers.py`` through ``detrain.distributed.launch``.
+The multi-process tests launch tiny workers from ``_dist_workers.py`` through ``detrain.distributed.launch.launcher``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import _dist_workers as workers
 import pytest
 import torch
 
-from detrain.distributed import dist, slurm
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed import dist
+from detrain.distributed.launch import slurm
+from detrain.distributed.launch.launcher import launch, parse_device
 from detrain.distributed.world import World
 from detrain.errors import DistributedError
 
@@ -188,7 +189,7 @@ def test_a_rank_ended_by_nccls_watchdog_names_the_rank_that_stopped(
     """NCCL's watchdog ends a rank whose collective waited too long with one line on stderr and SIGABRT (no Python
     error): the launcher, relaying the workers' stderr as it does for GPU workers, reads that line, and the
     heartbeats in its store name the rank that froze, as on gloo, instead of "killed by SIGABRT"."""
-    from detrain.distributed import launch as launcher
+    from detrain.distributed.launch import launcher
 
     monkeypatch.setattr(launcher, "_nccl_workers", lambda plan: True)  # as for GPU workers (NCCL)
     with pytest.raises(DistributedError) as err:

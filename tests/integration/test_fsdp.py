@@ -23,7 +23,7 @@ import torch
 from _processes import child_env, run_together
 
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.launch.launcher import launch, parse_device
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300
@@ -101,6 +101,7 @@ RESUMES = {  # name: (the run whose epoch1.pt is resumed, parallel= of the resum
     "ddp-to-fsdp": ("ddp", "fsdp", "cpu,cpu"),
     "fsdp-to-ddp": ("fsdp", "ddp", "cpu,cpu"),
     "fsdp-2-workers-to-1": ("fsdp", "fsdp", "cpu"),
+    "ddp-to-hsdp": ("ddp", "hsdp", "cpu,cpu"),  # one node: a 1 x 2 mesh, its shards read on the mesh's 2nd dimension
 }
 
 
@@ -121,7 +122,7 @@ def resumed(runs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 @pytest.mark.parametrize("name", list(RESUMES))
-def test_a_checkpoint_resumes_across_ddp_fsdp_and_world_sizes(
+def test_a_checkpoint_resumes_across_ddp_fsdp_hsdp_and_world_sizes(
     runs: dict[str, Path], resumed: dict[str, tuple[Path, tuple[int, str]]], name: str
 ) -> None:
     """epoch1.pt of one run resumed for epoch 2 under the other choice (or 1 worker) ends where the uninterrupted
@@ -160,4 +161,4 @@ def test_a_bad_parallel_value_is_one_line() -> None:
     ((code, out),) = _together([["parallel=zero", "data=coco8.yaml"]])
     assert code == 2, f"exit {code}\n{out[-2000:]}"
     lines = [line for line in out.splitlines() if line.startswith("error:")]
-    assert lines == ["error: invalid value for 'parallel': 'zero'; expected one of ddp, fsdp"], out[-2000:]
+    assert lines == ["error: invalid value for 'parallel': 'zero'; expected one of ddp, fsdp, hsdp"], out[-2000:]

@@ -23,7 +23,7 @@ import json, sys
 import torch
 from torch import nn
 
-import detrain.cli, detrain.distributed.launch, detrain.engine.train.trainer  # what a launcher imports
+import detrain.cli, detrain.distributed.launch.launcher, detrain.engine.train.trainer  # what a launcher imports
 from detrain.distributed import parallel
 from detrain.engine.train import accumulation, ema, nonfinite, optim, reproduce
 from detrain.nn.postprocess import non_max_suppression
@@ -32,7 +32,7 @@ HEAVY = ("torchvision", "torch._dynamo", "torch._inductor", "torch.distributed.f
 seen = {}
 net = nn.Linear(2, 2)
 net(torch.ones(1, 2)).sum().backward()
-seen["probes"] = [parallel.is_sharded(net), any(optim.shard_probe.is_dtensor(p) for p in net.parameters())]
+seen["probes"] = [parallel.is_sharded(net), any(optim.probe.is_dtensor(p) for p in net.parameters())]
 accumulation.average_over_ranks(net)  # one process: nothing to average, and nothing sharded
 ema.ModelEMA(net).gather(net)
 seen["norm"] = float(nonfinite.gradient_norm(list(net.parameters()), clip=10.0))

@@ -22,8 +22,8 @@ import torch
 from _processes import RUN_SECRET
 
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed.devices import cpu_threads_per_worker
-from detrain.distributed.launch import (
+from detrain.distributed.launch.devices import cpu_threads_per_worker
+from detrain.distributed.launch.launcher import (
     DevicePlan,
     launch,
     parse_device,

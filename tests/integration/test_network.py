@@ -25,9 +25,10 @@ from _sockets import listening
 
 from detrain.config.cfg import make_cfg
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed import dist, netif, run_identity
-from detrain.distributed.launch import launch, parse_device
-from detrain.distributed.master_store import host_store
+from detrain.distributed import dist
+from detrain.distributed.launch import netif, run_identity
+from detrain.distributed.launch.launcher import launch, parse_device
+from detrain.distributed.launch.master_store import host_store
 from detrain.distributed.world import World
 from detrain.errors import ConfigError, DistributedError
 

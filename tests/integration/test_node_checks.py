@@ -1,7 +1,7 @@
 """Nodes that differ are refused at start, and restarts that cannot help stop (issue 22 items 4 and 7), with real
 processes: two launchers on 127.0.0.1 as two nodes, each with its own run folder and its own copy of the dataset
-(:mod:`detrain.distributed.node_consistency`), and a worker that fails at the same step on every attempt
-(:mod:`detrain.distributed.restart_policy`).
+(:mod:`detrain.distributed.launch.node_consistency`), and a worker that fails at the same step on every attempt
+(:mod:`detrain.distributed.launch.restart_policy`).
 
 Every run is tiny (64 px, 16 images, scale n, workers=0, one thread per process); the time limits are hang guards,
 never timed asserts.

@@ -39,8 +39,9 @@ import torch.distributed as tdist
 from _processes import REPO, RUN_SECRET, child_env, free_port
 
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed import dist, run_identity
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed import dist
+from detrain.distributed.launch import run_identity
+from detrain.distributed.launch.launcher import launch, parse_device
 from detrain.distributed.world import World
 from detrain.errors import DistributedError
 
@@ -145,7 +146,7 @@ def _node0(port: int, extra: dict[str, Any], env: dict[str, str], log: Path) -> 
     """Node 0 of a run of two on 127.0.0.1, in a process of its own: its launcher with one worker of
     :func:`hold_then_report`."""
     code = (
-        "import json, sys; from detrain.distributed.launch import launch, parse_device; "
+        "import json, sys; from detrain.distributed.launch.launcher import launch, parse_device; "
         "from detrain.errors import DetrainError; import test_peer_attacks as t\n"
         "try: print(json.dumps(launch(t.hold_then_report, {}, parse_device('cpu'), node_rank=0, "
         "**json.loads(sys.argv[1]))))\n"
@@ -285,7 +286,7 @@ def test_a_pickle_written_into_the_c10d_rendezvous_state_runs_nothing(tmp_path: 
         _wait_for_key(plain, key, node0, log)
         writer: Any = plain
         if with_secret:
-            from detrain.distributed.master_store import SealedStore  # here: the code before this test had none
+            from detrain.distributed.launch.master_store import SealedStore  # here: the code before this test had none
 
             writer = SealedStore(plain, RUN_SECRET)
         writer.set(key, base64.b64encode(_payload(str(marker))))

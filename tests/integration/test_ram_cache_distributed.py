@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.launch.launcher import launch, parse_device
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="cache=ram needs /dev/shm")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import _dist_workers as workers
 import pytest
 
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.launch.launcher import launch, parse_device
 
 
 @pytest.mark.parametrize("share", [True, False])

@@ -19,7 +19,7 @@ from detrain import Model
 from detrain.config.cfg import make_cfg
 from detrain.data.dataset import DetectionDataset
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed.launch import launch, parse_device
+from detrain.distributed.launch.launcher import launch, parse_device
 from detrain.engine.train import freeze, pretrained, time_budget
 from detrain.errors import CheckpointError, ConfigError
 from detrain.nn.model import DetectionModel

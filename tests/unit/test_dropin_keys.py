@@ -8,7 +8,7 @@ import torch
 
 from detrain.config.cfg import make_cfg
 from detrain.config.keys import ULTRALYTICS_ONLY
-from detrain.distributed import devices
+from detrain.distributed.launch import devices
 from detrain.errors import ConfigError
 
 

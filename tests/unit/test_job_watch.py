@@ -1,5 +1,5 @@
-"""Every node ends when the run ends (detrain.distributed.job_watch) and a rank that waited in vain names the rank
-whose heartbeat stopped (detrain.distributed.heartbeat, dist.silent_peers_error): in one process, on a real
+"""Every node ends when the run ends (detrain.distributed.launch.job_watch) and a rank that waited in vain names the
+rank whose heartbeat stopped (detrain.distributed.heartbeat, dist.silent_peers_error): in one process, on a real
 TCPStore on 127.0.0.1, with intervals of a few hundredths of a second. The whole story, with processes, is
 tests/integration/test_chaos.py's stopped rank."""
 
@@ -16,8 +16,8 @@ import pytest
 import torch.distributed as tdist
 
 from detrain.distributed import dist, heartbeat
-from detrain.distributed.job_watch import END_KEY, JobWatch
-from detrain.distributed.master_store import host_store
+from detrain.distributed.launch.job_watch import END_KEY, JobWatch
+from detrain.distributed.launch.master_store import host_store
 from detrain.errors import DistributedError
 
 LIMIT_S = 30  # a hang guard, not a timing
@@ -158,7 +158,7 @@ def test_the_silent_rank_is_named_in_one_line(server, monkeypatch) -> None:
 def test_the_launcher_report_leads_with_the_silent_rank() -> None:
     from types import SimpleNamespace
 
-    from detrain.distributed.launch_failures import describe_failure, explained
+    from detrain.distributed.launch.failures import describe_failure, explained
 
     text = str(DistributedError(f"rank 1 stopped responding: no heartbeat for 3s {dist.PEER_LOST_MARK} [Timed out]"))
     message = f"DistributedError: {text}"
@@ -235,8 +235,8 @@ def test_losing_node_0_stops_a_node_and_kills_its_stopped_worker() -> None:
 STUCK_LAUNCHER = """
 import time
 from datetime import timedelta
-from detrain.distributed.job_watch import JobWatch
-from detrain.distributed.master_store import host_store
+from detrain.distributed.launch.job_watch import JobWatch
+from detrain.distributed.launch.master_store import host_store
 server = host_store("127.0.0.1", 0, bind="127.0.0.1", timeout=timedelta(seconds=5))
 watch = JobWatch("127.0.0.1", server.port, 1, poll_s=0.02, lost_after_s=0.3, kill_after_s=0.1, exit_after_s=0.5)
 watch.start()
@@ -269,13 +269,15 @@ def test_the_node_0_watch_waits_exactly_dist_timeout(timeout: float, tmp_path, m
     """The README promises that a node cut off from node 0 ends once node 0 has been silent for ``dist_timeout``:
     the launcher's watch is given that very number (a collective may wait as long; a shorter watch would end nodes
     whose collectives were still in time, a longer one leaves them hanging past it)."""
-    import detrain.distributed.launch
+    import detrain.distributed.launch.launcher
     import detrain.run.task
     from detrain.config.cfg import make_cfg
 
     monkeypatch.chdir(tmp_path)
     given: list[dict] = []
-    monkeypatch.setattr(detrain.distributed.launch, "launch", lambda entry, args, devices, **kw: given.append(kw))
+    monkeypatch.setattr(
+        detrain.distributed.launch.launcher, "launch", lambda entry, args, devices, **kw: given.append(kw)
+    )
     cfg = make_cfg({"device": "cpu", "nnodes": 2, "node_rank": 1, "master_addr": "127.0.0.1", "dist_timeout": timeout})
     detrain.run.task.run_task("train", cfg)
     assert given[0]["lost_after_s"] == timeout

@@ -8,7 +8,7 @@ Why the order differs from the plain flow (config -> nn -> ... -> engine):
 
 * ``distributed`` sits just above the ground, below ``config``: it takes plain values (a device string, node
   counts, addresses), never a ``Cfg``, and imports nothing of detrain but ``errors``. ``config`` checks ``nnodes``
-  with the launcher's own parser (``launch_checks.parse_nnodes``: one reading of torchrun's syntax), and ``data``
+  with the launcher's own parser (``launch.checks.parse_nnodes``: one reading of torchrun's syntax), and ``data``
   calls collectives (the first process of a node prepares the files, the ground truth is gathered).
 * ``nn`` below ``weights``: a checkpoint is read into a ``DetectionModel``; the model knows nothing of files.
 * ``metrics`` below ``data``: the ground truth of a split is read into the metrics' COCO records.

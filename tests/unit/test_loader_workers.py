@@ -10,7 +10,7 @@ import pytest
 from detrain.config.cfg import make_cfg
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
 from detrain.data.synthetic import generate_shapes
-from detrain.distributed.devices import loader_workers
+from detrain.distributed.launch.devices import loader_workers
 from detrain.distributed.world import World
 
 

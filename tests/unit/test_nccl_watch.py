@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as tdist
 
 from detrain.distributed import dist, heartbeat
-from detrain.distributed.launch_failures import describe_failure, is_consequence
-from detrain.distributed.nccl_watch import WatchdogFinding, peer_gone, relayed_stderr, watchdog_finding
+from detrain.distributed.launch.failures import describe_failure, is_consequence
+from detrain.distributed.launch.nccl_watch import WatchdogFinding, peer_gone, relayed_stderr, watchdog_finding
 
 # the watchdog's line as torch 2.4 (no [rankN]: prefix) and 2.14 log it, and its monitor's when the watchdog hangs
 OLD = (

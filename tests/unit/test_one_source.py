@@ -17,7 +17,7 @@ from detrain.config.cfg import make_cfg
 from detrain.config.keys import COMMAND_KEYS, PER_NODE_KEYS, PREPARE_TIMEOUT_S, SPECS, Cfg, Distributed, Loss
 from detrain.data.dataset import DetectionDataset
 from detrain.data.memory.ram_cache import RamCache
-from detrain.distributed import run_identity
+from detrain.distributed.launch import run_identity
 from detrain.engine.train.shared_settings import BY_WHAT_THEY_NAME, shared_settings
 from detrain.nn.loss import DetectionLoss, LossGains
 from detrain.nn.loss_e2e import EndToEndLoss, RegMax1BranchLoss

@@ -1,6 +1,6 @@
-"""Restarts that cannot help (detrain.distributed.restart_policy), nodes that differ
-(detrain.distributed.node_consistency) and a SLURM job preempted again and again at one checkpoint
-(detrain.distributed.slurm.requeue_unless_stuck), without processes: the verdicts from their records."""
+"""Restarts that cannot help (detrain.distributed.launch.restart_policy), nodes that differ
+(detrain.distributed.launch.node_consistency) and a SLURM job preempted again and again at one checkpoint
+(detrain.distributed.launch.slurm.requeue_unless_stuck), without processes: the verdicts from their records."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from detrain.config.cfg import make_cfg
-from detrain.distributed import node_consistency, restart_policy, slurm
+from detrain.distributed.launch import node_consistency, restart_policy, slurm
 from detrain.distributed.world import World
 from detrain.engine.train.shared_settings import shared_settings
 from detrain.errors import ConfigError, DistributedError

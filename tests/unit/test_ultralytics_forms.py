@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-import detrain.distributed.launch
+import detrain.distributed.launch.launcher
 import detrain.run.task
 from detrain import Model, cli
 from detrain.config.cfg import make_cfg, parse_cli_args
@@ -198,7 +198,9 @@ def test_autobatch_passes_the_launchers_split_check(tmp_path: Path, monkeypatch:
     """batch=-1 over three workers: nothing to split yet (the workers pick a batch that splits)."""
     monkeypatch.chdir(tmp_path)
     launched: list[Any] = []
-    monkeypatch.setattr(detrain.distributed.launch, "launch", lambda entry, args, devices, **kw: launched.append(args))
+    monkeypatch.setattr(
+        detrain.distributed.launch.launcher, "launch", lambda entry, args, devices, **kw: launched.append(args)
+    )
     detrain.run.task.run_task("train", make_cfg(parse_cli_args(["batch=-1", "device=cpu,cpu,cpu"], "train")))
     assert launched[0]["cfg"].train.batch == -1
     with pytest.raises(ConfigError, match="batch=16 does not split evenly over the 3 workers"):

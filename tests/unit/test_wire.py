@@ -226,7 +226,7 @@ OBJECT_COLLECTIVES = {
 UNPICKLING = {"load", "loads", "Unpickler", "_Unpickler"}
 # allow-listed unpicklers, each finding only the classes of its own list: the checkpoint reader's, and the check of
 # torch's c10d rendezvous state before torch's own pickle.loads reads it (master_store.check_rendezvous_state)
-RESTRICTED = {DETRAIN / "weights" / "safe_pickle.py", DETRAIN / "distributed" / "master_store.py"}
+RESTRICTED = {DETRAIN / "weights" / "safe_pickle.py", DETRAIN / "distributed" / "launch" / "master_store.py"}
 
 
 def _dotted(node: ast.AST) -> str:

@@ -58,7 +58,7 @@ def score_predictions_file(cfg: Cfg, data: Any, save_dir: str | Path | None, wor
         )
     class_of = gt.class_of()
     images = sorted(gt.images.values(), key=lambda g: g.image_id)
-    lo, hi = world.rank * len(images) // world.world_size, (world.rank + 1) * len(images) // world.world_size
+    lo, hi = world.dp_rank * len(images) // world.dp_size, (world.dp_rank + 1) * len(images) // world.dp_size
     scorer = Scorer(
         data.nc, classes=None if cfg.inputs.single_cls or not cfg.inputs.classes else tuple(cfg.inputs.classes)
     )

@@ -38,7 +38,7 @@ from detrain.config.values import image_hw
 from detrain.data.frames import Frame, read_frames
 from detrain.data.samples.augment import letterbox
 from detrain.data.sources import Source, parse_source, shown
-from detrain.distributed.devices import parse_device
+from detrain.distributed.launch.devices import parse_device
 from detrain.engine.backends import ExportedModel, load_exported
 from detrain.engine.build import (
     build_model,

@@ -125,7 +125,7 @@ def split_fingerprint(datasets: Iterable[Any], content: bool = False) -> dict[st
 
 
 def dataset_identity(datasets: Iterable[Any]) -> dict[str, Any]:
-    """What every node's copy of the dataset must share (:mod:`detrain.distributed.node_consistency`): the number
+    """What every node's copy of the dataset must share (:mod:`detrain.distributed.launch.node_consistency`): the number
     of images of each split and the fingerprint of :func:`split_fingerprint`.
 
     >>> from types import SimpleNamespace as NS

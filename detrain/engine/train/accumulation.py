@@ -14,9 +14,9 @@ every rank then holds the same partial sum, and the update's all-reduce later av
 same result. A resumed run adds them to its first batch's gradients (:func:`add_saved`), wherever DDP keeps its
 gradient buckets.
 
-Under ``parallel=fsdp`` every backward reduce-scatters (:mod:`detrain.distributed.sharded`): the waiting
+Under ``parallel=fsdp`` every backward reduce-scatters (:mod:`detrain.distributed.parallel.fsdp`): the waiting
 gradients are each rank's rows of the mean already, nothing is averaged at an epoch's end, and the checkpoint's
-whole gradients are gathered for it (:func:`detrain.distributed.sharded.full_gradients`); a resumed run adds its
+whole gradients are gathered for it (:func:`detrain.distributed.parallel.fsdp.full_gradients`); a resumed run adds its
 own rows of them.
 """
 
@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from detrain.distributed import dist, shard_probe
+from detrain.distributed import dist
+from detrain.distributed.parallel import probe
 
 
 def pending_batches(last_batch: int, last_update: int) -> int:
@@ -75,7 +76,7 @@ def average_over_ranks(model: nn.Module) -> None:
     """Make the waiting gradients of ``model`` (the bare model, not its DDP wrapper) their mean over the ranks, the
     same on every rank: one all-reduce of :func:`flat_gradients`, put back by :func:`load_flat_gradients`. Done at an
     epoch's end and before a mid-epoch checkpoint (see the module). A collective: call it on every rank."""
-    if shard_probe.is_sharded(model):
+    if probe.is_sharded(model):
         return  # reduce-scattered in every backward: each rank holds its rows of the mean (see the module)
     load_flat_gradients(model, dist.reduce_mean(flat_gradients(model)))  # collective: one all-reduce
 
@@ -104,10 +105,7 @@ def add_saved(model: nn.Module, grads: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, g in grads.items():
             p = params[name]
-            if shard_probe.is_dtensor(p):  # parallel=fsdp: this rank's rows of the whole gradient
-                from detrain.distributed import sharded  # imported already where a DTensor exists
-
-                g = sharded.local_part(g, p)
+            g = probe.local_rows(g, p)  # parallel=fsdp/hsdp: this rank's rows of the whole gradient
             if p.grad is None:
                 p.grad = g.to(p.device, p.dtype).clone()
             else:

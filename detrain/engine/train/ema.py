@@ -15,8 +15,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from detrain.distributed import shard_probe
-from detrain.distributed.parallel import unwrap
+from detrain.distributed.parallel import probe, unwrap
 
 
 class ModelEMA:
@@ -57,7 +56,7 @@ class ModelEMA:
         self.updates += 1
         d = self.current_decay()
         bare = unwrap(model)
-        if shard_probe.is_sharded(bare):
+        if probe.is_sharded(bare):
             self._update_rows(bare, d)
             return
         for emas, sources in self._pairs(bare):
@@ -83,14 +82,10 @@ class ModelEMA:
 
     def _update_rows(self, bare: nn.Module, d: float) -> None:
         """``parallel=fsdp``: each tensor's rows that this rank's shard holds (see the module), one at a time."""
-        from detrain.distributed import sharded  # imported already where a model is sharded
-
         model_state = bare.state_dict()
         for name, value in self.ema.state_dict().items():
             if value.dtype.is_floating_point and name not in self.fixed:
-                source = model_state[name].detach()
-                if shard_probe.is_dtensor(source):  # this rank's rows
-                    value, source = sharded.own_rows(value, source)
+                value, source = probe.own_rows(value, model_state[name].detach())  # this rank's rows
                 value.mul_(d).add_(source, alpha=1 - d)
 
     @torch.no_grad()
@@ -98,13 +93,10 @@ class ModelEMA:
         """Under ``parallel=fsdp``, every rank's averaged rows on every rank (a collective: call on every rank);
         otherwise nothing to do. Before the EMA is validated or saved."""
         bare = unwrap(model)
-        if not shard_probe.is_sharded(bare) or self.gathered_at == self.updates:
+        if not probe.is_sharded(bare) or self.gathered_at == self.updates:
             return  # nothing sharded, or no update since the last gather (validation, then last.pt, per epoch)
         self.gathered_at = self.updates  # the same on every rank: every rank skips or gathers alike
-        from detrain.distributed import sharded  # imported already where a model is sharded
-
         model_state = bare.state_dict()
         for name, value in self.ema.state_dict().items():
-            source = model_state[name]
-            if shard_probe.is_dtensor(source) and value.dtype.is_floating_point and name not in self.fixed:
-                sharded.gather_rows(value, source)  # collective: one all-gather
+            if value.dtype.is_floating_point and name not in self.fixed:
+                probe.gather_rows(value, model_state[name])  # collective: one all-gather where sharded

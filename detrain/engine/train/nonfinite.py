@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain.distributed import shard_probe
+from detrain.distributed.parallel import probe
 from detrain.errors import DetrainError
 from detrain.log import console
 
@@ -178,7 +178,7 @@ def gradient_norm(parameters: Iterable[torch.Tensor], clip: float) -> torch.Tens
         return torch.zeros(())
     else:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
-    return norm.to_local() if shard_probe.is_dtensor(norm) else norm
+    return probe.local_value(norm)
 
 
 def finite_items(items: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

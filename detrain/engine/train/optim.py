@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from detrain.config.cfg import Cfg
-from detrain.distributed import shard_probe
+from detrain.distributed.parallel import probe
 from detrain.engine.train.musgd import MuSGD, apply_group_warmup, build_musgd
 from detrain.nn.modules import BN_MOMENTUM
 
@@ -224,8 +224,8 @@ def kernel_options(params: Sequence[torch.Tensor]) -> dict[str, bool]:
     >>> kernel_options([torch.zeros(2)]), kernel_options([])
     ({'fused': True}, {})
     """
-    if any(shard_probe.is_dtensor(p) for p in params):
-        return {"foreach": True}  # parallel=fsdp: the fused SGD kernel has no DTensor rule (torch 2.14)
+    if probe.any_sharded(params):
+        return {"foreach": True}  # parallel=fsdp/hsdp: the fused SGD kernel has no DTensor rule (torch 2.14)
     types = {p.device.type for p in params}
     if len(types) == 1 and types <= set(_FUSED_DEVICES) and all(p.is_floating_point() for p in params):
         return {"fused": True}
@@ -269,7 +269,7 @@ def _match_layouts(optimizer: torch.optim.Optimizer) -> None:
             for name, value in state.items():
                 if (
                     isinstance(value, torch.Tensor)
-                    and not shard_probe.is_dtensor(value)
+                    and not probe.is_dtensor(value)
                     and value.shape == p.shape
                     and _order(value) != _order(p)
                 ):

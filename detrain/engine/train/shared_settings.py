@@ -1,5 +1,5 @@
 """The arguments every node of one run must share, compared across nodes at start
-(:func:`detrain.distributed.node_consistency.check_nodes`).
+(:func:`detrain.distributed.launch.node_consistency.check_nodes`).
 
 Each node is started with its own command line. Two that differ in what every rank's steps follow (the epochs,
 the batch, the optimizer, the augmentation, ``parallel=``, ``sync_bn=``, when checkpoints are saved, validation's

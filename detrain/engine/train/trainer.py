@@ -25,9 +25,10 @@ from detrain.config.values import is_auto_batch
 from detrain.data.memory.batch_memory import release_batch
 from detrain.data.prepare import build_train_loader, build_val_loader, load_split
 from detrain.data.samples.device_render import DeviceBatch
-from detrain.distributed import dist, node_consistency, parallel, restart_policy
+from detrain.distributed import dist, parallel
+from detrain.distributed.launch import node_consistency, restart_policy
+from detrain.distributed.launch.preempt_mark import exit_when_launcher_stops, leave_mark
 from detrain.distributed.parallel import unwrap
-from detrain.distributed.preempt_mark import exit_when_launcher_stops, leave_mark
 from detrain.distributed.world import World
 from detrain.distributed.world_layout import number_nodes
 from detrain.engine.build import set_cpu_threads
@@ -84,7 +85,7 @@ class Trainer:
         cfg = self.cfg = start.cfg
         self.world, self.rank, self.main = world, world.rank, world.is_main
         # the batch must split over the planned world whatever the accumulation: checked before anything loads
-        self.planned_world = planned_world_size(plan.nodes, world.world_size, world.local_world_size)
+        self.planned_world = planned_world_size(plan.nodes, world.dp_size, world.local_world_size)
         self.elastic = plan.nodes[0] != plan.nodes[1]  # nnodes=MIN:MAX: nodes must have the same number of devices
         if not is_auto_batch(cfg.train.batch):  # AutoBatch's is chosen to split (setup.pick_batch)
             check_split(cfg.train.batch_images, self.planned_world)
@@ -183,7 +184,7 @@ class Trainer:
         )
         # images per update (optimizer=auto's), accumulation
         self.plan, total_iters = setup.plan_batches(
-            self.cfg, len(self.data.records), self.nc, self.world.world_size, self.planned_world
+            self.cfg, len(self.data.records), self.nc, self.world.dp_size, self.planned_world
         )
         self._make_parallel()  # collective: every rank trains rank 0's weights
         self._build_loaders()  # collective: a barrier once every node's data is ready
@@ -207,6 +208,8 @@ class Trainer:
         gives every rank rank 0's weights and buffers; the EMA then follows them."""
         d = self.cfg.distributed
         self.model = parallel.wrap(self.model, self.world, self.device, sync_bn=d.sync_bn, kind=d.parallel)
+        if parallel.is_sharded(self.model):
+            self._say(f"parallel: {parallel.describe(self.model)}")  # the mesh the parameters are placed on
         self.state.restore_ranks(self.model, self.ema)  # collective where sharded
 
     def _build_loaders(self) -> None:
@@ -245,7 +248,8 @@ class Trainer:
         """The model's own loss (its head's: :mod:`detrain.nn.head`), given the loss section as a mapping (the head
         takes the gains it names); the normaliser's all-reduce is the training step's own (_step)."""
         cfg, bare = self.cfg, self._bare()
-        self.criterion = bare.criterion(asdict(cfg.loss), epochs=cfg.train.epochs, world_size=self.world.world_size)
+        # the loss normalises over the data-parallel group's images (score_sum all-reduced, times its size)
+        self.criterion = bare.criterion(asdict(cfg.loss), epochs=cfg.train.epochs, world_size=self.world.dp_size)
         self.loss_names = bare.loss_names
 
     def _start_point(self) -> None:

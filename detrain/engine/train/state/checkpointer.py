@@ -6,7 +6,7 @@ checkpoint is read or made, and never sees the trainer. What it does, in the ord
 
 * the start (:func:`agree_start`, collective): every node offers its furthest checkpoint of this run, every rank
   gets the one to resume from (:mod:`.resume_state`), and a failure that only repeats stops the run
-  (:mod:`detrain.distributed.restart_policy`);
+  (:mod:`detrain.distributed.launch.restart_policy`);
 * the run folder (:class:`Checkpointer`, collective): rank 0 decides it and locks it for the run's life
   (:mod:`.run_lock`); before the first write, leftovers of killed writes go and ``args.yaml`` is written;
 * the restore: the weights, the EMA, the optimizer, schedule, scaler, each rank's random
@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from detrain.config.cfg import Cfg
-from detrain.distributed import dist, parallel, restart_policy
+from detrain.distributed import dist, parallel
+from detrain.distributed.launch import restart_policy
 from detrain.distributed.parallel import unwrap
 from detrain.distributed.world import World
 from detrain.engine.build import agree_run_dir

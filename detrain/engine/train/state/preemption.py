@@ -18,8 +18,8 @@ kill, ``shutdown_timeout`` later (30 s by default). Under srun every process is 
 The flag travels with the all-reduce every step already makes (the batch's loss items, :meth:`Preemption.attach` /
 :meth:`Preemption.read`), so all ranks learn of it at the same step however many of them got the signal: a signal to
 one worker, to one node's launcher (torch's elastic agent passes it on to that node's workers,
-:mod:`detrain.distributed.launch`) or to every process of the job is the same agreed stop. At that step every rank
-saves ``mid.pt`` together
+:mod:`detrain.distributed.launch.launcher`) or to every process of the job is the same agreed stop. At that step every
+rank saves ``mid.pt`` together
 (:mod:`detrain.engine.train.state.mid_epoch`; at an epoch's last batch the epoch finishes and ``last.pt`` is the place)
 and raises :class:`detrain.errors.Preempted`. A resumed run starts at the next batch and ends bitwise equal to an
 uninterrupted one (tests/integration/test_preemption.py; with gradients waiting on several ranks, to float
@@ -27,8 +27,8 @@ rounding: they are averaged when mid.pt is saved).
 
 How the process ends: the CLI prints one line and exits :data:`detrain.errors.EXIT_PREEMPTED` (75, EX_TEMPFAIL:
 "try again"); workers spawned by detrain's launcher leave a note in the node's launch folder
-(:mod:`detrain.distributed.preempt_mark`) and return normally, so that torch's agent does not count a restart, and
-the launcher exits 75 with the note's line.
+(:mod:`detrain.distributed.launch.preempt_mark`) and return normally, so that torch's agent does not count a restart,
+and the launcher exits 75 with the note's line.
 
 What is not covered: a signal during validation or before the first step acts at the next training step, so a
 long validation can outlast a short grace; ``grace=0`` keeps the old behaviour (the signal ends the process).
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from detrain.distributed.preempt_mark import SIGNALS, relayed_signal
+from detrain.distributed.launch.preempt_mark import SIGNALS, relayed_signal
 
 # how long a worker of detrain's launcher waits for the launcher's word after a SIGTERM: a signal to the whole
 # process group reaches the launcher at the same instant, and its handler writes the word within milliseconds

@@ -9,8 +9,8 @@ folder, a restarted worker and a node that joins a group that never failed all r
 rank's own restart count.
 
 Under detrain's launcher rank 0 is always on node_rank 0, which holds the run folder (see
-:func:`detrain.distributed.launch.rendezvous_address`). Under torchrun or srun, rank 0 may be on another node than
-the checkpoint (the group re-formed with the nodes numbered otherwise); that node then also sends the run's
+:func:`detrain.distributed.launch.launcher.rendezvous_address`). Under torchrun or srun, rank 0 may be on another node
+than the checkpoint (the group re-formed with the nodes numbered otherwise); that node then also sends the run's
 record (:mod:`detrain.engine.train.state.run_record`), which rank 0 puts in its own run folder before it goes on there.
 
 A checkpoint is *this run's* when it carries this launch's id (``launch_id``), or, after a SLURM requeue, this

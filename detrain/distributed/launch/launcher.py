@@ -6,8 +6,8 @@ rendezvous, restarts (``max_restarts``), failure reports and signal handling. Wh
 already one rank of a world (torchrun, or ``srun`` with several tasks) it joins that world instead of
 spawning again; a single device is a plain function call with no process group.
 
-Devices are parsed in :mod:`detrain.distributed.devices`, the pre-flight checks are in
-:mod:`detrain.distributed.launch_checks` and failures are worded by :mod:`detrain.distributed.launch_failures`.
+Devices are parsed in :mod:`detrain.distributed.launch.devices`, the pre-flight checks are in
+:mod:`detrain.distributed.launch.checks` and failures are worded by :mod:`detrain.distributed.launch.failures`.
 Every worker is handed its :class:`detrain.distributed.world.World` as ``entry(args, world)``: read from the
 environment once (in a spawned worker: the agent's variables, at the top of its entry here; in this process: by the
 caller), then completed with the worker's device, which the device plan gives for its local rank. The device never
@@ -33,18 +33,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-from detrain.distributed import dist, heartbeat, netif, restart_policy, run_identity
-from detrain.distributed.devices import (
+from detrain.distributed import dist, heartbeat
+from detrain.distributed.launch import netif, restart_policy, run_identity
+from detrain.distributed.launch.checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
+from detrain.distributed.launch.devices import (
     DeviceKind,
     DevicePlan,
     cpu_threads_per_worker,
     parse_device,
     slurm_binds_gpus,
 )
-from detrain.distributed.job_watch import ended_together
-from detrain.distributed.launch_checks import check_entry, parse_nnodes, rendezvous_settings, wait_reachable
-from detrain.distributed.launch_failures import describe_failure, explained, is_consequence, signal_stop
-from detrain.distributed.master_store import (
+from detrain.distributed.launch.failures import describe_failure, explained, is_consequence, signal_stop
+from detrain.distributed.launch.job_watch import ended_together
+from detrain.distributed.launch.master_store import (
     SECRET_ENV,
     host_store,
     missing_secret,
@@ -52,8 +53,8 @@ from detrain.distributed.master_store import (
     rendezvous_backend,
     sealed,
 )
-from detrain.distributed.nccl_watch import relayed_stderr
-from detrain.distributed.preempt_mark import MARK_ENV, MARK_SPARE_S, SIGNALS, read_mark, stop_path
+from detrain.distributed.launch.nccl_watch import relayed_stderr
+from detrain.distributed.launch.preempt_mark import MARK_ENV, MARK_SPARE_S, SIGNALS, read_mark, stop_path
 from detrain.distributed.world import LAUNCHER_ENV, World
 from detrain.errors import DistributedError, Preempted
 from detrain.log import console
@@ -125,7 +126,7 @@ def launch(
     ``dist_timeout``: a node waits for node 0 as long as a collective waits for a rank).
 
     Example:
-        >>> from detrain.distributed.launch import launch, parse_device
+        >>> from detrain.distributed.launch.launcher import launch, parse_device
         >>> launch(lambda args, world: (args["a"], world.device), {"a": 1}, parse_device("cpu"))  # a plain call
         (1, 'cpu')
     """
@@ -232,7 +233,7 @@ def _meet_nodes(
     store = None
     if node_rank == 0:
         # Held for the whole launch: torch's rendezvous asks for a multi-tenant server on this port and gets this
-        # one, listening only on the master's address (see detrain.distributed.master_store).
+        # one, listening only on the master's address (see detrain.distributed.launch.master_store).
         store = host_store(master_addr, master_port, bind=where, timeout=timedelta(seconds=start_timeout))
         master_port, local_addr = store.port, where
         run_identity.host(sealed(store, secret), run_id, run_args)

@@ -40,9 +40,9 @@ from typing import Any
 import torch.distributed as tdist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from detrain.distributed.launch_failures import signal_stop
-from detrain.distributed.master_store import sealed
-from detrain.distributed.restart_policy import AgreedStop
+from detrain.distributed.launch.failures import signal_stop
+from detrain.distributed.launch.master_store import sealed
+from detrain.distributed.launch.restart_policy import AgreedStop
 from detrain.errors import DistributedError, Preempted
 
 END_KEY = "detrain/job/end"  # the reason the run ended with ("" when it completed)

@@ -36,7 +36,7 @@ import torch
 
 import detrain
 from detrain.distributed import dist
-from detrain.distributed.restart_policy import AgreedStop
+from detrain.distributed.launch.restart_policy import AgreedStop
 from detrain.distributed.world import World
 from detrain.system.process_env import without_git_variables
 

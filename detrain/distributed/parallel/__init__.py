@@ -1,9 +1,14 @@
 """Data parallelism across ranks: the one place that wraps a model so that every rank trains the same weights.
+This ``__init__`` picks the wrapper by the ``parallel`` key and answers, whatever the wrapper, what the trainer asks;
+each wrapper is a module behind it, and every DTensor question is :mod:`detrain.distributed.parallel.probe`'s.
 
-``parallel=ddp`` (the default) is torch's ``DistributedDataParallel``: every rank holds the whole model, its
-gradients and its optimizer state. ``parallel=fsdp`` shards them over the ranks (torch's ``fully_shard``, see
-:mod:`detrain.distributed.sharded`). Either may have BatchNorm synchronised over the ranks (``sync_bn``). The
-trainer asks this module, never the wrapper's class, for:
+``parallel=ddp`` (the default) is torch's ``DistributedDataParallel`` (:mod:`detrain.distributed.parallel.ddp`):
+every rank holds the whole model, its gradients and its optimizer state. ``parallel=fsdp`` shards them over the
+ranks (torch's ``fully_shard``, :mod:`detrain.distributed.parallel.fsdp`); ``parallel=hsdp`` shards them within a
+node and replicates them across the nodes (a 2-D mesh, :func:`mesh_shape`). Any of them may have BatchNorm
+synchronised over the ranks (``sync_bn``). Every rank reads its own images whichever is chosen: the data-parallel
+group is the world (:attr:`detrain.distributed.world.World.dp_rank`). The trainer asks this module, never the
+wrapper's class, for:
 
 * :func:`wrap` the model once it is on its device (a collective: every rank starts from rank 0's weights and
   buffers);
@@ -18,8 +23,8 @@ trainer asks this module, never the wrapper's class, for:
   checkpoint has one format whatever wrote it, and a DDP run resumes a sharded one and the other way round;
 * :func:`check_optimizer`: MuSGD is refused when sharded (its Newton-Schulz step needs whole matrices).
 
-:mod:`detrain.distributed.sharded` is imported inside the sharded branches only: it imports torch's fsdp and
-DTensor packages, which a DDP run never needs (:mod:`detrain.distributed.shard_probe` says what they cost).
+:mod:`detrain.distributed.parallel.fsdp` is imported inside the sharded branches only: it imports torch's fsdp and
+DTensor packages, which a DDP run never needs (:mod:`detrain.distributed.parallel.probe` says what they cost).
 
 >>> from torch import nn
 >>> from detrain.distributed.world import World
@@ -28,6 +33,8 @@ DTensor packages, which a DDP run never needs (:mod:`detrain.distributed.shard_p
 True
 >>> unwrap(m) is m
 True
+>>> mesh_shape(World(rank=0, world_size=4, local_world_size=2), "hsdp")
+(2, 2)
 """
 
 from __future__ import annotations
@@ -38,19 +45,38 @@ from typing import Any
 import torch
 from torch import nn
 
-from detrain.distributed import dist, shard_probe
-from detrain.distributed.sync_bn import convert_sync_batchnorm_cpu
+from detrain.distributed import dist
+from detrain.distributed.parallel import ddp, probe
+from detrain.distributed.parallel.sync_bn import convert_sync_batchnorm_cpu
 from detrain.distributed.world import World
 from detrain.errors import ConfigError
 
+KINDS = ("ddp", "fsdp", "hsdp")  # the values of the parallel key
+
+
+def mesh_shape(world: World, kind: str) -> tuple[int, ...]:
+    """The device mesh a sharded ``kind`` places parameters on: (W,) for fsdp; for hsdp (nodes, ranks of a node),
+    replicated across the first and sharded along the second (every node must run as many ranks); () for ddp."""
+    if kind == "fsdp":
+        return (world.world_size,)
+    if kind != "hsdp":
+        return ()
+    per_node = world.local_world_size
+    if world.world_size % per_node:
+        raise ConfigError(
+            f"parallel=hsdp needs the same number of workers on every node: {world.world_size} workers do not "
+            f"split into nodes of {per_node}"
+        )
+    return (world.world_size // per_node, per_node)
+
 
 def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool, kind: str = "ddp") -> nn.Module:
-    """``model`` (on ``device``) made data-parallel over ``world``'s ranks (``kind``: ``ddp`` or ``fsdp``), or
+    """``model`` (on ``device``) made data-parallel over ``world``'s ranks (``kind``: one of :data:`KINDS`), or
     ``model`` itself in one process.
 
     ``sync_bn``: BatchNorm normalises with the statistics of the global batch (torch's ``SyncBatchNorm`` on GPUs;
-    on CPU, where torch's runs on no device, :mod:`detrain.distributed.sync_bn`'s). Collective: every rank gets
-    rank 0's weights and buffers here, and the sync BatchNorms all-reduce at every training forward."""
+    on CPU, where torch's runs on no device, :mod:`detrain.distributed.parallel.sync_bn`'s). Collective: every rank
+    gets rank 0's weights and buffers here, and the sync BatchNorms all-reduce at every training forward."""
     if not world.distributed:
         return model
     if sync_bn and device.type == "cpu":
@@ -58,15 +84,26 @@ def wrap(model: nn.Module, world: World, device: torch.device, *, sync_bn: bool,
         model = convert_sync_batchnorm_cpu(model)  # collective: an all-reduce per BatchNorm
     elif sync_bn:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # collective: torch's, per BatchNorm
-    if kind == "fsdp":
-        from detrain.distributed import sharded
+    if kind in ("fsdp", "hsdp"):
+        from detrain.distributed.parallel import fsdp
 
         # collective: rank 0's weights and buffers; then each layer all-gathers its weights where it runs
-        return sharded.shard(model, device, world.world_size)
-    ids = [device.index] if device.type == "cuda" else None
-    # grads as views of the buckets: no copy, and no layout mismatch with channels-last 1x1 weights; DDP
-    # all-reduces the gradients in the backward pass of every batch that ends with an update (gradient_sync)
-    return nn.parallel.DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+        return fsdp.shard(model, device, mesh_shape(world, kind))
+    return ddp.wrap(model, device)  # collective: rank 0's weights and buffers
+
+
+def describe(model: nn.Module) -> str:
+    """How ``model`` is spread over the ranks, for the log: ``ddp``, ``fsdp over 4 ranks``, ``hsdp on a 2x2 mesh
+    (replicate x shard)``, or ``one process``."""
+    bare = unwrap(model)
+    if probe.is_sharded(bare):
+        from detrain.distributed.parallel import fsdp
+
+        shape = fsdp.mesh_of(bare)
+        if len(shape) == 1:
+            return f"fsdp over {shape[0]} ranks"
+        return f"hsdp on a {shape[0]}x{shape[1]} mesh (replicate x shard)"
+    return "ddp" if ddp.is_ddp(model) else "one process"
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -85,12 +122,12 @@ def unwrap(model: nn.Module) -> nn.Module:
 def gradient_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[object]:
     """The context of a backward pass: with ``enabled`` False the gradients stay on this rank (DDP's ``no_sync``),
     to be all-reduced with those of the backward that ends the accumulation. A bare model has nothing to sync."""
-    if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
-        return model.no_sync()
-    if shard_probe.is_sharded(model):  # gradients reduce-scattered in every backward (sharded.py says why)
-        from detrain.distributed import sharded
+    if ddp.is_ddp(model):
+        return ddp.gradient_sync(model, enabled)
+    if probe.is_sharded(model):  # gradients reduce-scattered in every backward (fsdp.py says why)
+        from detrain.distributed.parallel import fsdp
 
-        return sharded.buffer_sync(model).backward(enabled)
+        return fsdp.buffer_sync(model).backward(enabled)
     return contextlib.nullcontext()
 
 
@@ -114,27 +151,27 @@ def share_main_buffers(model: nn.Module) -> nn.Module:
 def sync_buffers_next_forward(model: nn.Module, due: bool) -> None:
     """Whether the next forward sends rank 0's buffers to every rank (DDP does so only before a forward that
     follows an update): on resume, as it stood when the checkpoint was saved."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        model.require_forward_param_sync = due
-    elif shard_probe.is_sharded(model):
-        from detrain.distributed import sharded
+    if ddp.is_ddp(model):
+        ddp.sync_buffers_next_forward(model, due)
+    elif probe.is_sharded(model):
+        from detrain.distributed.parallel import fsdp
 
-        sharded.buffer_sync(model).due = due
+        fsdp.buffer_sync(model).due = due
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model`` (wrapped or bare) is sharded over the ranks (``parallel=fsdp`` in a group)."""
-    return shard_probe.is_sharded(unwrap(model))
+    """Whether ``model`` (wrapped or bare) is sharded over the ranks (``parallel=fsdp`` or ``hsdp`` in a group)."""
+    return probe.is_sharded(unwrap(model))
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The bare model's state dict, whole: where sharded, a collective (call on every rank) giving CPU copies."""
     bare = unwrap(model)
-    if not shard_probe.is_sharded(bare):
+    if not probe.is_sharded(bare):
         return bare.state_dict()
-    from detrain.distributed import sharded
+    from detrain.distributed.parallel import fsdp
 
-    return sharded.full_state_dict(bare)
+    return fsdp.full_state_dict(bare)
 
 
 def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: bool) -> dict[str, Any] | None:
@@ -142,14 +179,14 @@ def gathered_state(model: nn.Module, optimizer: torch.optim.Optimizer, pending: 
     for an update, whole and on the CPU, in the format of a DDP run's (a collective: call on every rank; only
     rank 0 writes it). None otherwise: rank 0 reads them from its own whole copies as it writes."""
     bare = unwrap(model)
-    if not shard_probe.is_sharded(bare):
+    if not probe.is_sharded(bare):
         return None
-    from detrain.distributed import sharded
+    from detrain.distributed.parallel import fsdp
 
     return {
-        "model": sharded.full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
-        "optimizer": sharded.full_optimizer_state(optimizer),  # collective: per tensor of the state
-        "pending_grads": sharded.full_gradients(bare) if pending else None,  # collective: per gradient
+        "model": fsdp.full_state_dict(bare),  # collective: one all-gather per sharded tensor, in order
+        "optimizer": fsdp.full_optimizer_state(optimizer),  # collective: per tensor of the state
+        "pending_grads": fsdp.full_gradients(bare) if pending else None,  # collective: per gradient
     }
 
 
@@ -158,16 +195,17 @@ def local_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, st
     of its parameter (no communication); otherwise ``state`` itself."""
     if not is_sharded(model):
         return state
-    from detrain.distributed import sharded
+    from detrain.distributed.parallel import fsdp
 
-    return sharded.local_optimizer_state(optimizer, state)
+    return fsdp.local_optimizer_state(optimizer, state)
 
 
 def check_optimizer(model: nn.Module, name: str) -> None:
     """MuSGD orthogonalises whole weight matrices (Newton-Schulz), which no rank of a sharded model holds: refused
     with one line before training starts."""
     if name == "MuSGD" and is_sharded(model):
+        kind = describe(model).split()[0]
         raise ConfigError(
-            "parallel=fsdp cannot train with MuSGD (its Newton-Schulz step needs whole weight matrices; "
+            f"parallel={kind} cannot train with MuSGD (its Newton-Schulz step needs whole weight matrices; "
             "optimizer=auto picks it for runs of over 10000 updates): give optimizer=SGD or AdamW, or parallel=ddp"
         )

@@ -19,8 +19,8 @@ has no hook to do otherwise. So detrain decides in the workers, where the restar
   default 2: a deterministic crash at one step fails the attempt that first reaches it and the restart that
   resumes before it, and the third attempt stops before training.
 * **An agreed stop** (:class:`AgreedStop`): a verdict every rank reached alike (this one, or nodes that differ:
-  :mod:`detrain.distributed.node_consistency`) must not be restarted. Under detrain's launcher each worker returns
-  a :class:`Stopped` instead of raising, so the agent ends the group as finished, and the launcher raises the
+  :mod:`detrain.distributed.launch.node_consistency`) must not be restarted. Under detrain's launcher each worker
+  returns a :class:`Stopped` instead of raising, so the agent ends the group as finished, and the launcher raises the
   line (:func:`raise_if_stopped`); elsewhere (torchrun, srun, one process) the error is raised.
 
 The attempts are noted in the folder the launcher keeps for its launch on each node (:data:`ATTEMPTS_ENV`; nodes

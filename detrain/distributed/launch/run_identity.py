@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as tdist
 
-from detrain.distributed.master_store import SECRET_ENV, Unsealed, sealed
+from detrain.distributed.launch.master_store import SECRET_ENV, Unsealed, sealed
 from detrain.errors import DistributedError
 from detrain.log import console
 
@@ -114,8 +114,8 @@ def join(
 ) -> None:
     """On every other node: compare this node's run id with the master's before joining; with ``wait_go`` (a
     fixed number of nodes) then wait for the master's word that all of them came. Every value is sealed with
-    ``secret`` (:class:`detrain.distributed.master_store.SealedStore`): a master whose values it does not open seals
-    them with another secret, and this node ends with one line saying so."""
+    ``secret`` (:class:`detrain.distributed.launch.master_store.SealedStore`): a master whose values it does not open
+    seals them with another secret, and this node ends with one line saying so."""
     where = f"{addr}:{port}"
     try:
         client = tdist.TCPStore(addr, port, None, False, timedelta(seconds=max(1.0, connect_timeout_s)))

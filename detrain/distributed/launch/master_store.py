@@ -23,8 +23,8 @@ True
 >>> SealedStore(store, "another secret 0123").get("run/id")
 Traceback (most recent call last):
     ...
-detrain.distributed.master_store.Unsealed: the value of 'run/id' in the rendezvous store is not sealed with this \
-run's secret (DETRAIN_RUN_SECRET): a process without it wrote it, or this one was given another; refused
+detrain.distributed.launch.master_store.Unsealed: the value of 'run/id' in the rendezvous store is not sealed with \
+this run's secret (DETRAIN_RUN_SECRET): a process without it wrote it, or this one was given another; refused
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from typing import Any
 import torch.distributed as tdist
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
 
-from detrain.distributed.launch_checks import check_port_free
-from detrain.distributed.netif import addresses
+from detrain.distributed.launch.checks import check_port_free
+from detrain.distributed.launch.netif import addresses
 from detrain.errors import DistributedError
 
 HANDS_OVER_SOCKETS = sys.platform == "linux"  # TCPStore's master_listen_fd

@@ -1,5 +1,5 @@
 """Elastic's ``ChildFailedError`` -> one line naming the rank that caused the failure and how it ended (on NCCL, with
-what its watchdog logged before it ended a rank: :mod:`detrain.distributed.nccl_watch`)."""
+what its watchdog logged before it ended a rank: :mod:`detrain.distributed.launch.nccl_watch`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from detrain.distributed import dist, nccl_watch
-from detrain.distributed.nccl_watch import WatchdogFinding
+from detrain.distributed import dist
+from detrain.distributed.launch import nccl_watch
+from detrain.distributed.launch.nccl_watch import WatchdogFinding
 from detrain.errors import CheckpointError, ConfigError, DatasetError, DetrainError, DistributedError
 
 DETRAIN_ERRORS = tuple(c.__name__ for c in (DetrainError, ConfigError, DatasetError, CheckpointError, DistributedError))
@@ -35,8 +36,8 @@ def describe_failure(
 
     Elastic's own choice (earliest timestamp, in whole seconds) often names a rank whose collective merely
     noticed a dead peer; a rank that failed on its own is the root cause, so it is preferred. ``nccl``: what NCCL's
-    watchdog logged before it ended ranks (:mod:`detrain.distributed.nccl_watch`), a rank whose collective timed out
-    being such a consequence too; ``stopped``: the ranks whose heartbeat stopped well before the others', with by
+    watchdog logged before it ended ranks (:mod:`detrain.distributed.launch.nccl_watch`), a rank whose collective timed
+    out being such a consequence too; ``stopped``: the ranks whose heartbeat stopped well before the others', with by
     how much (:func:`detrain.distributed.heartbeat.stopped_early`), named as the cause of such a timeout.
     """
     failures, nccl = e.failures, nccl or {}

@@ -1,6 +1,10 @@
-"""Sharded data parallelism (``parallel=fsdp``): torch's ``fully_shard`` on every layer of the detection model
-and on the model itself, so that each of W ranks keeps 1/W of every parameter, of its gradient and of the
-optimizer state, and all-gathers a layer's weights just before that layer runs (forward and backward).
+"""Sharded data parallelism (``parallel=fsdp``, ``parallel=hsdp``): torch's ``fully_shard`` on every layer of the
+detection model and on the model itself. ``fsdp``: a 1-D mesh of the W ranks, each keeping 1/W of every parameter,
+of its gradient and of the optimizer state, and all-gathering a layer's weights just before that layer runs
+(forward and backward). ``hsdp`` (hybrid sharding): a 2-D mesh (nodes x ranks of a node), replicated across the
+nodes and sharded within one: each rank keeps 1/L of each parameter (L ranks a node), the all-gathers stay inside a
+node, and the gradients are reduce-scattered within a node then all-reduced across the nodes. Either way every rank
+still reads its own images: the data-parallel group is the whole world.
 
 What :mod:`detrain.distributed.parallel` needs beyond ``fully_shard`` itself, so that a sharded run trains the
 same weights as DDP and writes the same checkpoints:
@@ -12,8 +16,9 @@ same weights as DDP and writes the same checkpoints:
   add up across batches: the sum of the means is the mean of the sums). Skipping the reduce-scatter there
   (``set_requires_gradient_sync(False)``) would keep whole unsharded gradients on every rank until the update,
   which is the memory sharding is for, and would hide them where a checkpoint cannot read them;
-* rows: a parameter of shape (n, ...) is split on its first dimension in ``ceil(n / W)``-row chunks, rank r
-  holding chunk r (torch.chunk's split; the last ranks may hold fewer rows or none). :func:`own_rows` and
+* rows: a parameter of shape (n, ...) is split on its first dimension in ``ceil(n / S)``-row chunks over the S
+  ranks of the mesh's shard dimension (W for fsdp, L for hsdp), the rank at place r of it holding chunk r
+  (torch.chunk's split; the last ranks may hold fewer rows or none). :func:`own_rows` and
   :func:`local_part` give a whole tensor's rows of this rank, :func:`gather_rows` puts every rank's rows back;
 * whole tensors for checkpoints (:func:`full_state_dict`, :func:`full_optimizer_state`, :func:`full_gradients`),
   each a collective on every rank: the checkpoints keep the format of a DDP run's, so either resumes the other
@@ -37,15 +42,18 @@ from detrain.distributed import dist
 _SYNC = "_detrain_buffer_sync"  # the attribute of the sharded model that holds its BufferSync
 
 
-def shard(model: nn.Module, device: torch.device, world_size: int) -> nn.Module:
-    """``model`` (on ``device``) sharded in place over ``world_size`` ranks, and returned: each entry of its layer
-    list (``model.model``, a DetectionModel's) is one ``fully_shard`` unit, the model itself the root. Parameters
-    stay float32 (AMP stays autocast). Collective: every rank gets rank 0's weights and buffers first."""
+def shard(model: nn.Module, device: torch.device, mesh_shape: tuple[int, ...]) -> nn.Module:
+    """``model`` (on ``device``) sharded in place over a mesh of ``mesh_shape`` ranks, and returned: (W,) shards
+    over all W ranks (fsdp); (N, L) replicates across its first dimension and shards along its second (hsdp).
+    Each entry of its layer list (``model.model``, a DetectionModel's) is one ``fully_shard`` unit, the model itself
+    the root. Parameters stay float32 (AMP stays autocast). Collective: every rank gets rank 0's weights and buffers
+    first, and a 2-D mesh makes its groups (one per row and one per column)."""
     dist.broadcast_many_(list(model.parameters()) + list(model.buffers()))  # collective: rank 0's start, as DDP's
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data.contiguous()  # fully_shard takes contiguous parameters only (not channels-last ones)
-    mesh = init_device_mesh(device.type, (world_size,))
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=names)  # collective: 2-D, its subgroups
     for layer in getattr(model, "model", ()):
         fully_shard(layer, mesh=mesh)  # each layer all-gathers its weights just before it runs
     fully_shard(model, mesh=mesh)
@@ -94,13 +102,22 @@ def buffer_sync(model: nn.Module) -> BufferSync:
 # ---------------------------------------------------------------------------------- rows of whole tensors
 
 
+def mesh_of(model: nn.Module) -> tuple[int, ...]:
+    """The shape of the mesh ``model``'s parameters are placed on: (W,) or (nodes, ranks of a node)."""
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return tuple(p.device_mesh.shape)
+    return ()
+
+
 def _rows(like: DTensor) -> slice:
-    """The rows (first dimension) of the whole tensor that ``like``'s shard on this rank holds."""
-    (placement,) = like.placements
-    assert isinstance(placement, Shard) and placement.dim == 0, placement
-    n, size = like.shape[0], like.device_mesh.size()
+    """The rows (first dimension) of the whole tensor that ``like``'s shard on this rank holds: replicated along
+    every mesh dimension but one, sharded on dimension 0 along that one."""
+    sharded = [i for i, p in enumerate(like.placements) if isinstance(p, Shard)]
+    assert len(sharded) == 1 and like.placements[sharded[0]] == Shard(0), like.placements
+    n, size = like.shape[0], like.device_mesh.size(sharded[0])
     step = -(-n // size)
-    first = like.device_mesh.get_local_rank() * step
+    first = like.device_mesh.get_local_rank(sharded[0]) * step
     return slice(min(first, n), min(first + step, n))
 
 
