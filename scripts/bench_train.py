@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout too
 
 from detrain.config.keys import Loss
-from detrain.engine.train.optim import kernel_options
+from detrain.engine.train.recipe.optim import kernel_options
 from detrain.nn.model import DetectionModel
 
 EPOCHS = 100  # the run length a loss with a schedule (YOLO26's) is built for; both sides at its first epoch

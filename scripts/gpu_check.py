@@ -426,8 +426,8 @@ def fsdp_steps(device: torch.device) -> dict[str, Any]:
     SGD steps (AMP as training uses it on this device, clipped with the trainer's norm), then the whole model and
     optimizer state a checkpoint gathers, cut back to this rank's rows and loaded again."""
     from detrain.distributed.parallel import fsdp
-    from detrain.engine.train import optim
     from detrain.engine.train.nonfinite import gradient_norm
+    from detrain.engine.train.recipe import optim
     from detrain.nn.model import DetectionModel
 
     model = fsdp.shard(DetectionModel(scale="n", nc=3).to(device).train(), device, (1,))

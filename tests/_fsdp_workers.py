@@ -10,9 +10,10 @@ from torch import nn
 
 from detrain.distributed import dist, parallel
 from detrain.distributed.world import World
-from detrain.engine.train import accumulation, optim
+from detrain.engine.train import accumulation
 from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.nonfinite import gradient_norm
+from detrain.engine.train.recipe import optim
 from detrain.errors import ConfigError
 
 

@@ -25,7 +25,8 @@ from torch import nn
 
 import detrain.cli, detrain.distributed.launch.launcher, detrain.engine.train.trainer  # what a launcher imports
 from detrain.distributed import parallel
-from detrain.engine.train import accumulation, ema, nonfinite, optim, reproduce
+from detrain.engine.train import accumulation, ema, nonfinite, reproduce
+from detrain.engine.train.recipe import optim
 from detrain.nn.postprocess import non_max_suppression
 
 HEAVY = ("torchvision", "torch._dynamo", "torch._inductor", "torch.distributed.fsdp", "torch.distributed.tensor")

@@ -27,8 +27,8 @@ from _ultralytics import offline_ultralytics
 from detrain.config.cfg import make_cfg
 from detrain.distributed.world import World
 from detrain.engine.run_plan import RunPlan
-from detrain.engine.train import optim
 from detrain.engine.train import trainer as trainer_module
+from detrain.engine.train.recipe import optim
 from detrain.engine.train.trainer import Trainer
 
 COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"

@@ -33,9 +33,9 @@ from detrain.config.cfg import make_cfg
 from detrain.distributed.world import World
 from detrain.engine.build import build_model
 from detrain.engine.run_plan import RunPlan
-from detrain.engine.train import optim
 from detrain.engine.train import trainer as trainer_module
 from detrain.engine.train.ema import ModelEMA
+from detrain.engine.train.recipe import optim
 from detrain.engine.train.trainer import Trainer
 
 COCO8 = Path(__file__).resolve().parents[3] / "shared" / "data" / "coco8"

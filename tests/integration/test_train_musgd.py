@@ -24,8 +24,8 @@ from _processes import child_env
 from detrain.config.cfg import make_cfg
 from detrain.data.synthetic import generate_shapes
 from detrain.engine.build import build_model
-from detrain.engine.train import optim
-from detrain.engine.train.musgd import MUON_GAIN
+from detrain.engine.train.recipe import optim
+from detrain.engine.train.recipe.musgd import MUON_GAIN
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_S = 300  # a run that has not ended by then hangs

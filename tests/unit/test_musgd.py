@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from detrain.config.cfg import make_cfg
-from detrain.engine.train import optim
-from detrain.engine.train.musgd import (
+from detrain.engine.train.recipe import optim
+from detrain.engine.train.recipe.musgd import (
     MuSGD,
     apply_group_warmup,
     build_musgd,

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from detrain.config.cfg import make_cfg
-from detrain.engine.train import optim
 from detrain.engine.train.ema import ModelEMA
-from detrain.engine.train.musgd import MuSGD
+from detrain.engine.train.recipe import optim
+from detrain.engine.train.recipe.musgd import MuSGD
 
 
 def _net() -> nn.Module:

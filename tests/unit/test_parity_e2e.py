@@ -184,8 +184,8 @@ def test_musgd_groups_and_steps_agree_with_ultralytics(ul: SimpleNamespace, layo
     from ultralytics.engine.trainer import BaseTrainer
 
     from detrain.config.cfg import make_cfg
-    from detrain.engine.train.musgd import apply_group_warmup, build_musgd
-    from detrain.engine.train.optim import auto_choice
+    from detrain.engine.train.recipe.musgd import apply_group_warmup, build_musgd
+    from detrain.engine.train.recipe.optim import auto_choice
 
     torch.manual_seed(0)
     theirs_model = _Tiny().to(memory_format=layout)

@@ -20,10 +20,11 @@ from detrain.config.values import is_auto_batch
 from detrain.distributed import parallel
 from detrain.distributed.parallel import unwrap
 from detrain.engine.build import build_model
-from detrain.engine.train import auto_batch, freeze, optim, pretrained
+from detrain.engine.train import auto_batch, freeze, pretrained
 from detrain.engine.train.batch_plan import BatchPlan, batch_plan, check_split
 from detrain.engine.train.ema import ModelEMA
 from detrain.engine.train.precision import train_dtype
+from detrain.engine.train.recipe import optim
 from detrain.engine.train.reproduce import carry_to_compiler
 from detrain.engine.train.state.checkpointer import Checkpointer
 from detrain.nn import modules

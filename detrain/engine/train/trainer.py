@@ -39,11 +39,12 @@ from detrain.engine.telemetry import epoch_stats, run_trace
 from detrain.engine.telemetry.epoch_monitor import EpochMonitor
 from detrain.engine.telemetry.manifest import dataset_identity
 from detrain.engine.telemetry.run_loggers import RunLoggers
-from detrain.engine.train import accumulation, optim, pretrained, setup, time_budget
+from detrain.engine.train import accumulation, pretrained, setup, time_budget
 from detrain.engine.train.batch_plan import check_split, planned_world_size
 from detrain.engine.train.callbacks import CallbackFn, Callbacks
 from detrain.engine.train.nonfinite import NonFinite, finite_items, gradient_norm
 from detrain.engine.train.precision import choose_precision
+from detrain.engine.train.recipe import optim
 from detrain.engine.train.reproduce import seed_everything
 from detrain.engine.train.shared_settings import shared_settings
 from detrain.engine.train.state.checkpointer import Checkpointer, Loop, Parts, agree_start

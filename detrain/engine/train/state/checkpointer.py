@@ -42,8 +42,9 @@ from detrain.distributed.parallel import unwrap
 from detrain.distributed.world import World
 from detrain.engine.build import agree_run_dir
 from detrain.engine.run_plan import RunPlan
-from detrain.engine.train import accumulation, optim
+from detrain.engine.train import accumulation
 from detrain.engine.train.ema import ModelEMA
+from detrain.engine.train.recipe import optim
 from detrain.engine.train.reproduce import rng_state, set_rng_state
 from detrain.engine.train.state import resume_state
 from detrain.engine.train.state.mid_epoch import MidEpoch

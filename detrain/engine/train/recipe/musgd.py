@@ -1,6 +1,6 @@
 """MuSGD: SGD with, for every matrix and convolution filter, a Muon step added (the update orthogonalised), as
 Ultralytics 8.4 trains long runs with (``optimizer=auto`` above 10,000 planned updates: the choice is
-:func:`detrain.engine.train.optim.auto_choice`'s, which builds it with :func:`build_musgd`).
+:func:`detrain.engine.train.recipe.optim.auto_choice`'s, which builds it with :func:`build_musgd`).
 
 Muon replaces a weight matrix's momentum by the nearest semi-orthogonal matrix (all singular values about 1,
 found by five quintic Newton-Schulz iterations in bfloat16): every direction the gradient spans moves at the
@@ -255,7 +255,7 @@ def apply_group_warmup(
 ) -> None:
     """Warmup for groups tagged with ``param_group`` (MuSGD's): at iteration ``ni`` of ``n_warmup`` each group's lr
     rises from 0 (``bias`` groups: falls from ``bias_lr_start``) to its own ``initial_lr * epoch_factor``, and
-    momentum from ``momentum_start`` to ``momentum``. Ultralytics' rule. :func:`detrain.engine.train.optim.
+    momentum from ``momentum_start`` to ``momentum``. Ultralytics' rule. :func:`detrain.engine.train.recipe.optim.
     apply_warmup` hands MuSGD here: its own way (the bias group by position, every group to one lr0) fits its
     three groups but not MuSGD's eight.
 

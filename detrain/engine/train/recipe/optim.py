@@ -1,7 +1,7 @@
 """Optimizer, learning-rate schedule and warmup: the recipe YOLO users know, as plain functions.
 
 SGD, Adam and AdamW train over three parameter groups built here; MuSGD over its own eight
-(:mod:`detrain.engine.train.musgd`), which warm up per group.
+(:mod:`detrain.engine.train.recipe.musgd`), which warm up per group.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from detrain.config.cfg import Cfg
 from detrain.distributed.parallel import probe
-from detrain.engine.train.musgd import MuSGD, apply_group_warmup, build_musgd
+from detrain.engine.train.recipe.musgd import MuSGD, apply_group_warmup, build_musgd
 from detrain.nn.modules import BN_MOMENTUM
 
 NOMINAL_BATCH = 64  # images per update that lr0 and weight_decay are given for (nbs=auto)
@@ -169,7 +169,7 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, str, float]:
     """Three parameter groups: weights with decay, BatchNorm weights and biases without; the optimizer, lr0
     and momentum of :func:`auto_choice` for ``total_iterations`` planned updates. MuSGD builds its own eight
-    groups (:func:`detrain.engine.train.musgd.build_musgd`: Muon for matrices and filters, the head's class
+    groups (:func:`detrain.engine.train.recipe.musgd.build_musgd`: Muon for matrices and filters, the head's class
     branches at 3x lr0). ``lr_factor`` multiplies the chosen lr0 (:func:`lr_scale_factor`). Returns (optimizer,
     name, lr0 actually used).
     """
@@ -322,7 +322,7 @@ def apply_warmup(
     SGD's momentum rises from ``warmup_momentum`` to ``momentum``; Adam's and AdamW's betas are left as built,
     as in Ultralytics' recipe (their bias correction already tempers the first steps).
     MuSGD's groups each rise to their own lr (the head's class branches to 3x), its bias groups found by name
-    (:func:`detrain.engine.train.musgd.apply_group_warmup`); ``lr0`` is not read there.
+    (:func:`detrain.engine.train.recipe.musgd.apply_group_warmup`); ``lr0`` is not read there.
     With warmup off (``n_warmup`` 0) nothing is touched and the accumulation is ``accumulate_target``.
     """
     if n_warmup <= 0:
