@@ -202,25 +202,28 @@ def test_fused_sgd_takes_the_same_step_as_the_per_tensor_loop():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_lr_follows_the_update_past_the_nominal_batch_linearly_for_every_optimizer():
-    """The recipe's choice per batch and optimizer (lr_scale=auto): nothing changes up to the nominal batch (64, or
-    nbs), then lr0 grows linearly with the update for every optimizer; lr_scale=none is Ultralytics' recipe (lr0
-    whatever the batch), linear and sqrt force their rule."""
+def test_lr_follows_the_update_past_the_one_lr0_is_used_with():
+    """The recipe's choice per batch and optimizer (lr_scale=auto): nothing changes up to the update lr0 is used
+    with at the default batch (16 images for AdamW from scratch, which updates on every batch; else nbs, 64), then
+    lr0 grows with the square root of the ratio for Adam's kind and linearly for SGD and MuSGD; lr_scale=none is
+    Ultralytics' recipe (lr0 whatever the batch), linear and sqrt force their rule from the same point."""
     auto = make_cfg()
-    table = {
-        (name, n): optim.lr_scale_factor(auto, name, n)
-        for name in ("SGD", "MuSGD", "Adam", "AdamW")
-        for n in (16, 64, 128, 256, 1024)
-    }
-    for name in ("SGD", "MuSGD", "Adam", "AdamW"):  # linear for all: measured ahead of sqrt for AdamW at 256
-        assert [table[name, n] for n in (16, 64, 128, 256, 1024)] == [1, 1, 2, 4, 16]
-    sqrt = make_cfg({"lr_scale": "sqrt"})
-    assert [optim.lr_scale_factor(sqrt, "AdamW", n) for n in (16, 64, 128, 256)] == [1, 1, 2**0.5, 2]
+    sizes = (16, 64, 128, 256, 1024)
+    assert [optim.lr_scale_factor(auto, "AdamW", n) for n in sizes] == [1, 2, 8**0.5, 4, 8]  # from scratch
+    assert [optim.lr_scale_factor(auto, "Adam", n) for n in sizes] == [1, 2, 8**0.5, 4, 8]
+    assert [optim.lr_scale_factor(auto, "AdamW", n, from_weights=True) for n in sizes] == [1, 1, 2**0.5, 2, 4]
+    for name in ("SGD", "MuSGD"):  # updates of 64 images: lr0's own
+        assert [optim.lr_scale_factor(auto, name, n) for n in sizes] == [1, 1, 2, 4, 16]
+    chosen = make_cfg({"optimizer": "AdamW"})  # a chosen AdamW accumulates to 64 images: lr0 is for those
+    assert [optim.lr_scale_factor(chosen, "AdamW", n) for n in sizes] == [1, 1, 2**0.5, 2, 4]
+    linear = make_cfg({"lr_scale": "linear"})
+    assert [optim.lr_scale_factor(linear, "AdamW", n) for n in sizes] == [1, 4, 8, 16, 64]
     assert optim.lr_scale_factor(make_cfg({"lr_scale": "none"}), "SGD", 1024) == 1.0
     assert optim.lr_scale_factor(make_cfg({"lr_scale": "sqrt"}), "SGD", 256) == 2.0
     # a nominal batch given by nbs moves the point where scaling starts: updates of nbs images are lr0's own
     assert optim.lr_scale_factor(make_cfg({"nbs": 256}), "SGD", 256) == 1.0
     assert optim.lr_scale_factor(make_cfg({"nbs": 128}), "SGD", 512) == 4.0
+    assert optim.lr_scale_factor(make_cfg({"nbs": 16}), "AdamW", 64) == 2.0  # every batch of 16 updates: sqrt(4)
 
 
 def test_the_scaled_lr_is_what_every_group_starts_from():

@@ -127,7 +127,7 @@ def build_recipe(model: nn.Module, cfg: Cfg, nc: int, plan: BatchPlan, total_ite
     name = optim.auto_choice(cfg, nc, total_iters)[0]
     parallel.check_optimizer(model, name)  # fsdp: no MuSGD
     # the planned update, not this world's: nodes joining or leaving keep the global batch and the recipe
-    lr_factor = optim.lr_scale_factor(cfg, name, plan.update_images)
+    lr_factor = optim.lr_scale_factor(cfg, name, plan.update_images, pretrained.starts_from_weights(cfg))
     optimizer, opt_name, lr0 = optim.build_optimizer(unwrap(model), cfg, nc, total_iters, weight_decay, lr_factor)
     first = optimizer.param_groups[0]
     momentum = first["momentum"] if "momentum" in first else first["betas"][0]  # (Mu)SGD or Adam(W)
@@ -156,7 +156,11 @@ def recipe_lines(recipe: Recipe, cfg: Cfg, plan: BatchPlan, world_size: int, nb:
     scaled = ""
     if recipe.lr_factor != 1.0:
         rule = optim.lr_scale_rule(cfg, recipe.name)
-        scaled = f" ({rule} in the update of {plan.update_images} images: {recipe.lr_factor:.3g} x; lr_scale=none: off)"
+        base = optim.lr_reference_images(cfg, recipe.name, pretrained.starts_from_weights(cfg))
+        scaled = (
+            f" ({rule} in the update of {plan.update_images} images over {base}: {recipe.lr_factor:.3g} x; "
+            "lr_scale=none: off)"
+        )
     norm = ""
     if recipe.ghost_images:
         norm = f"; BatchNorm over ghost batches of {recipe.ghost_images} images (bn_images=0: the whole pass)"
