@@ -278,10 +278,11 @@ class Train:
     )
     lr_scale: str = key(
         "auto",
-        "learning rate as the update grows past the nominal batch (nbs; 64 with nbs=auto): auto (linear, for every "
-        "optimizer: measured ahead of the square root for AdamW at batch 256), linear, sqrt, or none (lr0 whatever "
-        "the batch, as Ultralytics); all but none also give BatchNorm's running statistics a momentum that follows "
-        "the global batch past 16 images (0.386 at 256; none: 0.03)",
+        "learning rate as the update grows past the one lr0 is used with at batch 16 (16 images for AdamW from "
+        "scratch, which updates every batch; else nbs, 64 with nbs=auto): auto (square root for Adam's kind, 2 x "
+        "at batch 64, 4 x at 256; linear for SGD and MuSGD), linear, sqrt, or none (lr0 whatever the batch, as "
+        "Ultralytics); all but none also give BatchNorm's running statistics a momentum that follows the global "
+        "batch past 16 images (0.386 at 256; none: 0.03)",
         choices=("auto", "linear", "sqrt", "none"),
     )
     bn_images: int = key(
