@@ -56,11 +56,11 @@ def die_once(args: dict[str, Any], world: World) -> dict[str, Any]:
     """Rank 1 SIGKILLs itself on the first attempt; after the restart everyone finishes."""
     dist.setup(world, timeout_s=20.0)
     marker = Path(args["marker"])
-    if dist.rank() == 1 and dist.restart_count() == 0 and not marker.exists():
+    if dist.rank() == 1 and world.restart_count == 0 and not marker.exists():
         marker.write_text("died")
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier("after restart")
-    return {"rank": dist.rank(), "restarts": dist.restart_count()}
+    return {"rank": dist.rank(), "restarts": world.restart_count}
 
 
 def die_always(args: dict[str, Any], world: World) -> None:

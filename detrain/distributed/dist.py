@@ -54,20 +54,41 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process sits in the run; returned by ``setup``."""
+    """The group this process joined, returned by ``setup``: its World (who it is: rank, sizes, device, restarts,
+    read from the environment once; the one place those facts live) and what joining settled (the backend, the
+    collectives' timeout)."""
 
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    device: str
+    world: World
     backend: str | None
     timeout_s: float
-    restart_count: int
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank if self.distributed else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.local_rank if self.distributed else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world.local_world_size if self.distributed else 1
+
+    @property
+    def device(self) -> str:
+        return self.world.device
+
+    @property
+    def restart_count(self) -> int:
+        return self.world.restart_count
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.world.distributed
 
 
 _info: DistInfo | None = None
@@ -110,7 +131,7 @@ def setup(
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
     restarts = world.restart_count
     if not world.distributed:
-        _info = DistInfo(0, 0, 1, 1, device, None, timeout, restarts)
+        _info = DistInfo(world, None, timeout)
         return _info
 
     rank_, size = world.rank, world.world_size
@@ -132,7 +153,7 @@ def setup(
     except Exception as e:  # a dead master, a bad address: say which rank could not join where
         msg = f"rank {rank_} of {size} could not join the process group at {where}: {_cause(e)}"
         raise DistributedError(msg) from e
-    _info = DistInfo(rank_, world.local_rank, size, world.local_world_size, device, backend, timeout, restarts)
+    _info = DistInfo(world, backend, timeout)
     _barriers = StoreBarrier.connect(addr, port, restarts, startup, world.secret)
     heartbeat.start(addr, port, restarts, rank_, size)
     # Every rank has reached this point before training begins: a slow start is not a hang.
@@ -167,11 +188,6 @@ def cleanup() -> None:
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
     _info, _barriers, _group_store = None, None, None
-
-
-def info() -> DistInfo | None:
-    """The ``DistInfo`` from the last ``setup``, or None before it."""
-    return _info
 
 
 # ----------------------------------------------------------------------------------- who am I
@@ -225,20 +241,6 @@ def is_main() -> bool:
         True
     """
     return rank() == 0
-
-
-def restart_count() -> int:
-    """How many times the elastic launcher restarted this worker group (0 on the first attempt).
-
-    For messages and per-attempt store keys only: whether a start resumes is decided by the group, from the
-    checkpoints of this launch its nodes find (``detrain.engine.train.state.resume_state``), since a group that
-    restarts for a membership change, or a node that joins it, starts with no higher count.
-
-    Example:
-        >>> restart_count()
-        0
-    """
-    return _info.restart_count if _info is not None else 0
 
 
 # ---------------------------------------------------------------------------------- collectives
