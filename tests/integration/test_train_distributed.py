@@ -248,7 +248,10 @@ def test_two_nodes_form_one_world_and_finish_one_run(data: Path, tmp_path: Path)
     host = socket.gethostname()
     assert f"node 1 ({host}): rank 1 of 2 joined; epochs 1-1; node 0 ({host}) prints the run" in outs[1], outs[1]
     assert re.search(r"node 1 epoch 1/1: rank 1, [0-9.]+ steps/s, data wait [0-9]+%", outs[1]), outs[1]
-    assert "node 1" not in outs[0] and "epoch 1/1" not in outs[1].replace("node 1 epoch 1/1", "")
+    # node 0 prints none of node 1's own lines (a slow-rank warning naming node 1, which a loaded machine may
+    # cause, is node 0's to print)
+    assert "node 1 epoch" not in outs[0] and "rank 1 of 2 joined" not in outs[0]
+    assert "epoch 1/1" not in outs[1].replace("node 1 epoch 1/1", "")
     written = sorted((tmp_path / "runs").rglob("results.csv"))
     assert written == [tmp_path / "runs" / "run" / "results.csv"]
     assert [r["epoch"] for r in _rows(tmp_path / "runs" / "run")] == ["1"]
