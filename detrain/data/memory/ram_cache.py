@@ -67,11 +67,9 @@ def available_memory_bytes() -> int:
 
 
 def run_tag(launched: bool = False) -> str:
-    """What makes a cache belong to this run: ``DETRAIN_RUN_ID`` if set; for a process that a launcher started
-    (``launched``: its ``World`` says so) the launcher's pid, which all local ranks share as their parent; else this
-    process's pid."""
-    if os.environ.get("DETRAIN_RUN_ID"):
-        return os.environ["DETRAIN_RUN_ID"]
+    """What makes a cache belong to this run: for a process that a launcher started (``launched``: its ``World``
+    says so) the launcher's pid, which all local ranks share as their parent; else this process's pid. (No
+    environment variable: a worker learns what it is from its World, read once.)"""
     return str(os.getppid()) if launched else str(os.getpid())
 
 
