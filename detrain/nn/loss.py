@@ -70,6 +70,29 @@ def distribution_focal_loss(pred_logits: Tensor, target: Tensor) -> Tensor:
     )
 
 
+def host_targets(
+    batch_idx: Tensor,
+    cls: Tensor,
+    bboxes_xywhn: Tensor,
+    batch_size: int,
+    image_whwh: Tensor,
+    head_maps: Sequence[Tensor],
+    strides: Sequence[float] | Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The ground truth padded ((B, M, 1) classes, (B, M, 4) xyxy boxes in pixels, (B, M, 1) mask) and the anchor
+    points in pixels (N, 2), all where the labels are (the loader's host memory in training) and in
+    ``image_whwh``'s dtype: what ``TaskAlignedAssigner.assign_sparse`` reads to find the real boxes and candidate
+    pairs without waiting for the device. ``image_whwh``: the input's (4,) width, height, width, height there."""
+    dtype, host = image_whwh.dtype, batch_idx.device
+    gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx, cls.to(dtype), bboxes_xywhn.to(dtype), batch_size)
+    gt_boxes = xywh2xyxy(gt_boxes * image_whwh)
+    # the anchor points made afresh there (a few hundred microseconds on the host)
+    points, point_strides = make_anchors(
+        [torch.empty(0, 0, *m.shape[2:], dtype=dtype, device=host) for m in head_maps], strides
+    )
+    return gt_cls, gt_boxes, mask_gt, points * point_strides
+
+
 def pad_targets(batch_idx: Tensor, cls: Tensor, bboxes: Tensor, batch_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Flat per-box labels -> padded (B, M, 1) classes, (B, M, 4) boxes and (B, M, 1) bool mask.
 
@@ -251,12 +274,9 @@ class DetectionLoss(Criterion):
 
         # the ground truth padded and in pixels where the labels are (the loader's host memory in training), so
         # that the assigner finds the real boxes and the candidate pairs there: no device sync for their numbers
-        host, dtype = batch_idx.device, pred_logits.dtype
-        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx, cls.to(dtype), bboxes_xywhn.to(dtype), batch)
-        gt_boxes = xywh2xyxy(gt_boxes * self._image_size(head_maps, dtype, host))
-        # the anchor points in pixels there too, made afresh (a few hundred microseconds on the host)
-        points, point_strides = make_anchors(
-            [torch.empty(0, 0, *m.shape[2:], dtype=dtype, device=host) for m in head_maps], self.strides
+        image_whwh = self._image_size(head_maps, pred_logits.dtype, batch_idx.device)
+        gt_cls, gt_boxes, mask_gt, host_points = host_targets(
+            batch_idx, cls, bboxes_xywhn, batch, image_whwh, head_maps, self.strides
         )
 
         def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
@@ -272,7 +292,7 @@ class DetectionLoss(Criterion):
             gt_boxes,
             mask_gt,
             logits=True,
-            host_anchor_points=points * point_strides,
+            host_anchor_points=host_points,
         )
         return Targets(batch, pred_distri, pred_logits, anchors, stride_per_anchor, proj, target, target.score.sum())
 

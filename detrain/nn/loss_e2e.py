@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from detrain.nn.assigner import SparseAssignment, TaskAlignedAssigner, pair_overlap
-from detrain.nn.boxes import bbox_iou_ciou, dist2bbox, make_anchors, xywh2xyxy
+from detrain.nn.boxes import bbox_iou_ciou, dist2bbox, make_anchors
 from detrain.nn.head import Criterion
-from detrain.nn.loss import LossGains, bce_with_logits_sum_sparse, pad_targets, split_head_maps
+from detrain.nn.loss import LossGains, bce_with_logits_sum_sparse, host_targets, split_head_maps
 
 ITEM_NAMES = ("box_loss", "cls_loss", "l1_loss")
 O2M_TOPK = 10  # candidates per box, one-to-many branch
@@ -169,11 +169,9 @@ class RegMax1BranchLoss:
         imgsz_whwh = self._sizes[key]
         # the ground truth padded and in pixels where the labels are (host memory in training), with the anchor points
         # there: the assigner finds the numbers of boxes and candidate pairs without waiting for the device
-        host, dtype = batch_idx.device, pred_logits.dtype
-        gt_cls, gt_boxes, mask_gt = pad_targets(batch_idx, cls.to(dtype), bboxes_xywhn.to(dtype), batch)
-        gt_boxes = xywh2xyxy(gt_boxes * gt_boxes.new_tensor([img_w, img_h, img_w, img_h]))
-        points, point_strides = make_anchors(
-            [torch.empty(0, 0, *m.shape[2:], dtype=dtype, device=host) for m in head_maps], self.strides
+        image_whwh = torch.tensor([img_w, img_h, img_w, img_h], dtype=pred_logits.dtype, device=batch_idx.device)
+        gt_cls, gt_boxes, mask_gt, host_points = host_targets(
+            batch_idx, cls, bboxes_xywhn, batch, image_whwh, head_maps, self.strides
         )
 
         def boxes_at(img: Tensor, anchor: Tensor) -> Tensor:  # predicted boxes in pixels, only where asked
@@ -189,7 +187,7 @@ class RegMax1BranchLoss:
             gt_boxes,
             mask_gt,
             logits=True,
-            host_anchor_points=points * point_strides,
+            host_anchor_points=host_points,
         )
         if self.keep is not None and target.fg_mask.any():
             # the alignment and overlap of each positive, as the assigner computed them, to pick the best per box
